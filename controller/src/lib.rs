@@ -1,0 +1,1 @@
+//! moor-controller (placeholder until the controller crate lands).

@@ -1,0 +1,886 @@
+//! The mount engine: the CSI Node semantics, over an [`Os`] and the [`Journal`].
+//!
+//! Every operation takes the volume's guard (a second call on the same volume gets ABORTED),
+//! writes its intent to the journal before it changes the mount table and confirms it after,
+//! and decides "is this mounted, and is it ours" by statx on the one path involved (mount
+//! root attribute and the kernel's unique mount id), never by reading the whole mount table.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use moor_proto::csi::v1::volume_capability::access_mode::Mode;
+
+use crate::error::{Error, Result};
+use crate::guard::VolumeLocks;
+use crate::journal::{
+    AccessRecord, Durability, Journal, Phase, PublishRecord, StageRecord, VolumeRecord,
+};
+use crate::mount_options::Filesystem;
+use crate::probe::{self, Content};
+use crate::sys::{
+    BindMount, BlockDevice, FsMount, FsUsage, MountAttrs, MountPoint, MountState, Os, SysError,
+    ToolRun, is_corruption_errno,
+};
+use crate::validate::{self, Access, Capability};
+
+/// How many stacked mounts an unmount peels off before giving up.
+const MAX_STACKED: usize = 16;
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The kubelet dir; every path lies below it.
+    pub kubelet_dir: PathBuf,
+    /// Most volumes staged at once (0: no limit).
+    pub max_volumes: u64,
+    /// Deadline for mkfs.
+    pub mkfs_deadline: Duration,
+    /// Deadline for resize tools.
+    pub resize_deadline: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kubelet_dir: PathBuf::from("/var/lib/kubelet"),
+            max_volumes: 0,
+            mkfs_deadline: Duration::from_secs(600),
+            resize_deadline: Duration::from_secs(600),
+        }
+    }
+}
+
+/// The health of a volume at a path, for NodeGetVolumeStats.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Condition {
+    /// Whether something is wrong.
+    pub abnormal: bool,
+    /// What.
+    pub message: String,
+}
+
+/// What NodeGetVolumeStats reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VolumeStats {
+    /// A mounted filesystem.
+    Filesystem(FsUsage),
+    /// A block device of this many bytes.
+    Block(u64),
+    /// Nothing to measure (the condition says why).
+    Unavailable,
+}
+
+/// Timings of the slow steps, for metrics and logs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StageReport {
+    /// Whether the device was formatted.
+    pub formatted: bool,
+    /// How long mkfs took.
+    pub mkfs: Option<Duration>,
+    /// How long the mount took.
+    pub mount: Option<Duration>,
+}
+
+/// The node engine.
+#[derive(Debug)]
+pub struct Engine<O: Os> {
+    os: Arc<O>,
+    journal: Arc<Journal>,
+    locks: VolumeLocks,
+    cfg: EngineConfig,
+}
+
+fn sys_not_found(e: &SysError) -> bool {
+    matches!(
+        e.errno(),
+        Some(libc::ENOENT) | Some(libc::ENXIO) | Some(libc::ENODEV)
+    )
+}
+
+fn access_record(access: &Access) -> AccessRecord {
+    match access {
+        Access::Mount { fs, options, group } => AccessRecord::Mount {
+            fs_type: fs.name().to_string(),
+            fs_options: options.fs_options.clone(),
+            group: *group,
+        },
+        Access::Block { .. } => AccessRecord::Block,
+    }
+}
+
+/// Whether the filesystem found on a device can be mounted as the requested one.
+fn compatible(found: Filesystem, wanted: Filesystem) -> bool {
+    let ext = |f| matches!(f, Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4);
+    found == wanted || (ext(found) && ext(wanted))
+}
+
+impl<O: Os> Engine<O> {
+    /// Builds an engine.
+    pub fn new(os: Arc<O>, journal: Arc<Journal>, cfg: EngineConfig) -> Self {
+        Self {
+            os,
+            journal,
+            locks: VolumeLocks::default(),
+            cfg,
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The OS layer.
+    pub fn os(&self) -> &Arc<O> {
+        &self.os
+    }
+
+    /// The journal.
+    pub fn journal(&self) -> &Arc<Journal> {
+        &self.journal
+    }
+
+    /// The per-volume guards.
+    pub fn locks(&self) -> &VolumeLocks {
+        &self.locks
+    }
+
+    fn record(&self, volume_id: &str) -> VolumeRecord {
+        self.journal
+            .get(volume_id)
+            .unwrap_or_else(|| VolumeRecord::new(volume_id))
+    }
+
+    fn open_device(&self, volume_id: &str, device: &Path) -> Result<BlockDevice> {
+        self.os.block_device(device).map_err(|e| {
+            if sys_not_found(&e) {
+                Error::VolumeNotFound {
+                    volume: volume_id.to_string(),
+                    reason: format!("device {} is not present on this node", device.display()),
+                }
+            } else if e.errno() == Some(libc::ENOTBLK) {
+                Error::FailedPrecondition(format!("{} is not a block device", device.display()))
+            } else {
+                Error::Sys(e)
+            }
+        })
+    }
+
+    /// Unmounts everything stacked on `path` that `is_ours` accepts, and a corrupted mount.
+    fn unmount_all(&self, path: &Path, is_ours: impl Fn(&MountPoint) -> bool) -> Result<()> {
+        for _ in 0..MAX_STACKED {
+            match self.os.mount_state(path)? {
+                MountState::Mounted(mp) if is_ours(&mp) => self.os.unmount(path, false)?,
+                MountState::Corrupted { .. } => self.os.unmount(path, true)?,
+                MountState::Mounted(_) | MountState::Absent | MountState::NotMounted { .. } => {
+                    return Ok(());
+                }
+            }
+        }
+        Err(Error::FailedPrecondition(format!(
+            "{} still has mounts after {MAX_STACKED} unmounts",
+            path.display()
+        )))
+    }
+
+    /// Reads the device's superblock regions and says what is on it.
+    pub fn probe_device(&self, device: &Path, size: u64) -> Result<Content> {
+        let quick_len = (probe::QUICK_LEN as u64).min(size) as usize;
+        let mut head = vec![0u8; quick_len];
+        let n = self.os.read_device(device, 0, &mut head)?;
+        head.truncate(n);
+        if let Some(found) = probe::probe_quick(&head) {
+            return Ok(found);
+        }
+        let head_len = (probe::HEAD_LEN as u64).min(size) as usize;
+        head.resize(head_len, 0);
+        if head_len > n {
+            let more = self.os.read_device(device, n as u64, &mut head[n..])?;
+            head.truncate(n + more);
+        }
+        let tail_len = (probe::TAIL_LEN as u64).min(size) as usize;
+        let mut tail = vec![0u8; tail_len];
+        let got = self
+            .os
+            .read_device(device, size - tail_len as u64, &mut tail)?;
+        tail.truncate(got);
+        Ok(probe::probe(&head, &tail, size))
+    }
+
+    fn mkfs(&self, fs: Filesystem, device: &Path, force: bool) -> Result<Duration> {
+        let dev = device.display().to_string();
+        let (program, mut args): (String, Vec<String>) = match fs {
+            Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4 => (
+                format!("mkfs.{}", fs.name()),
+                vec![
+                    "-q".into(),
+                    "-E".into(),
+                    "lazy_itable_init=1,lazy_journal_init=1,nodiscard".into(),
+                ],
+            ),
+            Filesystem::Xfs => ("mkfs.xfs".into(), vec!["-q".into(), "-K".into()]),
+            Filesystem::Btrfs => ("mkfs.btrfs".into(), vec!["-q".into(), "-K".into()]),
+        };
+        if force {
+            // Only for a device moor itself was formatting when it was interrupted.
+            args.push(
+                if program.starts_with("mkfs.ext") {
+                    "-F"
+                } else {
+                    "-f"
+                }
+                .into(),
+            );
+        }
+        args.push(dev);
+        let start = Instant::now();
+        self.os.run_tool(&ToolRun {
+            program,
+            args,
+            deadline: self.cfg.mkfs_deadline,
+        })?;
+        Ok(start.elapsed())
+    }
+
+    /// NodeStageVolume.
+    pub fn stage(&self, req: &validate::Stage) -> Result<StageReport> {
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let mut record = self.record(&req.volume_id);
+        let mut report = StageReport::default();
+        let access = access_record(&req.cap.access);
+        let attrs = self.stage_attrs(&req.cap);
+
+        let mut resume_format = false;
+        if let Some(st) = &record.stage {
+            if st.path != req.staging {
+                return Err(Error::FailedPrecondition(format!(
+                    "volume {:?} is already staged at {}",
+                    req.volume_id,
+                    st.path.display()
+                )));
+            }
+            if st.access != access || st.attrs != attrs || st.access_mode != req.cap.mode as i32 {
+                return Err(Error::Incompatible {
+                    volume: req.volume_id.clone(),
+                    what: "staged",
+                    reason: "the volume capability differs from the one it was staged with".into(),
+                });
+            }
+            resume_format = st.phase == Phase::Formatting;
+        } else if self.cfg.max_volumes > 0 && self.journal.staged_count() >= self.cfg.max_volumes {
+            return Err(Error::TooManyVolumes(self.cfg.max_volumes));
+        }
+
+        let device = self.open_device(&req.volume_id, &req.device)?;
+        if let Some(st) = &record.stage
+            && st.rdev != device.rdev
+            && st.phase == Phase::Done
+        {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?} was staged from device {}:{}, but {} is now {}:{}",
+                req.volume_id,
+                st.rdev.0,
+                st.rdev.1,
+                req.device.display(),
+                device.rdev.0,
+                device.rdev.1
+            )));
+        }
+
+        // The staging dir: the CO creates it; tolerate its absence.
+        match self.os.mount_state(&req.staging)? {
+            MountState::Mounted(mp) => {
+                let ours = record
+                    .stage
+                    .as_ref()
+                    .is_some_and(|s| s.phase != Phase::Formatting)
+                    && (mp.dev == device.rdev
+                        || !matches!(
+                            req.cap.access,
+                            Access::Mount {
+                                fs: Filesystem::Btrfs,
+                                ..
+                            }
+                        ));
+                if ours && !req.cap.access.is_block() {
+                    // Already staged (a retry, or a crash after the mount): confirm.
+                    self.confirm_stage(&mut record, req, device, attrs, access)?;
+                    return Ok(report);
+                }
+                return Err(Error::Incompatible {
+                    volume: req.volume_id.clone(),
+                    what: "staged",
+                    reason: format!("something else is mounted on {}", req.staging.display()),
+                });
+            }
+            MountState::Corrupted { .. } => self.os.unmount(&req.staging, true)?,
+            MountState::Absent => self.os.make_dir(&req.staging)?,
+            MountState::NotMounted { is_dir: false } => {
+                return Err(Error::FailedPrecondition(format!(
+                    "staging_target_path {} is not a directory",
+                    req.staging.display()
+                )));
+            }
+            MountState::NotMounted { is_dir: true } => {}
+        }
+
+        let Access::Mount { fs, options, group } = &req.cap.access else {
+            // Block: the device is verified; nothing is mounted at stage.
+            self.confirm_stage(&mut record, req, device, attrs, access)?;
+            return Ok(report);
+        };
+
+        let mut content = self.probe_device(&req.device, device.size)?;
+        // Format a blank device; and resume moor's own mkfs that a crash cut short (the journal
+        // says it was formatting this device), over its partial work only.
+        let format = match &content {
+            c if c.is_blank() => true,
+            Content::Unknown { .. } => resume_format,
+            Content::Filesystem { fs: f, .. } => resume_format && compatible(*f, *fs),
+            _ => false,
+        };
+        if format {
+            record.stage = Some(StageRecord {
+                path: req.staging.clone(),
+                device: req.device.clone(),
+                rdev: device.rdev,
+                access: access.clone(),
+                attrs,
+                access_mode: req.cap.mode as i32,
+                phase: Phase::Formatting,
+            });
+            self.journal.put(&record, Durability::Power)?;
+            report.mkfs = Some(self.mkfs(*fs, &req.device, resume_format)?);
+            report.formatted = true;
+            content = self.probe_device(&req.device, device.size)?;
+        }
+        match &content {
+            Content::Filesystem { fs: found, .. } if compatible(*found, *fs) => {}
+            other => {
+                if report.formatted || resume_format {
+                    self.journal.put(
+                        &{
+                            let mut r = record.clone();
+                            r.stage = None;
+                            r
+                        },
+                        Durability::Power,
+                    )?;
+                }
+                return Err(Error::DeviceNotBlank {
+                    device: req.device.display().to_string(),
+                    content: other.describe(),
+                    fs_type: fs.name().to_string(),
+                });
+            }
+        }
+
+        record.stage = Some(StageRecord {
+            path: req.staging.clone(),
+            device: req.device.clone(),
+            rdev: device.rdev,
+            access: access.clone(),
+            attrs,
+            access_mode: req.cap.mode as i32,
+            phase: Phase::InProgress,
+        });
+        self.journal.put(&record, Durability::Process)?;
+        let start = Instant::now();
+        let mounted = self.os.mount_fs(&FsMount {
+            device: req.device.clone(),
+            target: req.staging.clone(),
+            fs_type: fs.name().to_string(),
+            attrs,
+            options: options.fs_options.clone(),
+            sb_read_only: req.cap.mode == Mode::MultiNodeReaderOnly,
+        });
+        if let Err(e) = mounted {
+            record.stage = None;
+            self.journal.put(&record, Durability::Process)?;
+            return Err(e.into());
+        }
+        report.mount = Some(start.elapsed());
+        let after = (|| -> Result<u64> {
+            if let Some(gid) = group
+                && !attrs.read_only
+            {
+                self.os.share_with_group(&req.staging, *gid)?;
+            }
+            match self.os.mount_state(&req.staging)? {
+                MountState::Mounted(mp) => Ok(mp.mount_id),
+                other => Err(Error::FailedPrecondition(format!(
+                    "{} is not a mount after mounting it: {other:?}",
+                    req.staging.display()
+                ))),
+            }
+        })();
+        match after {
+            Ok(_) => {
+                self.confirm_stage(&mut record, req, device, attrs, access)?;
+                Ok(report)
+            }
+            Err(e) => {
+                // Leave nothing half-done.
+                let _ = self.os.unmount(&req.staging, false);
+                record.stage = None;
+                self.journal.put(&record, Durability::Process)?;
+                Err(e)
+            }
+        }
+    }
+
+    fn stage_attrs(&self, cap: &Capability) -> MountAttrs {
+        let mut attrs = cap.access.attrs();
+        if cap.is_reader_only() {
+            attrs.read_only = true;
+        }
+        attrs
+    }
+
+    fn confirm_stage(
+        &self,
+        record: &mut VolumeRecord,
+        req: &validate::Stage,
+        device: BlockDevice,
+        attrs: MountAttrs,
+        access: AccessRecord,
+    ) -> Result<()> {
+        record.stage = Some(StageRecord {
+            path: req.staging.clone(),
+            device: req.device.clone(),
+            rdev: device.rdev,
+            access,
+            attrs,
+            access_mode: req.cap.mode as i32,
+            phase: Phase::Done,
+        });
+        self.journal.put(record, Durability::Process)?;
+        Ok(())
+    }
+
+    /// NodeUnstageVolume.
+    pub fn unstage(&self, req: &validate::Unstage) -> Result<()> {
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let mut record = self.record(&req.volume_id);
+        if let Some(st) = &record.stage
+            && st.path != req.staging
+        {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?} is staged at {}, not {}",
+                req.volume_id,
+                st.path.display(),
+                req.staging.display()
+            )));
+        }
+        // Refuse while a publication is really there; forget the ones that are gone.
+        let mut still = Vec::new();
+        for target in record.publishes.keys() {
+            match self.os.mount_state(target)? {
+                MountState::Mounted(_) | MountState::Corrupted { .. } => still.push(target.clone()),
+                MountState::Absent | MountState::NotMounted { .. } => {}
+            }
+        }
+        if !still.is_empty() {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?} is still published at {}; unpublish it first",
+                req.volume_id,
+                still
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        record.publishes.clear();
+        if let Some(st) = record.stage.as_mut() {
+            st.phase = Phase::InProgress;
+            self.journal.put(&record, Durability::Process)?;
+        }
+        let staged_dev = record.stage.as_ref().map(|s| s.rdev);
+        let is_block = matches!(
+            record.stage.as_ref().map(|s| &s.access),
+            Some(AccessRecord::Block)
+        );
+        if !is_block {
+            // Without a record the CO's word stands: its staging path for this volume.
+            self.unmount_all(&req.staging, |mp| {
+                staged_dev.is_none_or(|d| mp.dev == d || mp.rdev.is_none())
+            })?;
+        }
+        record.stage = None;
+        self.journal.put(&record, Durability::Process)?;
+        Ok(())
+    }
+
+    /// NodePublishVolume.
+    pub fn publish(&self, req: &validate::Publish) -> Result<()> {
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let mut record = self.record(&req.volume_id);
+        let Some(stage) = record.stage.clone().filter(|s| s.phase == Phase::Done) else {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?} is not staged on this node; NodeStageVolume must succeed first",
+                req.volume_id
+            )));
+        };
+        if stage.path != req.staging {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?} is staged at {}, not {}",
+                req.volume_id,
+                stage.path.display(),
+                req.staging.display()
+            )));
+        }
+        let block = req.cap.access.is_block();
+        if block != matches!(stage.access, AccessRecord::Block) {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?} was staged as a {} volume",
+                req.volume_id,
+                if block { "filesystem" } else { "block" }
+            )));
+        }
+        let mut attrs = match &req.cap.access {
+            Access::Mount { options, .. } => options.attrs,
+            Access::Block { .. } => MountAttrs::default(),
+        };
+        attrs.read_only |= req.readonly || req.cap.is_reader_only() || stage.attrs.read_only;
+        let wanted = PublishRecord {
+            block,
+            attrs,
+            access_mode: req.cap.mode as i32,
+            phase: Phase::Done,
+        };
+
+        // Where the bind comes from, and how to recognise it on the target.
+        let (source, source_dev) = if block {
+            let dev = self.open_device(&req.volume_id, &stage.device)?;
+            if dev.rdev != stage.rdev {
+                return Err(Error::FailedPrecondition(format!(
+                    "device {} is no longer the one staged for volume {:?}",
+                    stage.device.display(),
+                    req.volume_id
+                )));
+            }
+            (stage.device.clone(), dev.rdev)
+        } else {
+            match self.os.mount_state(&stage.path)? {
+                MountState::Mounted(mp) => (stage.path.clone(), mp.dev),
+                other => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "volume {:?} is not mounted at its staging path {} ({other:?}); stage it again",
+                        req.volume_id,
+                        stage.path.display()
+                    )));
+                }
+            }
+        };
+        let matches_source = |mp: &MountPoint| {
+            if block {
+                mp.rdev == Some(source_dev)
+            } else {
+                mp.dev == source_dev && mp.is_dir
+            }
+        };
+
+        if let Some(existing) = record.publishes.get(&req.target)
+            && (existing.block != wanted.block
+                || existing.attrs != wanted.attrs
+                || existing.access_mode != wanted.access_mode)
+        {
+            return Err(Error::Incompatible {
+                volume: req.volume_id.clone(),
+                what: "published",
+                reason: format!(
+                    "{} was published with other arguments",
+                    req.target.display()
+                ),
+            });
+        }
+        match self.os.mount_state(&req.target)? {
+            MountState::Mounted(mp) => {
+                if matches_source(&mp) && mp.read_only == attrs.read_only {
+                    // A retry, or a crash after the bind: the same mount is there.
+                    record.publishes.insert(req.target.clone(), wanted);
+                    self.journal.put(&record, Durability::Process)?;
+                    return Ok(());
+                }
+                return Err(Error::Incompatible {
+                    volume: req.volume_id.clone(),
+                    what: "published",
+                    reason: format!(
+                        "{} is already a mount {}",
+                        req.target.display(),
+                        if matches_source(&mp) {
+                            "with another read-only setting"
+                        } else {
+                            "of something else"
+                        }
+                    ),
+                });
+            }
+            MountState::Corrupted { .. } => self.os.unmount(&req.target, true)?,
+            MountState::Absent => {
+                if block {
+                    self.os.make_file(&req.target)?;
+                } else {
+                    self.os.make_dir(&req.target)?;
+                }
+            }
+            MountState::NotMounted { is_dir } if is_dir == block => {
+                return Err(Error::FailedPrecondition(format!(
+                    "target_path {} exists and is not a {}",
+                    req.target.display(),
+                    if block { "file" } else { "directory" }
+                )));
+            }
+            MountState::NotMounted { .. } => {}
+        }
+
+        record.publishes.insert(
+            req.target.clone(),
+            PublishRecord {
+                phase: Phase::InProgress,
+                ..wanted.clone()
+            },
+        );
+        self.journal.put(&record, Durability::Process)?;
+        if let Err(e) = self.os.bind(&BindMount {
+            source,
+            target: req.target.clone(),
+            attrs,
+        }) {
+            record.publishes.remove(&req.target);
+            let _ = self.os.remove(&req.target);
+            self.journal.put(&record, Durability::Process)?;
+            return Err(e.into());
+        }
+        record.publishes.insert(req.target.clone(), wanted);
+        self.journal.put(&record, Durability::Process)?;
+        Ok(())
+    }
+
+    /// NodeUnpublishVolume.
+    pub fn unpublish(&self, req: &validate::Unpublish) -> Result<()> {
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let mut record = self.record(&req.volume_id);
+        let known = record.publishes.contains_key(&req.target);
+        if known {
+            if let Some(p) = record.publishes.get_mut(&req.target) {
+                p.phase = Phase::InProgress;
+            }
+            self.journal.put(&record, Durability::Process)?;
+        }
+        self.unmount_all(&req.target, |_| true)?;
+        self.os.remove(&req.target)?;
+        if known {
+            record.publishes.remove(&req.target);
+            self.journal.put(&record, Durability::Process)?;
+        }
+        Ok(())
+    }
+
+    /// NodeGetVolumeStats: usage and condition of the volume at `path`.
+    pub fn stats(&self, req: &validate::Stats) -> Result<(VolumeStats, Condition)> {
+        let record = self.journal.get(&req.volume_id);
+        let stage = record.as_ref().and_then(|r| r.stage.as_ref());
+        let known = record.as_ref().is_some_and(|r| {
+            r.publishes.contains_key(&req.path)
+                || r.stage.as_ref().is_some_and(|s| s.path == req.path)
+        });
+        let not_found = || Error::VolumeNotFound {
+            volume: req.volume_id.clone(),
+            reason: format!("it is not staged or published at {}", req.path.display()),
+        };
+        let abnormal = |message: String| {
+            Ok((
+                VolumeStats::Unavailable,
+                Condition {
+                    abnormal: true,
+                    message,
+                },
+            ))
+        };
+        let is_block = matches!(stage.map(|s| &s.access), Some(AccessRecord::Block));
+        let state = self.os.mount_state(&req.path)?;
+        // Block volumes are staged without a mount: the staging dir itself is the volume's.
+        if is_block && stage.is_some_and(|s| s.path == req.path) {
+            return self.block_stats(stage, None);
+        }
+        match state {
+            MountState::Absent if known => abnormal(format!("{} is missing", req.path.display())),
+            MountState::NotMounted { .. } if known => {
+                abnormal(format!("{} is not mounted", req.path.display()))
+            }
+            MountState::Absent | MountState::NotMounted { .. } => Err(not_found()),
+            MountState::Corrupted { errno } => abnormal(format!(
+                "the mount at {} is corrupted: {}",
+                req.path.display(),
+                std::io::Error::from_raw_os_error(errno)
+            )),
+            MountState::Mounted(mp) if mp.rdev.is_some() || is_block => {
+                self.block_stats(stage, mp.rdev)
+            }
+            MountState::Mounted(_) => {
+                let usage = match self.os.fs_usage(&req.path) {
+                    Ok(u) => u,
+                    Err(e) if e.errno().is_some_and(is_corruption_errno) => {
+                        return abnormal(format!(
+                            "the filesystem at {} fails: {e}",
+                            req.path.display()
+                        ));
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                let condition = match stage.map(|s| (s, self.os.block_device(&s.device))) {
+                    Some((s, Err(_))) => Condition {
+                        abnormal: true,
+                        message: format!("device {} is gone", s.device.display()),
+                    },
+                    Some((s, Ok(d))) if d.rdev != s.rdev => Condition {
+                        abnormal: true,
+                        message: format!(
+                            "device {} now belongs to another volume",
+                            s.device.display()
+                        ),
+                    },
+                    _ => Condition {
+                        abnormal: false,
+                        message: "volume is mounted and healthy".into(),
+                    },
+                };
+                Ok((VolumeStats::Filesystem(usage), condition))
+            }
+        }
+    }
+
+    fn block_stats(
+        &self,
+        stage: Option<&StageRecord>,
+        mounted_rdev: Option<(u32, u32)>,
+    ) -> Result<(VolumeStats, Condition)> {
+        let Some(s) = stage else {
+            return Ok((
+                VolumeStats::Unavailable,
+                Condition {
+                    abnormal: true,
+                    message: "block volume without a staging record".into(),
+                },
+            ));
+        };
+        match self.os.block_device(&s.device) {
+            Ok(d) if d.rdev == s.rdev && mounted_rdev.is_none_or(|r| r == d.rdev) => Ok((
+                VolumeStats::Block(d.size),
+                Condition {
+                    abnormal: false,
+                    message: "block device is present".into(),
+                },
+            )),
+            Ok(_) => Ok((
+                VolumeStats::Unavailable,
+                Condition {
+                    abnormal: true,
+                    message: format!(
+                        "device {} now belongs to another volume",
+                        s.device.display()
+                    ),
+                },
+            )),
+            Err(e) => Ok((
+                VolumeStats::Unavailable,
+                Condition {
+                    abnormal: true,
+                    message: format!("device {} is gone: {e}", s.device.display()),
+                },
+            )),
+        }
+    }
+
+    /// NodeExpandVolume: grows the filesystem to the device's size; returns the capacity.
+    pub fn expand(&self, req: &validate::Expand) -> Result<u64> {
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let record = self.journal.get(&req.volume_id);
+        let stage = record
+            .as_ref()
+            .and_then(|r| r.stage.clone())
+            .filter(|s| {
+                s.path == req.path
+                    || record
+                        .as_ref()
+                        .is_some_and(|r| r.publishes.contains_key(&req.path))
+            })
+            .ok_or_else(|| Error::VolumeNotFound {
+                volume: req.volume_id.clone(),
+                reason: format!("it is not staged or published at {}", req.path.display()),
+            })?;
+        if let Some(staging) = &req.staging
+            && *staging != stage.path
+        {
+            return Err(Error::invalid(
+                "staging_target_path",
+                format!("the volume is staged at {}", stage.path.display()),
+            ));
+        }
+        let dev = self.open_device(&req.volume_id, &stage.device)?;
+        if dev.rdev != stage.rdev {
+            return Err(Error::FailedPrecondition(format!(
+                "device {} no longer belongs to volume {:?}",
+                stage.device.display(),
+                req.volume_id
+            )));
+        }
+        if req.required_bytes > dev.size {
+            return Err(Error::OutOfRange(format!(
+                "device {} has {} bytes, less than the {} required; expand it on the controller first",
+                stage.device.display(),
+                dev.size,
+                req.required_bytes
+            )));
+        }
+        let AccessRecord::Mount { fs_type, .. } = &stage.access else {
+            return Ok(dev.size);
+        };
+        if stage.attrs.read_only {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?} is staged read-only and cannot be grown",
+                req.volume_id
+            )));
+        }
+        match self.os.mount_state(&stage.path)? {
+            MountState::Mounted(_) => {}
+            other => {
+                return Err(Error::FailedPrecondition(format!(
+                    "volume {:?} is not mounted at {} ({other:?})",
+                    req.volume_id,
+                    stage.path.display()
+                )));
+            }
+        }
+        let mount_point = stage.path.display().to_string();
+        let (program, args) = match Filesystem::from_name(fs_type) {
+            Some(Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4) => {
+                ("resize2fs", vec![stage.device.display().to_string()])
+            }
+            Some(Filesystem::Xfs) => ("xfs_growfs", vec![mount_point]),
+            Some(Filesystem::Btrfs) => (
+                "btrfs",
+                vec![
+                    "filesystem".into(),
+                    "resize".into(),
+                    "max".into(),
+                    mount_point,
+                ],
+            ),
+            None => {
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot grow {fs_type:?}"
+                )));
+            }
+        };
+        self.os.run_tool(&ToolRun {
+            program: program.into(),
+            args,
+            deadline: self.cfg.resize_deadline,
+        })?;
+        Ok(dev.size)
+    }
+}

@@ -1,0 +1,147 @@
+//! The node's errors and their one mapping to gRPC status codes.
+//!
+//! Every condition the CSI spec names has its own variant and its own code; only failures of
+//! the OS or of tools that the spec does not name become INTERNAL.
+
+use tonic::{Code, Status};
+
+use crate::journal::JournalError;
+use crate::mount_options::OptionError;
+use crate::sys::{SysError, ToolError};
+
+/// Everything a Node or Identity RPC can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A request field is missing or malformed.
+    #[error("{field}: {reason}")]
+    InvalidArgument {
+        /// The field, as the proto names it.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A mount option was refused.
+    #[error("volume_capability.mount.mount_flags: {0}")]
+    MountOption(#[from] OptionError),
+    /// Another operation on the same volume is in flight.
+    #[error("an operation on volume {0:?} is already in progress; retry later")]
+    OperationPending(String),
+    /// The volume (its device, or the path it should be at) does not exist.
+    #[error("volume {volume:?} not found: {reason}")]
+    VolumeNotFound {
+        /// The volume id.
+        volume: String,
+        /// What was looked for.
+        reason: String,
+    },
+    /// The volume is already staged/published at that path, incompatibly with this request.
+    #[error("volume {volume:?} is already {what} with different arguments: {reason}")]
+    Incompatible {
+        /// The volume id.
+        volume: String,
+        /// "staged" or "published".
+        what: &'static str,
+        /// What differs.
+        reason: String,
+    },
+    /// The request asks for something the volume or the node cannot do.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// The device holds data that is not the requested filesystem: never formatted.
+    #[error("device {device} holds {content}; refusing to format or mount it as {fs_type}")]
+    DeviceNotBlank {
+        /// The device.
+        device: String,
+        /// What the probe found.
+        content: String,
+        /// What was asked for.
+        fs_type: String,
+    },
+    /// Requested capacity cannot be satisfied.
+    #[error("{0}")]
+    OutOfRange(String),
+    /// The node has as many volumes as it may.
+    #[error("the node already has {0} volumes staged, the most it takes")]
+    TooManyVolumes(u64),
+    /// The plugin cannot serve now (e.g. a required tool is missing).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A tool ran past its deadline.
+    #[error(transparent)]
+    ToolTimeout(ToolError),
+    /// The OS refused an operation the spec has no code for.
+    #[error(transparent)]
+    Sys(#[from] SysError),
+    /// A tool failed.
+    #[error(transparent)]
+    Tool(ToolError),
+    /// The node's own records could not be written.
+    #[error("node journal: {0}")]
+    Journal(#[from] JournalError),
+}
+
+impl From<ToolError> for Error {
+    fn from(e: ToolError) -> Self {
+        match e {
+            ToolError::Timeout { .. } => Error::ToolTimeout(e),
+            e => Error::Tool(e),
+        }
+    }
+}
+
+impl Error {
+    /// A missing or malformed field.
+    pub fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    /// The gRPC code for this error.
+    pub fn code(&self) -> Code {
+        match self {
+            Error::InvalidArgument { .. } | Error::MountOption(_) => Code::InvalidArgument,
+            Error::OperationPending(_) => Code::Aborted,
+            Error::VolumeNotFound { .. } => Code::NotFound,
+            Error::Incompatible { .. } => Code::AlreadyExists,
+            Error::FailedPrecondition(_) | Error::DeviceNotBlank { .. } => Code::FailedPrecondition,
+            Error::OutOfRange(_) => Code::OutOfRange,
+            Error::TooManyVolumes(_) => Code::ResourceExhausted,
+            Error::Unavailable(_) => Code::Unavailable,
+            Error::ToolTimeout(_) => Code::DeadlineExceeded,
+            Error::Sys(_) | Error::Tool(_) | Error::Journal(_) => Code::Internal,
+        }
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        Status::new(e.code(), e.to_string())
+    }
+}
+
+/// Result of an engine operation.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_follow_the_spec_names() {
+        assert_eq!(
+            Error::invalid("volume_id", "missing").code(),
+            Code::InvalidArgument
+        );
+        assert_eq!(Error::OperationPending("v".into()).code(), Code::Aborted);
+        let s: Status = Error::Incompatible {
+            volume: "v".into(),
+            what: "published",
+            reason: "read-only differs".into(),
+        }
+        .into();
+        assert_eq!(s.code(), Code::AlreadyExists);
+        assert!(s.message().contains("read-only differs"));
+    }
+}

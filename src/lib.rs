@@ -1,0 +1,22 @@
+//! moor-node: the CSI node plugin's library.
+//!
+//! The daemon is a thin shell (`main.rs`) around these modules:
+//! * [`validate`] turns CSI requests into typed, checked requests;
+//! * [`engine`] carries out the Node RPCs' semantics over the OS ([`sys`]) and the node
+//!   journal ([`journal`]), one operation per volume at a time ([`guard`]);
+//! * [`probe`] reads superblocks to tell a blank device from one that holds data;
+//! * [`mount_options`] decides which mount flags reach the kernel;
+//! * [`mountinfo`] parses the mount table where statx/statmount cannot answer;
+//! * [`service`] and [`server`] serve it all over gRPC on a Unix socket.
+
+pub mod engine;
+pub mod error;
+pub mod guard;
+pub mod journal;
+pub mod mount_options;
+pub mod mountinfo;
+pub mod probe;
+pub mod server;
+pub mod service;
+pub mod sys;
+pub mod validate;

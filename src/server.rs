@@ -1,0 +1,123 @@
+//! Serving gRPC on a Unix socket, with graceful shutdown.
+
+use std::future::Future;
+use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+
+/// Endpoint and socket errors.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The endpoint is not a unix:// address.
+    #[error("endpoint {0:?} must be unix:///absolute/path")]
+    Endpoint(String),
+    /// Something that is not a socket is in the way.
+    #[error("{0} exists and is not a socket; refusing to replace it")]
+    NotASocket(PathBuf),
+    /// A socket step failed.
+    #[error("{step} {path}: {source}")]
+    Socket {
+        /// The step.
+        step: &'static str,
+        /// The socket path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The gRPC server failed.
+    #[error("grpc server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Parses `unix:///path`, `unix:/path` or a bare absolute path.
+pub fn parse_endpoint(endpoint: &str) -> Result<PathBuf, ServeError> {
+    let path = endpoint
+        .strip_prefix("unix://")
+        .or_else(|| endpoint.strip_prefix("unix:"))
+        .unwrap_or(endpoint);
+    if !path.starts_with('/') || path.len() > 107 {
+        return Err(ServeError::Endpoint(endpoint.to_string()));
+    }
+    Ok(PathBuf::from(path))
+}
+
+/// Binds a Unix socket at `path`: a stale socket is replaced, the mode is 0660.
+pub fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
+    let sock_err = |step, source| ServeError::Socket {
+        step,
+        path: path.to_path_buf(),
+        source,
+    };
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            std::fs::remove_file(path).map_err(|e| sock_err("remove stale socket", e))?;
+        }
+        Ok(_) => return Err(ServeError::NotASocket(path.to_path_buf())),
+        Err(_) => {}
+    }
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| sock_err("create socket dir", e))?;
+    }
+    let listener = UnixListener::bind(path).map_err(|e| sock_err("bind", e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .map_err(|e| sock_err("chmod", e))?;
+    Ok(listener)
+}
+
+/// Serves `router` on the socket until `shutdown` resolves, lets in-flight calls finish, then
+/// removes the socket.
+pub async fn serve(
+    router: tonic::transport::server::Router,
+    listener: UnixListener,
+    path: &Path,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let result = router
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await;
+    let _ = std::fs::remove_file(path);
+    result.map_err(ServeError::from)
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn termination() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers the process is stopped the hard way; never resolve early.
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight calls"),
+        _ = int.recv() => tracing::info!("SIGINT: finishing in-flight calls"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(
+            parse_endpoint("unix:///csi/csi.sock").unwrap(),
+            PathBuf::from("/csi/csi.sock")
+        );
+        assert_eq!(
+            parse_endpoint("unix:/csi/csi.sock").unwrap(),
+            PathBuf::from("/csi/csi.sock")
+        );
+        assert_eq!(
+            parse_endpoint("/csi/csi.sock").unwrap(),
+            PathBuf::from("/csi/csi.sock")
+        );
+        assert!(parse_endpoint("tcp://0.0.0.0:10000").is_err());
+        assert!(parse_endpoint("unix://relative").is_err());
+    }
+}

@@ -1,0 +1,359 @@
+//! The CSI Identity and Node gRPC services, over the [`Engine`].
+//!
+//! Slow operations (stage, unstage, expand: mkfs, mount of a filesystem, resize) run on the
+//! blocking pool; publish, unpublish and stats are a handful of syscalls and run in place. A
+//! panic anywhere in a handler is caught and answered with INTERNAL; the daemon stays up.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use moor_proto::csi::v1 as csi;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use crate::engine::{Engine, VolumeStats};
+use crate::error::Error;
+use crate::sys::Os;
+use crate::validate;
+
+/// The plugin's identity and node facts.
+#[derive(Debug, Clone)]
+pub struct PluginInfo {
+    /// CSI driver name.
+    pub driver_name: String,
+    /// This node's id.
+    pub node_id: String,
+    /// max_volumes_per_node (0: not reported).
+    pub max_volumes: u64,
+    /// Topology key for the per-node segment.
+    pub topology_key: String,
+    /// The state dir (checked by Probe).
+    pub state_dir: PathBuf,
+}
+
+/// Tools the node needs for its default filesystem; Probe is not ready without them.
+pub const REQUIRED_TOOLS: [&str; 2] = ["mkfs.ext4", "resize2fs"];
+/// Tools for the other filesystems; their absence is logged.
+pub const OPTIONAL_TOOLS: [&str; 3] = ["mkfs.xfs", "xfs_growfs", "mkfs.btrfs"];
+
+/// Why the plugin is not ready, or None when it is.
+pub fn readiness<O: Os>(os: &O, state_dir: &std::path::Path) -> Option<String> {
+    let missing: Vec<_> = REQUIRED_TOOLS
+        .iter()
+        .filter(|t| !os.has_program(t))
+        .collect();
+    if !missing.is_empty() {
+        return Some(format!("required tools missing: {missing:?}"));
+    }
+    let probe = state_dir.join(".probe");
+    if let Err(e) = std::fs::write(&probe, b"ok").and_then(|()| std::fs::remove_file(&probe)) {
+        return Some(format!(
+            "state dir {} is not writable: {e}",
+            state_dir.display()
+        ));
+    }
+    None
+}
+
+/// Runs `f` on the blocking pool; a panic becomes INTERNAL.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
+) -> Result<T, Status> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(Status::from),
+        Err(e) => {
+            warn!(error = %e, "handler panicked");
+            Err(Status::internal(
+                "internal error: the operation panicked; see the node log",
+            ))
+        }
+    }
+}
+
+/// Runs `f` in place; a panic becomes INTERNAL.
+fn inline<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<T, Status> {
+    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(Status::from),
+        Err(_) => {
+            warn!("handler panicked");
+            Err(Status::internal(
+                "internal error: the operation panicked; see the node log",
+            ))
+        }
+    }
+}
+
+/// Logs one RPC's outcome.
+fn log_outcome<T>(rpc: &str, volume: &str, start: Instant, r: &Result<T, Status>) {
+    let us = start.elapsed().as_micros() as u64;
+    match r {
+        Ok(_) => info!(rpc, volume, micros = us, "ok"),
+        Err(s) => {
+            warn!(rpc, volume, micros = us, code = ?s.code(), message = s.message(), "failed")
+        }
+    }
+}
+
+async fn traced<T>(
+    rpc: &'static str,
+    volume: String,
+    fut: impl Future<Output = Result<T, Status>>,
+) -> Result<Response<T>, Status> {
+    let start = Instant::now();
+    let r = fut.await;
+    log_outcome(rpc, &volume, start, &r);
+    r.map(Response::new)
+}
+
+/// The Identity service.
+#[derive(Debug)]
+pub struct IdentityService<O: Os> {
+    info: PluginInfo,
+    os: Arc<O>,
+    /// Advertise the controller service too (the controller binary sets this).
+    pub controller: bool,
+}
+
+impl<O: Os> IdentityService<O> {
+    /// Builds the service.
+    pub fn new(info: PluginInfo, os: Arc<O>) -> Self {
+        Self {
+            info,
+            os,
+            controller: false,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl<O: Os> csi::identity_server::Identity for IdentityService<O> {
+    async fn get_plugin_info(
+        &self,
+        _: Request<csi::GetPluginInfoRequest>,
+    ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
+        Ok(Response::new(csi::GetPluginInfoResponse {
+            name: self.info.driver_name.clone(),
+            vendor_version: env!("CARGO_PKG_VERSION").to_string(),
+            manifest: HashMap::from([("component".to_string(), "node".to_string())]),
+        }))
+    }
+
+    async fn get_plugin_capabilities(
+        &self,
+        _: Request<csi::GetPluginCapabilitiesRequest>,
+    ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
+        use csi::plugin_capability::{Service, Type, service};
+        let mut types = vec![service::Type::VolumeAccessibilityConstraints];
+        if self.controller {
+            types.push(service::Type::ControllerService);
+        }
+        let capabilities = types
+            .into_iter()
+            .map(|t| csi::PluginCapability {
+                r#type: Some(Type::Service(Service { r#type: t as i32 })),
+            })
+            .collect();
+        Ok(Response::new(csi::GetPluginCapabilitiesResponse {
+            capabilities,
+        }))
+    }
+
+    async fn probe(
+        &self,
+        _: Request<csi::ProbeRequest>,
+    ) -> Result<Response<csi::ProbeResponse>, Status> {
+        let reason = readiness(self.os.as_ref(), &self.info.state_dir);
+        if let Some(reason) = &reason {
+            warn!(reason, "probe: not ready");
+        }
+        Ok(Response::new(csi::ProbeResponse {
+            ready: Some(reason.is_none()),
+        }))
+    }
+}
+
+/// The Node service.
+#[derive(Debug)]
+pub struct NodeService<O: Os> {
+    engine: Arc<Engine<O>>,
+    info: PluginInfo,
+}
+
+impl<O: Os> NodeService<O> {
+    /// Builds the service.
+    pub fn new(engine: Arc<Engine<O>>, info: PluginInfo) -> Self {
+        Self { engine, info }
+    }
+
+    fn kubelet_dir(&self) -> PathBuf {
+        self.engine.config().kubelet_dir.clone()
+    }
+}
+
+#[tonic::async_trait]
+impl<O: Os> csi::node_server::Node for NodeService<O> {
+    async fn node_stage_volume(
+        &self,
+        request: Request<csi::NodeStageVolumeRequest>,
+    ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let engine = Arc::clone(&self.engine);
+        let dir = self.kubelet_dir();
+        traced("NodeStageVolume", req.volume_id.clone(), async move {
+            let v = validate::stage(&req, &dir)?;
+            let report = blocking(move || engine.stage(&v)).await?;
+            if report.formatted {
+                info!(volume = req.volume_id, mkfs = ?report.mkfs, "formatted blank device");
+            }
+            Ok(csi::NodeStageVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<csi::NodeUnstageVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let engine = Arc::clone(&self.engine);
+        let dir = self.kubelet_dir();
+        traced("NodeUnstageVolume", req.volume_id.clone(), async move {
+            let v = validate::unstage(&req, &dir)?;
+            blocking(move || engine.unstage(&v)).await?;
+            Ok(csi::NodeUnstageVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<csi::NodePublishVolumeRequest>,
+    ) -> Result<Response<csi::NodePublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let dir = self.kubelet_dir();
+        traced("NodePublishVolume", req.volume_id.clone(), async {
+            let v = validate::publish(&req, &dir)?;
+            inline(|| self.engine.publish(&v))?;
+            Ok(csi::NodePublishVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<csi::NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let dir = self.kubelet_dir();
+        traced("NodeUnpublishVolume", req.volume_id.clone(), async {
+            let v = validate::unpublish(&req, &dir)?;
+            inline(|| self.engine.unpublish(&v))?;
+            Ok(csi::NodeUnpublishVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<csi::NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
+        let req = request.into_inner();
+        let dir = self.kubelet_dir();
+        let v = validate::stats(&req, &dir)?;
+        let (stats, condition) = inline(|| self.engine.stats(&v))?;
+        use csi::volume_usage::Unit;
+        let i = |x: u64| i64::try_from(x).unwrap_or(i64::MAX);
+        let usage = match stats {
+            VolumeStats::Filesystem(u) => vec![
+                csi::VolumeUsage {
+                    available: i(u.available_bytes),
+                    total: i(u.total_bytes),
+                    used: i(u.used_bytes),
+                    unit: Unit::Bytes as i32,
+                },
+                csi::VolumeUsage {
+                    available: i(u.free_inodes),
+                    total: i(u.total_inodes),
+                    used: i(u.used_inodes),
+                    unit: Unit::Inodes as i32,
+                },
+            ],
+            VolumeStats::Block(size) => {
+                vec![csi::VolumeUsage {
+                    available: 0,
+                    total: i(size),
+                    used: 0,
+                    unit: Unit::Bytes as i32,
+                }]
+            }
+            VolumeStats::Unavailable => vec![],
+        };
+        Ok(Response::new(csi::NodeGetVolumeStatsResponse {
+            usage,
+            volume_condition: Some(csi::VolumeCondition {
+                abnormal: condition.abnormal,
+                message: condition.message,
+            }),
+        }))
+    }
+
+    async fn node_expand_volume(
+        &self,
+        request: Request<csi::NodeExpandVolumeRequest>,
+    ) -> Result<Response<csi::NodeExpandVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let engine = Arc::clone(&self.engine);
+        let dir = self.kubelet_dir();
+        traced("NodeExpandVolume", req.volume_id.clone(), async move {
+            let v = validate::expand(&req, &dir)?;
+            let size = blocking(move || engine.expand(&v)).await?;
+            Ok(csi::NodeExpandVolumeResponse {
+                capacity_bytes: i64::try_from(size).unwrap_or(i64::MAX),
+            })
+        })
+        .await
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _: Request<csi::NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
+        use csi::node_service_capability::{Rpc, Type, rpc};
+        let capabilities = [
+            rpc::Type::StageUnstageVolume,
+            rpc::Type::GetVolumeStats,
+            rpc::Type::ExpandVolume,
+            rpc::Type::VolumeCondition,
+            rpc::Type::SingleNodeMultiWriter,
+            rpc::Type::VolumeMountGroup,
+        ]
+        .into_iter()
+        .map(|t| csi::NodeServiceCapability {
+            r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })),
+        })
+        .collect();
+        Ok(Response::new(csi::NodeGetCapabilitiesResponse {
+            capabilities,
+        }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _: Request<csi::NodeGetInfoRequest>,
+    ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
+        Ok(Response::new(csi::NodeGetInfoResponse {
+            node_id: self.info.node_id.clone(),
+            max_volumes_per_node: i64::try_from(self.info.max_volumes).unwrap_or(i64::MAX),
+            accessible_topology: Some(csi::Topology {
+                segments: HashMap::from([(
+                    self.info.topology_key.clone(),
+                    self.info.node_id.clone(),
+                )]),
+            }),
+        }))
+    }
+}

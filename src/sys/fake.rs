@@ -1,0 +1,465 @@
+//! A recording fake of [`Os`]: an in-memory model of directories, files, block devices and
+//! the mount table, good enough for the engine's logic to be tested without root.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use super::{
+    BindMount, BlockDevice, FsMount, FsUsage, MountPoint, MountState, Os, SysError, SysResult,
+    ToolError, ToolRun,
+};
+
+/// One call made to the fake, for assertions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    /// `mount_fs`.
+    MountFs(FsMount),
+    /// `bind`.
+    Bind(BindMount),
+    /// `unmount(target, detach)`.
+    Unmount(PathBuf, bool),
+    /// `make_dir`.
+    MakeDir(PathBuf),
+    /// `make_file`.
+    MakeFile(PathBuf),
+    /// `remove`.
+    Remove(PathBuf),
+    /// `run_tool`: program and arguments.
+    Tool(String, Vec<String>),
+    /// `share_with_group`.
+    ShareWithGroup(PathBuf, u32),
+}
+
+#[derive(Debug, Clone)]
+struct FakeMount {
+    id: u64,
+    dev: (u32, u32),
+    rdev: Option<(u32, u32)>,
+    read_only: bool,
+    is_dir: bool,
+}
+
+#[derive(Debug, Clone)]
+struct FakeDevice {
+    rdev: (u32, u32),
+    size: u64,
+    /// Written extents: offset -> bytes. Everything else reads as zero.
+    data: BTreeMap<u64, Vec<u8>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    dirs: BTreeSet<PathBuf>,
+    files: BTreeSet<PathBuf>,
+    devices: HashMap<PathBuf, FakeDevice>,
+    mounts: HashMap<PathBuf, Vec<FakeMount>>,
+    corrupted: HashMap<PathBuf, i32>,
+    failures: HashMap<&'static str, i32>,
+    missing_programs: BTreeSet<String>,
+    next_mount_id: u64,
+    calls: Vec<Call>,
+}
+
+/// The fake OS. Cheap to build; every test makes its own.
+#[derive(Debug, Default)]
+pub struct FakeOs {
+    state: Mutex<State>,
+}
+
+fn err(step: &'static str, path: &Path, errno: i32) -> SysError {
+    SysError::new(step, path, std::io::Error::from_raw_os_error(errno))
+}
+
+impl FakeOs {
+    /// A fake with `/` only.
+    pub fn new() -> Self {
+        let fake = Self::default();
+        fake.lock().dirs.insert(PathBuf::from("/"));
+        fake
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Creates a directory and all its parents.
+    pub fn add_dir(&self, path: impl AsRef<Path>) {
+        let mut st = self.lock();
+        for p in path.as_ref().ancestors() {
+            st.dirs.insert(p.to_path_buf());
+        }
+    }
+
+    /// Adds a blank block device of `size` bytes with device number `rdev`.
+    pub fn add_device(&self, path: impl AsRef<Path>, rdev: (u32, u32), size: u64) {
+        let dev = FakeDevice {
+            rdev,
+            size,
+            data: BTreeMap::new(),
+        };
+        self.lock().devices.insert(path.as_ref().to_path_buf(), dev);
+    }
+
+    /// Writes bytes onto a fake device.
+    pub fn write_device(&self, path: impl AsRef<Path>, offset: u64, bytes: &[u8]) {
+        if let Some(d) = self.lock().devices.get_mut(path.as_ref()) {
+            d.data.insert(offset, bytes.to_vec());
+        }
+    }
+
+    /// Resizes a fake device.
+    pub fn resize_device(&self, path: impl AsRef<Path>, size: u64) {
+        if let Some(d) = self.lock().devices.get_mut(path.as_ref()) {
+            d.size = size;
+        }
+    }
+
+    /// Removes a fake device (it "vanished").
+    pub fn remove_device(&self, path: impl AsRef<Path>) {
+        self.lock().devices.remove(path.as_ref());
+    }
+
+    /// Makes every access to `path` fail with `errno`, as a dead FUSE mount does.
+    pub fn corrupt(&self, path: impl AsRef<Path>, errno: i32) {
+        self.lock()
+            .corrupted
+            .insert(path.as_ref().to_path_buf(), errno);
+    }
+
+    /// Makes the next call of operation `op` ("mount_fs", "bind", "unmount", "mkdir", "tool",
+    /// ...) fail with `errno`.
+    pub fn fail_next(&self, op: &'static str, errno: i32) {
+        self.lock().failures.insert(op, errno);
+    }
+
+    /// Pretends a program is not installed.
+    pub fn remove_program(&self, program: &str) {
+        self.lock().missing_programs.insert(program.to_string());
+    }
+
+    /// Unmounts behind the engine's back.
+    pub fn force_unmount(&self, target: impl AsRef<Path>) {
+        let mut st = self.lock();
+        if let Some(stack) = st.mounts.get_mut(target.as_ref()) {
+            stack.pop();
+        }
+    }
+
+    /// The calls made so far.
+    pub fn calls(&self) -> Vec<Call> {
+        self.lock().calls.clone()
+    }
+
+    /// Calls that changed something (mounts, unmounts, mkdirs, removals, tools).
+    pub fn mutations(&self) -> Vec<Call> {
+        self.calls()
+    }
+
+    /// Forgets the calls recorded so far.
+    pub fn clear_calls(&self) {
+        self.lock().calls.clear();
+    }
+
+    /// How many mounts are stacked on `target`.
+    pub fn mount_depth(&self, target: impl AsRef<Path>) -> usize {
+        self.lock().mounts.get(target.as_ref()).map_or(0, Vec::len)
+    }
+
+    /// Whether `path` exists as a directory or file.
+    pub fn exists(&self, path: impl AsRef<Path>) -> bool {
+        let st = self.lock();
+        st.dirs.contains(path.as_ref()) || st.files.contains(path.as_ref())
+    }
+
+    fn take_failure(st: &mut State, op: &'static str, path: &Path) -> SysResult<()> {
+        match st.failures.remove(op) {
+            Some(errno) => Err(err(op, path, errno)),
+            None => Ok(()),
+        }
+    }
+}
+
+fn parent_exists(st: &State, path: &Path) -> bool {
+    path.parent().is_some_and(|p| st.dirs.contains(p))
+}
+
+impl Os for FakeOs {
+    fn mount_state(&self, path: &Path) -> SysResult<MountState> {
+        let st = self.lock();
+        if let Some(errno) = st.corrupted.get(path) {
+            return Ok(MountState::Corrupted { errno: *errno });
+        }
+        if let Some(m) = st.mounts.get(path).and_then(|s| s.last()) {
+            return Ok(MountState::Mounted(MountPoint {
+                mount_id: m.id,
+                dev: m.dev,
+                rdev: m.rdev,
+                is_dir: m.is_dir,
+                read_only: m.read_only,
+            }));
+        }
+        if st.dirs.contains(path) {
+            Ok(MountState::NotMounted { is_dir: true })
+        } else if st.files.contains(path) {
+            Ok(MountState::NotMounted { is_dir: false })
+        } else {
+            Ok(MountState::Absent)
+        }
+    }
+
+    fn mount_fs(&self, m: &FsMount) -> SysResult<()> {
+        let mut st = self.lock();
+        st.calls.push(Call::MountFs(m.clone()));
+        Self::take_failure(&mut st, "mount_fs", &m.target)?;
+        let dev = st
+            .devices
+            .get(&m.device)
+            .ok_or_else(|| err("fsconfig source", &m.device, libc::ENOENT))?;
+        let rdev = dev.rdev;
+        if !st.dirs.contains(&m.target) {
+            return Err(err("open mount target", &m.target, libc::ENOENT));
+        }
+        st.next_mount_id += 1;
+        let id = st.next_mount_id;
+        let read_only = m.attrs.read_only || m.sb_read_only;
+        let mount = FakeMount {
+            id,
+            dev: rdev,
+            rdev: None,
+            read_only,
+            is_dir: true,
+        };
+        st.mounts.entry(m.target.clone()).or_default().push(mount);
+        Ok(())
+    }
+
+    fn bind(&self, b: &BindMount) -> SysResult<()> {
+        let mut st = self.lock();
+        st.calls.push(Call::Bind(b.clone()));
+        Self::take_failure(&mut st, "bind", &b.target)?;
+        let (dev, rdev, is_dir) = if let Some(m) = st.mounts.get(&b.source).and_then(|s| s.last()) {
+            (m.dev, m.rdev, m.is_dir)
+        } else if let Some(d) = st.devices.get(&b.source) {
+            ((0, 5), Some(d.rdev), false)
+        } else if st.dirs.contains(&b.source) {
+            ((0, 1), None, true)
+        } else {
+            return Err(err("open_tree", &b.source, libc::ENOENT));
+        };
+        let target_is_dir = st.dirs.contains(&b.target);
+        if !target_is_dir && !st.files.contains(&b.target) {
+            return Err(err("open mount target", &b.target, libc::ENOENT));
+        }
+        if target_is_dir != is_dir {
+            return Err(err("move_mount", &b.target, libc::ENOTDIR));
+        }
+        st.next_mount_id += 1;
+        let id = st.next_mount_id;
+        let mount = FakeMount {
+            id,
+            dev,
+            rdev,
+            read_only: b.attrs.read_only,
+            is_dir,
+        };
+        st.mounts.entry(b.target.clone()).or_default().push(mount);
+        Ok(())
+    }
+
+    fn unmount(&self, target: &Path, detach: bool) -> SysResult<()> {
+        let mut st = self.lock();
+        st.calls.push(Call::Unmount(target.to_path_buf(), detach));
+        Self::take_failure(&mut st, "unmount", target)?;
+        if st.corrupted.remove(target).is_some() {
+            if let Some(stack) = st.mounts.get_mut(target) {
+                stack.pop();
+            }
+            return Ok(());
+        }
+        if let Some(stack) = st.mounts.get_mut(target).filter(|s| !s.is_empty()) {
+            stack.pop();
+            return Ok(());
+        }
+        if st.dirs.contains(target) || st.files.contains(target) {
+            Err(err("umount2", target, libc::EINVAL))
+        } else {
+            Err(err("open unmount target", target, libc::ENOENT))
+        }
+    }
+
+    fn make_dir(&self, path: &Path) -> SysResult<()> {
+        let mut st = self.lock();
+        st.calls.push(Call::MakeDir(path.to_path_buf()));
+        Self::take_failure(&mut st, "mkdir", path)?;
+        if st.files.contains(path) {
+            return Err(err("mkdir", path, libc::ENOTDIR));
+        }
+        if !parent_exists(&st, path) {
+            return Err(err("open parent", path, libc::ENOENT));
+        }
+        st.dirs.insert(path.to_path_buf());
+        Ok(())
+    }
+
+    fn make_file(&self, path: &Path) -> SysResult<()> {
+        let mut st = self.lock();
+        st.calls.push(Call::MakeFile(path.to_path_buf()));
+        Self::take_failure(&mut st, "mkfile", path)?;
+        if st.dirs.contains(path) {
+            return Err(err("create file", path, libc::EISDIR));
+        }
+        if !parent_exists(&st, path) {
+            return Err(err("open parent", path, libc::ENOENT));
+        }
+        st.files.insert(path.to_path_buf());
+        Ok(())
+    }
+
+    fn remove(&self, path: &Path) -> SysResult<()> {
+        let mut st = self.lock();
+        st.calls.push(Call::Remove(path.to_path_buf()));
+        Self::take_failure(&mut st, "remove", path)?;
+        if st.mounts.get(path).is_some_and(|s| !s.is_empty()) {
+            return Err(err("remove", path, libc::EBUSY));
+        }
+        if st.dirs.iter().any(|d| d.parent() == Some(path))
+            || st.files.iter().any(|f| f.parent() == Some(path))
+        {
+            return Err(err("remove", path, libc::ENOTEMPTY));
+        }
+        st.dirs.remove(path);
+        st.files.remove(path);
+        Ok(())
+    }
+
+    fn block_device(&self, path: &Path) -> SysResult<BlockDevice> {
+        let st = self.lock();
+        if st.dirs.contains(path) || st.files.contains(path) {
+            return Err(err("open device", path, libc::ENOTBLK));
+        }
+        let d = st
+            .devices
+            .get(path)
+            .ok_or_else(|| err("open device", path, libc::ENOENT))?;
+        Ok(BlockDevice {
+            rdev: d.rdev,
+            size: d.size,
+        })
+    }
+
+    fn read_device(&self, path: &Path, offset: u64, buf: &mut [u8]) -> SysResult<usize> {
+        let st = self.lock();
+        let d = st
+            .devices
+            .get(path)
+            .ok_or_else(|| err("open device", path, libc::ENOENT))?;
+        let len = (buf.len() as u64).min(d.size.saturating_sub(offset)) as usize;
+        let buf = buf.get_mut(..len).unwrap_or_default();
+        buf.fill(0);
+        let end = offset + len as u64;
+        for (&at, bytes) in &d.data {
+            let at_end = at + bytes.len() as u64;
+            if at_end <= offset || at >= end {
+                continue;
+            }
+            let from = offset.max(at);
+            let to = end.min(at_end);
+            let dst = buf.get_mut((from - offset) as usize..(to - offset) as usize);
+            let src = bytes.get((from - at) as usize..(to - at) as usize);
+            if let (Some(dst), Some(src)) = (dst, src) {
+                dst.copy_from_slice(src);
+            }
+        }
+        Ok(len)
+    }
+
+    fn fs_usage(&self, path: &Path) -> SysResult<FsUsage> {
+        let st = self.lock();
+        if let Some(errno) = st.corrupted.get(path) {
+            return Err(err("statvfs", path, *errno));
+        }
+        let size = st
+            .mounts
+            .get(path)
+            .and_then(|s| s.last())
+            .and_then(|m| {
+                st.devices
+                    .values()
+                    .find(|d| d.rdev == m.dev)
+                    .map(|d| d.size)
+            })
+            .unwrap_or(1 << 30);
+        Ok(FsUsage {
+            total_bytes: size,
+            available_bytes: size / 2,
+            used_bytes: size / 2,
+            total_inodes: 1000,
+            free_inodes: 900,
+            used_inodes: 100,
+        })
+    }
+
+    fn share_with_group(&self, path: &Path, gid: u32) -> SysResult<()> {
+        let mut st = self.lock();
+        st.calls.push(Call::ShareWithGroup(path.to_path_buf(), gid));
+        Self::take_failure(&mut st, "share", path)
+    }
+
+    fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {
+        let mut st = self.lock();
+        st.calls
+            .push(Call::Tool(run.program.clone(), run.args.clone()));
+        if let Some(errno) = st.failures.remove("tool") {
+            return Err(ToolError::Failed {
+                program: run.program.clone(),
+                status: format!("exit status: {errno}"),
+                stderr: "injected failure".into(),
+            });
+        }
+        // mkfs writes a superblock the probe recognises; the device is its last argument.
+        let fs = run.program.strip_prefix("mkfs.");
+        let device = run.args.last().map(PathBuf::from);
+        if let (Some(fs), Some(device)) = (fs, device) {
+            let Some(d) = st.devices.get_mut(&device) else {
+                return Err(ToolError::Failed {
+                    program: run.program.clone(),
+                    status: "exit status: 1".into(),
+                    stderr: format!("{}: no such device", device.display()),
+                });
+            };
+            for (offset, bytes) in superblock(fs) {
+                d.data.insert(offset, bytes);
+            }
+        }
+        Ok(())
+    }
+
+    fn has_program(&self, program: &str) -> bool {
+        !self.lock().missing_programs.contains(program)
+    }
+}
+
+/// The signature bytes a real mkfs would leave, enough for the probe.
+pub fn superblock(fs: &str) -> Vec<(u64, Vec<u8>)> {
+    match fs {
+        "xfs" => vec![(0, b"XFSB".to_vec())],
+        "btrfs" => vec![(65536 + 0x40, b"_BHRfS_M".to_vec())],
+        "ext2" | "ext3" | "ext4" => {
+            let mut sb = vec![0u8; 0x68];
+            sb[0x38] = 0x53;
+            sb[0x39] = 0xEF;
+            if fs == "ext3" || fs == "ext4" {
+                sb[0x5C] = 0x04; // has_journal
+            }
+            if fs == "ext4" {
+                sb[0x60] = 0x40; // extents
+                sb[0x61] = 0x02; // flex_bg
+            }
+            vec![(1024, sb)]
+        }
+        _ => vec![(0, b"\x7fmoor-fake-unknown".to_vec())],
+    }
+}

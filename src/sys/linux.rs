@@ -1,0 +1,560 @@
+//! The real [`Os`]: syscalls through rustix, mounts through the new mount API.
+//!
+//! Every path below the kubelet dir is resolved with `openat2(RESOLVE_BENEATH |
+//! RESOLVE_NO_SYMLINKS)` from a descriptor of the kubelet dir opened at start, and mounts are
+//! attached by descriptor with `move_mount`, so a symlink planted anywhere below the kubelet
+//! dir can never redirect a mount, a mkdir or a removal elsewhere.
+
+use std::ffi::OsStr;
+use std::io::Read as _;
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt as _;
+use std::path::{Component, Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rustix::fs::{
+    AtFlags, CWD, FileType, Mode, OFlags, ResolveFlags, StatVfsMountFlags, StatxAttributes,
+    StatxFlags,
+};
+use rustix::io::Errno;
+use rustix::mount::{
+    FsMountFlags, FsOpenFlags, MountAttrFlags, MoveMountFlags, OpenTreeFlags, UnmountFlags,
+};
+
+use super::raw::{self, MountAttr};
+use super::{
+    Atime, BindMount, BlockDevice, FsMount, FsUsage, MountAttrs, MountPoint, MountState, Os,
+    SysError, SysResult, ToolError, ToolRun, is_corruption_errno,
+};
+
+/// `STATX_MNT_ID_UNIQUE` (Linux 6.8): a mount id that is never reused.
+const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
+
+/// Directories searched for tools besides `$PATH` (a container's PATH may lack the sbin dirs).
+const TOOL_DIRS: [&str; 4] = ["/usr/sbin", "/sbin", "/usr/bin", "/bin"];
+
+/// The real operating system.
+#[derive(Debug)]
+pub struct Linux {
+    root: OwnedFd,
+    root_path: PathBuf,
+}
+
+impl Linux {
+    /// Opens the kubelet dir, below which every mutating call works.
+    pub fn new(kubelet_dir: &Path) -> SysResult<Self> {
+        let root = rustix::fs::open(
+            kubelet_dir,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| SysError::new("open kubelet dir", kubelet_dir, e))?;
+        Ok(Self {
+            root,
+            root_path: kubelet_dir.to_path_buf(),
+        })
+    }
+
+    /// The part of `path` below the kubelet dir ("." for the dir itself).
+    fn relative<'p>(&self, step: &'static str, path: &'p Path) -> SysResult<&'p Path> {
+        let rel = path.strip_prefix(&self.root_path).map_err(|_| {
+            SysError::new(step, path, std::io::Error::from_raw_os_error(libc::EXDEV))
+        })?;
+        if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+            return Err(SysError::new(step, path, Errno::INVAL));
+        }
+        Ok(if rel.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            rel
+        })
+    }
+
+    /// Opens `path` (below the kubelet dir) without following any symlink.
+    fn open_beneath(&self, step: &'static str, path: &Path, flags: OFlags) -> SysResult<OwnedFd> {
+        let rel = self.relative(step, path)?;
+        rustix::fs::openat2(
+            &self.root,
+            rel,
+            flags | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+        )
+        .map_err(|e| SysError::new(step, path, e))
+    }
+
+    /// Opens the parent of `path` and returns it with the last component.
+    fn open_parent<'p>(
+        &self,
+        step: &'static str,
+        path: &'p Path,
+    ) -> SysResult<(OwnedFd, &'p OsStr)> {
+        let name = path
+            .file_name()
+            .ok_or_else(|| SysError::new(step, path, Errno::INVAL))?;
+        let parent = path
+            .parent()
+            .ok_or_else(|| SysError::new(step, path, Errno::INVAL))?;
+        let fd = self.open_beneath(step, parent, OFlags::PATH | OFlags::DIRECTORY)?;
+        Ok((fd, name))
+    }
+
+    /// Opens a mount source: below the kubelet dir without symlinks, elsewhere (a device
+    /// node under /dev) as given.
+    fn open_source(&self, path: &Path) -> SysResult<OwnedFd> {
+        if path.starts_with(&self.root_path) {
+            let fd = self.open_beneath("open bind source", path, OFlags::PATH)?;
+            rustix::mount::open_tree(
+                &fd,
+                "",
+                OpenTreeFlags::OPEN_TREE_CLONE
+                    | OpenTreeFlags::OPEN_TREE_CLOEXEC
+                    | OpenTreeFlags::AT_EMPTY_PATH,
+            )
+        } else {
+            rustix::mount::open_tree(
+                CWD,
+                path,
+                OpenTreeFlags::OPEN_TREE_CLONE
+                    | OpenTreeFlags::OPEN_TREE_CLOEXEC
+                    | OpenTreeFlags::AT_SYMLINK_NOFOLLOW,
+            )
+        }
+        .map_err(|e| SysError::new("open_tree", path, e))
+    }
+
+    /// Attaches the detached mount `mnt` on `target`, by descriptor.
+    fn attach(&self, mnt: &OwnedFd, target: &Path) -> SysResult<()> {
+        let target_fd = self.open_beneath("open mount target", target, OFlags::PATH)?;
+        rustix::mount::move_mount(
+            mnt,
+            "",
+            &target_fd,
+            "",
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
+        )
+        .map_err(|e| SysError::new("move_mount", target, e))
+    }
+}
+
+/// The new mount API's attribute bits for `attrs`.
+fn attr_bits(attrs: &MountAttrs) -> u64 {
+    let mut bits = 0;
+    if attrs.read_only {
+        bits |= raw::MOUNT_ATTR_RDONLY;
+    }
+    if attrs.nosuid {
+        bits |= raw::MOUNT_ATTR_NOSUID;
+    }
+    if attrs.nodev {
+        bits |= raw::MOUNT_ATTR_NODEV;
+    }
+    if attrs.noexec {
+        bits |= raw::MOUNT_ATTR_NOEXEC;
+    }
+    if attrs.nodiratime {
+        bits |= raw::MOUNT_ATTR_NODIRATIME;
+    }
+    bits |= match attrs.atime {
+        Atime::Relative => 0,
+        Atime::None => raw::MOUNT_ATTR_NOATIME,
+        Atime::Strict => raw::MOUNT_ATTR_STRICTATIME,
+    };
+    bits
+}
+
+/// Reads the messages the kernel left on an fs context descriptor (`e ...`, `w ...`).
+fn fs_context_messages(fs_fd: &OwnedFd) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 512];
+    for _ in 0..8 {
+        match rustix::io::read(fs_fd, &mut buf) {
+            Ok(n) if n > 0 => {
+                if !out.is_empty() {
+                    out.push(b';');
+                    out.push(b' ');
+                }
+                out.extend_from_slice(buf.get(..n).unwrap_or_default());
+            }
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&out).trim().to_string()
+}
+
+fn dev_pair(major: u32, minor: u32) -> (u32, u32) {
+    (major, minor)
+}
+
+impl Os for Linux {
+    fn mount_state(&self, path: &Path) -> SysResult<MountState> {
+        let fd = match self.open_beneath("open", path, OFlags::PATH) {
+            Ok(fd) => fd,
+            Err(e) if e.is_not_found() => return Ok(MountState::Absent),
+            Err(e) => match e.errno() {
+                Some(errno) if is_corruption_errno(errno) => {
+                    return Ok(MountState::Corrupted { errno });
+                }
+                _ => return Err(e),
+            },
+        };
+        let stx = match rustix::fs::statx(
+            &fd,
+            "",
+            AtFlags::EMPTY_PATH | AtFlags::SYMLINK_NOFOLLOW,
+            StatxFlags::TYPE | StatxFlags::from_bits_retain(STATX_MNT_ID_UNIQUE),
+        ) {
+            Ok(stx) => stx,
+            Err(e) if is_corruption_errno(e.raw_os_error()) => {
+                return Ok(MountState::Corrupted {
+                    errno: e.raw_os_error(),
+                });
+            }
+            Err(e) => return Err(SysError::new("statx", path, e)),
+        };
+        let file_type = FileType::from_raw_mode(stx.stx_mode.into());
+        let is_dir = file_type == FileType::Directory;
+        let mount_root = stx
+            .stx_attributes_mask
+            .contains(StatxAttributes::MOUNT_ROOT)
+            && stx.stx_attributes.contains(StatxAttributes::MOUNT_ROOT);
+        if !mount_root {
+            return Ok(MountState::NotMounted { is_dir });
+        }
+        let read_only = match rustix::fs::fstatvfs(&fd) {
+            Ok(vfs) => vfs.f_flag.contains(StatVfsMountFlags::RDONLY),
+            Err(e) if is_corruption_errno(e.raw_os_error()) => {
+                return Ok(MountState::Corrupted {
+                    errno: e.raw_os_error(),
+                });
+            }
+            Err(e) => return Err(SysError::new("statvfs", path, e)),
+        };
+        let rdev = (file_type == FileType::BlockDevice)
+            .then(|| dev_pair(stx.stx_rdev_major, stx.stx_rdev_minor));
+        Ok(MountState::Mounted(MountPoint {
+            mount_id: stx.stx_mnt_id,
+            dev: dev_pair(stx.stx_dev_major, stx.stx_dev_minor),
+            rdev,
+            is_dir,
+            read_only,
+        }))
+    }
+
+    fn mount_fs(&self, m: &FsMount) -> SysResult<()> {
+        let fs_fd = rustix::mount::fsopen(m.fs_type.as_str(), FsOpenFlags::FSOPEN_CLOEXEC)
+            .map_err(|e| SysError::new("fsopen", &m.target, e))?;
+        let fail = |step: &'static str, e: Errno| {
+            SysError::new(step, &m.device, e).with_detail(&fs_context_messages(&fs_fd))
+        };
+        rustix::mount::fsconfig_set_string(&fs_fd, "source", m.device.as_os_str())
+            .map_err(|e| fail("fsconfig source", e))?;
+        for opt in &m.options {
+            match opt.split_once('=') {
+                Some((k, v)) => rustix::mount::fsconfig_set_string(&fs_fd, k, v),
+                None => rustix::mount::fsconfig_set_flag(&fs_fd, opt.as_str()),
+            }
+            .map_err(|e| fail("fsconfig option", e))?;
+        }
+        if m.sb_read_only {
+            rustix::mount::fsconfig_set_flag(&fs_fd, "ro").map_err(|e| fail("fsconfig ro", e))?;
+        }
+        rustix::mount::fsconfig_create(&fs_fd).map_err(|e| fail("fsconfig create", e))?;
+        let attrs = MountAttrFlags::from_bits_retain(attr_bits(&m.attrs) as u32);
+        let mnt = rustix::mount::fsmount(&fs_fd, FsMountFlags::FSMOUNT_CLOEXEC, attrs)
+            .map_err(|e| fail("fsmount", e))?;
+        self.attach(&mnt, &m.target)
+    }
+
+    fn bind(&self, b: &BindMount) -> SysResult<()> {
+        let tree = self.open_source(&b.source)?;
+        let set = attr_bits(&b.attrs);
+        if set != 0 {
+            let attr = MountAttr {
+                attr_set: set,
+                attr_clr: if set & raw::MOUNT_ATTR_ATIME_MASK != 0 {
+                    raw::MOUNT_ATTR_ATIME_MASK
+                } else {
+                    0
+                },
+                ..MountAttr::default()
+            };
+            raw::mount_setattr_fd(&tree, &attr)
+                .map_err(|e| SysError::new("mount_setattr", &b.source, e))?;
+        }
+        self.attach(&tree, &b.target)
+    }
+
+    fn unmount(&self, target: &Path, detach: bool) -> SysResult<()> {
+        // Resolve the target without symlinks, then unmount through the descriptor's magic
+        // link, so that the path cannot be swapped between the check and the umount.
+        let fd = self.open_beneath("open unmount target", target, OFlags::PATH)?;
+        let proc_path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
+        let flags = if detach {
+            UnmountFlags::DETACH
+        } else {
+            UnmountFlags::empty()
+        };
+        rustix::mount::unmount(proc_path.as_str(), flags)
+            .map_err(|e| SysError::new("umount2", target, e))
+    }
+
+    fn make_dir(&self, path: &Path) -> SysResult<()> {
+        let (parent, name) = self.open_parent("open parent", path)?;
+        match rustix::fs::mkdirat(&parent, name, Mode::from_raw_mode(0o750)) {
+            Ok(()) => Ok(()),
+            Err(Errno::EXIST) => {
+                let st = rustix::fs::statat(&parent, name, AtFlags::SYMLINK_NOFOLLOW)
+                    .map_err(|e| SysError::new("stat", path, e))?;
+                if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+                    Ok(())
+                } else {
+                    Err(SysError::new("mkdir", path, Errno::NOTDIR))
+                }
+            }
+            Err(e) => Err(SysError::new("mkdir", path, e)),
+        }
+    }
+
+    fn make_file(&self, path: &Path) -> SysResult<()> {
+        let (parent, name) = self.open_parent("open parent", path)?;
+        rustix::fs::openat(
+            &parent,
+            name,
+            OFlags::CREATE | OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o640),
+        )
+        .map(drop)
+        .map_err(|e| SysError::new("create file", path, e))
+    }
+
+    fn remove(&self, path: &Path) -> SysResult<()> {
+        let (parent, name) = match self.open_parent("open parent", path) {
+            Ok(p) => p,
+            Err(e) if e.is_not_found() => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let st = match rustix::fs::statat(&parent, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::NOENT) => return Ok(()),
+            Err(e) => return Err(SysError::new("stat", path, e)),
+        };
+        let flags = if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+            AtFlags::REMOVEDIR
+        } else {
+            AtFlags::empty()
+        };
+        match rustix::fs::unlinkat(&parent, name, flags) {
+            Ok(()) | Err(Errno::NOENT) => Ok(()),
+            Err(e) => Err(SysError::new("remove", path, e)),
+        }
+    }
+
+    fn block_device(&self, path: &Path) -> SysResult<BlockDevice> {
+        let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| SysError::new("open device", path, e))?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| SysError::new("stat device", path, e))?;
+        if FileType::from_raw_mode(st.st_mode) != FileType::BlockDevice {
+            return Err(SysError::new("open device", path, Errno::NOTBLK));
+        }
+        let size = rustix::fs::seek(&fd, rustix::fs::SeekFrom::End(0))
+            .map_err(|e| SysError::new("size of device", path, e))?;
+        let rdev = st.st_rdev;
+        Ok(BlockDevice {
+            rdev: (rustix::fs::major(rdev), rustix::fs::minor(rdev)),
+            size,
+        })
+    }
+
+    fn read_device(&self, path: &Path, offset: u64, buf: &mut [u8]) -> SysResult<usize> {
+        let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| SysError::new("open device", path, e))?;
+        let mut done = 0;
+        while done < buf.len() {
+            let rest = buf.get_mut(done..).unwrap_or_default();
+            match rustix::io::pread(&fd, rest, offset + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(Errno::INTR) => {}
+                Err(e) => return Err(SysError::new("read device", path, e)),
+            }
+        }
+        Ok(done)
+    }
+
+    fn fs_usage(&self, path: &Path) -> SysResult<FsUsage> {
+        let fd = self.open_beneath("open", path, OFlags::PATH)?;
+        let v = rustix::fs::fstatvfs(&fd).map_err(|e| SysError::new("statvfs", path, e))?;
+        let total_bytes = v.f_blocks.saturating_mul(v.f_frsize);
+        let available_bytes = v.f_bavail.saturating_mul(v.f_frsize);
+        let free_bytes = v.f_bfree.saturating_mul(v.f_frsize);
+        Ok(FsUsage {
+            total_bytes,
+            available_bytes,
+            used_bytes: total_bytes.saturating_sub(free_bytes),
+            total_inodes: v.f_files,
+            free_inodes: v.f_ffree,
+            used_inodes: v.f_files.saturating_sub(v.f_ffree),
+        })
+    }
+
+    fn share_with_group(&self, path: &Path, gid: u32) -> SysResult<()> {
+        let fd = self.open_beneath("open", path, OFlags::RDONLY | OFlags::DIRECTORY)?;
+        let group = rustix::fs::Gid::from_raw(gid);
+        rustix::fs::fchown(&fd, None, Some(group)).map_err(|e| SysError::new("chown", path, e))?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| SysError::new("stat", path, e))?;
+        let mode = (st.st_mode & 0o7777) | 0o2070;
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))
+            .map_err(|e| SysError::new("chmod", path, e))
+    }
+
+    fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {
+        run_with_deadline(run)
+    }
+
+    fn has_program(&self, program: &str) -> bool {
+        find_program(program).is_some()
+    }
+}
+
+/// Finds `program` on `$PATH` or in the usual sbin/bin dirs.
+pub fn find_program(program: &str) -> Option<PathBuf> {
+    if program.contains('/') {
+        return Path::new(program).is_file().then(|| PathBuf::from(program));
+    }
+    let path_var = std::env::var_os("PATH").unwrap_or_default();
+    let from_env = std::env::split_paths(&path_var).collect::<Vec<_>>();
+    from_env
+        .into_iter()
+        .chain(TOOL_DIRS.iter().map(PathBuf::from))
+        .map(|dir| dir.join(program))
+        .find(|p| {
+            rustix::fs::access(p.as_os_str().as_bytes(), rustix::fs::Access::EXEC_OK).is_ok()
+                && p.is_file()
+        })
+}
+
+/// Runs a tool, collecting its stderr, and kills it at the deadline. Waiting is done on a
+/// pidfd with poll(2): no sleeps, no busy loop.
+fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
+    let program = run.program.clone();
+    let exe = find_program(&run.program).unwrap_or_else(|| PathBuf::from(&run.program));
+    let mut child = Command::new(&exe)
+        .args(&run.args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .env("LC_ALL", "C")
+        .spawn()
+        .map_err(|source| ToolError::Spawn {
+            program: program.clone(),
+            source,
+        })?;
+    let mut stderr = child.stderr.take();
+    let reader = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        if let Some(s) = stderr.as_mut() {
+            // Keep at most 64 KiB; the rest is drained so the tool never blocks.
+            let _ = s.take(64 * 1024).read_to_end(&mut out);
+            let _ = std::io::copy(s, &mut std::io::sink());
+        }
+        out
+    });
+    let wait_err = |source: std::io::Error| ToolError::Wait {
+        program: program.clone(),
+        source,
+    };
+    let pid = rustix::process::Pid::from_raw(child.id() as i32)
+        .ok_or_else(|| wait_err(std::io::Error::other("child has no pid")))?;
+    let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+        .map_err(|e| wait_err(e.into()))?;
+    let start = Instant::now();
+    let mut timed_out = false;
+    loop {
+        let left = run.deadline.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            timed_out = true;
+            let _ = child.kill();
+            break;
+        }
+        let mut fds = [rustix::event::PollFd::new(
+            &pidfd,
+            rustix::event::PollFlags::IN,
+        )];
+        let timeout = rustix::event::Timespec::try_from(left.min(Duration::from_secs(3600)))
+            .map_err(|_| wait_err(std::io::Error::other("bad deadline")))?;
+        match rustix::event::poll(&mut fds, Some(&timeout)) {
+            Ok(n) if n > 0 => break,
+            Ok(_) | Err(Errno::INTR) => {}
+            Err(e) => return Err(wait_err(e.into())),
+        }
+    }
+    let status = child.wait().map_err(wait_err)?;
+    let stderr = reader.join().unwrap_or_default();
+    if timed_out {
+        return Err(ToolError::Timeout {
+            program,
+            deadline: run.deadline,
+        });
+    }
+    if status.success() {
+        return Ok(());
+    }
+    Err(ToolError::Failed {
+        program,
+        status: status.to_string(),
+        stderr: String::from_utf8_lossy(&stderr).trim().to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tool_failure_carries_stderr() {
+        let run = ToolRun {
+            program: "sh".into(),
+            args: vec!["-c".into(), "echo boom >&2; exit 3".into()],
+            deadline: Duration::from_secs(10),
+        };
+        let err = run_with_deadline(&run).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("boom") && text.contains('3'), "{text}");
+    }
+
+    #[test]
+    fn tool_past_deadline_is_killed() {
+        let run = ToolRun {
+            program: "sleep".into(),
+            args: vec!["30".into()],
+            deadline: Duration::from_millis(200),
+        };
+        let err = run_with_deadline(&run).unwrap_err();
+        assert!(matches!(err, ToolError::Timeout { .. }), "{err}");
+    }
+
+    #[test]
+    fn tool_success() {
+        let run = ToolRun {
+            program: "true".into(),
+            args: vec![],
+            deadline: Duration::from_secs(10),
+        };
+        run_with_deadline(&run).unwrap();
+    }
+
+    #[test]
+    fn missing_tool_is_a_spawn_error() {
+        let run = ToolRun {
+            program: "moor-no-such-tool".into(),
+            args: vec![],
+            deadline: Duration::from_secs(1),
+        };
+        assert!(matches!(
+            run_with_deadline(&run),
+            Err(ToolError::Spawn { .. })
+        ));
+    }
+}

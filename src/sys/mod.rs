@@ -1,0 +1,273 @@
+//! The operating system, behind a trait.
+//!
+//! Everything the node engine asks of the kernel or of external tools goes through [`Os`]:
+//! mounting, unmounting, inspecting a path, reading a device, running mkfs. [`linux::Linux`]
+//! is the real thing (the only place with `unsafe`, in [`raw`]); [`fake::FakeOs`] keeps an
+//! in-memory model of mounts, directories and devices and records every call, so the CSI logic
+//! is unit-tested without root.
+
+pub mod fake;
+pub mod linux;
+pub mod raw;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// An error from one step of talking to the OS: which step, on what, and the errno.
+#[derive(Debug, thiserror::Error)]
+#[error("{step} {}: {source}{detail}", path.display())]
+pub struct SysError {
+    /// The operation that failed, e.g. "move_mount", "open target".
+    pub step: &'static str,
+    /// The path the operation was about.
+    pub path: PathBuf,
+    /// The underlying error.
+    #[source]
+    pub source: std::io::Error,
+    /// What else is known (the kernel's own message for a failed mount), with a leading space.
+    pub detail: String,
+}
+
+impl SysError {
+    /// Builds an error for `step` on `path`.
+    pub fn new(step: &'static str, path: &Path, source: impl Into<std::io::Error>) -> Self {
+        Self {
+            step,
+            path: path.to_path_buf(),
+            source: source.into(),
+            detail: String::new(),
+        }
+    }
+
+    /// Adds what else is known, e.g. the kernel's message.
+    #[must_use]
+    pub fn with_detail(mut self, detail: &str) -> Self {
+        if !detail.is_empty() {
+            self.detail = format!(" ({detail})");
+        }
+        self
+    }
+
+    /// The raw errno, if the error came from the kernel.
+    pub fn errno(&self) -> Option<i32> {
+        self.source.raw_os_error()
+    }
+
+    /// Whether the error says the path does not exist.
+    pub fn is_not_found(&self) -> bool {
+        self.errno() == Some(libc::ENOENT)
+    }
+}
+
+/// Result of an OS call.
+pub type SysResult<T> = Result<T, SysError>;
+
+/// Per-mount attributes the kernel enforces (the new mount API's `MOUNT_ATTR_*`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MountAttrs {
+    /// Read-only mount.
+    pub read_only: bool,
+    /// Ignore set-user/group-id bits.
+    pub nosuid: bool,
+    /// Do not interpret device nodes.
+    pub nodev: bool,
+    /// Do not allow execution.
+    pub noexec: bool,
+    /// Access time policy.
+    pub atime: Atime,
+    /// Do not update directory access times.
+    pub nodiratime: bool,
+}
+
+/// Access-time update policy of a mount.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Atime {
+    /// The kernel default (relatime).
+    #[default]
+    Relative,
+    /// Never update access times.
+    None,
+    /// Always update access times.
+    Strict,
+}
+
+/// A filesystem mount of a block device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FsMount {
+    /// The block device.
+    pub device: PathBuf,
+    /// Where to mount it (a directory under the kubelet dir).
+    pub target: PathBuf,
+    /// Filesystem type, e.g. "ext4".
+    pub fs_type: String,
+    /// Per-mount attributes.
+    pub attrs: MountAttrs,
+    /// Filesystem options (`key` or `key=value`), already validated.
+    pub options: Vec<String>,
+    /// Mount the superblock read-only (not only this mount).
+    pub sb_read_only: bool,
+}
+
+/// A bind mount of a directory or a file (a staged filesystem, or a device node).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BindMount {
+    /// What to bind.
+    pub source: PathBuf,
+    /// Where (an existing directory or file under the kubelet dir).
+    pub target: PathBuf,
+    /// Attributes applied to the new mount before it becomes visible.
+    pub attrs: MountAttrs,
+}
+
+/// What a path is, as far as mounts go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MountState {
+    /// Nothing at the path.
+    Absent,
+    /// A directory, file or other object that is not the root of a mount.
+    NotMounted {
+        /// Whether it is a directory.
+        is_dir: bool,
+    },
+    /// The root of a mount.
+    Mounted(MountPoint),
+    /// The mount is there but unusable (ENOTCONN, ESTALE, EIO, EHOSTDOWN, ...).
+    Corrupted {
+        /// The errno the kernel gave.
+        errno: i32,
+    },
+}
+
+/// What statx says of a mount root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MountPoint {
+    /// The kernel's unique mount id.
+    pub mount_id: u64,
+    /// Device of the mounted filesystem (major, minor).
+    pub dev: (u32, u32),
+    /// For a bind-mounted device node: the device it stands for.
+    pub rdev: Option<(u32, u32)>,
+    /// Whether the root is a directory.
+    pub is_dir: bool,
+    /// Whether the mount is read-only.
+    pub read_only: bool,
+}
+
+/// A block device as opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockDevice {
+    /// Its device number (major, minor).
+    pub rdev: (u32, u32),
+    /// Size in bytes.
+    pub size: u64,
+}
+
+/// Usage of a mounted filesystem.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FsUsage {
+    /// Total bytes.
+    pub total_bytes: u64,
+    /// Bytes available to unprivileged users.
+    pub available_bytes: u64,
+    /// Bytes used.
+    pub used_bytes: u64,
+    /// Total inodes.
+    pub total_inodes: u64,
+    /// Free inodes.
+    pub free_inodes: u64,
+    /// Used inodes.
+    pub used_inodes: u64,
+}
+
+/// An external tool run: mkfs, resize2fs, xfs_growfs, btrfs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolRun {
+    /// Program name or path.
+    pub program: String,
+    /// Arguments.
+    pub args: Vec<String>,
+    /// How long it may take before it is killed.
+    pub deadline: Duration,
+}
+
+/// Why a tool run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    /// The program could not be started.
+    #[error("cannot run {program}: {source}")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// It ran past its deadline and was killed.
+    #[error("{program} did not finish within {deadline:?} and was killed")]
+    Timeout {
+        /// The program.
+        program: String,
+        /// The deadline it missed.
+        deadline: Duration,
+    },
+    /// It exited with a failure.
+    #[error("{program} failed ({status}): {stderr}")]
+    Failed {
+        /// The program.
+        program: String,
+        /// Exit status as text.
+        status: String,
+        /// What it printed on stderr (trimmed).
+        stderr: String,
+    },
+    /// Waiting for it failed.
+    #[error("waiting for {program}: {source}")]
+    Wait {
+        /// The program.
+        program: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The kernel and tools, as the node engine uses them.
+///
+/// Paths handed to the mutating calls lie under the kubelet dir (the engine checks that
+/// before calling); implementations must not follow symlinks below it.
+pub trait Os: Send + Sync + 'static {
+    /// What is at `path`: nothing, an unmounted object, a mount root, or a corrupted mount.
+    fn mount_state(&self, path: &Path) -> SysResult<MountState>;
+    /// Mounts a block device's filesystem on an existing directory.
+    fn mount_fs(&self, m: &FsMount) -> SysResult<()>;
+    /// Bind-mounts `source` on the existing `target`, with `attrs` applied atomically.
+    fn bind(&self, b: &BindMount) -> SysResult<()>;
+    /// Unmounts the mount at `target`; `detach` makes it lazy (for corrupted mounts).
+    fn unmount(&self, target: &Path, detach: bool) -> SysResult<()>;
+    /// Creates a directory (parents must exist), mode 0750. Existing directory: Ok.
+    fn make_dir(&self, path: &Path) -> SysResult<()>;
+    /// Creates an empty regular file, mode 0640. Existing file: Ok.
+    fn make_file(&self, path: &Path) -> SysResult<()>;
+    /// Removes an empty directory or a file, without following symlinks. Absent: Ok.
+    fn remove(&self, path: &Path) -> SysResult<()>;
+    /// Opens a block device and reports its number and size.
+    fn block_device(&self, path: &Path) -> SysResult<BlockDevice>;
+    /// Reads from a block device at `offset`; returns how many bytes were read.
+    fn read_device(&self, path: &Path, offset: u64, buf: &mut [u8]) -> SysResult<usize>;
+    /// Usage of the filesystem mounted at `path`.
+    fn fs_usage(&self, path: &Path) -> SysResult<FsUsage>;
+    /// Gives a directory to a group: chown to `gid`, group rwx and setgid.
+    fn share_with_group(&self, path: &Path, gid: u32) -> SysResult<()>;
+    /// Runs a tool to completion within its deadline.
+    fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError>;
+    /// Whether a program is on the PATH.
+    fn has_program(&self, program: &str) -> bool;
+}
+
+/// Errnos that mean "a mount is there but broken".
+pub fn is_corruption_errno(errno: i32) -> bool {
+    matches!(
+        errno,
+        libc::ENOTCONN | libc::ESTALE | libc::EIO | libc::EHOSTDOWN | libc::ENXIO | libc::ENODEV
+    )
+}

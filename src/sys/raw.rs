@@ -1,0 +1,62 @@
+//! The syscalls rustix does not wrap yet. This module is the only `unsafe` code in the node.
+//!
+//! * `mount_setattr(2)` (Linux 5.12): change the attributes of a (detached) mount tree, used to
+//!   make a bind mount read-only before it becomes visible, with no window in which it is
+//!   writable.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd};
+
+/// `MOUNT_ATTR_RDONLY`.
+pub const MOUNT_ATTR_RDONLY: u64 = 0x0000_0001;
+/// `MOUNT_ATTR_NOSUID`.
+pub const MOUNT_ATTR_NOSUID: u64 = 0x0000_0002;
+/// `MOUNT_ATTR_NODEV`.
+pub const MOUNT_ATTR_NODEV: u64 = 0x0000_0004;
+/// `MOUNT_ATTR_NOEXEC`.
+pub const MOUNT_ATTR_NOEXEC: u64 = 0x0000_0008;
+/// `MOUNT_ATTR__ATIME`: the mask of the access-time policy bits.
+pub const MOUNT_ATTR_ATIME_MASK: u64 = 0x0000_0070;
+/// `MOUNT_ATTR_NOATIME`.
+pub const MOUNT_ATTR_NOATIME: u64 = 0x0000_0010;
+/// `MOUNT_ATTR_STRICTATIME`.
+pub const MOUNT_ATTR_STRICTATIME: u64 = 0x0000_0020;
+/// `MOUNT_ATTR_NODIRATIME`.
+pub const MOUNT_ATTR_NODIRATIME: u64 = 0x0000_0080;
+
+/// `struct mount_attr` (`MOUNT_ATTR_SIZE_VER0`).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct MountAttr {
+    /// Attributes to set.
+    pub attr_set: u64,
+    /// Attributes to clear.
+    pub attr_clr: u64,
+    /// Propagation type.
+    pub propagation: u64,
+    /// User namespace fd for idmapped mounts.
+    pub userns_fd: u64,
+}
+
+/// `mount_setattr(fd, "", AT_EMPTY_PATH, attr)`: applies `attr` to the mount `fd` refers to.
+pub fn mount_setattr_fd(fd: impl AsFd, attr: &MountAttr) -> io::Result<()> {
+    let empty = c"";
+    // SAFETY: `fd` is a live descriptor borrowed for the call; `empty` is a NUL-terminated
+    // string that outlives the call; `attr` points to a properly sized and initialised
+    // `struct mount_attr` whose size we pass, and the kernel only reads it.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            fd.as_fd().as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint,
+            std::ptr::from_ref(attr),
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

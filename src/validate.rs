@@ -1,0 +1,437 @@
+//! Request validation for every Node RPC, in one place.
+//!
+//! Each function turns a CSI request into a typed request the engine can trust, or an
+//! INVALID_ARGUMENT naming the field, before anything on the node is touched. Secrets are
+//! never read here and never appear in an error.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use csi::volume_capability::{AccessType, access_mode::Mode};
+use moor_proto::csi::v1 as csi;
+
+use crate::error::{Error, Result};
+use crate::mount_options::{self, Filesystem, MountOptions};
+use crate::sys::MountAttrs;
+
+/// Longest volume id (the spec's general limit for strings).
+pub const MAX_ID_LEN: usize = 128;
+/// Longest path (PATH_MAX).
+pub const MAX_PATH_LEN: usize = 4096;
+/// Most bytes in all keys and values of one map (the spec's 4 KiB for maps).
+pub const MAX_MAP_BYTES: usize = 4096;
+/// Most mount flags in one capability.
+pub const MAX_MOUNT_FLAGS: usize = 64;
+/// The publish_context key naming the device the controller attached.
+pub const DEVICE_PATH_KEY: &str = "devicePath";
+/// Filesystem used when the capability names none.
+pub const DEFAULT_FS: Filesystem = Filesystem::Ext4;
+
+/// How the volume is accessed, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Access {
+    /// A filesystem mount.
+    Mount {
+        /// The filesystem.
+        fs: Filesystem,
+        /// Parsed mount flags.
+        options: MountOptions,
+        /// volume_mount_group as a gid.
+        group: Option<u32>,
+    },
+    /// A raw block device.
+    Block {
+        /// Per-mount flags for the device node bind mount.
+        attrs: MountAttrs,
+    },
+}
+
+impl Access {
+    /// Whether this is a block volume.
+    pub fn is_block(&self) -> bool {
+        matches!(self, Access::Block { .. })
+    }
+
+    /// Per-mount attributes asked for.
+    pub fn attrs(&self) -> MountAttrs {
+        match self {
+            Access::Mount { options, .. } => options.attrs,
+            Access::Block { attrs } => *attrs,
+        }
+    }
+}
+
+/// A validated volume capability.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capability {
+    /// Access type.
+    pub access: Access,
+    /// Access mode (the CSI enum value).
+    pub mode: Mode,
+}
+
+impl Capability {
+    /// Whether the mode only allows reading.
+    pub fn is_reader_only(&self) -> bool {
+        matches!(
+            self.mode,
+            Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly
+        )
+    }
+}
+
+/// NodeStageVolume, validated.
+#[derive(Debug, Clone)]
+pub struct Stage {
+    /// Volume id.
+    pub volume_id: String,
+    /// The device the controller attached.
+    pub device: PathBuf,
+    /// staging_target_path.
+    pub staging: PathBuf,
+    /// Capability.
+    pub cap: Capability,
+}
+
+/// NodeUnstageVolume, validated.
+#[derive(Debug, Clone)]
+pub struct Unstage {
+    /// Volume id.
+    pub volume_id: String,
+    /// staging_target_path.
+    pub staging: PathBuf,
+}
+
+/// NodePublishVolume, validated.
+#[derive(Debug, Clone)]
+pub struct Publish {
+    /// Volume id.
+    pub volume_id: String,
+    /// staging_target_path.
+    pub staging: PathBuf,
+    /// target_path.
+    pub target: PathBuf,
+    /// Capability.
+    pub cap: Capability,
+    /// readonly.
+    pub readonly: bool,
+}
+
+/// NodeUnpublishVolume, validated.
+#[derive(Debug, Clone)]
+pub struct Unpublish {
+    /// Volume id.
+    pub volume_id: String,
+    /// target_path.
+    pub target: PathBuf,
+}
+
+/// NodeGetVolumeStats, validated.
+#[derive(Debug, Clone)]
+pub struct Stats {
+    /// Volume id.
+    pub volume_id: String,
+    /// volume_path.
+    pub path: PathBuf,
+}
+
+/// NodeExpandVolume, validated.
+#[derive(Debug, Clone)]
+pub struct Expand {
+    /// Volume id.
+    pub volume_id: String,
+    /// volume_path.
+    pub path: PathBuf,
+    /// staging_target_path, if given.
+    pub staging: Option<PathBuf>,
+    /// capacity_range.required_bytes (0: unset).
+    pub required_bytes: u64,
+    /// capacity_range.limit_bytes (0: unset).
+    pub limit_bytes: u64,
+    /// Capability, if given.
+    pub cap: Option<Capability>,
+}
+
+/// Checks a volume id.
+pub fn volume_id(field: &'static str, id: &str) -> Result<String> {
+    if id.is_empty() {
+        return Err(Error::invalid(field, "must be set"));
+    }
+    if id.len() > MAX_ID_LEN {
+        return Err(Error::invalid(
+            field,
+            format!("longer than {MAX_ID_LEN} bytes"),
+        ));
+    }
+    if id.bytes().any(|b| b == 0 || b.is_ascii_control()) {
+        return Err(Error::invalid(field, "contains control characters"));
+    }
+    Ok(id.to_string())
+}
+
+/// Checks that `raw` is an absolute, clean path strictly below `root`.
+pub fn path_under(field: &'static str, raw: &str, root: &Path) -> Result<PathBuf> {
+    let path = clean_absolute(field, raw)?;
+    if !path.starts_with(root) || path == root {
+        return Err(Error::invalid(
+            field,
+            format!("must lie under {}", root.display()),
+        ));
+    }
+    Ok(path)
+}
+
+/// Checks that `raw` is an absolute path with no empty, `.` or `..` components.
+pub fn clean_absolute(field: &'static str, raw: &str) -> Result<PathBuf> {
+    if raw.is_empty() {
+        return Err(Error::invalid(field, "must be set"));
+    }
+    if raw.len() > MAX_PATH_LEN {
+        return Err(Error::invalid(
+            field,
+            format!("longer than {MAX_PATH_LEN} bytes"),
+        ));
+    }
+    if raw.contains('\0') {
+        return Err(Error::invalid(field, "contains a NUL byte"));
+    }
+    let Some(rest) = raw.strip_prefix('/') else {
+        return Err(Error::invalid(field, "must be an absolute path"));
+    };
+    for part in rest.split('/') {
+        if part.is_empty() || part == "." || part == ".." {
+            return Err(Error::invalid(
+                field,
+                "must be a clean path (no empty, '.' or '..' components)",
+            ));
+        }
+    }
+    Ok(PathBuf::from(raw))
+}
+
+fn map_size(field: &'static str, map: &HashMap<String, String>) -> Result<()> {
+    let bytes: usize = map.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if bytes > MAX_MAP_BYTES {
+        return Err(Error::invalid(
+            field,
+            format!("larger than {MAX_MAP_BYTES} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a volume capability.
+pub fn capability(cap: Option<&csi::VolumeCapability>) -> Result<Capability> {
+    let cap = cap.ok_or_else(|| Error::invalid("volume_capability", "must be set"))?;
+    let mode_raw = cap
+        .access_mode
+        .as_ref()
+        .ok_or_else(|| Error::invalid("volume_capability.access_mode", "must be set"))?
+        .mode;
+    let mode = Mode::try_from(mode_raw)
+        .ok()
+        .filter(|m| *m != Mode::Unknown)
+        .ok_or_else(|| {
+            Error::invalid(
+                "volume_capability.access_mode.mode",
+                format!("unknown mode {mode_raw}"),
+            )
+        })?;
+    let access = match &cap.access_type {
+        None => {
+            return Err(Error::invalid(
+                "volume_capability.access_type",
+                "must be set",
+            ));
+        }
+        Some(AccessType::Block(_)) => Access::Block {
+            attrs: MountAttrs::default(),
+        },
+        Some(AccessType::Mount(m)) => {
+            let fs = if m.fs_type.is_empty() {
+                DEFAULT_FS
+            } else {
+                Filesystem::from_name(&m.fs_type).ok_or_else(|| {
+                    Error::invalid(
+                        "volume_capability.mount.fs_type",
+                        format!(
+                            "{:?} is not supported (ext2, ext3, ext4, xfs, btrfs)",
+                            trunc(&m.fs_type)
+                        ),
+                    )
+                })?
+            };
+            if m.mount_flags.len() > MAX_MOUNT_FLAGS
+                || m.mount_flags.iter().map(String::len).sum::<usize>() > MAX_MAP_BYTES
+            {
+                return Err(Error::invalid(
+                    "volume_capability.mount.mount_flags",
+                    "too many or too long",
+                ));
+            }
+            let options = mount_options::parse(&m.mount_flags, fs)?;
+            let group = if m.volume_mount_group.is_empty() {
+                None
+            } else {
+                Some(m.volume_mount_group.parse::<u32>().map_err(|_| {
+                    Error::invalid(
+                        "volume_capability.mount.volume_mount_group",
+                        format!(
+                            "{:?} is not a numeric group id",
+                            trunc(&m.volume_mount_group)
+                        ),
+                    )
+                })?)
+            };
+            Access::Mount { fs, options, group }
+        }
+    };
+    if !access.is_block()
+        && matches!(
+            mode,
+            Mode::MultiNodeMultiWriter | Mode::MultiNodeSingleWriter
+        )
+    {
+        return Err(Error::FailedPrecondition(format!(
+            "access mode {} is not supported for a filesystem volume: ext4, xfs and btrfs are not \
+             cluster filesystems",
+            mode.as_str_name()
+        )));
+    }
+    Ok(Capability { access, mode })
+}
+
+/// Shortens user input quoted in an error.
+fn trunc(s: &str) -> &str {
+    let mut end = s.len().min(64);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// Validates NodeStageVolume.
+pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<Stage> {
+    let volume_id = volume_id("volume_id", &req.volume_id)?;
+    let staging = path_under("staging_target_path", &req.staging_target_path, kubelet_dir)?;
+    let cap = capability(req.volume_capability.as_ref())?;
+    map_size("publish_context", &req.publish_context)?;
+    map_size("volume_context", &req.volume_context)?;
+    let raw = req.publish_context.get(DEVICE_PATH_KEY).ok_or_else(|| {
+        Error::invalid(
+            "publish_context",
+            format!("{DEVICE_PATH_KEY:?} must be set"),
+        )
+    })?;
+    let device = clean_absolute("publish_context.devicePath", raw)?;
+    if !device.starts_with("/dev") || device.starts_with(kubelet_dir) {
+        return Err(Error::invalid(
+            "publish_context.devicePath",
+            "must name a device under /dev",
+        ));
+    }
+    Ok(Stage {
+        volume_id,
+        device,
+        staging,
+        cap,
+    })
+}
+
+/// Validates NodeUnstageVolume.
+pub fn unstage(req: &csi::NodeUnstageVolumeRequest, kubelet_dir: &Path) -> Result<Unstage> {
+    Ok(Unstage {
+        volume_id: volume_id("volume_id", &req.volume_id)?,
+        staging: path_under("staging_target_path", &req.staging_target_path, kubelet_dir)?,
+    })
+}
+
+/// Validates NodePublishVolume.
+pub fn publish(req: &csi::NodePublishVolumeRequest, kubelet_dir: &Path) -> Result<Publish> {
+    let volume_id = volume_id("volume_id", &req.volume_id)?;
+    let target = path_under("target_path", &req.target_path, kubelet_dir)?;
+    let cap = capability(req.volume_capability.as_ref())?;
+    map_size("publish_context", &req.publish_context)?;
+    map_size("volume_context", &req.volume_context)?;
+    if req.staging_target_path.is_empty() {
+        // moor advertises STAGE_UNSTAGE_VOLUME: the spec's row "staging target path not set".
+        return Err(Error::FailedPrecondition(
+            "staging_target_path must be set: moor stages volumes before publishing them".into(),
+        ));
+    }
+    let staging = path_under("staging_target_path", &req.staging_target_path, kubelet_dir)?;
+    if staging == target || target.starts_with(&staging) || staging.starts_with(&target) {
+        return Err(Error::invalid(
+            "target_path",
+            "must not overlap staging_target_path",
+        ));
+    }
+    Ok(Publish {
+        volume_id,
+        staging,
+        target,
+        cap,
+        readonly: req.readonly,
+    })
+}
+
+/// Validates NodeUnpublishVolume.
+pub fn unpublish(req: &csi::NodeUnpublishVolumeRequest, kubelet_dir: &Path) -> Result<Unpublish> {
+    Ok(Unpublish {
+        volume_id: volume_id("volume_id", &req.volume_id)?,
+        target: path_under("target_path", &req.target_path, kubelet_dir)?,
+    })
+}
+
+/// Validates NodeGetVolumeStats.
+pub fn stats(req: &csi::NodeGetVolumeStatsRequest, kubelet_dir: &Path) -> Result<Stats> {
+    Ok(Stats {
+        volume_id: volume_id("volume_id", &req.volume_id)?,
+        path: path_under("volume_path", &req.volume_path, kubelet_dir)?,
+    })
+}
+
+/// Validates NodeExpandVolume.
+pub fn expand(req: &csi::NodeExpandVolumeRequest, kubelet_dir: &Path) -> Result<Expand> {
+    let volume_id = volume_id("volume_id", &req.volume_id)?;
+    let path = path_under("volume_path", &req.volume_path, kubelet_dir)?;
+    let staging = if req.staging_target_path.is_empty() {
+        None
+    } else {
+        Some(path_under(
+            "staging_target_path",
+            &req.staging_target_path,
+            kubelet_dir,
+        )?)
+    };
+    let (required_bytes, limit_bytes) = match &req.capacity_range {
+        None => (0, 0),
+        Some(r) => {
+            let req_b = u64::try_from(r.required_bytes).map_err(|_| {
+                Error::invalid("capacity_range.required_bytes", "must not be negative")
+            })?;
+            let lim_b = u64::try_from(r.limit_bytes).map_err(|_| {
+                Error::invalid("capacity_range.limit_bytes", "must not be negative")
+            })?;
+            if lim_b != 0 && req_b > lim_b {
+                return Err(Error::invalid(
+                    "capacity_range",
+                    "required_bytes exceeds limit_bytes",
+                ));
+            }
+            (req_b, lim_b)
+        }
+    };
+    let cap = match req.volume_capability.as_ref() {
+        None => None,
+        Some(c) => Some(capability(Some(c))?),
+    };
+    Ok(Expand {
+        volume_id,
+        path,
+        staging,
+        required_bytes,
+        limit_bytes,
+        cap,
+    })
+}
