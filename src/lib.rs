@@ -20,3 +20,6 @@ pub mod server;
 pub mod service;
 pub mod sys;
 pub mod validate;
+
+#[cfg(test)]
+mod service_tests;
