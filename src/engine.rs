@@ -582,6 +582,20 @@ impl<O: Os> Engine<O> {
             }
         };
 
+        // The spec's table: a volume that is not multi-node or single-node-multi-writer may be
+        // published at one target only.
+        let single_target = matches!(
+            req.cap.mode,
+            Mode::SingleNodeWriter | Mode::SingleNodeSingleWriter | Mode::SingleNodeReaderOnly
+        );
+        if single_target && let Some(other) = record.publishes.keys().find(|t| **t != req.target) {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?} is already published at {} and its access mode {} allows one target",
+                req.volume_id,
+                other.display(),
+                req.cap.mode.as_str_name()
+            )));
+        }
         if let Some(existing) = record.publishes.get(&req.target)
             && (existing.block != wanted.block
                 || existing.attrs != wanted.attrs
@@ -818,6 +832,14 @@ impl<O: Os> Engine<O> {
             return Err(Error::invalid(
                 "staging_target_path",
                 format!("the volume is staged at {}", stage.path.display()),
+            ));
+        }
+        if let Some(cap) = &req.cap
+            && cap.access.is_block() != matches!(stage.access, AccessRecord::Block)
+        {
+            return Err(Error::invalid(
+                "volume_capability",
+                "the access type differs from the one the volume was staged with",
             ));
         }
         let dev = self.open_device(&req.volume_id, &stage.device)?;

@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
 use moor_proto::csi::v1 as csi;
 use moor_proto::csi::v1::node_server::Node;
-use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
 use tonic::{Code, Request};
 
 use crate::engine::{Engine, EngineConfig};
@@ -47,10 +47,16 @@ fn harness_with(max_volumes: u64) -> Harness {
     let os = Arc::new(FakeOs::new());
     os.add_dir(Path::new(STAGING).parent().unwrap_or(Path::new("/")));
     os.add_dir(Path::new(TARGET).parent().unwrap_or(Path::new("/")));
-    os.add_dir(format!("{K}/plugins/kubernetes.io/csi/volumeDevices/publish/pv1"));
+    os.add_dir(format!(
+        "{K}/plugins/kubernetes.io/csi/volumeDevices/publish/pv1"
+    ));
     os.add_device(DEV, (7, 7), GIB);
     let (journal, _) = Journal::open(&state, false).expect("journal");
-    let cfg = EngineConfig { kubelet_dir: K.into(), max_volumes, ..EngineConfig::default() };
+    let cfg = EngineConfig {
+        kubelet_dir: K.into(),
+        max_volumes,
+        ..EngineConfig::default()
+    };
     let engine = Arc::new(Engine::new(Arc::clone(&os), Arc::new(journal), cfg));
     let info = PluginInfo {
         driver_name: "moor.csi.io".into(),
@@ -60,7 +66,12 @@ fn harness_with(max_volumes: u64) -> Harness {
         state_dir: state.clone(),
     };
     let svc = NodeService::new(Arc::clone(&engine), info);
-    Harness { os, svc, engine, state }
+    Harness {
+        os,
+        svc,
+        engine,
+        state,
+    }
 }
 
 fn harness() -> Harness {
@@ -80,7 +91,9 @@ fn mount_cap(fs: &str, flags: &[&str], mode: Mode) -> csi::VolumeCapability {
 
 fn block_cap() -> csi::VolumeCapability {
     csi::VolumeCapability {
-        access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
         access_type: Some(AccessType::Block(BlockVolume {})),
     }
 }
@@ -110,11 +123,17 @@ fn publish_req(cap: csi::VolumeCapability, readonly: bool) -> csi::NodePublishVo
 }
 
 fn unpublish_req(target: &str) -> csi::NodeUnpublishVolumeRequest {
-    csi::NodeUnpublishVolumeRequest { volume_id: "vol-1".into(), target_path: target.into() }
+    csi::NodeUnpublishVolumeRequest {
+        volume_id: "vol-1".into(),
+        target_path: target.into(),
+    }
 }
 
 fn unstage_req() -> csi::NodeUnstageVolumeRequest {
-    csi::NodeUnstageVolumeRequest { volume_id: "vol-1".into(), staging_target_path: STAGING.into() }
+    csi::NodeUnstageVolumeRequest {
+        volume_id: "vol-1".into(),
+        staging_target_path: STAGING.into(),
+    }
 }
 
 fn stats_req(path: &str) -> csi::NodeGetVolumeStatsRequest {
@@ -141,11 +160,17 @@ fn count(calls: &[Call], pred: impl Fn(&Call) -> bool) -> usize {
 }
 
 fn mkfs_calls(h: &Harness) -> usize {
-    count(&h.os.calls(), |c| matches!(c, Call::Tool(p, _) if p.starts_with("mkfs")))
+    count(
+        &h.os.calls(),
+        |c| matches!(c, Call::Tool(p, _) if p.starts_with("mkfs")),
+    )
 }
 
 async fn staged(h: &Harness) {
-    h.svc.node_stage_volume(Request::new(stage_req(ext4()))).await.expect("stage");
+    h.svc
+        .node_stage_volume(Request::new(stage_req(ext4())))
+        .await
+        .expect("stage");
 }
 
 // ---- NodeStageVolume ----
@@ -155,14 +180,23 @@ async fn stage_formats_a_blank_device_once_and_mounts_it() {
     let h = harness();
     staged(&h).await;
     let calls = h.os.calls();
-    let mkfs: Vec<_> = calls.iter().filter_map(|c| match c {
-        Call::Tool(p, a) => Some((p.clone(), a.clone())),
-        _ => None,
-    }).collect();
+    let mkfs: Vec<_> = calls
+        .iter()
+        .filter_map(|c| match c {
+            Call::Tool(p, a) => Some((p.clone(), a.clone())),
+            _ => None,
+        })
+        .collect();
     assert_eq!(mkfs.len(), 1);
     assert_eq!(mkfs[0].0, "mkfs.ext4");
-    assert!(mkfs[0].1.iter().any(|a| a.contains("lazy_itable_init=1")), "{mkfs:?}");
-    assert!(mkfs[0].1.iter().any(|a| a.contains("nodiscard")), "{mkfs:?}");
+    assert!(
+        mkfs[0].1.iter().any(|a| a.contains("lazy_itable_init=1")),
+        "{mkfs:?}"
+    );
+    assert!(
+        mkfs[0].1.iter().any(|a| a.contains("nodiscard")),
+        "{mkfs:?}"
+    );
     assert_eq!(h.os.mount_depth(STAGING), 1);
     // A repeat is OK and does nothing.
     h.os.clear_calls();
@@ -175,7 +209,11 @@ async fn stage_formats_a_blank_device_once_and_mounts_it() {
 async fn stage_xfs_always_mounts_with_nouuid() {
     let h = harness();
     h.svc
-        .node_stage_volume(Request::new(stage_req(mount_cap("xfs", &["noatime"], Mode::SingleNodeWriter))))
+        .node_stage_volume(Request::new(stage_req(mount_cap(
+            "xfs",
+            &["noatime"],
+            Mode::SingleNodeWriter,
+        ))))
         .await
         .expect("stage");
     let m = h.os.calls().into_iter().find_map(|c| match c {
@@ -194,7 +232,10 @@ async fn stage_of_a_device_with_another_filesystem_fails_and_touches_nothing() {
     for (offset, bytes) in superblock("xfs") {
         h.os.write_device(DEV, offset, &bytes);
     }
-    let r = h.svc.node_stage_volume(Request::new(stage_req(ext4()))).await;
+    let r = h
+        .svc
+        .node_stage_volume(Request::new(stage_req(ext4())))
+        .await;
     let s = r.expect_err("must fail");
     assert_eq!(s.code(), Code::FailedPrecondition);
     assert!(s.message().contains("xfs"), "{}", s.message());
@@ -235,8 +276,12 @@ async fn stage_error_rows() {
     let h = harness();
     // Volume does not exist (the device is not on this node): NOT_FOUND.
     let mut r = stage_req(ext4());
-    r.publish_context.insert("devicePath".into(), "/dev/loop99".into());
-    assert_eq!(code(h.svc.node_stage_volume(Request::new(r))).await, Code::NotFound);
+    r.publish_context
+        .insert("devicePath".into(), "/dev/loop99".into());
+    assert_eq!(
+        code(h.svc.node_stage_volume(Request::new(r))).await,
+        Code::NotFound
+    );
     // Missing fields: INVALID_ARGUMENT.
     for mutate in [
         (|r: &mut csi::NodeStageVolumeRequest| r.volume_id.clear()) as fn(&mut _),
@@ -250,27 +295,49 @@ async fn stage_error_rows() {
         |r| r.volume_capability = Some(mount_cap("vfat", &[], Mode::SingleNodeWriter)),
         |r| r.volume_capability = Some(mount_cap("ext4", &["bind"], Mode::SingleNodeWriter)),
         |r| r.volume_capability = Some(mount_cap("ext4", &[], Mode::Unknown)),
-        |r| r.publish_context.insert("devicePath".into(), "/etc/passwd".into()).map(drop).unwrap_or(()),
+        |r| {
+            r.publish_context
+                .insert("devicePath".into(), "/etc/passwd".into())
+                .map(drop)
+                .unwrap_or(())
+        },
     ] {
         let mut r = stage_req(ext4());
         mutate(&mut r);
-        assert_eq!(code(h.svc.node_stage_volume(Request::new(r.clone()))).await, Code::InvalidArgument, "{r:?}");
+        assert_eq!(
+            code(h.svc.node_stage_volume(Request::new(r.clone()))).await,
+            Code::InvalidArgument,
+            "{r:?}"
+        );
     }
-    assert!(h.os.calls().iter().all(|c| !matches!(c, Call::MountFs(_) | Call::Tool(..) | Call::MakeDir(_))));
+    assert!(
+        h.os.calls()
+            .iter()
+            .all(|c| !matches!(c, Call::MountFs(_) | Call::Tool(..) | Call::MakeDir(_)))
+    );
     // Exceeds capabilities: a multi-node writer on a node-local filesystem.
     let r = stage_req(mount_cap("ext4", &[], Mode::MultiNodeMultiWriter));
-    assert_eq!(code(h.svc.node_stage_volume(Request::new(r))).await, Code::FailedPrecondition);
+    assert_eq!(
+        code(h.svc.node_stage_volume(Request::new(r))).await,
+        Code::FailedPrecondition
+    );
     // Staged, then the same volume and path with another capability: ALREADY_EXISTS.
     staged(&h).await;
     let r = stage_req(mount_cap("ext4", &["noatime"], Mode::SingleNodeWriter));
-    assert_eq!(code(h.svc.node_stage_volume(Request::new(r))).await, Code::AlreadyExists);
+    assert_eq!(
+        code(h.svc.node_stage_volume(Request::new(r))).await,
+        Code::AlreadyExists
+    );
 }
 
 #[tokio::test]
 async fn stage_with_an_operation_in_flight_is_aborted() {
     let h = harness();
     let guard = h.engine.locks().try_lock("vol-1").expect("lock");
-    assert_eq!(code(h.svc.node_stage_volume(Request::new(stage_req(ext4())))).await, Code::Aborted);
+    assert_eq!(
+        code(h.svc.node_stage_volume(Request::new(stage_req(ext4())))).await,
+        Code::Aborted
+    );
     drop(guard);
     staged(&h).await;
 }
@@ -282,16 +349,23 @@ async fn stage_beyond_max_volumes_is_resource_exhausted() {
     h.os.add_device("/dev/loop8", (7, 8), GIB);
     let mut r = stage_req(ext4());
     r.volume_id = "vol-2".into();
-    r.publish_context.insert("devicePath".into(), "/dev/loop8".into());
+    r.publish_context
+        .insert("devicePath".into(), "/dev/loop8".into());
     r.staging_target_path = format!("{K}/plugins/kubernetes.io/csi/moor.csi.io/abc/g2");
-    assert_eq!(code(h.svc.node_stage_volume(Request::new(r))).await, Code::ResourceExhausted);
+    assert_eq!(
+        code(h.svc.node_stage_volume(Request::new(r))).await,
+        Code::ResourceExhausted
+    );
 }
 
 #[tokio::test]
 async fn failed_mount_leaves_nothing_behind() {
     let h = harness();
     h.os.fail_next("mount_fs", libc::EINVAL);
-    assert_eq!(code(h.svc.node_stage_volume(Request::new(stage_req(ext4())))).await, Code::Internal);
+    assert_eq!(
+        code(h.svc.node_stage_volume(Request::new(stage_req(ext4())))).await,
+        Code::Internal
+    );
     assert_eq!(h.os.mount_depth(STAGING), 0);
     assert!(h.engine.journal().get("vol-1").is_none());
     // And the retry works, without formatting again.
@@ -304,11 +378,16 @@ async fn failed_mount_leaves_nothing_behind() {
 async fn interrupted_mkfs_is_resumed_only_by_moor() {
     let h = harness();
     h.os.fail_next("tool", 1);
-    assert_eq!(code(h.svc.node_stage_volume(Request::new(stage_req(ext4())))).await, Code::Internal);
+    assert_eq!(
+        code(h.svc.node_stage_volume(Request::new(stage_req(ext4())))).await,
+        Code::Internal
+    );
     // mkfs left partial data behind; the journal says moor was formatting this device.
     h.os.write_device(DEV, 4096, &[0xFF; 16]);
     staged(&h).await;
-    let forced = h.os.calls().iter().any(|c| matches!(c, Call::Tool(p, a) if p == "mkfs.ext4" && a.contains(&"-F".to_string())));
+    let forced = h.os.calls().iter().any(
+        |c| matches!(c, Call::Tool(p, a) if p == "mkfs.ext4" && a.contains(&"-F".to_string())),
+    );
     assert!(forced, "resumed mkfs must be forced");
 }
 
@@ -319,14 +398,23 @@ async fn stage_applies_volume_mount_group() {
     if let Some(AccessType::Mount(m)) = cap.access_type.as_mut() {
         m.volume_mount_group = "2000".into();
     }
-    h.svc.node_stage_volume(Request::new(stage_req(cap))).await.expect("stage");
-    assert!(h.os.calls().contains(&Call::ShareWithGroup(STAGING.into(), 2000)));
+    h.svc
+        .node_stage_volume(Request::new(stage_req(cap)))
+        .await
+        .expect("stage");
+    assert!(
+        h.os.calls()
+            .contains(&Call::ShareWithGroup(STAGING.into(), 2000))
+    );
 }
 
 #[tokio::test]
 async fn block_stage_mounts_nothing() {
     let h = harness();
-    h.svc.node_stage_volume(Request::new(stage_req(block_cap()))).await.expect("stage");
+    h.svc
+        .node_stage_volume(Request::new(stage_req(block_cap())))
+        .await
+        .expect("stage");
     assert_eq!(mkfs_calls(&h), 0);
     assert_eq!(h.os.mount_depth(STAGING), 0);
 }
@@ -337,13 +425,23 @@ async fn block_stage_mounts_nothing() {
 async fn publish_binds_the_staging_mount_and_repeats_are_ok() {
     let h = harness();
     staged(&h).await;
-    h.svc.node_publish_volume(Request::new(publish_req(ext4(), false))).await.expect("publish");
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
     assert_eq!(h.os.mount_depth(TARGET), 1);
-    h.svc.node_publish_volume(Request::new(publish_req(ext4(), false))).await.expect("repeat");
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("repeat");
     assert_eq!(h.os.mount_depth(TARGET), 1, "never stack a second mount");
     // The same target with other arguments: ALREADY_EXISTS.
     assert_eq!(
-        code(h.svc.node_publish_volume(Request::new(publish_req(ext4(), true)))).await,
+        code(
+            h.svc
+                .node_publish_volume(Request::new(publish_req(ext4(), true)))
+        )
+        .await,
         Code::AlreadyExists
     );
 }
@@ -352,7 +450,10 @@ async fn publish_binds_the_staging_mount_and_repeats_are_ok() {
 async fn readonly_publish_is_a_read_only_bind() {
     let h = harness();
     staged(&h).await;
-    h.svc.node_publish_volume(Request::new(publish_req(ext4(), true))).await.expect("publish");
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), true)))
+        .await
+        .expect("publish");
     let bind = h.os.calls().into_iter().find_map(|c| match c {
         Call::Bind(b) => Some(b),
         _ => None,
@@ -365,14 +466,21 @@ async fn publish_error_rows() {
     let h = harness();
     // Not staged: FAILED_PRECONDITION.
     assert_eq!(
-        code(h.svc.node_publish_volume(Request::new(publish_req(ext4(), false)))).await,
+        code(
+            h.svc
+                .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        )
+        .await,
         Code::FailedPrecondition
     );
     staged(&h).await;
     // Staging target path not set: FAILED_PRECONDITION.
     let mut r = publish_req(ext4(), false);
     r.staging_target_path.clear();
-    assert_eq!(code(h.svc.node_publish_volume(Request::new(r))).await, Code::FailedPrecondition);
+    assert_eq!(
+        code(h.svc.node_publish_volume(Request::new(r))).await,
+        Code::FailedPrecondition
+    );
     // Missing fields: INVALID_ARGUMENT.
     for mutate in [
         (|r: &mut csi::NodePublishVolumeRequest| r.volume_id.clear()) as fn(&mut _),
@@ -383,33 +491,86 @@ async fn publish_error_rows() {
     ] {
         let mut r = publish_req(ext4(), false);
         mutate(&mut r);
-        assert_eq!(code(h.svc.node_publish_volume(Request::new(r))).await, Code::InvalidArgument);
+        assert_eq!(
+            code(h.svc.node_publish_volume(Request::new(r))).await,
+            Code::InvalidArgument
+        );
     }
     // Access type other than staged: FAILED_PRECONDITION.
     assert_eq!(
-        code(h.svc.node_publish_volume(Request::new(publish_req(block_cap(), false)))).await,
+        code(
+            h.svc
+                .node_publish_volume(Request::new(publish_req(block_cap(), false)))
+        )
+        .await,
         Code::FailedPrecondition
     );
     // Another volume's staging path: FAILED_PRECONDITION.
     let mut r = publish_req(ext4(), false);
     r.staging_target_path = format!("{K}/plugins/other");
-    assert_eq!(code(h.svc.node_publish_volume(Request::new(r))).await, Code::FailedPrecondition);
+    assert_eq!(
+        code(h.svc.node_publish_volume(Request::new(r))).await,
+        Code::FailedPrecondition
+    );
     assert_eq!(h.os.mount_depth(TARGET), 0);
 }
 
 #[tokio::test]
 async fn block_publish_binds_the_device_node_on_a_file() {
     let h = harness();
-    h.svc.node_stage_volume(Request::new(stage_req(block_cap()))).await.expect("stage");
+    h.svc
+        .node_stage_volume(Request::new(stage_req(block_cap())))
+        .await
+        .expect("stage");
     let target = format!("{K}/plugins/kubernetes.io/csi/volumeDevices/publish/pv1/pod-uid");
     let mut r = publish_req(block_cap(), false);
     r.target_path = target.clone();
-    h.svc.node_publish_volume(Request::new(r)).await.expect("publish");
+    h.svc
+        .node_publish_volume(Request::new(r))
+        .await
+        .expect("publish");
     let calls = h.os.calls();
     assert!(calls.contains(&Call::MakeFile(target.clone().into())));
-    assert!(calls.iter().any(|c| matches!(c, Call::Bind(b) if b.source == Path::new(DEV))));
-    h.svc.node_unpublish_volume(Request::new(unpublish_req(&target))).await.expect("unpublish");
+    assert!(
+        calls
+            .iter()
+            .any(|c| matches!(c, Call::Bind(b) if b.source == Path::new(DEV)))
+    );
+    h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(&target)))
+        .await
+        .expect("unpublish");
     assert!(!h.os.exists(&target));
+}
+
+#[tokio::test]
+async fn second_target_follows_the_access_mode_table() {
+    let other = format!("{K}/pods/p2/volumes/kubernetes.io~csi/pv1/mount");
+    for (mode, want) in [
+        (Mode::SingleNodeWriter, Code::FailedPrecondition),
+        (Mode::SingleNodeSingleWriter, Code::FailedPrecondition),
+        (Mode::SingleNodeMultiWriter, Code::Ok),
+        (Mode::MultiNodeReaderOnly, Code::Ok),
+    ] {
+        let h = harness();
+        h.os.add_dir(Path::new(&other).parent().unwrap_or(Path::new("/")));
+        let cap = mount_cap("ext4", &[], mode);
+        h.svc
+            .node_stage_volume(Request::new(stage_req(cap.clone())))
+            .await
+            .expect("stage");
+        h.svc
+            .node_publish_volume(Request::new(publish_req(cap.clone(), false)))
+            .await
+            .expect("first");
+        let mut r = publish_req(cap, false);
+        r.target_path = other.clone();
+        assert_eq!(
+            code(h.svc.node_publish_volume(Request::new(r))).await,
+            want,
+            "{mode:?}"
+        );
+    }
 }
 
 // ---- NodeUnpublishVolume / NodeUnstageVolume ----
@@ -418,9 +579,15 @@ async fn block_publish_binds_the_device_node_on_a_file() {
 async fn unpublish_unmounts_removes_and_is_idempotent() {
     let h = harness();
     staged(&h).await;
-    h.svc.node_publish_volume(Request::new(publish_req(ext4(), false))).await.expect("publish");
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
     for _ in 0..2 {
-        h.svc.node_unpublish_volume(Request::new(unpublish_req(TARGET))).await.expect("unpublish");
+        h.svc
+            .node_unpublish_volume(Request::new(unpublish_req(TARGET)))
+            .await
+            .expect("unpublish");
         assert_eq!(h.os.mount_depth(TARGET), 0);
         assert!(!h.os.exists(TARGET));
     }
@@ -439,19 +606,34 @@ async fn unpublish_unmounts_removes_and_is_idempotent() {
 async fn corrupted_and_stacked_targets_are_cleaned() {
     let h = harness();
     staged(&h).await;
-    h.svc.node_publish_volume(Request::new(publish_req(ext4(), false))).await.expect("publish");
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
     h.os.corrupt(TARGET, libc::ENOTCONN);
-    h.svc.node_unpublish_volume(Request::new(unpublish_req(TARGET))).await.expect("unpublish");
+    h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(TARGET)))
+        .await
+        .expect("unpublish");
     assert!(h.os.calls().contains(&Call::Unmount(TARGET.into(), true)));
     assert!(!h.os.exists(TARGET));
     // Two mounts stacked on one target (someone else's doing) are all peeled off.
-    h.svc.node_publish_volume(Request::new(publish_req(ext4(), false))).await.expect("publish");
-    h.engine.os().bind(&crate::sys::BindMount {
-        source: STAGING.into(),
-        target: TARGET.into(),
-        attrs: Default::default(),
-    }).expect("stack");
-    h.svc.node_unpublish_volume(Request::new(unpublish_req(TARGET))).await.expect("unpublish");
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
+    h.engine
+        .os()
+        .bind(&crate::sys::BindMount {
+            source: STAGING.into(),
+            target: TARGET.into(),
+            attrs: Default::default(),
+        })
+        .expect("stack");
+    h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(TARGET)))
+        .await
+        .expect("unpublish");
     assert_eq!(h.os.mount_depth(TARGET), 0);
 }
 
@@ -459,12 +641,24 @@ async fn corrupted_and_stacked_targets_are_cleaned() {
 async fn unstage_while_published_fails_then_succeeds() {
     let h = harness();
     staged(&h).await;
-    h.svc.node_publish_volume(Request::new(publish_req(ext4(), false))).await.expect("publish");
-    assert_eq!(code(h.svc.node_unstage_volume(Request::new(unstage_req()))).await, Code::FailedPrecondition);
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
+    assert_eq!(
+        code(h.svc.node_unstage_volume(Request::new(unstage_req()))).await,
+        Code::FailedPrecondition
+    );
     assert_eq!(h.os.mount_depth(STAGING), 1);
-    h.svc.node_unpublish_volume(Request::new(unpublish_req(TARGET))).await.expect("unpublish");
+    h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(TARGET)))
+        .await
+        .expect("unpublish");
     for _ in 0..2 {
-        h.svc.node_unstage_volume(Request::new(unstage_req())).await.expect("unstage");
+        h.svc
+            .node_unstage_volume(Request::new(unstage_req()))
+            .await
+            .expect("unstage");
         assert_eq!(h.os.mount_depth(STAGING), 0);
     }
     assert!(h.engine.journal().get("vol-1").is_none());
@@ -479,7 +673,10 @@ async fn unstage_of_a_corrupted_staging_mount_detaches_it() {
     let h = harness();
     staged(&h).await;
     h.os.corrupt(STAGING, libc::EIO);
-    h.svc.node_unstage_volume(Request::new(unstage_req())).await.expect("unstage");
+    h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .expect("unstage");
     assert!(h.os.calls().contains(&Call::Unmount(STAGING.into(), true)));
 }
 
@@ -489,26 +686,51 @@ async fn unstage_of_a_corrupted_staging_mount_detaches_it() {
 async fn stats_report_usage_and_condition() {
     let h = harness();
     staged(&h).await;
-    h.svc.node_publish_volume(Request::new(publish_req(ext4(), false))).await.expect("publish");
-    let r = h.svc.node_get_volume_stats(Request::new(stats_req(TARGET))).await.expect("stats").into_inner();
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
+    let r = h
+        .svc
+        .node_get_volume_stats(Request::new(stats_req(TARGET)))
+        .await
+        .expect("stats")
+        .into_inner();
     assert_eq!(r.usage.len(), 2);
     assert_eq!(r.usage[0].total, GIB as i64);
     assert!(!r.volume_condition.expect("condition").abnormal);
     // Unmounted behind moor's back: abnormal, with a message.
     h.os.force_unmount(TARGET);
-    let r = h.svc.node_get_volume_stats(Request::new(stats_req(TARGET))).await.expect("stats").into_inner();
+    let r = h
+        .svc
+        .node_get_volume_stats(Request::new(stats_req(TARGET)))
+        .await
+        .expect("stats")
+        .into_inner();
     let c = r.volume_condition.expect("condition");
     assert!(c.abnormal && c.message.contains("not mounted"), "{c:?}");
     // Corrupted: abnormal.
     h.os.corrupt(STAGING, libc::ENOTCONN);
-    let r = h.svc.node_get_volume_stats(Request::new(stats_req(STAGING))).await.expect("stats").into_inner();
+    let r = h
+        .svc
+        .node_get_volume_stats(Request::new(stats_req(STAGING)))
+        .await
+        .expect("stats")
+        .into_inner();
     assert!(r.volume_condition.expect("condition").abnormal);
     // Unknown path: NOT_FOUND. Missing fields: INVALID_ARGUMENT.
     assert_eq!(
-        code(h.svc.node_get_volume_stats(Request::new(stats_req(&format!("{K}/pods/x/mount"))))).await,
+        code(
+            h.svc
+                .node_get_volume_stats(Request::new(stats_req(&format!("{K}/pods/x/mount"))))
+        )
+        .await,
         Code::NotFound
     );
-    assert_eq!(code(h.svc.node_get_volume_stats(Request::new(stats_req("")))).await, Code::InvalidArgument);
+    assert_eq!(
+        code(h.svc.node_get_volume_stats(Request::new(stats_req("")))).await,
+        Code::InvalidArgument
+    );
 }
 
 #[tokio::test]
@@ -516,7 +738,12 @@ async fn stats_see_a_vanished_device() {
     let h = harness();
     staged(&h).await;
     h.os.remove_device(DEV);
-    let r = h.svc.node_get_volume_stats(Request::new(stats_req(STAGING))).await.expect("stats").into_inner();
+    let r = h
+        .svc
+        .node_get_volume_stats(Request::new(stats_req(STAGING)))
+        .await
+        .expect("stats")
+        .into_inner();
     let c = r.volume_condition.expect("condition");
     assert!(c.abnormal && c.message.contains("gone"), "{c:?}");
 }
@@ -524,8 +751,16 @@ async fn stats_see_a_vanished_device() {
 #[tokio::test]
 async fn block_stats_report_the_device_size() {
     let h = harness();
-    h.svc.node_stage_volume(Request::new(stage_req(block_cap()))).await.expect("stage");
-    let r = h.svc.node_get_volume_stats(Request::new(stats_req(STAGING))).await.expect("stats").into_inner();
+    h.svc
+        .node_stage_volume(Request::new(stage_req(block_cap())))
+        .await
+        .expect("stage");
+    let r = h
+        .svc
+        .node_get_volume_stats(Request::new(stats_req(STAGING)))
+        .await
+        .expect("stats")
+        .into_inner();
     assert_eq!(r.usage.len(), 1);
     assert_eq!(r.usage[0].total, GIB as i64);
 }
@@ -536,7 +771,10 @@ fn expand_req(path: &str, required: i64) -> csi::NodeExpandVolumeRequest {
     csi::NodeExpandVolumeRequest {
         volume_id: "vol-1".into(),
         volume_path: path.into(),
-        capacity_range: Some(csi::CapacityRange { required_bytes: required, limit_bytes: 0 }),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: required,
+            limit_bytes: 0,
+        }),
         staging_target_path: STAGING.into(),
         volume_capability: None,
         secrets: HashMap::new(),
@@ -547,23 +785,45 @@ fn expand_req(path: &str, required: i64) -> csi::NodeExpandVolumeRequest {
 async fn expand_grows_the_filesystem_with_its_tool() {
     let h = harness();
     h.svc
-        .node_stage_volume(Request::new(stage_req(mount_cap("xfs", &[], Mode::SingleNodeWriter))))
+        .node_stage_volume(Request::new(stage_req(mount_cap(
+            "xfs",
+            &[],
+            Mode::SingleNodeWriter,
+        ))))
         .await
         .expect("stage");
     h.os.resize_device(DEV, 2 * GIB);
-    let r = h.svc.node_expand_volume(Request::new(expand_req(STAGING, 2 * GIB as i64))).await.expect("expand");
+    let r = h
+        .svc
+        .node_expand_volume(Request::new(expand_req(STAGING, 2 * GIB as i64)))
+        .await
+        .expect("expand");
     assert_eq!(r.into_inner().capacity_bytes, 2 * GIB as i64);
-    assert!(h.os.calls().contains(&Call::Tool("xfs_growfs".into(), vec![STAGING.into()])));
+    assert!(
+        h.os.calls()
+            .contains(&Call::Tool("xfs_growfs".into(), vec![STAGING.into()]))
+    );
 }
 
 #[tokio::test]
 async fn expand_error_rows() {
     let h = harness();
-    assert_eq!(code(h.svc.node_expand_volume(Request::new(expand_req(STAGING, 0)))).await, Code::NotFound);
+    assert_eq!(
+        code(
+            h.svc
+                .node_expand_volume(Request::new(expand_req(STAGING, 0)))
+        )
+        .await,
+        Code::NotFound
+    );
     staged(&h).await;
     // Unsupported capacity: the device is smaller than asked.
     assert_eq!(
-        code(h.svc.node_expand_volume(Request::new(expand_req(STAGING, 2 * GIB as i64)))).await,
+        code(
+            h.svc
+                .node_expand_volume(Request::new(expand_req(STAGING, 2 * GIB as i64)))
+        )
+        .await,
         Code::OutOfRange
     );
     assert_eq!(
@@ -571,7 +831,18 @@ async fn expand_error_rows() {
         Code::InvalidArgument
     );
     assert_eq!(
-        code(h.svc.node_expand_volume(Request::new(expand_req(STAGING, -1)))).await,
+        code(
+            h.svc
+                .node_expand_volume(Request::new(expand_req(STAGING, -1)))
+        )
+        .await,
+        Code::InvalidArgument
+    );
+    // Exceeds capabilities: a block capability for a filesystem volume.
+    let mut r = expand_req(STAGING, 0);
+    r.volume_capability = Some(block_cap());
+    assert_eq!(
+        code(h.svc.node_expand_volume(Request::new(r))).await,
         Code::InvalidArgument
     );
 }
@@ -579,9 +850,16 @@ async fn expand_error_rows() {
 #[tokio::test]
 async fn block_expand_needs_no_tool() {
     let h = harness();
-    h.svc.node_stage_volume(Request::new(stage_req(block_cap()))).await.expect("stage");
+    h.svc
+        .node_stage_volume(Request::new(stage_req(block_cap())))
+        .await
+        .expect("stage");
     h.os.resize_device(DEV, 3 * GIB);
-    let r = h.svc.node_expand_volume(Request::new(expand_req(STAGING, 0))).await.expect("expand");
+    let r = h
+        .svc
+        .node_expand_volume(Request::new(expand_req(STAGING, 0)))
+        .await
+        .expect("expand");
     assert_eq!(r.into_inner().capacity_bytes, 3 * GIB as i64);
     assert_eq!(count(&h.os.calls(), |c| matches!(c, Call::Tool(..))), 0);
 }
@@ -616,8 +894,18 @@ async fn capabilities_and_info() {
     ] {
         assert!(got.contains(&(want as i32)), "{want:?}");
     }
-    let info = h.svc.node_get_info(Request::new(csi::NodeGetInfoRequest {})).await.expect("info").into_inner();
+    let info = h
+        .svc
+        .node_get_info(Request::new(csi::NodeGetInfoRequest {}))
+        .await
+        .expect("info")
+        .into_inner();
     assert_eq!(info.node_id, "node-1");
     let topo = info.accessible_topology.expect("topology");
-    assert_eq!(topo.segments.get("topology.moor.csi.io/node").map(String::as_str), Some("node-1"));
+    assert_eq!(
+        topo.segments
+            .get("topology.moor.csi.io/node")
+            .map(String::as_str),
+        Some("node-1")
+    );
 }

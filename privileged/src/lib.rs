@@ -1,1 +1,214 @@
-//! Test harness for moor privileged tests.
+//! The harness for moor's tests that need root.
+//!
+//! Each test calls [`Sandbox::new`], which moves the test's thread into its own private mount
+//! namespace and makes a temporary kubelet dir, state dir and data dir. Loop devices made with
+//! [`Sandbox::loop_device`] are detached, mounts below the sandbox are lazily unmounted and
+//! the files removed when the sandbox drops, also when the test fails: nothing outlives a test.
+
+use std::os::unix::fs::FileTypeExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+pub mod client;
+pub mod sys;
+
+/// A test's private world.
+#[derive(Debug)]
+pub struct Sandbox {
+    /// Root of everything the test makes.
+    pub root: PathBuf,
+    /// The kubelet dir.
+    pub kubelet: PathBuf,
+    /// moor-node's state dir.
+    pub state: PathBuf,
+    /// Where backing files live.
+    pub data: PathBuf,
+    loops: std::cell::RefCell<Vec<PathBuf>>,
+}
+
+/// Panics unless running as root (these tests need it).
+pub fn require_root() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "the privileged tests need root (run them as root, as CI does)"
+    );
+}
+
+impl Sandbox {
+    /// Enters a private mount namespace on this thread and makes the sandbox dirs.
+    pub fn new(name: &str) -> Self {
+        require_root();
+        sys::enter_private_mount_namespace().expect("private mount namespace");
+        static N: AtomicU32 = AtomicU32::new(0);
+        let root = std::env::temp_dir().join(format!(
+            "moor-priv-{name}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&root);
+        let kubelet = root.join("kubelet");
+        let state = root.join("state");
+        let data = root.join("data");
+        for d in [&kubelet, &state, &data] {
+            std::fs::create_dir_all(d).expect("sandbox dir");
+        }
+        Self {
+            root,
+            kubelet,
+            state,
+            data,
+            loops: std::cell::RefCell::new(Vec::new()),
+        }
+    }
+
+    /// A sparse backing file of `size` bytes attached as a loop device; returns the device.
+    pub fn loop_device(&self, name: &str, size: u64) -> PathBuf {
+        let file = self.data.join(name);
+        let f = std::fs::File::create(&file).expect("backing file");
+        f.set_len(size).expect("sparse size");
+        drop(f);
+        let out = Command::new("losetup")
+            .args(["--find", "--show", "--direct-io=off"])
+            .arg(&file)
+            .output()
+            .expect("losetup");
+        assert!(
+            out.status.success(),
+            "losetup: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        self.loops.borrow_mut().push(dev.clone());
+        dev
+    }
+
+    /// Grows the backing file of `dev` and tells the loop driver.
+    pub fn grow_loop(&self, dev: &Path, name: &str, size: u64) {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(self.data.join(name))
+            .expect("open");
+        f.set_len(size).expect("grow");
+        let st = Command::new("losetup")
+            .arg("--set-capacity")
+            .arg(dev)
+            .status()
+            .expect("losetup");
+        assert!(st.success());
+    }
+
+    /// Detaches a loop device now (a device that vanishes under moor).
+    pub fn detach_loop(&self, dev: &Path) {
+        let _ = Command::new("losetup").arg("-d").arg(dev).status();
+        self.loops.borrow_mut().retain(|d| d != dev);
+    }
+
+    /// A path below the kubelet dir.
+    pub fn k(&self, rel: &str) -> PathBuf {
+        self.kubelet.join(rel)
+    }
+
+    /// kubelet's staging path for a volume, with its parent made (kubelet's part).
+    pub fn staging(&self, pv: &str) -> PathBuf {
+        let p = self.k(&format!(
+            "plugins/kubernetes.io/csi/moor.csi.io/{pv}-hash/globalmount"
+        ));
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("staging parent");
+        p
+    }
+
+    /// kubelet's publish target for a mount volume, with its parent made.
+    pub fn target(&self, pod: &str, pv: &str) -> PathBuf {
+        let p = self.k(&format!("pods/{pod}/volumes/kubernetes.io~csi/{pv}/mount"));
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("target parent");
+        p
+    }
+
+    /// kubelet's publish target for a block volume, with its parent made.
+    pub fn block_target(&self, pod: &str, pv: &str) -> PathBuf {
+        let p = self.k(&format!(
+            "plugins/kubernetes.io/csi/volumeDevices/publish/{pv}/{pod}"
+        ));
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("target parent");
+        p
+    }
+
+    /// Mount points below the sandbox, deepest first, as this thread sees them.
+    pub fn mounts(&self) -> Vec<PathBuf> {
+        let table = std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default();
+        let mut found: Vec<PathBuf> = moor_node::mountinfo::parse(&table)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| m.mount_point)
+            .filter(|p| p.starts_with(&self.root))
+            .collect();
+        found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        found
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        for m in self.mounts() {
+            let _ = rustix::mount::unmount(m.as_path(), rustix::mount::UnmountFlags::DETACH);
+        }
+        for dev in self.loops.borrow().iter() {
+            // A device still held by a mount gets autoclear and goes when the mount does.
+            let _ = Command::new("losetup").arg("-d").arg(dev).status();
+        }
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+/// Writes `data` at `offset` of a block device (or file).
+pub fn write_at(dev: &Path, offset: u64, data: &[u8]) {
+    use std::os::unix::fs::FileExt as _;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dev)
+        .expect("open for write");
+    f.write_all_at(data, offset).expect("write");
+    f.sync_all().expect("sync");
+}
+
+/// Reads `len` bytes at `offset`.
+pub fn read_at(dev: &Path, offset: u64, len: usize) -> Vec<u8> {
+    use std::os::unix::fs::FileExt as _;
+    let f = std::fs::File::open(dev).expect("open for read");
+    let mut buf = vec![0u8; len];
+    f.read_exact_at(&mut buf, offset).expect("read");
+    buf
+}
+
+/// Whether `path` is a block device.
+pub fn is_block_device(path: &Path) -> bool {
+    std::fs::metadata(path)
+        .map(|m| m.file_type().is_block_device())
+        .unwrap_or(false)
+}
+
+/// Whether the file at `path` is the root of a mount.
+pub fn is_mount_point(path: &Path) -> bool {
+    rustix::fs::statx(
+        rustix::fs::CWD,
+        path,
+        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+        rustix::fs::StatxFlags::TYPE,
+    )
+    .map(|s| {
+        s.stx_attributes
+            .contains(rustix::fs::StatxAttributes::MOUNT_ROOT)
+    })
+    .unwrap_or(false)
+}
+
+/// Runs a program and asserts it succeeded.
+pub fn run(program: &str, args: &[&str]) {
+    let out = Command::new(program).args(args).output().expect(program);
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

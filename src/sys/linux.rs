@@ -287,16 +287,22 @@ impl Os for Linux {
     }
 
     fn unmount(&self, target: &Path, detach: bool) -> SysResult<()> {
-        // Resolve the target without symlinks, then unmount through the descriptor's magic
-        // link, so that the path cannot be swapped between the check and the umount.
-        let fd = self.open_beneath("open unmount target", target, OFlags::PATH)?;
-        let proc_path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
-        let flags = if detach {
-            UnmountFlags::DETACH
-        } else {
-            UnmountFlags::empty()
-        };
-        rustix::mount::unmount(proc_path.as_str(), flags)
+        // Resolve the parent without symlinks and unmount the last component through the
+        // parent descriptor's magic link with UMOUNT_NOFOLLOW: a symlink swapped in anywhere
+        // cannot redirect the unmount. (A descriptor of the target itself would pin the mount
+        // and make it busy.)
+        let (parent, name) = self.open_parent("open unmount target", target)?;
+        let mut proc_path = format!(
+            "/proc/self/fd/{}/",
+            std::os::fd::AsRawFd::as_raw_fd(&parent)
+        )
+        .into_bytes();
+        proc_path.extend_from_slice(name.as_bytes());
+        let mut flags = UnmountFlags::NOFOLLOW;
+        if detach {
+            flags |= UnmountFlags::DETACH;
+        }
+        rustix::mount::unmount(OsStr::from_bytes(&proc_path), flags)
             .map_err(|e| SysError::new("umount2", target, e))
     }
 

@@ -1,0 +1,89 @@
+//! gRPC clients over a Unix socket, and a handle on a real `moor-node` process.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Endpoint};
+
+/// Connects a gRPC channel to a Unix socket.
+pub async fn connect(socket: &Path) -> Result<Channel, tonic::transport::Error> {
+    let socket = socket.to_path_buf();
+    Endpoint::from_static("http://moor.invalid")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let socket = socket.clone();
+            async move {
+                tokio::net::UnixStream::connect(socket)
+                    .await
+                    .map(TokioIo::new)
+            }
+        }))
+        .await
+}
+
+/// A running `moor-node` (killed on drop if still running).
+#[derive(Debug)]
+pub struct Daemon {
+    /// The process.
+    pub child: Child,
+    /// Its socket.
+    pub socket: PathBuf,
+}
+
+/// The path of a binary built by cargo for this workspace.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe");
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    dir.join(name)
+}
+
+impl Daemon {
+    /// Starts `moor-node` with these args and waits until its socket answers.
+    pub async fn start(socket: &Path, args: &[&str]) -> Self {
+        let bin = binary("moor-node");
+        assert!(
+            bin.exists(),
+            "{} is not built (cargo build --bins)",
+            bin.display()
+        );
+        let child = Command::new(bin)
+            .arg("--endpoint")
+            .arg(format!("unix://{}", socket.display()))
+            .args(args)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn moor-node");
+        let d = Self {
+            child,
+            socket: socket.to_path_buf(),
+        };
+        let start = Instant::now();
+        while connect(socket).await.is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "moor-node did not come up"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        d
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+        self.child.wait().expect("wait moor-node")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
