@@ -56,6 +56,9 @@ struct Args {
     /// Deadline for mkfs and resize tools, in seconds.
     #[arg(long, default_value_t = 600)]
     tool_timeout: u64,
+    /// On SIGTERM, how long in-flight calls may take to finish, in seconds.
+    #[arg(long, default_value_t = 20)]
+    shutdown_grace: u64,
 }
 
 fn init_logging(format: LogFormat) {
@@ -143,7 +146,14 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let router = tonic::transport::Server::builder()
         .add_service(IdentityServer::new(identity))
         .add_service(NodeServer::new(node));
-    server::serve(router, listener, &socket, server::termination()).await?;
+    server::serve(
+        router,
+        listener,
+        &socket,
+        server::termination(),
+        Duration::from_secs(args.shutdown_grace),
+    )
+    .await?;
     info!("moor-node stopped cleanly");
     Ok(())
 }

@@ -67,19 +67,35 @@ pub fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
     Ok(listener)
 }
 
-/// Serves `router` on the socket until `shutdown` resolves, lets in-flight calls finish, then
+/// Serves `router` on the socket until `shutdown` resolves, lets in-flight calls finish for
+/// up to `grace` (a client that never closes its connection cannot hold the process), then
 /// removes the socket.
 pub async fn serve(
     router: tonic::transport::server::Router,
     listener: UnixListener,
     path: &Path,
     shutdown: impl Future<Output = ()>,
+    grace: std::time::Duration,
 ) -> Result<(), ServeError> {
-    let result = router
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
-        .await;
+    let stopping = std::sync::Arc::new(tokio::sync::Notify::new());
+    let notify = std::sync::Arc::clone(&stopping);
+    let signal = async move {
+        shutdown.await;
+        notify.notify_one();
+    };
+    let serving = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), signal);
+    let result = tokio::select! {
+        r = serving => r.map_err(ServeError::from),
+        () = async {
+            stopping.notified().await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!(?grace, "in-flight calls or idle connections outlived the grace period");
+            Ok(())
+        }
+    };
     let _ = std::fs::remove_file(path);
-    result.map_err(ServeError::from)
+    result
 }
 
 /// Resolves on SIGTERM or SIGINT.

@@ -1,1 +1,25 @@
-//! moor-controller (placeholder until the controller crate lands).
+//! moor-controller: the CSI controller plugin's library.
+//!
+//! The daemon (`main.rs`) is a thin shell around these modules:
+//! * [`validate`] turns CSI requests into the typed requests of [`backend`], or an
+//!   INVALID_ARGUMENT naming the field;
+//! * [`backend`] is the [`backend::Backend`] trait the gRPC layer talks to, with the
+//!   types it speaks and helpers any implementation can reuse (sizes, topology, paging);
+//! * [`embedded`] is the default backend: sparse files under a data dir, attached as loop
+//!   devices on this host, with crash-safe records;
+//! * [`loopdev`] holds the loop device ioctls, the crate's only `unsafe` code;
+//! * [`inflight`] answers ABORTED when an operation on the same object is already running;
+//! * [`service`] and [`identity`] serve the CSI Controller and Identity services;
+//! * [`error`] maps every failure to the gRPC code the CSI spec names for it.
+
+pub mod backend;
+pub mod embedded;
+pub mod error;
+pub mod identity;
+pub mod inflight;
+pub mod loopdev;
+pub mod service;
+pub mod validate;
+
+pub use backend::Backend;
+pub use error::Error;

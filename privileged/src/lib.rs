@@ -24,7 +24,7 @@ pub struct Sandbox {
     pub state: PathBuf,
     /// Where backing files live.
     pub data: PathBuf,
-    loops: std::cell::RefCell<Vec<PathBuf>>,
+    loops: std::cell::RefCell<Vec<(PathBuf, std::fs::File)>>,
 }
 
 /// Panics unless running as root (these tests need it).
@@ -79,7 +79,11 @@ impl Sandbox {
             String::from_utf8_lossy(&out.stderr)
         );
         let dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        self.loops.borrow_mut().push(dev.clone());
+        // Hold the device open and ask for its detach now: the kernel marks a busy loop device
+        // autoclear, so it goes when the last user does, even if this process is killed.
+        let held = std::fs::File::open(&dev).expect("open loop device");
+        let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+        self.loops.borrow_mut().push((dev.clone(), held));
         dev
     }
 
@@ -96,12 +100,6 @@ impl Sandbox {
             .status()
             .expect("losetup");
         assert!(st.success());
-    }
-
-    /// Detaches a loop device now (a device that vanishes under moor).
-    pub fn detach_loop(&self, dev: &Path) {
-        let _ = Command::new("losetup").arg("-d").arg(dev).status();
-        self.loops.borrow_mut().retain(|d| d != dev);
     }
 
     /// A path below the kubelet dir.
@@ -153,10 +151,8 @@ impl Drop for Sandbox {
         for m in self.mounts() {
             let _ = rustix::mount::unmount(m.as_path(), rustix::mount::UnmountFlags::DETACH);
         }
-        for dev in self.loops.borrow().iter() {
-            // A device still held by a mount gets autoclear and goes when the mount does.
-            let _ = Command::new("losetup").arg("-d").arg(dev).status();
-        }
+        // Closing the held descriptors releases the (autoclear) loop devices.
+        self.loops.borrow_mut().clear();
         let _ = std::fs::remove_dir_all(&self.root);
     }
 }

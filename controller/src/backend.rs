@@ -1,0 +1,563 @@
+//! The storage backend behind the Controller service, and the types it speaks.
+//!
+//! The gRPC layer ([`crate::service`]) checks the shape of every request (required fields,
+//! sizes, enum values) and hands the backend typed requests. The backend decides everything
+//! that depends on the storage: which capabilities and parameters it takes, how big a volume
+//! is, what its ids look like, where a volume is accessible from, and how a volume reaches a
+//! node. [`crate::embedded::EmbeddedBackend`] keeps sparse files and attaches them as loop
+//! devices; a cloud backend (EBS, Cinder, ...) implements the same trait over its API, and the
+//! service code does not change.
+//!
+//! The helpers at the end of this module ([`choose_size`], [`topology_allows`],
+//! [`segment_within`], [`page_after`]) carry the CSI rules that do not depend on the storage,
+//! so every backend applies them the same way.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::SystemTime;
+
+use crate::error::{Error, Result};
+
+/// A topology segment: topological domain → segment, e.g. `{"topology.moor.csi.io/node": "n1"}`.
+pub type Segment = BTreeMap<String, String>;
+
+/// Opaque key-value pairs (creation parameters, volume context, publish context).
+pub type Parameters = BTreeMap<String, String>;
+
+/// How a volume may be accessed, the CSI `AccessMode.Mode` values except UNKNOWN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AccessMode {
+    /// Read/write on one node.
+    SingleNodeWriter,
+    /// Read-only on one node.
+    SingleNodeReaderOnly,
+    /// Read-only on many nodes.
+    MultiNodeReaderOnly,
+    /// Read/write on one node, read-only on others.
+    MultiNodeSingleWriter,
+    /// Read/write on many nodes.
+    MultiNodeMultiWriter,
+    /// Read/write by one workload on one node.
+    SingleNodeSingleWriter,
+    /// Read/write by many workloads on one node.
+    SingleNodeMultiWriter,
+}
+
+impl AccessMode {
+    /// Whether the mode restricts the volume to one node.
+    pub fn is_single_node(self) -> bool {
+        matches!(
+            self,
+            AccessMode::SingleNodeWriter
+                | AccessMode::SingleNodeReaderOnly
+                | AccessMode::SingleNodeSingleWriter
+                | AccessMode::SingleNodeMultiWriter
+        )
+    }
+
+    /// Whether the mode only allows reading.
+    pub fn is_reader_only(self) -> bool {
+        matches!(
+            self,
+            AccessMode::SingleNodeReaderOnly | AccessMode::MultiNodeReaderOnly
+        )
+    }
+
+    /// The proto's name for the mode, e.g. "SINGLE_NODE_WRITER".
+    pub fn name(self) -> &'static str {
+        match self {
+            AccessMode::SingleNodeWriter => "SINGLE_NODE_WRITER",
+            AccessMode::SingleNodeReaderOnly => "SINGLE_NODE_READER_ONLY",
+            AccessMode::MultiNodeReaderOnly => "MULTI_NODE_READER_ONLY",
+            AccessMode::MultiNodeSingleWriter => "MULTI_NODE_SINGLE_WRITER",
+            AccessMode::MultiNodeMultiWriter => "MULTI_NODE_MULTI_WRITER",
+            AccessMode::SingleNodeSingleWriter => "SINGLE_NODE_SINGLE_WRITER",
+            AccessMode::SingleNodeMultiWriter => "SINGLE_NODE_MULTI_WRITER",
+        }
+    }
+}
+
+/// How a volume is presented to a workload.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum AccessType {
+    /// A raw block device.
+    Block,
+    /// A mounted filesystem.
+    Mount {
+        /// The filesystem asked for (None: the node's default).
+        fs_type: Option<String>,
+    },
+}
+
+/// A volume capability, with its shape checked.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Capability {
+    /// Block or mount.
+    pub access: AccessType,
+    /// Access mode.
+    pub mode: AccessMode,
+}
+
+impl Capability {
+    /// Whether the capability asks for a raw block device.
+    pub fn is_block(&self) -> bool {
+        self.access == AccessType::Block
+    }
+}
+
+/// A capacity range; 0 means "not set" for either bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CapacityRange {
+    /// The volume must be at least this big.
+    pub required: u64,
+    /// The volume must not be bigger than this.
+    pub limit: u64,
+}
+
+impl CapacityRange {
+    /// Whether a volume of `size` bytes satisfies the range.
+    pub fn allows(&self, size: u64) -> bool {
+        size >= self.required && (self.limit == 0 || size <= self.limit)
+    }
+}
+
+/// Where the data of a new volume comes from.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContentSource {
+    /// A snapshot, by id.
+    Snapshot(String),
+    /// Another volume (a clone), by id.
+    Volume(String),
+}
+
+/// CreateVolume's `accessibility_requirements`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TopologyRequirement {
+    /// The volume must be accessible from at least one of these.
+    pub requisite: Vec<Segment>,
+    /// Preferred segments, in order.
+    pub preferred: Vec<Segment>,
+}
+
+/// CreateVolume, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewVolume {
+    /// The CO's name for the volume (the idempotency key).
+    pub name: String,
+    /// Requested capacity (None: the backend's default).
+    pub capacity: Option<CapacityRange>,
+    /// Every capability the volume must support (at least one).
+    pub capabilities: Vec<Capability>,
+    /// Creation parameters, as [`Backend::parse_parameters`] normalised them.
+    pub parameters: Parameters,
+    /// Data to fill the volume with.
+    pub source: Option<ContentSource>,
+    /// Where the volume must be accessible from.
+    pub accessibility: Option<TopologyRequirement>,
+}
+
+/// A volume, as CreateVolume, ListVolumes and ControllerGetVolume report it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Volume {
+    /// The backend's id for the volume.
+    pub id: String,
+    /// The CO's name for it.
+    pub name: String,
+    /// Size in bytes.
+    pub capacity_bytes: u64,
+    /// The normalised creation parameters (kept to check later requests against; not sent).
+    pub parameters: Parameters,
+    /// The volume context handed to the CO (immutable for the volume's life).
+    pub context: Parameters,
+    /// Where its data came from.
+    pub source: Option<ContentSource>,
+    /// Where it is accessible from.
+    pub topology: Vec<Segment>,
+}
+
+/// The health of a volume as the controller sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeCondition {
+    /// Whether something is wrong.
+    pub abnormal: bool,
+    /// What, or that all is well.
+    pub message: String,
+}
+
+/// A volume with its publications and condition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeStatus {
+    /// The volume.
+    pub volume: Volume,
+    /// Nodes it is controller-published at.
+    pub published_nodes: Vec<String>,
+    /// Its condition.
+    pub condition: VolumeCondition,
+}
+
+/// ControllerPublishVolume, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishRequest {
+    /// The volume.
+    pub volume_id: String,
+    /// The node to publish at.
+    pub node_id: String,
+    /// How the node will use it.
+    pub capability: Capability,
+    /// Publish read-only.
+    pub readonly: bool,
+    /// The volume context the CO passed (may be empty).
+    pub context: Parameters,
+}
+
+/// What a publish tells the node (ControllerPublishVolumeResponse.publish_context).
+pub type PublishContext = BTreeMap<String, String>;
+
+/// ControllerExpandVolume, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpandRequest {
+    /// The volume.
+    pub volume_id: String,
+    /// The new capacity range.
+    pub capacity: CapacityRange,
+    /// How the volume is used, if the CO said.
+    pub capability: Option<Capability>,
+}
+
+/// CreateSnapshot, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewSnapshot {
+    /// The CO's name for the snapshot (the idempotency key).
+    pub name: String,
+    /// The volume to snapshot.
+    pub source_volume_id: String,
+    /// Snapshot parameters, unparsed.
+    pub parameters: Parameters,
+}
+
+/// A snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// The backend's id for it.
+    pub id: String,
+    /// The CO's name for it.
+    pub name: String,
+    /// The volume it was cut from.
+    pub source_volume_id: String,
+    /// Size of the data in bytes (the smallest volume it can restore to).
+    pub size_bytes: u64,
+    /// When it was cut.
+    pub created_at: SystemTime,
+    /// Whether it can be used as a volume source.
+    pub ready_to_use: bool,
+}
+
+/// ListSnapshots filters.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SnapshotFilter {
+    /// Only snapshots of this volume.
+    pub source_volume_id: Option<String>,
+    /// Only this snapshot.
+    pub snapshot_id: Option<String>,
+}
+
+/// A page request: at most `max_entries` (0: no limit), starting where `starting_token` says.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PageRequest {
+    /// Most entries to return (0: all).
+    pub max_entries: usize,
+    /// A `next_token` from an earlier page.
+    pub starting_token: Option<String>,
+}
+
+/// One page of a listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page<T> {
+    /// The entries.
+    pub entries: Vec<T>,
+    /// Where the next page starts, if there is one.
+    pub next_token: Option<String>,
+}
+
+/// GetCapacity, validated.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CapacityQuery {
+    /// Normalised parameters.
+    pub parameters: Parameters,
+    /// Only storage accessible from this segment.
+    pub topology: Option<Segment>,
+}
+
+/// GetCapacity's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capacity {
+    /// Bytes available for new volumes.
+    pub available: u64,
+    /// Largest volume that can be created, if there is a limit.
+    pub maximum_volume_size: Option<u64>,
+    /// Smallest volume that can be created, if there is a minimum.
+    pub minimum_volume_size: Option<u64>,
+}
+
+/// Storage behind the CSI Controller service.
+///
+/// Every method blocks (the service calls them on tokio's blocking pool), must be idempotent
+/// where the CSI spec says the RPC is, and must report each condition the spec names with the
+/// matching [`Error`] variant; [`Error`] maps variants to gRPC codes. Ids coming from requests
+/// have only their generic shape checked (non-empty, at most 128 bytes, no control
+/// characters): an id that is not of the backend's own form names nothing, so it is
+/// "not found" (or success for deletes and unpublishes), and must never reach a path or an API
+/// call unchecked.
+///
+/// Operations on the same object may arrive concurrently (the CO may lose state); a backend
+/// either serialises them or answers [`Error::OperationPending`] (ABORTED).
+pub trait Backend: Send + Sync + fmt::Debug + 'static {
+    /// Checks creation parameters and returns them normalised (e.g. aliases folded, ignored
+    /// keys dropped). Unknown or malformed keys: [`Error::InvalidArgument`].
+    fn parse_parameters(&self, raw: &Parameters) -> Result<Parameters>;
+
+    /// Whether volumes created with `parameters` (normalised) can be used with `cap`; the
+    /// error is a human-readable reason.
+    fn check_capability(&self, cap: &Capability, parameters: &Parameters) -> Result<(), String>;
+
+    /// Whether the backend is healthy; [`Error::NotReady`] when it is not.
+    fn probe(&self) -> Result<()>;
+
+    /// Creates a volume, or returns the one created earlier under the same name when it is
+    /// compatible ([`Error::VolumeExists`] when it is not).
+    fn create_volume(&self, req: &NewVolume) -> Result<Volume>;
+
+    /// Deletes a volume; a volume that does not exist is success.
+    fn delete_volume(&self, volume_id: &str) -> Result<()>;
+
+    /// Makes the volume available at the node and says how the node finds it.
+    fn publish_volume(&self, req: &PublishRequest) -> Result<PublishContext>;
+
+    /// Undoes [`publish_volume`](Self::publish_volume) at `node_id` (None: at every node); a
+    /// volume or node that does not exist, or a volume not published there, is success.
+    fn unpublish_volume(&self, volume_id: &str, node_id: Option<&str>) -> Result<()>;
+
+    /// One volume with its publications and condition.
+    fn get_volume(&self, volume_id: &str) -> Result<VolumeStatus>;
+
+    /// A page of volumes. A token the backend cannot use: [`Error::InvalidToken`].
+    fn list_volumes(&self, page: &PageRequest) -> Result<Page<VolumeStatus>>;
+
+    /// Space available for new volumes.
+    fn capacity(&self, query: &CapacityQuery) -> Result<Capacity>;
+
+    /// Grows a volume (never shrinks it) and returns its new size.
+    fn expand_volume(&self, req: &ExpandRequest) -> Result<u64>;
+
+    /// Cuts a snapshot, or returns the one cut earlier under the same name from the same
+    /// volume ([`Error::SnapshotExists`] when the source differs).
+    fn create_snapshot(&self, req: &NewSnapshot) -> Result<Snapshot>;
+
+    /// Deletes a snapshot; a snapshot that does not exist is success.
+    fn delete_snapshot(&self, snapshot_id: &str) -> Result<()>;
+
+    /// One snapshot.
+    fn get_snapshot(&self, snapshot_id: &str) -> Result<Snapshot>;
+
+    /// A page of snapshots matching the filter.
+    fn list_snapshots(&self, filter: &SnapshotFilter, page: &PageRequest)
+    -> Result<Page<Snapshot>>;
+}
+
+/// How a backend sizes volumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SizePolicy {
+    /// Size when the request gives none.
+    pub default: u64,
+    /// Sizes are rounded up to a multiple of this (a power of two is not required).
+    pub granularity: u64,
+    /// Largest volume.
+    pub max: u64,
+}
+
+/// Picks the size of a new volume: the required size (or the default, capped by the limit),
+/// at least `floor` (the size of the content source), rounded up to the granularity.
+/// [`Error::OutOfRange`] when no size satisfies the range.
+pub fn choose_size(range: Option<&CapacityRange>, policy: &SizePolicy, floor: u64) -> Result<u64> {
+    let g = policy.granularity.max(1);
+    let r = range.copied().unwrap_or_default();
+    if r.limit > 0 && r.required > r.limit {
+        return Err(Error::OutOfRange(format!(
+            "required_bytes {} is larger than limit_bytes {}",
+            r.required, r.limit
+        )));
+    }
+    let want = if r.required > 0 {
+        r.required
+    } else if r.limit > 0 {
+        policy.default.min(r.limit / g * g)
+    } else {
+        policy.default
+    };
+    let want = want.max(floor);
+    if want == 0 {
+        return Err(Error::OutOfRange(format!(
+            "limit_bytes {} is smaller than the allocation unit of {g} bytes",
+            r.limit
+        )));
+    }
+    let size = want.checked_next_multiple_of(g).ok_or_else(|| {
+        Error::OutOfRange(format!("{want} bytes is larger than the largest volume"))
+    })?;
+    if r.limit > 0 && size > r.limit {
+        let why = if floor > r.limit {
+            format!("the content source holds {floor} bytes")
+        } else {
+            format!("sizes are multiples of {g} bytes")
+        };
+        return Err(Error::OutOfRange(format!(
+            "no size within limit_bytes {}: {why}",
+            r.limit
+        )));
+    }
+    if size > policy.max {
+        return Err(Error::OutOfRange(format!(
+            "{size} bytes is larger than the largest volume ({} bytes)",
+            policy.max
+        )));
+    }
+    Ok(size)
+}
+
+/// Whether `candidate` names a place within `ours`: every domain it names (compared without
+/// regard to case, as the spec requires of keys) is one of ours, with the same segment.
+/// An empty candidate names nothing.
+pub fn segment_within(candidate: &Segment, ours: &Segment) -> bool {
+    !candidate.is_empty()
+        && candidate.iter().all(|(k, v)| {
+            ours.iter()
+                .any(|(ok, ov)| ok.eq_ignore_ascii_case(k) && ov == v)
+        })
+}
+
+/// Whether a volume accessible from `ours` satisfies the requirement: the spec makes only
+/// `requisite` binding (with no requisite, the plugin may choose freely among all topologies,
+/// `preferred` being an order of preference).
+pub fn topology_allows(req: &TopologyRequirement, ours: &Segment) -> bool {
+    req.requisite.is_empty() || req.requisite.iter().any(|s| segment_within(s, ours))
+}
+
+/// One page of `items` (sorted by key, ascending), starting at the first key not below
+/// `start`; the next token is the first key of the next page. Deleting or adding entries
+/// between calls never invalidates a token.
+pub fn page_after<'a, T: Clone + 'a>(
+    items: impl IntoIterator<Item = (&'a String, &'a T)>,
+    start: Option<&str>,
+    max_entries: usize,
+) -> Page<T> {
+    let mut entries = Vec::new();
+    let mut next_token = None;
+    for (key, item) in items {
+        if start.is_some_and(|s| key.as_str() < s) {
+            continue;
+        }
+        if max_entries > 0 && entries.len() == max_entries {
+            next_token = Some(key.clone());
+            break;
+        }
+        entries.push(item.clone());
+    }
+    Page {
+        entries,
+        next_token,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+    const POLICY: SizePolicy = SizePolicy {
+        default: 1 << 30,
+        granularity: MIB,
+        max: 1 << 50,
+    };
+
+    fn range(required: u64, limit: u64) -> CapacityRange {
+        CapacityRange { required, limit }
+    }
+
+    #[test]
+    fn size_defaults_and_rounds_up() {
+        assert_eq!(choose_size(None, &POLICY, 0).unwrap(), 1 << 30);
+        assert_eq!(choose_size(Some(&range(1, 0)), &POLICY, 0).unwrap(), MIB);
+        assert_eq!(
+            choose_size(Some(&range(MIB + 1, 0)), &POLICY, 0).unwrap(),
+            2 * MIB
+        );
+        assert_eq!(
+            choose_size(Some(&range(0, 100 * MIB + 5)), &POLICY, 0).unwrap(),
+            100 * MIB
+        );
+        assert_eq!(
+            choose_size(Some(&range(5 * MIB, 5 * MIB)), &POLICY, 0).unwrap(),
+            5 * MIB
+        );
+    }
+
+    #[test]
+    fn size_honours_the_source_and_the_limit() {
+        assert_eq!(
+            choose_size(Some(&range(MIB, 0)), &POLICY, 3 * MIB).unwrap(),
+            3 * MIB
+        );
+        for (r, floor) in [
+            (range(0, 2 * MIB), 3 * MIB),
+            (range(1000, 1000), 0),
+            (range(0, 1000), 0),
+            (range(2 * MIB, MIB), 0),
+            (range(u64::MAX, 0), 0),
+            (range(1 << 51, 0), 0),
+        ] {
+            let e = choose_size(Some(&r), &POLICY, floor).unwrap_err();
+            assert!(matches!(e, Error::OutOfRange(_)), "{r:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn topology_matching() {
+        let ours = Segment::from([("topology.moor.csi.io/node".to_string(), "n1".to_string())]);
+        let other = Segment::from([("topology.moor.csi.io/node".to_string(), "n2".to_string())]);
+        let upper = Segment::from([("Topology.Moor.CSI.io/node".to_string(), "n1".to_string())]);
+        let zone = Segment::from([("zone".to_string(), "z".to_string())]);
+        assert!(segment_within(&ours, &ours));
+        assert!(segment_within(&upper, &ours));
+        assert!(!segment_within(&other, &ours));
+        assert!(!segment_within(&zone, &ours));
+        assert!(!segment_within(&Segment::new(), &ours));
+        let req = |requisite: Vec<Segment>, preferred: Vec<Segment>| TopologyRequirement {
+            requisite,
+            preferred,
+        };
+        assert!(topology_allows(&req(vec![], vec![other.clone()]), &ours));
+        assert!(topology_allows(
+            &req(vec![other.clone(), ours.clone()], vec![]),
+            &ours
+        ));
+        assert!(!topology_allows(&req(vec![other], vec![]), &ours));
+    }
+
+    #[test]
+    fn paging() {
+        let map: BTreeMap<String, u32> = (0..5).map(|i| (format!("k{i}"), i)).collect();
+        let p = page_after(&map, None, 2);
+        assert_eq!(p.entries, vec![0, 1]);
+        assert_eq!(p.next_token.as_deref(), Some("k2"));
+        let p = page_after(&map, Some("k2"), 2);
+        assert_eq!(p.entries, vec![2, 3]);
+        let p = page_after(&map, Some("k4"), 2);
+        assert_eq!(p.entries, vec![4]);
+        assert_eq!(p.next_token, None);
+        // The entry the token names was deleted: the page starts at the next one.
+        let p = page_after(&map, Some("k1a"), 0);
+        assert_eq!(p.entries, vec![2, 3, 4]);
+        assert_eq!(page_after(&map, None, 5).next_token, None);
+    }
+}

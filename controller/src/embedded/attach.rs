@@ -1,0 +1,445 @@
+//! Attaching volume files to this host as block devices: the embedded backend's stand-in for
+//! a cloud attach, behind the small [`Attacher`] trait so the backend's logic is tested with
+//! [`super::fake::FakeAttacher`] and runs with [`LoopAttacher`].
+//!
+//! [`LoopAttacher`] uses the loop driver's ioctls directly ([`crate::loopdev`]); it never runs
+//! `losetup`. Devices are identified by what they are bound to (device and inode of the
+//! backing file, from `LOOP_GET_STATUS64`), never by number alone: a number can be reused by
+//! anyone once a device is unbound, so every detach, resize and flush first checks that the
+//! device still backs the file it is meant to.
+
+use std::fmt;
+use std::fs::File;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use rustix::fs::{FileType, Mode, OFlags};
+use rustix::io::Errno;
+
+use crate::loopdev;
+
+/// Which file a device is bound to: the file's device (major, minor) and inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FileId {
+    /// Device of the filesystem holding the file.
+    pub dev: (u32, u32),
+    /// Inode number.
+    pub ino: u64,
+}
+
+impl FileId {
+    /// The identity of an open file.
+    pub fn of(file: &File) -> io::Result<Self> {
+        let st = rustix::fs::fstat(file)?;
+        Ok(Self::from_stat(&st))
+    }
+
+    /// The identity of the file at `path` (symlinks followed).
+    pub fn of_path(path: &Path) -> io::Result<Self> {
+        let st = rustix::fs::stat(path)?;
+        Ok(Self::from_stat(&st))
+    }
+
+    fn from_stat(st: &rustix::fs::Stat) -> Self {
+        Self {
+            dev: (rustix::fs::major(st.st_dev), rustix::fs::minor(st.st_dev)),
+            ino: st.st_ino,
+        }
+    }
+
+    fn of_loop(info: &loopdev::LoopInfo64) -> Self {
+        Self {
+            dev: info.backing_dev(),
+            ino: info.lo_inode,
+        }
+    }
+}
+
+/// A block device bound to a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attachment {
+    /// The device node, e.g. `/dev/loop7`.
+    pub device: PathBuf,
+    /// The backing file's path as the kernel reports it.
+    pub backing: PathBuf,
+    /// Whether the backing file was deleted (the kernel appends " (deleted)").
+    pub deleted: bool,
+    /// The backing file's identity.
+    pub file: FileId,
+}
+
+/// What a detach did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Detach {
+    /// The device is unbound.
+    Done,
+    /// Unbinding was requested; the kernel finishes it when the last opener closes the device.
+    Deferred,
+    /// The device was not bound (or does not exist): nothing to do.
+    AlreadyGone,
+    /// The device is bound to another file now; it was left alone.
+    NotOurs,
+}
+
+/// An attach step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    /// No loop device can be had (the kernel cannot create another).
+    #[error("no free loop device: {0}")]
+    NoFreeDevice(#[source] io::Error),
+    /// Every free device was taken by someone else before we could bind it.
+    #[error("loop devices kept being taken by other processes; gave up after {0} attempts")]
+    Busy(u32),
+    /// The device is bound to another file than the one expected.
+    #[error("{} is not bound to the expected file", .0.display())]
+    NotOurs(PathBuf),
+    /// A system call failed.
+    #[error("{step} {}: {source}", path.display())]
+    Sys {
+        /// What was being done.
+        step: &'static str,
+        /// On what.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl AttachError {
+    fn sys(step: &'static str, path: &Path, source: impl Into<io::Error>) -> Self {
+        AttachError::Sys {
+            step,
+            path: path.to_path_buf(),
+            source: source.into(),
+        }
+    }
+}
+
+/// Attaches files as block devices on this host.
+pub trait Attacher: Send + Sync + fmt::Debug + 'static {
+    /// Binds `backing` to a free block device and returns the device's path. No auto-clear:
+    /// the binding outlives this process.
+    fn attach(&self, backing: &Path, read_only: bool) -> Result<PathBuf, AttachError>;
+
+    /// Unbinds `device` if it is still bound to the file `expect`.
+    fn detach(&self, device: &Path, expect: FileId) -> Result<Detach, AttachError>;
+
+    /// The file `device` is bound to, or None when it is not bound or does not exist.
+    fn backing_of(&self, device: &Path) -> Result<Option<FileId>, AttachError>;
+
+    /// Tells `device` (bound to `expect`) that its backing file grew.
+    fn refresh_size(&self, device: &Path, expect: FileId) -> Result<(), AttachError>;
+
+    /// Writes `device`'s cached data through to its backing file (`expect`).
+    fn flush(&self, device: &Path, expect: FileId) -> Result<(), AttachError>;
+
+    /// Every bound device on this host.
+    fn list(&self) -> Result<Vec<Attachment>, AttachError>;
+
+    /// Whether attaching can work at all (for Probe).
+    fn check(&self) -> Result<(), AttachError>;
+}
+
+impl<A: Attacher> Attacher for Arc<A> {
+    fn attach(&self, backing: &Path, read_only: bool) -> Result<PathBuf, AttachError> {
+        (**self).attach(backing, read_only)
+    }
+    fn detach(&self, device: &Path, expect: FileId) -> Result<Detach, AttachError> {
+        (**self).detach(device, expect)
+    }
+    fn backing_of(&self, device: &Path) -> Result<Option<FileId>, AttachError> {
+        (**self).backing_of(device)
+    }
+    fn refresh_size(&self, device: &Path, expect: FileId) -> Result<(), AttachError> {
+        (**self).refresh_size(device, expect)
+    }
+    fn flush(&self, device: &Path, expect: FileId) -> Result<(), AttachError> {
+        (**self).flush(device, expect)
+    }
+    fn list(&self) -> Result<Vec<Attachment>, AttachError> {
+        (**self).list()
+    }
+    fn check(&self) -> Result<(), AttachError> {
+        (**self).check()
+    }
+}
+
+/// How often [`LoopAttacher::attach`] asks for another free device after losing a race.
+pub const ATTACH_ATTEMPTS: u32 = 64;
+/// How long a detach waits for the kernel to unbind the device before calling it deferred.
+pub const DETACH_WAIT: Duration = Duration::from_secs(2);
+
+/// The real [`Attacher`]: loop devices, through `/dev/loop-control` and `/dev/loopN`.
+#[derive(Debug, Clone)]
+pub struct LoopAttacher {
+    dev_dir: PathBuf,
+    sys_block: PathBuf,
+    /// Races lost to other users of loop devices (EBUSY from LOOP_CONFIGURE), for the logs.
+    races_lost: Arc<AtomicU64>,
+}
+
+impl Default for LoopAttacher {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LoopAttacher {
+    /// Uses `/dev` and `/sys/block`.
+    pub fn new() -> Self {
+        Self {
+            dev_dir: PathBuf::from("/dev"),
+            sys_block: PathBuf::from("/sys/block"),
+            races_lost: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// How many times an attach found the free device it was given taken by someone else and
+    /// asked for another.
+    pub fn races_lost(&self) -> u64 {
+        self.races_lost.load(Ordering::Relaxed)
+    }
+
+    fn control_path(&self) -> PathBuf {
+        self.dev_dir.join("loop-control")
+    }
+
+    fn device_path(&self, n: u32) -> PathBuf {
+        self.dev_dir.join(format!("loop{n}"))
+    }
+
+    /// Opens `/dev/loopN`; when the node is missing (a /dev without devtmpfs), creates it from
+    /// the device number sysfs gives.
+    fn open_device(&self, n: u32, path: &Path) -> Result<OwnedFd, AttachError> {
+        let flags = OFlags::RDWR | OFlags::CLOEXEC;
+        match rustix::fs::open(path, flags, Mode::empty()) {
+            Ok(fd) => return Ok(fd),
+            Err(Errno::NOENT) => {}
+            Err(e) => return Err(AttachError::sys("open", path, e)),
+        }
+        let dev_file = self.sys_block.join(format!("loop{n}/dev"));
+        let text = std::fs::read_to_string(&dev_file)
+            .map_err(|e| AttachError::sys("read", &dev_file, e))?;
+        let (major, minor) = text
+            .trim()
+            .split_once(':')
+            .and_then(|(a, b)| Some((a.parse::<u32>().ok()?, b.parse::<u32>().ok()?)))
+            .ok_or_else(|| AttachError::sys("parse", &dev_file, io::Error::from(Errno::INVAL)))?;
+        match rustix::fs::mknodat(
+            rustix::fs::CWD,
+            path,
+            FileType::BlockDevice,
+            Mode::from_raw_mode(0o660),
+            rustix::fs::makedev(major, minor),
+        ) {
+            Ok(()) | Err(Errno::EXIST) => {}
+            Err(e) => return Err(AttachError::sys("mknod", path, e)),
+        }
+        rustix::fs::open(path, flags, Mode::empty()).map_err(|e| AttachError::sys("open", path, e))
+    }
+
+    /// Opens an existing device to inspect it; None when it does not exist.
+    fn open_existing(device: &Path) -> Result<Option<OwnedFd>, AttachError> {
+        match rustix::fs::open(device, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()) {
+            Ok(fd) => Ok(Some(fd)),
+            Err(Errno::NOENT | Errno::NXIO | Errno::NODEV) => Ok(None),
+            Err(e) => Err(AttachError::sys("open", device, e)),
+        }
+    }
+
+    /// The file an open device is bound to; None when unbound.
+    fn bound_to(fd: &OwnedFd, device: &Path) -> Result<Option<FileId>, AttachError> {
+        match loopdev::status(fd) {
+            Ok(info) => Ok(Some(FileId::of_loop(&info))),
+            Err(e) if e.raw_os_error() == Some(Errno::NXIO.raw_os_error()) => Ok(None),
+            Err(e) => Err(AttachError::sys("LOOP_GET_STATUS64", device, e)),
+        }
+    }
+
+    /// Opens `device` and checks it is bound to `expect`.
+    fn open_bound(device: &Path, expect: FileId) -> Result<OwnedFd, AttachError> {
+        let fd = Self::open_existing(device)?.ok_or_else(|| AttachError::NotOurs(device.into()))?;
+        match Self::bound_to(&fd, device)? {
+            Some(id) if id == expect => Ok(fd),
+            _ => Err(AttachError::NotOurs(device.to_path_buf())),
+        }
+    }
+
+    /// The backing file sysfs names for `loopN`, if bound.
+    fn sysfs_backing(&self, name: &str) -> Option<String> {
+        let path = self.sys_block.join(name).join("loop/backing_file");
+        let text = std::fs::read_to_string(path).ok()?;
+        let text = text.strip_suffix('\n').unwrap_or(&text);
+        (!text.is_empty()).then(|| text.to_string())
+    }
+
+    /// A short pause after losing a race for a device, growing with the attempt and spread
+    /// out so that racing attachers do not collide again in lockstep.
+    fn backoff(attempt: u32) {
+        let spread = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos() % 500)
+            .unwrap_or(0);
+        let micros = 100 * u64::from(attempt.min(20)) + u64::from(spread);
+        std::thread::sleep(Duration::from_micros(micros));
+    }
+}
+
+impl Attacher for LoopAttacher {
+    fn attach(&self, backing: &Path, read_only: bool) -> Result<PathBuf, AttachError> {
+        let mode = if read_only {
+            OFlags::RDONLY
+        } else {
+            OFlags::RDWR
+        };
+        let file = rustix::fs::open(backing, mode | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| AttachError::sys("open backing file", backing, e))?;
+        let control_path = self.control_path();
+        let control =
+            rustix::fs::open(&control_path, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
+                .map_err(|e| AttachError::sys("open", &control_path, e))?;
+        let flags = if read_only {
+            loopdev::LO_FLAGS_READ_ONLY
+        } else {
+            0
+        };
+        let name = backing.as_os_str().as_bytes();
+        for attempt in 1..=ATTACH_ATTEMPTS {
+            let n = loopdev::get_free(&control).map_err(|e| match e.raw_os_error() {
+                Some(c) if c == Errno::NOSPC.raw_os_error() || c == Errno::NOMEM.raw_os_error() => {
+                    AttachError::NoFreeDevice(e)
+                }
+                _ => AttachError::sys("LOOP_CTL_GET_FREE", &control_path, e),
+            })?;
+            let path = self.device_path(n);
+            let device = match self.open_device(n, &path) {
+                Ok(fd) => fd,
+                // Removed by someone between GET_FREE and open: ask again.
+                Err(AttachError::Sys { source, .. })
+                    if matches!(
+                        source.raw_os_error(),
+                        Some(c) if c == Errno::NXIO.raw_os_error() || c == Errno::NOENT.raw_os_error()
+                    ) =>
+                {
+                    Self::backoff(attempt);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            match loopdev::configure(&device, &file, flags, name) {
+                Ok(()) => return Ok(path),
+                // Another process bound this device between GET_FREE and CONFIGURE.
+                Err(e) if e.raw_os_error() == Some(Errno::BUSY.raw_os_error()) => {
+                    self.races_lost.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(device = %path.display(), attempt, "loop device taken meanwhile; asking for another");
+                    Self::backoff(attempt);
+                }
+                Err(e) => return Err(AttachError::sys("LOOP_CONFIGURE", &path, e)),
+            }
+        }
+        Err(AttachError::Busy(ATTACH_ATTEMPTS))
+    }
+
+    fn detach(&self, device: &Path, expect: FileId) -> Result<Detach, AttachError> {
+        let Some(fd) = Self::open_existing(device)? else {
+            return Ok(Detach::AlreadyGone);
+        };
+        // While we hold the device open nobody can unbind and rebind it, so the check and the
+        // clear are about the same binding.
+        match Self::bound_to(&fd, device)? {
+            None => return Ok(Detach::AlreadyGone),
+            Some(id) if id != expect => return Ok(Detach::NotOurs),
+            Some(_) => {}
+        }
+        match loopdev::clear_fd(&fd) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(Errno::NXIO.raw_os_error()) => {
+                return Ok(Detach::AlreadyGone);
+            }
+            Err(e) => return Err(AttachError::sys("LOOP_CLR_FD", device, e)),
+        }
+        drop(fd);
+        // The kernel unbinds on last close; wait for it unless someone else holds it open.
+        let name = device
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        let start = Instant::now();
+        while start.elapsed() < DETACH_WAIT {
+            if self.sysfs_backing(&name).is_none() {
+                return Ok(Detach::Done);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(Detach::Deferred)
+    }
+
+    fn backing_of(&self, device: &Path) -> Result<Option<FileId>, AttachError> {
+        match Self::open_existing(device)? {
+            Some(fd) => Self::bound_to(&fd, device),
+            None => Ok(None),
+        }
+    }
+
+    fn refresh_size(&self, device: &Path, expect: FileId) -> Result<(), AttachError> {
+        let fd = Self::open_bound(device, expect)?;
+        loopdev::set_capacity(&fd).map_err(|e| AttachError::sys("LOOP_SET_CAPACITY", device, e))
+    }
+
+    fn flush(&self, device: &Path, expect: FileId) -> Result<(), AttachError> {
+        let fd = Self::open_bound(device, expect)?;
+        rustix::fs::fsync(&fd).map_err(|e| AttachError::sys("fsync", device, e))
+    }
+
+    fn list(&self) -> Result<Vec<Attachment>, AttachError> {
+        let entries = std::fs::read_dir(&self.sys_block)
+            .map_err(|e| AttachError::sys("read dir", &self.sys_block, e))?;
+        let mut out = Vec::new();
+        for entry in entries.flatten() {
+            let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            let is_loop = name
+                .strip_prefix("loop")
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+            if !is_loop {
+                continue;
+            }
+            let Some(backing) = self.sysfs_backing(&name) else {
+                continue;
+            };
+            let (backing, deleted) = match backing.strip_suffix(" (deleted)") {
+                Some(b) => (b.to_string(), true),
+                None => (backing, false),
+            };
+            let device = self.dev_dir.join(&name);
+            let Some(fd) = Self::open_existing(&device)? else {
+                continue;
+            };
+            if let Some(file) = Self::bound_to(&fd, &device)? {
+                out.push(Attachment {
+                    device,
+                    backing: PathBuf::from(backing),
+                    deleted,
+                    file,
+                });
+            }
+        }
+        out.sort_by(|a, b| a.device.cmp(&b.device));
+        Ok(out)
+    }
+
+    fn check(&self) -> Result<(), AttachError> {
+        let path = self.control_path();
+        rustix::fs::open(&path, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
+            .map(drop)
+            .map_err(|e| AttachError::sys("open", &path, e))
+    }
+}

@@ -1,0 +1,424 @@
+//! The embedded backend's records: one JSON file per volume and per snapshot, written so that
+//! a crash at any point leaves either the old or the new record, never a torn one.
+//!
+//! A write goes to a temporary file in the same directory, which is fsynced, renamed over the
+//! record, and the directory fsynced. A removal unlinks the record and fsyncs the directory.
+//! Records that cannot be read are set aside (renamed `*.corrupt`) with the id they stood for,
+//! so the data they describe is kept, not mistaken for an orphan.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write as _;
+use std::os::unix::fs::OpenOptionsExt as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::ids::{SnapshotId, VolumeId};
+use crate::backend::{ContentSource, Parameters};
+
+/// The record format version this code writes.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// A record step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The filesystem refused.
+    #[error("{step} {}: {source}", path.display())]
+    Io {
+        /// What was being done.
+        step: &'static str,
+        /// On which file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A record could not be encoded.
+    #[error("encode record {id}: {source}")]
+    Encode {
+        /// The object's id.
+        id: String,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+fn io<'a>(step: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RecordError + 'a {
+    move |source| RecordError::Io {
+        step,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Where and how a volume is published.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Publication {
+    /// The node.
+    pub node_id: String,
+    /// Published read-only.
+    pub readonly: bool,
+    /// The loop device, once attached; None while the attach is in progress (written before
+    /// the attach, so that a crash in between leaves a device that start-up adopts).
+    pub device: Option<String>,
+}
+
+/// One volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    /// Record format version.
+    pub version: u32,
+    /// The volume id.
+    pub id: String,
+    /// The CO's name.
+    pub name: String,
+    /// Current size in bytes.
+    pub capacity_bytes: u64,
+    /// Size at creation.
+    pub created_bytes: u64,
+    /// Normalised creation parameters.
+    pub parameters: Parameters,
+    /// Volume context handed to the CO.
+    pub context: Parameters,
+    /// Where the data came from.
+    pub source: Option<ContentSource>,
+    /// Its publication, if any.
+    pub publication: Option<Publication>,
+}
+
+/// One snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    /// Record format version.
+    pub version: u32,
+    /// The snapshot id.
+    pub id: String,
+    /// The CO's name.
+    pub name: String,
+    /// The volume it was cut from.
+    pub source_volume_id: String,
+    /// Size of the data.
+    pub size_bytes: u64,
+    /// When it was cut: seconds since the epoch.
+    pub created_secs: u64,
+    /// When it was cut: nanoseconds within the second.
+    pub created_nanos: u32,
+}
+
+impl SnapshotRecord {
+    /// When it was cut.
+    pub fn created_at(&self) -> SystemTime {
+        UNIX_EPOCH + Duration::new(self.created_secs, self.created_nanos.min(999_999_999))
+    }
+
+    /// Splits `t` into the record's fields.
+    pub fn time_fields(t: SystemTime) -> (u64, u32) {
+        let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+        (d.as_secs(), d.subsec_nanos())
+    }
+}
+
+/// A record file that could not be read, set aside.
+#[derive(Debug)]
+pub struct SetAside {
+    /// The id it stood for, when the file name said.
+    pub id: Option<String>,
+    /// Where it now is.
+    pub path: PathBuf,
+    /// Why it was set aside.
+    pub reason: String,
+}
+
+/// Everything read at start-up.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// Volumes by id.
+    pub volumes: BTreeMap<String, VolumeRecord>,
+    /// Snapshots by id.
+    pub snapshots: BTreeMap<String, SnapshotRecord>,
+    /// Unreadable records.
+    pub set_aside: Vec<SetAside>,
+}
+
+/// The record directories.
+#[derive(Debug, Clone)]
+pub struct RecordStore {
+    volumes: PathBuf,
+    snapshots: PathBuf,
+}
+
+impl RecordStore {
+    /// Opens (creating) `root/volumes` and `root/snapshots` and reads every record.
+    pub fn open(root: &Path) -> Result<(Self, Loaded), RecordError> {
+        let store = Self {
+            volumes: root.join("volumes"),
+            snapshots: root.join("snapshots"),
+        };
+        for dir in [root, &store.volumes, &store.snapshots] {
+            fs::create_dir_all(dir).map_err(io("create dir", dir))?;
+        }
+        let mut loaded = Loaded::default();
+        for (path, id, data) in read_dir_records(&store.volumes, &mut loaded.set_aside)? {
+            match VolumeId::from_file_name(&id, "json") {
+                Some(vid) => match serde_json::from_slice::<VolumeRecord>(&data) {
+                    Ok(rec) if rec.id == vid.as_str() && rec.version <= FORMAT_VERSION => {
+                        loaded.volumes.insert(rec.id.clone(), rec);
+                    }
+                    Ok(rec) => set_aside(
+                        &path,
+                        Some(vid.to_string()),
+                        format!("record says id {:?} version {}", rec.id, rec.version),
+                        &mut loaded.set_aside,
+                    ),
+                    Err(e) => set_aside(
+                        &path,
+                        Some(vid.to_string()),
+                        e.to_string(),
+                        &mut loaded.set_aside,
+                    ),
+                },
+                None => set_aside(
+                    &path,
+                    None,
+                    "not a volume record name".into(),
+                    &mut loaded.set_aside,
+                ),
+            }
+        }
+        for (path, id, data) in read_dir_records(&store.snapshots, &mut loaded.set_aside)? {
+            match SnapshotId::from_file_name(&id, "json") {
+                Some(sid) => match serde_json::from_slice::<SnapshotRecord>(&data) {
+                    Ok(rec) if rec.id == sid.as_str() && rec.version <= FORMAT_VERSION => {
+                        loaded.snapshots.insert(rec.id.clone(), rec);
+                    }
+                    Ok(rec) => set_aside(
+                        &path,
+                        Some(sid.to_string()),
+                        format!("record says id {:?} version {}", rec.id, rec.version),
+                        &mut loaded.set_aside,
+                    ),
+                    Err(e) => set_aside(
+                        &path,
+                        Some(sid.to_string()),
+                        e.to_string(),
+                        &mut loaded.set_aside,
+                    ),
+                },
+                None => set_aside(
+                    &path,
+                    None,
+                    "not a snapshot record name".into(),
+                    &mut loaded.set_aside,
+                ),
+            }
+        }
+        Ok((store, loaded))
+    }
+
+    /// Writes a volume record durably.
+    pub fn put_volume(&self, rec: &VolumeRecord) -> Result<(), RecordError> {
+        let data = serde_json::to_vec_pretty(rec).map_err(|source| RecordError::Encode {
+            id: rec.id.clone(),
+            source,
+        })?;
+        write_atomic(&self.volumes, &format!("{}.json", rec.id), &data)
+    }
+
+    /// Removes a volume record durably (absent: success).
+    pub fn remove_volume(&self, id: &VolumeId) -> Result<(), RecordError> {
+        remove_durable(&self.volumes, &id.record_file())
+    }
+
+    /// Writes a snapshot record durably.
+    pub fn put_snapshot(&self, rec: &SnapshotRecord) -> Result<(), RecordError> {
+        let data = serde_json::to_vec_pretty(rec).map_err(|source| RecordError::Encode {
+            id: rec.id.clone(),
+            source,
+        })?;
+        write_atomic(&self.snapshots, &format!("{}.json", rec.id), &data)
+    }
+
+    /// Removes a snapshot record durably (absent: success).
+    pub fn remove_snapshot(&self, id: &SnapshotId) -> Result<(), RecordError> {
+        remove_durable(&self.snapshots, &id.record_file())
+    }
+}
+
+/// Reads every `*.json` in `dir`; removes leftover temporary files; sets aside anything else
+/// unreadable. Returns (path, file name, contents).
+fn read_dir_records(
+    dir: &Path,
+    aside: &mut Vec<SetAside>,
+) -> Result<Vec<(PathBuf, String, Vec<u8>)>, RecordError> {
+    let mut out = Vec::new();
+    for entry in fs::read_dir(dir).map_err(io("read dir", dir))? {
+        let entry = entry.map_err(io("read dir", dir))?;
+        let path = entry.path();
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        if name.starts_with('.') && name.ends_with(".tmp") {
+            // A write that never reached its rename: the record it was replacing still holds.
+            fs::remove_file(&path).map_err(io("remove temporary record", &path))?;
+            continue;
+        }
+        if let Some(stem) = name.strip_suffix(".json.corrupt") {
+            // Set aside at an earlier start: its data stays protected.
+            aside.push(SetAside {
+                id: Some(stem.to_string()),
+                path,
+                reason: "set aside at an earlier start".into(),
+            });
+            continue;
+        }
+        if !name.ends_with(".json") {
+            continue;
+        }
+        match fs::read(&path) {
+            Ok(data) => out.push((path, name, data)),
+            Err(e) => aside.push(SetAside {
+                id: None,
+                path,
+                reason: e.to_string(),
+            }),
+        }
+    }
+    out.sort_by(|a, b| a.1.cmp(&b.1));
+    Ok(out)
+}
+
+fn set_aside(path: &Path, id: Option<String>, reason: String, aside: &mut Vec<SetAside>) {
+    let mut target = path.as_os_str().to_owned();
+    target.push(".corrupt");
+    let target = PathBuf::from(target);
+    let path = match fs::rename(path, &target) {
+        Ok(()) => target,
+        Err(_) => path.to_path_buf(),
+    };
+    aside.push(SetAside { id, path, reason });
+}
+
+/// fsyncs a directory, making renames and unlinks in it durable.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Writes `name` in `dir` atomically and durably.
+pub fn write_atomic(dir: &Path, name: &str, data: &[u8]) -> Result<(), RecordError> {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let target = dir.join(name);
+    let result = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io("create", &tmp))?;
+        f.write_all(data).map_err(io("write", &tmp))?;
+        f.sync_all().map_err(io("fsync", &tmp))?;
+        fs::rename(&tmp, &target).map_err(io("rename", &target))?;
+        sync_dir(dir).map_err(io("fsync dir", dir))
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Removes `name` from `dir` durably; absent is success.
+pub fn remove_durable(dir: &Path, name: &str) -> Result<(), RecordError> {
+    let path = dir.join(name);
+    match fs::remove_file(&path) {
+        Ok(()) => sync_dir(dir).map_err(io("fsync dir", dir)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io("remove", &path)(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::embedded::testdir::TestDir;
+
+    fn volume(id: &str) -> VolumeRecord {
+        VolumeRecord {
+            version: FORMAT_VERSION,
+            id: id.into(),
+            name: format!("name-{id}"),
+            capacity_bytes: 1 << 20,
+            created_bytes: 1 << 20,
+            parameters: Parameters::new(),
+            context: Parameters::new(),
+            source: Some(ContentSource::Snapshot("snap-0000000000000001".into())),
+            publication: Some(Publication {
+                node_id: "n1".into(),
+                readonly: false,
+                device: Some("/dev/loop3".into()),
+            }),
+        }
+    }
+
+    #[test]
+    fn records_round_trip() {
+        let dir = TestDir::new("records-round-trip");
+        let (store, loaded) = RecordStore::open(dir.path()).unwrap();
+        assert!(loaded.volumes.is_empty());
+        let v = volume("vol-0000000000000001");
+        store.put_volume(&v).unwrap();
+        let (t, c) = SnapshotRecord::time_fields(SystemTime::now());
+        let s = SnapshotRecord {
+            version: FORMAT_VERSION,
+            id: "snap-0000000000000001".into(),
+            name: "s".into(),
+            source_volume_id: v.id.clone(),
+            size_bytes: 5,
+            created_secs: t,
+            created_nanos: c,
+        };
+        store.put_snapshot(&s).unwrap();
+        let (_, loaded) = RecordStore::open(dir.path()).unwrap();
+        assert_eq!(loaded.volumes.get(&v.id), Some(&v));
+        assert_eq!(loaded.snapshots.get(&s.id), Some(&s));
+        store
+            .remove_volume(&VolumeId::parse(&v.id).unwrap())
+            .unwrap();
+        store
+            .remove_volume(&VolumeId::parse(&v.id).unwrap())
+            .unwrap();
+        let (_, loaded) = RecordStore::open(dir.path()).unwrap();
+        assert!(loaded.volumes.is_empty());
+    }
+
+    #[test]
+    fn torn_and_foreign_records_are_set_aside() {
+        let dir = TestDir::new("records-corrupt");
+        let (store, _) = RecordStore::open(dir.path()).unwrap();
+        store.put_volume(&volume("vol-0000000000000002")).unwrap();
+        let vols = dir.path().join("volumes");
+        fs::write(vols.join("vol-0000000000000003.json"), b"{ torn").unwrap();
+        // A record whose content names another id than its file.
+        let mut other = volume("vol-0000000000000005");
+        other.id = "vol-0000000000000006".into();
+        fs::write(
+            vols.join("vol-0000000000000005.json"),
+            serde_json::to_vec(&other).unwrap(),
+        )
+        .unwrap();
+        fs::write(vols.join(".vol-0000000000000004.json.tmp"), b"partial").unwrap();
+        let (_, loaded) = RecordStore::open(dir.path()).unwrap();
+        assert_eq!(loaded.volumes.len(), 1);
+        let mut ids: Vec<_> = loaded
+            .set_aside
+            .iter()
+            .filter_map(|a| a.id.clone())
+            .collect();
+        ids.sort();
+        assert_eq!(ids, ["vol-0000000000000003", "vol-0000000000000005"]);
+        assert!(vols.join("vol-0000000000000003.json.corrupt").exists());
+        assert!(!vols.join(".vol-0000000000000004.json.tmp").exists());
+    }
+}

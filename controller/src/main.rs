@@ -1,0 +1,213 @@
+//! `moor-controller`: the moor CSI controller plugin daemon.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use moor_controller::embedded::attach::LoopAttacher;
+use moor_controller::embedded::{Config, EmbeddedBackend};
+use moor_controller::identity::IdentityService;
+use moor_controller::service::ControllerService;
+use moor_node::server;
+use moor_proto::csi::v1::controller_server::ControllerServer;
+use moor_proto::csi::v1::identity_server::IdentityServer;
+use tracing::{error, info, warn};
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// moor-controller: the CSI controller plugin. Serves the CSI Identity and Controller services
+/// on a Unix socket; its embedded backend keeps volumes as sparse files under --data-dir and
+/// attaches them to this host as loop devices.
+#[derive(Debug, Parser)]
+#[command(name = "moor-controller", version, about, long_about = None)]
+struct Args {
+    /// gRPC endpoint the CO's sidecars connect to.
+    #[arg(long, default_value = "unix:///csi/csi.sock", env = "CSI_ENDPOINT")]
+    endpoint: String,
+    /// CSI driver name.
+    #[arg(long, default_value = "moor.csi.io")]
+    driver_name: String,
+    /// The node the embedded backend attaches volumes to (this host's node id).
+    #[arg(long, env = "NODE_ID")]
+    node_id: String,
+    /// Where the embedded backend keeps volumes, snapshots and its records.
+    #[arg(long, default_value = "/var/lib/moor/controller")]
+    data_dir: PathBuf,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// On SIGTERM or SIGINT, how long in-flight calls may take to finish, in seconds.
+    #[arg(long, default_value_t = 20)]
+    shutdown_grace: u64,
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+/// Checks a DNS-label-like string: 1 to `max` characters of `[a-z0-9.-]` (upper case too when
+/// `upper`), `_` where `underscore`, beginning and ending with an alphanumeric character.
+fn label_ok(s: &str, max: usize, upper: bool, underscore: bool) -> bool {
+    let ok_char = |c: char| {
+        c.is_ascii_digit()
+            || c.is_ascii_lowercase()
+            || (upper && c.is_ascii_uppercase())
+            || c == '-'
+            || c == '.'
+            || (underscore && c == '_')
+    };
+    !s.is_empty()
+        && s.len() <= max
+        && s.chars().all(ok_char)
+        && s.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && s.ends_with(|c: char| c.is_ascii_alphanumeric())
+}
+
+/// The driver name must make a valid topology key prefix ("topology.<name>", at most 63
+/// characters, lower case); the node id must be a valid topology value.
+fn check_names(driver: &str, node: &str) -> Result<(), String> {
+    if !label_ok(&format!("topology.{driver}"), 63, false, false) {
+        return Err(format!(
+            "--driver-name {driver:?}: must be lower-case alphanumerics, '-' and '.', at most 54 \
+             characters (it prefixes the topology key)"
+        ));
+    }
+    if !label_ok(node, 63, true, true) {
+        return Err(format!(
+            "--node-id {node:?}: must be at most 63 alphanumerics, '-', '_' and '.', beginning \
+             and ending with an alphanumeric (it is a topology value)"
+        ));
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_logging(args.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            error!(error = %e, "cannot start the async runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!(error = %e, "moor-controller stopped");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    check_names(&args.driver_name, &args.node_id)?;
+    let socket = server::parse_endpoint(&args.endpoint)?;
+    let config = Config {
+        data_dir: args.data_dir.clone(),
+        node_id: args.node_id.clone(),
+        topology_key: format!("topology.{}/node", args.driver_name),
+    };
+    let (backend, report) =
+        tokio::task::spawn_blocking(move || EmbeddedBackend::open(config, LoopAttacher::new()))
+            .await??;
+    for a in &report.set_aside {
+        warn!(file = %a.path.display(), reason = %a.reason, "record unreadable; set aside, its data kept");
+    }
+    for p in &report.problems {
+        warn!(problem = %p, "reconciliation");
+    }
+    info!(
+        volumes = report.volumes,
+        snapshots = report.snapshots,
+        adopted = report.adopted.len(),
+        detached = report.detached.len(),
+        corrected = report.corrected.len(),
+        orphans_removed = report.orphans_removed.len(),
+        "records reconciled with this host's loop devices"
+    );
+    let backend = Arc::new(backend);
+    if let Err(e) = moor_controller::Backend::probe(backend.as_ref()) {
+        warn!(error = %e, "not ready");
+    }
+    let identity = IdentityService::new(args.driver_name.clone(), Arc::clone(&backend));
+    let controller = ControllerService::new(Arc::clone(&backend));
+    let listener = server::bind_unix(&socket)?;
+    info!(
+        endpoint = %socket.display(),
+        driver = args.driver_name,
+        node = args.node_id,
+        data_dir = %backend.layout().root.display(),
+        version = env!("CARGO_PKG_VERSION"),
+        "moor-controller serving"
+    );
+    let router = tonic::transport::Server::builder()
+        .add_service(IdentityServer::new(identity))
+        .add_service(ControllerServer::new(controller));
+    server::serve(
+        router,
+        listener,
+        &socket,
+        server::termination(),
+        Duration::from_secs(args.shutdown_grace),
+    )
+    .await?;
+    info!("moor-controller stopped cleanly");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(check_names("moor.csi.io", "node-1").is_ok());
+        assert!(check_names("moor.csi.io", "Node_1.example").is_ok());
+        assert!(check_names("Moor.csi.io", "n").is_err());
+        assert!(check_names(&"a".repeat(60), "n").is_err());
+        assert!(check_names("moor.csi.io", "").is_err());
+        assert!(check_names("moor.csi.io", "-n").is_err());
+        assert!(check_names("moor.csi.io", &"n".repeat(64)).is_err());
+        assert!(check_names("moor.csi.io", "a/b").is_err());
+    }
+
+    #[test]
+    fn args_parse() {
+        let a = Args::try_parse_from([
+            "moor-controller",
+            "--endpoint",
+            "unix:///tmp/x.sock",
+            "--node-id",
+            "n1",
+            "--data-dir",
+            "/tmp/d",
+            "--log-format",
+            "json",
+        ])
+        .unwrap();
+        assert_eq!(a.driver_name, "moor.csi.io");
+        assert_eq!(a.node_id, "n1");
+        assert!(Args::try_parse_from(["moor-controller", "--log-format", "xml"]).is_err());
+    }
+}

@@ -1,0 +1,438 @@
+//! The CSI Controller gRPC service, over any [`Backend`].
+//!
+//! Each handler validates the request ([`crate::validate`]), applies the CSI rules that do not
+//! depend on the storage, and calls the backend on tokio's blocking pool. A panic anywhere in a
+//! handler is caught and answered with INTERNAL; the daemon stays up. Requests are never logged
+//! whole (they may carry secrets): only the RPC, the object it is about, the code and the time.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use moor_proto::csi::v1 as csi;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use crate::backend::{
+    Backend, CapacityQuery, ContentSource, Parameters, Snapshot, Volume, VolumeStatus,
+};
+use crate::error::{Error, Result, trunc};
+use crate::validate;
+
+/// The controller capabilities moor advertises.
+pub const CAPABILITIES: [csi::controller_service_capability::rpc::Type; 12] = {
+    use csi::controller_service_capability::rpc::Type;
+    [
+        Type::CreateDeleteVolume,
+        Type::PublishUnpublishVolume,
+        Type::ListVolumes,
+        Type::GetCapacity,
+        Type::CreateDeleteSnapshot,
+        Type::ListSnapshots,
+        Type::CloneVolume,
+        Type::ExpandVolume,
+        Type::ListVolumesPublishedNodes,
+        Type::VolumeCondition,
+        Type::GetVolume,
+        Type::SingleNodeMultiWriter,
+    ]
+};
+
+/// The Controller service.
+#[derive(Debug)]
+pub struct ControllerService<B: Backend> {
+    backend: Arc<B>,
+}
+
+impl<B: Backend> ControllerService<B> {
+    /// Serves `backend`.
+    pub fn new(backend: Arc<B>) -> Self {
+        Self { backend }
+    }
+
+    /// Runs `f` against the backend on the blocking pool and logs the outcome.
+    async fn call<T: Send + 'static>(
+        &self,
+        rpc: &'static str,
+        subject: &str,
+        f: impl FnOnce(&B) -> Result<T> + Send + 'static,
+    ) -> Result<Response<T>, Status> {
+        let backend = Arc::clone(&self.backend);
+        let start = Instant::now();
+        let result = match tokio::task::spawn_blocking(move || f(&backend)).await {
+            Ok(r) => r.map_err(Status::from),
+            Err(e) => {
+                warn!(rpc, error = %e, "handler panicked");
+                Err(Error::Internal(format!("{rpc} panicked; see the controller log")).into())
+            }
+        };
+        let micros = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let subject = trunc(subject);
+        match &result {
+            Ok(_) => info!(rpc, subject, micros, "ok"),
+            Err(s) => {
+                warn!(rpc, subject, micros, code = ?s.code(), message = s.message(), "failed")
+            }
+        }
+        result.map(Response::new)
+    }
+}
+
+fn to_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+fn to_hash(m: &Parameters) -> HashMap<String, String> {
+    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+fn csi_source(src: &ContentSource) -> csi::VolumeContentSource {
+    use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
+    csi::VolumeContentSource {
+        r#type: Some(match src {
+            ContentSource::Snapshot(id) => Type::Snapshot(SnapshotSource {
+                snapshot_id: id.clone(),
+            }),
+            ContentSource::Volume(id) => Type::Volume(VolumeSource {
+                volume_id: id.clone(),
+            }),
+        }),
+    }
+}
+
+/// A backend volume as CSI's `Volume`.
+pub fn csi_volume(v: &Volume) -> csi::Volume {
+    csi::Volume {
+        capacity_bytes: to_i64(v.capacity_bytes),
+        volume_id: v.id.clone(),
+        volume_context: to_hash(&v.context),
+        content_source: v.source.as_ref().map(csi_source),
+        accessible_topology: v
+            .topology
+            .iter()
+            .map(|s| csi::Topology {
+                segments: to_hash(s),
+            })
+            .collect(),
+    }
+}
+
+/// A backend snapshot as CSI's `Snapshot`.
+pub fn csi_snapshot(s: &Snapshot) -> csi::Snapshot {
+    csi::Snapshot {
+        size_bytes: to_i64(s.size_bytes),
+        snapshot_id: s.id.clone(),
+        source_volume_id: s.source_volume_id.clone(),
+        creation_time: Some(prost_types::Timestamp::from(s.created_at)),
+        ready_to_use: s.ready_to_use,
+        group_snapshot_id: String::new(),
+    }
+}
+
+fn csi_condition(s: &VolumeStatus) -> csi::VolumeCondition {
+    csi::VolumeCondition {
+        abnormal: s.condition.abnormal,
+        message: s.condition.message.clone(),
+    }
+}
+
+#[tonic::async_trait]
+impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
+    async fn create_volume(
+        &self,
+        request: Request<csi::CreateVolumeRequest>,
+    ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let subject = req.name.clone();
+        self.call("CreateVolume", &subject, move |b| {
+            let mut v = validate::create_volume(&req)?;
+            v.parameters = b.parse_parameters(&v.parameters)?;
+            for cap in &v.capabilities {
+                b.check_capability(cap, &v.parameters)
+                    .map_err(|r| Error::invalid("volume_capabilities", r))?;
+            }
+            let vol = b.create_volume(&v)?;
+            Ok(csi::CreateVolumeResponse {
+                volume: Some(csi_volume(&vol)),
+            })
+        })
+        .await
+    }
+
+    async fn delete_volume(
+        &self,
+        request: Request<csi::DeleteVolumeRequest>,
+    ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let subject = req.volume_id.clone();
+        self.call("DeleteVolume", &subject, move |b| {
+            let id = validate::delete_volume(&req)?;
+            b.delete_volume(&id)?;
+            Ok(csi::DeleteVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        request: Request<csi::ControllerPublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let subject = req.volume_id.clone();
+        self.call("ControllerPublishVolume", &subject, move |b| {
+            let p = validate::publish(&req)?;
+            let ctx = b.publish_volume(&p)?;
+            Ok(csi::ControllerPublishVolumeResponse {
+                publish_context: to_hash(&ctx),
+            })
+        })
+        .await
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        request: Request<csi::ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let subject = req.volume_id.clone();
+        self.call("ControllerUnpublishVolume", &subject, move |b| {
+            let (id, node) = validate::unpublish(&req)?;
+            b.unpublish_volume(&id, node.as_deref())?;
+            Ok(csi::ControllerUnpublishVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        request: Request<csi::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
+        let req = request.into_inner();
+        let subject = req.volume_id.clone();
+        self.call("ValidateVolumeCapabilities", &subject, move |b| {
+            let v = validate::validate_capabilities(&req)?;
+            let status = b.get_volume(&v.volume_id)?;
+            let params = b.parse_parameters(&v.parameters)?;
+            let mut problems = Vec::new();
+            if v.has_mutable_parameters {
+                problems.push("moor has no mutable parameters".to_string());
+            }
+            if !v.parameters.is_empty() && params != status.volume.parameters {
+                problems.push("parameters differ from those the volume was created with".into());
+            }
+            if !v.context.is_empty() && v.context != status.volume.context {
+                problems.push("volume_context differs from the volume's".into());
+            }
+            for cap in &v.capabilities {
+                if let Err(r) = b.check_capability(cap, &status.volume.parameters) {
+                    problems.push(r);
+                }
+            }
+            if problems.is_empty() {
+                use csi::validate_volume_capabilities_response::Confirmed;
+                Ok(csi::ValidateVolumeCapabilitiesResponse {
+                    confirmed: Some(Confirmed {
+                        volume_context: req.volume_context,
+                        volume_capabilities: req.volume_capabilities,
+                        parameters: req.parameters,
+                        mutable_parameters: HashMap::new(),
+                    }),
+                    message: String::new(),
+                })
+            } else {
+                Ok(csi::ValidateVolumeCapabilitiesResponse {
+                    confirmed: None,
+                    message: problems.join("; "),
+                })
+            }
+        })
+        .await
+    }
+
+    async fn list_volumes(
+        &self,
+        request: Request<csi::ListVolumesRequest>,
+    ) -> Result<Response<csi::ListVolumesResponse>, Status> {
+        let req = request.into_inner();
+        self.call("ListVolumes", "", move |b| {
+            use csi::list_volumes_response::{Entry, VolumeStatus};
+            let page = b.list_volumes(&validate::list_volumes(&req)?)?;
+            Ok(csi::ListVolumesResponse {
+                entries: page
+                    .entries
+                    .iter()
+                    .map(|s| Entry {
+                        volume: Some(csi_volume(&s.volume)),
+                        status: Some(VolumeStatus {
+                            published_node_ids: s.published_nodes.clone(),
+                            volume_condition: Some(csi_condition(s)),
+                        }),
+                    })
+                    .collect(),
+                next_token: page.next_token.unwrap_or_default(),
+            })
+        })
+        .await
+    }
+
+    async fn get_capacity(
+        &self,
+        request: Request<csi::GetCapacityRequest>,
+    ) -> Result<Response<csi::GetCapacityResponse>, Status> {
+        let req = request.into_inner();
+        self.call("GetCapacity", "", move |b| {
+            let q = validate::get_capacity(&req)?;
+            let parameters = b.parse_parameters(&q.parameters)?;
+            // Storage that cannot make volumes with these capabilities has no capacity for them.
+            if q.capabilities
+                .iter()
+                .any(|c| b.check_capability(c, &parameters).is_err())
+            {
+                return Ok(csi::GetCapacityResponse::default());
+            }
+            let c = b.capacity(&CapacityQuery {
+                parameters,
+                topology: q.topology,
+            })?;
+            Ok(csi::GetCapacityResponse {
+                available_capacity: to_i64(c.available),
+                maximum_volume_size: c.maximum_volume_size.map(to_i64),
+                minimum_volume_size: c.minimum_volume_size.map(to_i64),
+            })
+        })
+        .await
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _: Request<csi::ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
+        use csi::controller_service_capability::{Rpc, Type};
+        Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
+            capabilities: CAPABILITIES
+                .iter()
+                .map(|t| csi::ControllerServiceCapability {
+                    r#type: Some(Type::Rpc(Rpc { r#type: *t as i32 })),
+                })
+                .collect(),
+        }))
+    }
+
+    async fn create_snapshot(
+        &self,
+        request: Request<csi::CreateSnapshotRequest>,
+    ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
+        let req = request.into_inner();
+        let subject = req.name.clone();
+        self.call("CreateSnapshot", &subject, move |b| {
+            let s = b.create_snapshot(&validate::create_snapshot(&req)?)?;
+            Ok(csi::CreateSnapshotResponse {
+                snapshot: Some(csi_snapshot(&s)),
+            })
+        })
+        .await
+    }
+
+    async fn delete_snapshot(
+        &self,
+        request: Request<csi::DeleteSnapshotRequest>,
+    ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
+        let req = request.into_inner();
+        let subject = req.snapshot_id.clone();
+        self.call("DeleteSnapshot", &subject, move |b| {
+            b.delete_snapshot(&validate::delete_snapshot(&req)?)?;
+            Ok(csi::DeleteSnapshotResponse {})
+        })
+        .await
+    }
+
+    async fn list_snapshots(
+        &self,
+        request: Request<csi::ListSnapshotsRequest>,
+    ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
+        let req = request.into_inner();
+        self.call("ListSnapshots", "", move |b| {
+            let (filter, page) = validate::list_snapshots(&req)?;
+            let page = b.list_snapshots(&filter, &page)?;
+            Ok(csi::ListSnapshotsResponse {
+                entries: page
+                    .entries
+                    .iter()
+                    .map(|s| csi::list_snapshots_response::Entry {
+                        snapshot: Some(csi_snapshot(s)),
+                    })
+                    .collect(),
+                next_token: page.next_token.unwrap_or_default(),
+            })
+        })
+        .await
+    }
+
+    async fn get_snapshot(
+        &self,
+        request: Request<csi::GetSnapshotRequest>,
+    ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
+        let req = request.into_inner();
+        let subject = req.snapshot_id.clone();
+        self.call("GetSnapshot", &subject, move |b| {
+            let s = b.get_snapshot(&validate::get_snapshot(&req)?)?;
+            Ok(csi::GetSnapshotResponse {
+                snapshot: Some(csi_snapshot(&s)),
+            })
+        })
+        .await
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        request: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let subject = req.volume_id.clone();
+        self.call("ControllerExpandVolume", &subject, move |b| {
+            let e = validate::expand(&req)?;
+            let size = b.expand_volume(&e)?;
+            // A filesystem (or an unknown use, which may be one) grows on the node too.
+            let node_expansion_required = e.capability.as_ref().is_none_or(|c| !c.is_block());
+            Ok(csi::ControllerExpandVolumeResponse {
+                capacity_bytes: to_i64(size),
+                node_expansion_required,
+            })
+        })
+        .await
+    }
+
+    async fn controller_get_volume(
+        &self,
+        request: Request<csi::ControllerGetVolumeRequest>,
+    ) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let subject = req.volume_id.clone();
+        self.call("ControllerGetVolume", &subject, move |b| {
+            use csi::controller_get_volume_response::VolumeStatus;
+            let s = b.get_volume(&validate::get_volume(&req)?)?;
+            Ok(csi::ControllerGetVolumeResponse {
+                volume: Some(csi_volume(&s.volume)),
+                status: Some(VolumeStatus {
+                    published_node_ids: s.published_nodes.clone(),
+                    volume_condition: Some(csi_condition(&s)),
+                }),
+            })
+        })
+        .await
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        request: Request<csi::ControllerModifyVolumeRequest>,
+    ) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
+        let subject = request.into_inner().volume_id;
+        self.call("ControllerModifyVolume", &subject, |_| {
+            Err(Error::Unimplemented("ControllerModifyVolume"))
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests;

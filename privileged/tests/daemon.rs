@@ -1,0 +1,217 @@
+//! The real `moor-node` binary on a temporary socket, driven through a tonic client for a whole
+//! volume life, then stopped with SIGTERM (run as root).
+
+use std::collections::HashMap;
+
+use csi::identity_client::IdentityClient;
+use csi::node_client::NodeClient;
+use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use moor_privileged::client::{Daemon, connect};
+use moor_privileged::{Sandbox, is_mount_point};
+use moor_proto::csi::v1 as csi;
+use tonic::Code;
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn moor_node_serves_a_whole_volume_life_and_stops_cleanly() {
+    let sb = Sandbox::new("daemon");
+    let dev = sb.loop_device("d.img", 256 * MIB);
+    let socket = sb.root.join("csi.sock");
+    // A stale socket file from a previous run is replaced.
+    drop(std::os::unix::net::UnixListener::bind(&socket).expect("stale socket"));
+    assert!(socket.exists());
+    let staging = sb.staging("pv");
+    let target = sb.target("pod", "pv");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("rt");
+    let (state, kubelet) = (
+        sb.state.display().to_string(),
+        sb.kubelet.display().to_string(),
+    );
+    let mut daemon = rt.block_on(Daemon::start(
+        &socket,
+        &[
+            "--node-id",
+            "node-a",
+            "--state-dir",
+            &state,
+            "--kubelet-dir",
+            &kubelet,
+            "--max-volumes",
+            "16",
+        ],
+    ));
+    let mode = std::fs::metadata(&socket)
+        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()));
+    assert_eq!(mode.expect("socket") & 0o777, 0o660);
+
+    rt.block_on(async {
+        let channel = connect(&socket).await.expect("connect");
+        let mut id = IdentityClient::new(channel.clone());
+        let mut node = NodeClient::new(channel);
+        let info = id
+            .get_plugin_info(csi::GetPluginInfoRequest {})
+            .await
+            .expect("info")
+            .into_inner();
+        assert_eq!(info.name, "moor.csi.io");
+        assert!(!info.vendor_version.is_empty());
+        let probe = id
+            .probe(csi::ProbeRequest {})
+            .await
+            .expect("probe")
+            .into_inner();
+        assert_eq!(probe.ready, Some(true));
+        let ni = node
+            .node_get_info(csi::NodeGetInfoRequest {})
+            .await
+            .expect("node info")
+            .into_inner();
+        assert_eq!(
+            (ni.node_id.as_str(), ni.max_volumes_per_node),
+            ("node-a", 16)
+        );
+
+        let cap = csi::VolumeCapability {
+            access_mode: Some(AccessMode {
+                mode: Mode::SingleNodeWriter as i32,
+            }),
+            access_type: Some(AccessType::Mount(MountVolume {
+                fs_type: "ext4".into(),
+                mount_flags: vec!["noatime".into()],
+                volume_mount_group: String::new(),
+            })),
+        };
+        let stage = csi::NodeStageVolumeRequest {
+            volume_id: "vol-d".into(),
+            publish_context: HashMap::from([("devicePath".into(), dev.display().to_string())]),
+            staging_target_path: staging.display().to_string(),
+            volume_capability: Some(cap.clone()),
+            secrets: HashMap::new(),
+            volume_context: HashMap::new(),
+        };
+        node.node_stage_volume(stage.clone()).await.expect("stage");
+        node.node_stage_volume(stage).await.expect("stage retry");
+        let publish = csi::NodePublishVolumeRequest {
+            volume_id: "vol-d".into(),
+            publish_context: HashMap::new(),
+            staging_target_path: staging.display().to_string(),
+            target_path: target.display().to_string(),
+            volume_capability: Some(cap),
+            readonly: false,
+            secrets: HashMap::new(),
+            volume_context: HashMap::new(),
+        };
+        node.node_publish_volume(publish.clone())
+            .await
+            .expect("publish");
+        node.node_publish_volume(publish)
+            .await
+            .expect("publish retry");
+        std::fs::write(target.join("file"), b"through the daemon").expect("write");
+        let stats = node
+            .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+                volume_id: "vol-d".into(),
+                volume_path: target.display().to_string(),
+                staging_target_path: String::new(),
+            })
+            .await
+            .expect("stats")
+            .into_inner();
+        assert!(stats.usage[0].used > 0);
+        let bad = node
+            .node_publish_volume(csi::NodePublishVolumeRequest::default())
+            .await
+            .expect_err("empty request");
+        assert_eq!(bad.code(), Code::InvalidArgument);
+        node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: "vol-d".into(),
+            target_path: target.display().to_string(),
+        })
+        .await
+        .expect("unpublish");
+        node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: "vol-d".into(),
+            staging_target_path: staging.display().to_string(),
+        })
+        .await
+        .expect("unstage");
+    });
+    assert!(!is_mount_point(&staging) && !target.exists());
+    drop(rt); // closes the client's connections
+    let status = daemon.terminate();
+    assert!(
+        status.success(),
+        "SIGTERM must end moor-node with 0: {status:?}"
+    );
+    assert!(!socket.exists(), "the socket is removed on shutdown");
+    assert!(sb.mounts().is_empty());
+}
+
+#[test]
+fn moor_node_restarted_keeps_its_volumes() {
+    let sb = Sandbox::new("restart");
+    let dev = sb.loop_device("r.img", 128 * MIB);
+    let socket = sb.root.join("csi.sock");
+    let staging = sb.staging("pv");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("rt");
+    let (state, kubelet) = (
+        sb.state.display().to_string(),
+        sb.kubelet.display().to_string(),
+    );
+    let args = [
+        "--node-id",
+        "node-a",
+        "--state-dir",
+        &state,
+        "--kubelet-dir",
+        &kubelet,
+    ];
+    let cap = csi::VolumeCapability {
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(AccessType::Mount(MountVolume::default())),
+    };
+    let stage = csi::NodeStageVolumeRequest {
+        volume_id: "vol-r".into(),
+        publish_context: HashMap::from([("devicePath".into(), dev.display().to_string())]),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(cap),
+        secrets: HashMap::new(),
+        volume_context: HashMap::new(),
+    };
+    let mut first = rt.block_on(Daemon::start(&socket, &args));
+    rt.block_on(async {
+        let mut node = NodeClient::new(connect(&socket).await.expect("connect"));
+        node.node_stage_volume(stage.clone()).await.expect("stage");
+    });
+    // Killed hard, as an OOM kill would.
+    let _ = first.child.kill();
+    let _ = first.child.wait();
+    std::fs::write(staging.join("kept"), b"1").expect("write");
+    let mut second = rt.block_on(Daemon::start(&socket, &args));
+    rt.block_on(async {
+        let mut node = NodeClient::new(connect(&socket).await.expect("connect"));
+        // kubelet's retry after the restart succeeds and does not mount a second time.
+        node.node_stage_volume(stage)
+            .await
+            .expect("stage retry after restart");
+        assert_eq!(sb.mounts().iter().filter(|m| **m == staging).count(), 1);
+        assert!(staging.join("kept").exists());
+        node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: "vol-r".into(),
+            staging_target_path: staging.display().to_string(),
+        })
+        .await
+        .expect("unstage");
+    });
+    drop(rt);
+    assert!(second.terminate().success());
+}
