@@ -26,7 +26,6 @@ use serde_json::Value;
 
 use crate::flags::Cli;
 use crate::kustomize::{Resource, meta};
-use crate::schema::Gvk;
 
 /// A permission a container needs: API group, resource, verbs; cluster-wide, or in the pod's
 /// namespace.
@@ -1144,7 +1143,8 @@ fn rbac(res: &[Resource], needs: &BTreeMap<(String, String), Vec<Need>>, p: &mut
                     (*v).to_owned(),
                 );
                 let cluster = (None, g.1.clone(), g.2.clone(), g.3.clone());
-                if !have.contains(&g) && !(n.namespaced && have.contains(&cluster)) {
+                let covered = have.contains(&g) || (n.namespaced && have.contains(&cluster));
+                if !covered {
                     p.push(format!(
                         "ServiceAccount {ns}/{sa} lacks {v} on {}{}{}",
                         if n.group.is_empty() { "" } else { n.group },
@@ -1166,12 +1166,4 @@ fn rbac(res: &[Resource], needs: &BTreeMap<(String, String), Vec<Need>>, p: &mut
             ));
         }
     }
-}
-
-/// The GVK of every object, for reports.
-pub fn kinds(res: &[Resource]) -> BTreeSet<String> {
-    res.iter()
-        .filter_map(|r| Gvk::of(&r.doc))
-        .map(|g| g.to_string())
-        .collect()
 }

@@ -37,14 +37,20 @@ pub const OPENAPI_ENV: &str = "MOOR_K8S_OPENAPI";
 /// # Errors
 /// When neither exists: the manifests cannot be validated, and the caller must fail.
 pub fn openapi_dir() -> Result<PathBuf, String> {
-    let beside = Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/k8s-openapi"
-    ));
+    find_openapi(
+        Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/k8s-openapi"
+        )),
+        std::env::var_os(OPENAPI_ENV),
+    )
+}
+
+fn find_openapi(beside: &Path, env: Option<std::ffi::OsString>) -> Result<PathBuf, String> {
     if beside.is_dir() {
         return Ok(beside.to_path_buf());
     }
-    match std::env::var_os(OPENAPI_ENV) {
+    match env {
         Some(dir) if Path::new(&dir).is_dir() => Ok(PathBuf::from(dir)),
         Some(dir) => Err(format!(
             "{OPENAPI_ENV}={} is not a directory; the Kubernetes OpenAPI schemas are needed to \
@@ -56,5 +62,156 @@ pub fn openapi_dir() -> Result<PathBuf, String> {
              at a directory of OpenAPI v3 documents (shared/k8s-openapi) to validate deploy/",
             beside.display()
         )),
+    }
+}
+
+/// The image the manifests must run moor's binaries from: `moor:<workspace version>`.
+pub fn moor_image() -> String {
+    format!("moor:{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// The schema of `snapshot.storage.k8s.io/v1` VolumeSnapshotClass, a custom resource the
+/// Kubernetes documents do not have: written by hand from the external-snapshotter v8 CRD.
+pub fn volume_snapshot_class_schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "required": ["driver", "deletionPolicy"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {
+                "$ref": "#/components/schemas/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
+            },
+            "driver": {"type": "string"},
+            "deletionPolicy": {"type": "string", "enum": ["Delete", "Retain"]},
+            "parameters": {"type": "object", "additionalProperties": {"type": "string"}}
+        },
+        "x-kubernetes-group-version-kind": [
+            {"group": "snapshot.storage.k8s.io", "version": "v1", "kind": "VolumeSnapshotClass"}
+        ]
+    })
+}
+
+/// The Kubernetes schemas ([`openapi_dir`]) plus the hand-written VolumeSnapshotClass.
+///
+/// # Errors
+/// When the schemas cannot be found or read.
+pub fn load_schemas() -> Result<schema::Schemas, String> {
+    let mut s = schema::Schemas::load(&openapi_dir()?)?;
+    s.add(
+        "io.k8s.storage.snapshot.v1.VolumeSnapshotClass",
+        volume_snapshot_class_schema(),
+    )?;
+    Ok(s)
+}
+
+/// Reads a file of the repository.
+///
+/// # Errors
+/// When it cannot be read.
+pub fn read_repo_file(rel: &str) -> Result<String, String> {
+    let path = repo_root().join(rel);
+    std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The command lines of moor-node (`src/main.rs`) and moor-controller
+/// (`controller/src/main.rs`), with the [`flags::COMING_FLAGS`] when `coming`.
+///
+/// Returns them and the notes about coming flags that have landed.
+///
+/// # Errors
+/// When a source cannot be read or parsed, or a coming flag landed with another arity.
+pub fn binaries(coming: bool) -> Result<(flags::Cli, flags::Cli, Vec<String>), String> {
+    let mut notes = Vec::new();
+    let mut read = |binary: &str, rel: &str| -> Result<flags::Cli, String> {
+        let cli = flags::parse_clap_source(binary, &read_repo_file(rel)?)?;
+        if !coming {
+            return Ok(cli);
+        }
+        let (cli, n, errors) = cli.with_coming(flags::COMING_FLAGS);
+        notes.extend(n);
+        if errors.is_empty() {
+            Ok(cli)
+        } else {
+            Err(errors.join("\n"))
+        }
+    };
+    let node = read("moor-node", "src/main.rs")?;
+    let controller = read("moor-controller", "controller/src/main.rs")?;
+    Ok((node, controller, notes))
+}
+
+/// Where the Containerfile installs moor's binaries: the destination of the final stage's COPY
+/// of `moor-node`.
+///
+/// # Errors
+/// When the Containerfile cannot be read or has no such COPY.
+pub fn install_dir() -> Result<String, String> {
+    let stages = containerfile::parse(&read_repo_file("deploy/Containerfile")?)?;
+    let last = stages.last().ok_or("deploy/Containerfile: no stage")?;
+    last.all("COPY")
+        .filter(|c| c.contains("/moor-node"))
+        .find_map(|c| c.split_whitespace().last())
+        .map(|d| d.trim_end_matches('/').to_owned())
+        .ok_or_else(|| "deploy/Containerfile: the final stage copies no moor-node".to_owned())
+}
+
+/// Everything [`checks::check_all`] needs, read from the repository.
+///
+/// # Errors
+/// As [`binaries`] and [`install_dir`].
+pub fn context(coming: bool) -> Result<(checks::Context, Vec<String>), String> {
+    let (node, controller, notes) = binaries(coming)?;
+    let ctx = checks::Context {
+        node,
+        controller,
+        moor_image: moor_image(),
+        bin_dir: install_dir()?,
+    };
+    Ok((ctx, notes))
+}
+
+/// Validates every object of a rendered set against the schemas: one line per problem, naming
+/// the object, its file and the path of the field.
+pub fn validate_set(schemas: &schema::Schemas, res: &[kustomize::Resource]) -> Vec<String> {
+    res.iter()
+        .flat_map(|r| {
+            schemas
+                .validate_object(&r.doc)
+                .into_iter()
+                .map(move |p| format!("{} ({}): {p}", r.id(), r.source.display()))
+        })
+        .collect()
+}
+
+/// Every overlay directory under `deploy/overlays` (each holds a kustomization).
+///
+/// # Errors
+/// When the directory cannot be read.
+pub fn overlays() -> Result<Vec<PathBuf>, String> {
+    let dir = deploy_dir().join("overlays");
+    let mut out: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir())
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openapi_dir_beside_the_repo_then_the_env_var_else_a_clear_error() {
+        let here = deploy_dir();
+        let missing = here.join("no-such-dir");
+        assert_eq!(find_openapi(&here, None), Ok(here.clone()));
+        assert_eq!(find_openapi(&missing, Some(here.clone().into())), Ok(here));
+        let e = find_openapi(&missing, None).unwrap_err();
+        assert!(e.contains("MOOR_K8S_OPENAPI is not set"), "{e}");
+        let e = find_openapi(&missing, Some(missing.clone().into())).unwrap_err();
+        assert!(e.contains("is not a directory"), "{e}");
     }
 }

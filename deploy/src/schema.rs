@@ -517,11 +517,15 @@ impl Schemas {
         } else {
             flat.merge_key.into_iter().collect()
         };
+        let defaults = if keys.is_empty() {
+            Map::new()
+        } else {
+            self.item_defaults(flat)
+        };
         let key_of = |item: &Value| -> Value {
             if flat.list_type == Some("set") || keys.is_empty() {
                 return item.clone();
             }
-            let defaults = self.item_defaults(flat);
             Value::Array(
                 keys.iter()
                     .map(|k| {

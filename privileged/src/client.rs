@@ -31,18 +31,28 @@ pub struct Daemon {
     pub socket: PathBuf,
 }
 
-/// The path of a binary built by cargo for this workspace.
+/// The path of a binary built by cargo for this workspace: next to the running executable
+/// (a binary in `target/<profile>/`) or one level up (a test in `target/<profile>/deps/`).
 pub fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test exe");
-    // target/<profile>/deps/<test> -> target/<profile>/<name>
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
-    dir.join(name)
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().expect("exe dir");
+    let here = dir.join(name);
+    if here.exists() {
+        here
+    } else {
+        dir.parent().unwrap_or(dir).join(name)
+    }
 }
 
 impl Daemon {
     /// Starts `moor-node` with these args and waits until its socket answers.
     pub async fn start(socket: &Path, args: &[&str]) -> Self {
-        let bin = binary("moor-node");
+        Self::start_program("moor-node", socket, args).await
+    }
+
+    /// Starts `program` (moor-node or moor-controller) and waits until its socket answers.
+    pub async fn start_program(program: &str, socket: &Path, args: &[&str]) -> Self {
+        let bin = binary(program);
         assert!(
             bin.exists(),
             "{} is not built (cargo build --bins)",
@@ -54,7 +64,7 @@ impl Daemon {
             .args(args)
             .stdin(Stdio::null())
             .spawn()
-            .expect("spawn moor-node");
+            .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
         let d = Self {
             child,
             socket: socket.to_path_buf(),

@@ -1,0 +1,204 @@
+//! What the manifests rely on in the rest of the repository: the binaries' flags (read from
+//! their sources) and the container build file.
+
+use moor_deploy::containerfile::{self, Stage};
+use moor_deploy::flags::{Arity, COMING_FLAGS, ValueKind};
+use moor_deploy::read_repo_file;
+
+#[test]
+fn flags_are_read_from_the_binaries_sources() {
+    let (node, controller, _) = moor_deploy::binaries(false).unwrap();
+    let names = |cli: &moor_deploy::flags::Cli| cli.flags.keys().cloned().collect::<Vec<_>>();
+    let node_names = names(&node);
+    for f in [
+        "endpoint",
+        "node-id",
+        "driver-name",
+        "state-dir",
+        "kubelet-dir",
+        "max-volumes",
+        "log-format",
+        "journal-fsync",
+        "tool-timeout",
+        "shutdown-grace",
+    ] {
+        assert!(
+            node_names.contains(&f.to_owned()),
+            "moor-node --{f}: {node_names:?}"
+        );
+    }
+    let controller_names = names(&controller);
+    for f in [
+        "endpoint",
+        "driver-name",
+        "node-id",
+        "data-dir",
+        "log-format",
+    ] {
+        assert!(
+            controller_names.contains(&f.to_owned()),
+            "moor-controller --{f}: {controller_names:?}"
+        );
+    }
+    assert_eq!(node.flags["journal-fsync"].arity, Arity::Switch);
+    assert_eq!(node.flags["max-volumes"].kind, ValueKind::Unsigned);
+    let formats = ValueKind::OneOf(vec!["text".into(), "json".into()]);
+    assert_eq!(node.flags["log-format"].kind, formats);
+    assert_eq!(controller.flags["log-format"].kind, formats);
+    assert_eq!(node.flags["node-id"].env.as_deref(), Some("NODE_ID"));
+}
+
+#[test]
+fn coming_flags_are_listed_once_and_reported_when_they_land() {
+    let (node, controller, notes) = moor_deploy::binaries(true).unwrap();
+    for n in &notes {
+        eprintln!("note: {n}");
+    }
+    for c in COMING_FLAGS {
+        let cli = if c.binary == "moor-node" {
+            &node
+        } else {
+            &controller
+        };
+        let f = cli
+            .flags
+            .get(c.name)
+            .unwrap_or_else(|| panic!("{} --{}", c.binary, c.name));
+        assert_eq!(f.arity, c.arity, "{} --{}", c.binary, c.name);
+        let landed = notes
+            .iter()
+            .any(|n| n.contains(&format!("{} --{} ", c.binary, c.name)));
+        assert_eq!(f.coming, !landed, "{} --{}", c.binary, c.name);
+        let twice = COMING_FLAGS
+            .iter()
+            .filter(|d| d.binary == c.binary && d.name == c.name)
+            .count();
+        assert_eq!(twice, 1, "{} --{} listed twice", c.binary, c.name);
+    }
+}
+
+fn stages() -> Vec<Stage> {
+    containerfile::parse(&read_repo_file("deploy/Containerfile").unwrap()).unwrap()
+}
+
+#[test]
+fn containerfile_builds_both_binaries_with_the_pinned_toolchain() {
+    let stages = stages();
+    assert_eq!(stages.len(), 2, "a builder and a runtime stage");
+    let builder = &stages[0];
+    let toolchain = read_repo_file("rust-toolchain.toml").unwrap();
+    let channel = toolchain
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("channel"))
+        .and_then(|l| l.split('"').nth(1))
+        .expect("rust-toolchain.toml names a channel");
+    assert_eq!(
+        builder.from,
+        format!("docker.io/library/rust:{channel}-slim-bookworm"),
+        "the builder image must carry the toolchain rust-toolchain.toml pins"
+    );
+    assert_eq!(builder.name.as_deref(), Some("builder"));
+    let build: Vec<&str> = builder
+        .all("RUN")
+        .filter(|r| r.contains("cargo build"))
+        .collect();
+    assert_eq!(
+        build,
+        ["cargo build --release --locked --bin moor-node --bin moor-controller"]
+    );
+    // Every workspace member is in the build context the builder copies.
+    let manifest = read_repo_file("Cargo.toml").unwrap();
+    let members = manifest
+        .split("members = [")
+        .nth(1)
+        .and_then(|m| m.split(']').next())
+        .expect("workspace members");
+    let copied: Vec<String> = builder
+        .all("COPY")
+        .flat_map(|c| {
+            let words: Vec<&str> = c.split_whitespace().collect();
+            words[..words.len() - 1]
+                .iter()
+                .map(|w| (*w).to_owned())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    for m in members.split(',').map(|m| m.trim().trim_matches('"')) {
+        let want = if m == "." { "src" } else { m };
+        if !want.is_empty() {
+            assert!(
+                copied.contains(&want.to_owned()),
+                "member {m} is not copied: {copied:?}"
+            );
+        }
+    }
+    for f in ["Cargo.toml", "Cargo.lock", "rust-toolchain.toml"] {
+        assert!(copied.contains(&f.to_owned()), "{f} is not copied");
+    }
+}
+
+/// Which Debian package provides each tool moor-node runs.
+const TOOL_PACKAGES: &[(&str, &str)] = &[
+    ("mkfs.ext4", "e2fsprogs"),
+    ("resize2fs", "e2fsprogs"),
+    ("mkfs.xfs", "xfsprogs"),
+    ("xfs_growfs", "xfsprogs"),
+    ("mkfs.btrfs", "btrfs-progs"),
+    ("btrfs", "btrfs-progs"),
+];
+
+/// The tools named in a `const NAME: [&str; N] = [...]` of moor-node's service.
+fn tools(src: &str, name: &str) -> Vec<String> {
+    let decl = src
+        .split(&format!("const {name}: [&str;"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("src/service.rs has no {name}"));
+    let list = decl
+        .split('[')
+        .nth(1)
+        .and_then(|l| l.split(']').next())
+        .unwrap();
+    list.split(',')
+        .map(|t| t.trim().trim_matches('"').to_owned())
+        .filter(|t| !t.is_empty())
+        .collect()
+}
+
+#[test]
+fn containerfile_runtime_has_the_binaries_and_the_filesystem_tools() {
+    let stages = stages();
+    let runtime = &stages[1];
+    assert_eq!(runtime.from, "docker.io/library/debian:bookworm-slim");
+    let packages = runtime.apt_packages();
+    assert_eq!(packages, ["e2fsprogs", "xfsprogs", "btrfs-progs"]);
+    assert!(runtime.all("RUN").any(
+        |r| r.contains("--no-install-recommends") && r.contains("rm -rf /var/lib/apt/lists/*")
+    ));
+    let service = read_repo_file("src/service.rs").unwrap();
+    let mut needed = tools(&service, "REQUIRED_TOOLS");
+    needed.extend(tools(&service, "OPTIONAL_TOOLS"));
+    assert!(needed.len() >= 4, "{needed:?}");
+    // btrfs (for growing) is run by the engine without being in either list.
+    needed.push("btrfs".into());
+    for tool in needed {
+        let pkg = TOOL_PACKAGES
+            .iter()
+            .find(|(t, _)| *t == tool)
+            .unwrap_or_else(|| panic!("which Debian package has {tool}? add it to TOOL_PACKAGES"))
+            .1;
+        assert!(
+            packages.contains(&pkg.to_owned()),
+            "{tool}: {pkg} is not installed"
+        );
+    }
+    let copies: Vec<&str> = runtime.all("COPY").collect();
+    assert_eq!(
+        copies,
+        [
+            "--from=builder /src/target/release/moor-node /src/target/release/moor-controller \
+             /usr/local/bin/"
+        ]
+    );
+    assert_eq!(moor_deploy::install_dir().unwrap(), "/usr/local/bin");
+    assert!(runtime.all("ENTRYPOINT").next().is_none() && runtime.all("CMD").next().is_none());
+}
