@@ -909,3 +909,18 @@ async fn capabilities_and_info() {
         Some("node-1")
     );
 }
+
+// ---- Probe readiness ----
+
+#[test]
+fn probe_is_not_ready_without_a_required_tool_or_a_usable_state_dir() {
+    let h = harness();
+    assert_eq!(crate::service::readiness(h.os.as_ref(), &h.state), None);
+    h.os.remove_program("mkfs.ext4");
+    let reason = crate::service::readiness(h.os.as_ref(), &h.state).expect("not ready");
+    assert!(reason.contains("mkfs.ext4"), "{reason}");
+    let os = FakeOs::new();
+    let reason =
+        crate::service::readiness(&os, Path::new("/nonexistent/moor-state")).expect("not ready");
+    assert!(reason.contains("state dir"), "{reason}");
+}

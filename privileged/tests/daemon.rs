@@ -215,3 +215,38 @@ fn moor_node_restarted_keeps_its_volumes() {
     drop(rt);
     assert!(second.terminate().success());
 }
+
+#[test]
+fn moor_node_help_and_version() {
+    let bin = moor_privileged::client::binary("moor-node");
+    let help = std::process::Command::new(&bin)
+        .arg("--help")
+        .output()
+        .expect("run");
+    assert!(help.status.success());
+    let text = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--endpoint",
+        "--node-id",
+        "--driver-name",
+        "--state-dir",
+        "--kubelet-dir",
+        "--max-volumes",
+        "--log-format",
+    ] {
+        assert!(text.contains(flag), "--help lacks {flag}");
+    }
+    let version = std::process::Command::new(&bin)
+        .arg("--version")
+        .output()
+        .expect("run");
+    assert!(version.status.success());
+    assert!(String::from_utf8_lossy(&version.stdout).contains(env!("CARGO_PKG_VERSION")));
+    // A bad endpoint is refused with a clear error and a non-zero exit.
+    let bad = std::process::Command::new(&bin)
+        .args(["--node-id", "n", "--endpoint", "tcp://0.0.0.0:1"])
+        .output()
+        .expect("run");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unix://"));
+}

@@ -324,7 +324,7 @@ impl Demo {
             println!(
                 "\r       capacity {} bytes, filesystem now {} MiB",
                 r.into_inner().capacity_bytes,
-                v.f_blocks * v.f_frsize >> 20
+                (v.f_blocks * v.f_frsize) >> 20
             );
             Ok(())
         })
