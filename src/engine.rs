@@ -273,6 +273,20 @@ impl<O: Os> Engine<O> {
         }
 
         let device = self.open_device(&req.volume_id, &req.device)?;
+        if let Some(want) = &req.backing_file {
+            // Identity before use: a reused loop number or a stale link must never be
+            // formatted or mounted as this volume.
+            let got = self.os.loop_backing_file(device.rdev);
+            if got.as_ref() != Some(want) {
+                return Err(Error::FailedPrecondition(format!(
+                    "device {} is backed by {}, not {}: it is not volume {:?}",
+                    req.device.display(),
+                    got.map_or_else(|| "nothing".to_string(), |g| g.display().to_string()),
+                    want.display(),
+                    req.volume_id
+                )));
+            }
+        }
         if let Some(st) = &record.stage
             && st.rdev != device.rdev
             && st.phase == Phase::Done

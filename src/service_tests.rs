@@ -331,6 +331,29 @@ async fn stage_error_rows() {
 }
 
 #[tokio::test]
+async fn a_device_backed_by_another_file_is_never_used() {
+    let h = harness();
+    h.os.set_backing_file((7, 7), "/data/volumes/other.img");
+    let mut r = stage_req(ext4());
+    r.publish_context
+        .insert("backingFile".into(), "/data/volumes/vol-1.img".into());
+    let s = h
+        .svc
+        .node_stage_volume(Request::new(r.clone()))
+        .await
+        .expect_err("refused");
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    assert!(s.message().contains("other.img"), "{}", s.message());
+    assert_eq!(mkfs_calls(&h), 0);
+    assert_eq!(h.os.mount_depth(STAGING), 0);
+    h.os.set_backing_file((7, 7), "/data/volumes/vol-1.img");
+    h.svc
+        .node_stage_volume(Request::new(r))
+        .await
+        .expect("the right device");
+}
+
+#[tokio::test]
 async fn stage_with_an_operation_in_flight_is_aborted() {
     let h = harness();
     let guard = h.engine.locks().try_lock("vol-1").expect("lock");

@@ -24,6 +24,9 @@ pub const MAX_MAP_BYTES: usize = 4096;
 pub const MAX_MOUNT_FLAGS: usize = 64;
 /// The publish_context key naming the device the controller attached.
 pub const DEVICE_PATH_KEY: &str = "devicePath";
+/// The publish_context key naming the file behind a loop device (the embedded backend's
+/// identity of the volume): the node refuses a device backed by anything else.
+pub const BACKING_FILE_KEY: &str = "backingFile";
 /// Filesystem used when the capability names none.
 pub const DEFAULT_FS: Filesystem = Filesystem::Ext4;
 
@@ -87,6 +90,8 @@ pub struct Stage {
     pub volume_id: String,
     /// The device the controller attached.
     pub device: PathBuf,
+    /// The file that must be behind the device, when the controller names one.
+    pub backing_file: Option<PathBuf>,
     /// staging_target_path.
     pub staging: PathBuf,
     /// Capability.
@@ -330,9 +335,14 @@ pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<St
             "must name a device under /dev",
         ));
     }
+    let backing_file = match req.publish_context.get(BACKING_FILE_KEY) {
+        Some(raw) => Some(clean_absolute("publish_context.backingFile", raw)?),
+        None => None,
+    };
     Ok(Stage {
         volume_id,
         device,
+        backing_file,
         staging,
         cap,
     })

@@ -57,6 +57,7 @@ struct State {
     corrupted: HashMap<PathBuf, i32>,
     failures: HashMap<&'static str, i32>,
     missing_programs: BTreeSet<String>,
+    backing: HashMap<(u32, u32), PathBuf>,
     next_mount_id: u64,
     calls: Vec<Call>,
 }
@@ -133,6 +134,13 @@ impl FakeOs {
     /// ...) fail with `errno`.
     pub fn fail_next(&self, op: &'static str, errno: i32) {
         self.lock().failures.insert(op, errno);
+    }
+
+    /// Makes the device `rdev` a loop device backed by `file`.
+    pub fn set_backing_file(&self, rdev: (u32, u32), file: impl AsRef<Path>) {
+        self.lock()
+            .backing
+            .insert(rdev, file.as_ref().to_path_buf());
     }
 
     /// Pretends a program is not installed.
@@ -439,6 +447,10 @@ impl Os for FakeOs {
 
     fn has_program(&self, program: &str) -> bool {
         !self.lock().missing_programs.contains(program)
+    }
+
+    fn loop_backing_file(&self, rdev: (u32, u32)) -> Option<PathBuf> {
+        self.lock().backing.get(&rdev).cloned()
     }
 }
 

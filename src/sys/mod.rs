@@ -262,6 +262,8 @@ pub trait Os: Send + Sync + 'static {
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError>;
     /// Whether a program is on the PATH.
     fn has_program(&self, program: &str) -> bool;
+    /// For a loop device, the file behind it (sysfs `loop/backing_file`); None otherwise.
+    fn loop_backing_file(&self, rdev: (u32, u32)) -> Option<PathBuf>;
 }
 
 /// Errnos that mean "a mount is there but broken".
