@@ -310,7 +310,7 @@ impl<O: Os> Engine<O> {
                     .as_ref()
                     .is_some_and(|s| s.phase != Phase::Formatting)
                     && (mp.dev == device.rdev
-                        || !matches!(
+                        || matches!(
                             req.cap.access,
                             Access::Mount {
                                 fs: Filesystem::Btrfs,
