@@ -262,6 +262,38 @@ pub struct LoadProblem {
     pub error: DecodeError,
 }
 
+/// Reads the journal of `state_dir` without changing anything on disk (for `moorctl status`
+/// while the daemon runs). Unreadable records are reported, not moved aside.
+pub fn read_state(state_dir: &Path) -> Result<(Vec<VolumeRecord>, Vec<LoadProblem>), JournalError> {
+    let dir = state_dir.join("volumes");
+    let dir_err = |source| JournalError::Dir {
+        path: dir.clone(),
+        source,
+    };
+    let mut records = Vec::new();
+    let mut problems = Vec::new();
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((records, problems)),
+        Err(e) => return Err(dir_err(e)),
+    };
+    for entry in entries {
+        let path = entry.map_err(dir_err)?.path();
+        if path.extension().and_then(|e| e.to_str()) != Some("rec") {
+            continue;
+        }
+        match std::fs::read(&path)
+            .map_err(|e| DecodeError::Json(e.to_string()))
+            .and_then(|b| decode(&b))
+        {
+            Ok(r) => records.push(r),
+            Err(error) => problems.push(LoadProblem { path, error }),
+        }
+    }
+    records.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
+    Ok((records, problems))
+}
+
 /// The journal: records in memory, mirrored to files.
 #[derive(Debug)]
 pub struct Journal {
