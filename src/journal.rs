@@ -1,17 +1,18 @@
 //! The node journal: what moor intends and has done, per volume, in `--state-dir`.
 //!
-//! One file per volume (`volumes/<name>.rec`), each a single line:
-//! `moor-journal v1 <crc32c hex> <json>\n`. A file is replaced atomically (write a temp file,
-//! rename over, and for records that must outlive a power loss fsync the file and the dir), so
-//! a reader sees the old or the new record, never a mix; a truncated or garbled file fails its
-//! checksum and is reported, never trusted.
+//! An append-only log, `journal.log`: one line per change, `moor-journal v1 <crc32c hex>
+//! <json>\n`, the whole new record of one volume. Replaying the log keeps the newest line of
+//! each volume; a damaged line fails its checksum and is reported, never trusted. One change
+//! costs one `write(2)`; the log is compacted (temp file, fsync, rename, fsync dir) when it
+//! has grown well past the live records.
 //!
 //! Durability follows the lifetime of what a record describes. Mounts do not survive a reboot,
 //! so a record of a mount only has to survive the death of the process, which the page cache
-//! gives after `rename`. A record that guards data across reboots (a mkfs in progress) is
-//! fsynced.
+//! gives as soon as `write(2)` returns. A record that guards data across reboots (a mkfs in
+//! progress) is `fdatasync`ed before the mkfs starts; `--journal-fsync` syncs every line.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fs::{File, OpenOptions};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -37,15 +38,6 @@ pub enum JournalError {
     /// A record could not be written.
     #[error("writing {path}: {source}")]
     Write {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A record could not be removed.
-    #[error("removing {path}: {source}")]
-    Remove {
         /// The file.
         path: PathBuf,
         /// Why.
@@ -232,190 +224,257 @@ pub fn decode(bytes: &[u8]) -> Result<VolumeRecord, DecodeError> {
     serde_json::from_slice(json).map_err(|e| DecodeError::Json(e.to_string()))
 }
 
-/// The file name for a volume id: hex for ids up to 100 bytes (unambiguous, any bytes), a
-/// hash with the length otherwise (the record inside names the id).
-pub fn file_name(volume_id: &str) -> String {
-    let bytes = volume_id.as_bytes();
-    if bytes.len() <= 100 {
-        let mut s = String::with_capacity(bytes.len() * 2 + 4);
-        for b in bytes {
-            s.push_str(&format!("{b:02x}"));
-        }
-        s.push_str(".rec");
-        s
-    } else {
-        format!(
-            "long-{:08x}-{:08x}-{}.rec",
-            crc32c(bytes),
-            crc32c(&bytes[bytes.len() / 2..]),
-            bytes.len()
-        )
-    }
-}
+/// The log's file name in the state dir.
+pub const LOG_FILE: &str = "journal.log";
+/// Where an unreadable log is kept for inspection when it is rebuilt.
+pub const CORRUPT_FILE: &str = "journal.log.corrupt";
 
-/// A record file that could not be read at start.
+/// Compact once this many lines have been appended beyond four per live record.
+const COMPACT_SLACK: usize = 1024;
+
+/// A line of the log that could not be used.
 #[derive(Debug, Clone)]
 pub struct LoadProblem {
-    /// The file.
+    /// The log file.
     pub path: PathBuf,
+    /// 1-based line number (0: the file as a whole).
+    pub line: usize,
     /// Why.
     pub error: DecodeError,
 }
 
-/// Reads the journal of `state_dir` without changing anything on disk (for `moorctl status`
-/// while the daemon runs). Unreadable records are reported, not moved aside.
-pub fn read_state(state_dir: &Path) -> Result<(Vec<VolumeRecord>, Vec<LoadProblem>), JournalError> {
-    let dir = state_dir.join("volumes");
-    let dir_err = |source| JournalError::Dir {
-        path: dir.clone(),
-        source,
-    };
-    let mut records = Vec::new();
-    let mut problems = Vec::new();
-    let entries = match std::fs::read_dir(&dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((records, problems)),
-        Err(e) => return Err(dir_err(e)),
-    };
-    for entry in entries {
-        let path = entry.map_err(dir_err)?.path();
-        if path.extension().and_then(|e| e.to_str()) != Some("rec") {
-            continue;
-        }
-        match std::fs::read(&path)
-            .map_err(|e| DecodeError::Json(e.to_string()))
-            .and_then(|b| decode(&b))
-        {
-            Ok(r) => records.push(r),
-            Err(error) => problems.push(LoadProblem { path, error }),
-        }
-    }
-    records.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
-    Ok((records, problems))
+/// What a log holds once replayed: the newest record of each volume.
+#[derive(Debug, Default)]
+pub struct Replay {
+    /// Live records by volume id (a volume whose newest line is empty is gone).
+    pub records: BTreeMap<String, VolumeRecord>,
+    /// Lines that could not be used, by 1-based line number.
+    pub problems: Vec<(usize, DecodeError)>,
+    /// Lines read.
+    pub lines: usize,
 }
 
-/// The journal: records in memory, mirrored to files.
+/// Replays a log's bytes: each complete line is a record and the newest line of a volume wins.
+/// A damaged line is reported and skipped (the volume keeps its previous record); an
+/// unterminated last line is a write cut short and reported as truncated. Never panics.
+pub fn replay(bytes: &[u8]) -> Replay {
+    let mut out = Replay::default();
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        out.lines += 1;
+        let (line, next) = match rest.iter().position(|&b| b == b'\n') {
+            Some(i) => rest.split_at(i + 1),
+            None => {
+                out.problems.push((out.lines, DecodeError::Truncated));
+                break;
+            }
+        };
+        rest = next;
+        match decode(line) {
+            Ok(r) if r.is_empty() => {
+                out.records.remove(&r.volume_id);
+            }
+            Ok(r) => {
+                out.records.insert(r.volume_id.clone(), r);
+            }
+            Err(e) => out.problems.push((out.lines, e)),
+        }
+    }
+    out
+}
+
+/// Reads the journal of `state_dir` without changing anything on disk (for `moorctl status`
+/// while the daemon runs).
+pub fn read_state(state_dir: &Path) -> Result<(Vec<VolumeRecord>, Vec<LoadProblem>), JournalError> {
+    let path = state_dir.join(LOG_FILE);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), Vec::new())),
+        Err(source) => return Err(JournalError::Dir { path, source }),
+    };
+    let replayed = replay(&bytes);
+    let problems = replayed
+        .problems
+        .into_iter()
+        .map(|(line, error)| LoadProblem {
+            path: path.clone(),
+            line,
+            error,
+        })
+        .collect();
+    Ok((replayed.records.into_values().collect(), problems))
+}
+
+#[derive(Debug)]
+struct State {
+    records: HashMap<String, VolumeRecord>,
+    log: File,
+    /// Bytes of the log known to be whole lines.
+    len: u64,
+    /// Lines in the log.
+    lines: usize,
+}
+
+/// The journal: records in memory, mirrored to an append-only log in the state dir.
+///
+/// Every change of a volume appends that volume's whole new record as one line, with one
+/// `write(2)`, before `put` returns; a record that must outlive a power loss is also
+/// `fdatasync`ed. When the log holds many more lines than live records it is compacted: the
+/// live records are written to a temp file, fsynced, renamed over the log, and the dir
+/// fsynced, so a crash at any instant leaves either the old or the new log, whole.
 #[derive(Debug)]
 pub struct Journal {
     dir: PathBuf,
     fsync_all: bool,
-    records: Mutex<HashMap<String, VolumeRecord>>,
+    state: Mutex<State>,
 }
 
 impl Journal {
-    /// Opens (creating) `state_dir/volumes` and loads every record. Unreadable files are
-    /// moved aside (`*.corrupt`) and reported, so reconciliation can rebuild from the mount
-    /// table.
+    /// Opens (creating) the log in `state_dir` and replays it. Damaged lines are reported;
+    /// the damaged file is kept as `journal.log.corrupt` and the log rewritten from what could
+    /// be read, so reconciliation can rebuild the rest from the mount table.
     pub fn open(
         state_dir: &Path,
         fsync_all: bool,
     ) -> Result<(Self, Vec<LoadProblem>), JournalError> {
-        let dir = state_dir.join("volumes");
         let dir_err = |source| JournalError::Dir {
-            path: dir.clone(),
+            path: state_dir.to_path_buf(),
             source,
         };
-        std::fs::create_dir_all(&dir).map_err(dir_err)?;
-        let mut records = HashMap::new();
-        let mut problems = Vec::new();
-        for entry in std::fs::read_dir(&dir).map_err(dir_err)? {
-            let path = entry.map_err(dir_err)?.path();
-            let name = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or_default();
-            if name.ends_with(".tmp") {
-                // A write cut short before its rename: the old record (if any) stands.
-                let _ = std::fs::remove_file(&path);
-                continue;
-            }
-            if !name.ends_with(".rec") {
-                continue;
-            }
-            let decoded = std::fs::read(&path)
-                .map_err(|e| DecodeError::Json(e.to_string()))
-                .and_then(|b| decode(&b));
-            match decoded {
-                Ok(r) if file_name(&r.volume_id) == name => {
-                    records.insert(r.volume_id.clone(), r);
-                }
-                Ok(_) => problems.push(LoadProblem {
-                    path: path.clone(),
-                    error: DecodeError::Json("file name does not match its volume id".into()),
-                }),
-                Err(error) => {
-                    let aside = path.with_extension("corrupt");
-                    let _ = std::fs::rename(&path, &aside);
-                    problems.push(LoadProblem { path: aside, error });
-                }
-            }
+        std::fs::create_dir_all(state_dir).map_err(dir_err)?;
+        let path = state_dir.join(LOG_FILE);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(source) => return Err(JournalError::Dir { path, source }),
+        };
+        let replayed = replay(&bytes);
+        let problems: Vec<LoadProblem> = replayed
+            .problems
+            .iter()
+            .map(|(line, error)| LoadProblem {
+                path: path.clone(),
+                line: *line,
+                error: error.clone(),
+            })
+            .collect();
+        if !problems.is_empty() {
+            let aside = state_dir.join(CORRUPT_FILE);
+            std::fs::write(&aside, &bytes).map_err(|source| JournalError::Write {
+                path: aside,
+                source,
+            })?;
         }
+        let records: HashMap<String, VolumeRecord> = replayed.records.into_iter().collect();
+        let (log, len, lines) = write_compacted(state_dir, &records)?;
         Ok((
             Self {
-                dir,
+                dir: state_dir.to_path_buf(),
                 fsync_all,
-                records: Mutex::new(records),
+                state: Mutex::new(State {
+                    records,
+                    log,
+                    len,
+                    lines,
+                }),
             },
             problems,
         ))
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, VolumeRecord>> {
-        self.records.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The record of a volume.
     pub fn get(&self, volume_id: &str) -> Option<VolumeRecord> {
-        self.lock().get(volume_id).cloned()
+        self.lock().records.get(volume_id).cloned()
     }
 
     /// Every record.
     pub fn all(&self) -> Vec<VolumeRecord> {
-        self.lock().values().cloned().collect()
+        self.lock().records.values().cloned().collect()
     }
 
     /// How many volumes are staged.
     pub fn staged_count(&self) -> u64 {
-        self.lock().values().filter(|r| r.stage.is_some()).count() as u64
+        self.lock()
+            .records
+            .values()
+            .filter(|r| r.stage.is_some())
+            .count() as u64
     }
 
-    /// Writes a record (or removes it when empty), then updates memory.
+    /// Records a volume's new state (an empty record forgets the volume), durably as asked,
+    /// then updates memory. On failure nothing changes, on disk or in memory.
     pub fn put(&self, record: &VolumeRecord, durability: Durability) -> Result<(), JournalError> {
-        let path = self.dir.join(file_name(&record.volume_id));
-        if record.is_empty() {
-            match std::fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(source) => return Err(JournalError::Remove { path, source }),
+        let line = encode(record);
+        let mut st = self.lock();
+        let path = self.dir.join(LOG_FILE);
+        let written = st.log.write_all(&line).and_then(|()| {
+            if self.fsync_all || durability == Durability::Power {
+                st.log.sync_data()
+            } else {
+                Ok(())
             }
-            self.lock().remove(&record.volume_id);
-            return Ok(());
+        });
+        if let Err(source) = written {
+            // Cut a partial line off so the next append starts on a line of its own.
+            let len = st.len;
+            let _ = st.log.set_len(len);
+            return Err(JournalError::Write { path, source });
         }
-        let sync = self.fsync_all || durability == Durability::Power;
-        write_atomic(&self.dir, &path, &encode(record), sync)
-            .map_err(|source| JournalError::Write { path, source })?;
-        self.lock().insert(record.volume_id.clone(), record.clone());
+        st.len += line.len() as u64;
+        st.lines += 1;
+        if record.is_empty() {
+            st.records.remove(&record.volume_id);
+        } else {
+            st.records.insert(record.volume_id.clone(), record.clone());
+        }
+        if st.lines > st.records.len() * 4 + COMPACT_SLACK {
+            // A failed compaction leaves the old log, which is still whole: carry on with it.
+            if let Ok((log, len, lines)) = write_compacted(&self.dir, &st.records) {
+                st.log = log;
+                st.len = len;
+                st.lines = lines;
+            }
+        }
         Ok(())
     }
 }
 
-fn write_atomic(dir: &Path, path: &Path, content: &[u8], sync: bool) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&tmp)?;
-    f.write_all(content)?;
-    if sync {
-        f.sync_data()?;
+/// Writes `records` as a fresh log: temp file, fsync, rename over the log, fsync the dir.
+/// Returns the log opened for appending, its length and line count.
+fn write_compacted(
+    dir: &Path,
+    records: &HashMap<String, VolumeRecord>,
+) -> Result<(File, u64, usize), JournalError> {
+    let path = dir.join(LOG_FILE);
+    let tmp = dir.join("journal.log.tmp");
+    let mut sorted: Vec<&VolumeRecord> = records.values().collect();
+    sorted.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
+    let mut content = Vec::new();
+    for r in &sorted {
+        content.extend_from_slice(&encode(r));
     }
-    drop(f);
-    std::fs::rename(&tmp, path)?;
-    if sync {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
+    let write = || -> std::io::Result<File> {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
+        f.write_all(&content)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, &path)?;
+        File::open(dir)?.sync_all()?;
+        OpenOptions::new().append(true).open(&path)
+    };
+    let log = write().map_err(|source| JournalError::Write {
+        path: path.clone(),
+        source,
+    })?;
+    Ok((log, content.len() as u64, sorted.len()))
 }
 
 #[cfg(test)]
@@ -473,40 +532,93 @@ mod tests {
         assert_eq!(decode(b"garbage"), Err(DecodeError::BadMagic));
     }
 
-    #[test]
-    fn file_names_are_safe_and_distinct() {
-        assert_eq!(file_name("a/b"), "612f62.rec");
-        let long_a = "a".repeat(128);
-        let long_b = format!("{}b", "a".repeat(127));
-        assert_ne!(file_name(&long_a), file_name(&long_b));
-        assert!(file_name(&long_a).len() < 64);
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("moor-journal-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn emptied(mut r: VolumeRecord) -> VolumeRecord {
+        r.stage = None;
+        r.publishes.clear();
+        r
     }
 
     #[test]
-    fn journal_persists_and_quarantines_corruption() {
-        let dir = std::env::temp_dir().join(format!("moor-journal-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+    fn replay_keeps_the_newest_line_and_skips_damage() {
+        let a = sample();
+        let mut a2 = sample();
+        a2.publishes.clear();
+        let mut b = sample();
+        b.volume_id = "b".into();
+        let mut log = Vec::new();
+        log.extend(encode(&a));
+        log.extend(encode(&b));
+        log.extend(encode(&a2));
+        log.extend(b"moor-journal v1 0000zz {}\n");
+        log.extend(encode(&emptied(b.clone())));
+        let mut cut = encode(&a);
+        cut.truncate(cut.len() - 3);
+        log.extend(cut);
+        let r = replay(&log);
+        assert_eq!(r.lines, 6);
+        assert_eq!(r.records.len(), 1);
+        assert_eq!(r.records.get("vol/1 ü"), Some(&a2));
+        assert_eq!(r.problems.len(), 2);
+        assert_eq!(r.problems[0].0, 4);
+        assert_eq!(r.problems[1], (6, DecodeError::Truncated));
+    }
+
+    #[test]
+    fn journal_persists_compacts_and_forgets() {
+        let dir = temp_dir("persist");
         {
             let (j, problems) = Journal::open(&dir, false).unwrap();
             assert!(problems.is_empty());
             j.put(&sample(), Durability::Power).unwrap();
+            let mut other = sample();
+            other.volume_id = "other".into();
+            for _ in 0..(COMPACT_SLACK + 10) {
+                j.put(&other, Durability::Process).unwrap();
+            }
+            j.put(&emptied(other), Durability::Process).unwrap();
+            assert!(std::fs::metadata(dir.join(LOG_FILE)).unwrap().len() < 64 * 1024);
         }
-        std::fs::write(
-            dir.join("volumes").join(file_name("broken")),
-            b"moor-journal v1 zz",
-        )
-        .unwrap();
-        std::fs::write(dir.join("volumes").join("x.tmp"), b"half").unwrap();
         let (j, problems) = Journal::open(&dir, false).unwrap();
-        assert_eq!(j.get("vol/1 ü"), Some(sample()));
-        assert_eq!(problems.len(), 1);
-        assert!(!dir.join("volumes").join("x.tmp").exists());
-        let mut empty = sample();
-        empty.stage = None;
-        empty.publishes.clear();
-        j.put(&empty, Durability::Process).unwrap();
+        assert!(problems.is_empty());
+        assert_eq!(j.all(), vec![sample()]);
+        assert_eq!(read_state(&dir).unwrap().0, vec![sample()]);
+        j.put(&emptied(sample()), Durability::Process).unwrap();
         assert!(j.get("vol/1 ü").is_none());
-        assert!(!dir.join("volumes").join(file_name("vol/1 ü")).exists());
+        drop(j);
+        let (j, _) = Journal::open(&dir, false).unwrap();
+        assert!(j.all().is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn truncated_and_garbage_logs_are_set_aside_and_rebuilt() {
+        let dir = temp_dir("garbage");
+        {
+            let (j, _) = Journal::open(&dir, false).unwrap();
+            j.put(&sample(), Durability::Process).unwrap();
+        }
+        let mut bytes = std::fs::read(dir.join(LOG_FILE)).unwrap();
+        bytes.extend_from_slice(b"moor-journal v1 12");
+        std::fs::write(dir.join(LOG_FILE), &bytes).unwrap();
+        let (j, problems) = Journal::open(&dir, false).unwrap();
+        assert_eq!(problems.len(), 1);
+        assert_eq!(j.all(), vec![sample()]);
+        assert_eq!(std::fs::read(dir.join(CORRUPT_FILE)).unwrap(), bytes);
+        drop(j);
+        // The rewritten log is clean.
+        let (_, problems) = Journal::open(&dir, false).unwrap();
+        assert!(problems.is_empty());
+
+        std::fs::write(dir.join(LOG_FILE), [0xffu8, 0, 17, b'\n', 3]).unwrap();
+        let (j, problems) = Journal::open(&dir, false).unwrap();
+        assert_eq!(problems.len(), 2);
+        assert!(j.all().is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -105,7 +105,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let os = Arc::new(Linux::new(&args.kubelet_dir)?);
     let (journal, problems) = Journal::open(&args.state_dir, args.journal_fsync)?;
     for p in &problems {
-        warn!(file = %p.path.display(), error = %p.error, "journal record unreadable; set aside");
+        warn!(file = %p.path.display(), line = p.line, error = %p.error,
+            "journal line unreadable; log kept as journal.log.corrupt, rebuilding from the mount table");
     }
     let journal = Arc::new(journal);
     for tool in OPTIONAL_TOOLS {
