@@ -26,6 +26,11 @@ use crate::validate::{self, Access, Capability};
 
 /// How many stacked mounts an unmount peels off before giving up.
 const MAX_STACKED: usize = 16;
+/// Retries of an unmount that fails with EBUSY (2 ms doubling: about half a second in all).
+const UNMOUNT_BUSY_RETRIES: u32 = 8;
+/// The access mode of a record adopted from the mount table (the journal had lost it): the
+/// next request's capability is taken as the volume's.
+pub const ADOPTED_MODE: i32 = 0;
 
 /// Engine settings.
 #[derive(Debug, Clone)]
@@ -168,10 +173,14 @@ impl<O: Os> Engine<O> {
     }
 
     /// Unmounts everything stacked on `path` that `is_ours` accepts, and a corrupted mount.
-    fn unmount_all(&self, path: &Path, is_ours: impl Fn(&MountPoint) -> bool) -> Result<()> {
+    pub(crate) fn unmount_all(
+        &self,
+        path: &Path,
+        is_ours: impl Fn(&MountPoint) -> bool,
+    ) -> Result<()> {
         for _ in 0..MAX_STACKED {
             match self.os.mount_state(path)? {
-                MountState::Mounted(mp) if is_ours(&mp) => self.os.unmount(path, false)?,
+                MountState::Mounted(mp) if is_ours(&mp) => self.unmount_busy_retry(path)?,
                 MountState::Corrupted { .. } => self.os.unmount(path, true)?,
                 MountState::Mounted(_) | MountState::Absent | MountState::NotMounted { .. } => {
                     return Ok(());
@@ -182,6 +191,23 @@ impl<O: Os> Engine<O> {
             "{} still has mounts after {MAX_STACKED} unmounts",
             path.display()
         )))
+    }
+
+    /// Unmounts `path`, retrying a short while on EBUSY: a tool this daemon just forked for
+    /// another volume briefly holds copies of its descriptors, which pin the mount until it
+    /// execs. A mount that stays busy (a process really uses it) fails with the error.
+    fn unmount_busy_retry(&self, path: &Path) -> Result<()> {
+        let mut pause = Duration::from_millis(2);
+        for attempt in 0.. {
+            match self.os.unmount(path, false) {
+                Err(e) if e.errno() == Some(libc::EBUSY) && attempt < UNMOUNT_BUSY_RETRIES => {
+                    std::thread::sleep(pause);
+                    pause *= 2;
+                }
+                other => return other.map_err(Error::from),
+            }
+        }
+        Ok(())
     }
 
     /// Reads the device's superblock regions and says what is on it.
@@ -260,7 +286,11 @@ impl<O: Os> Engine<O> {
                     st.path.display()
                 )));
             }
-            if st.access != access || st.attrs != attrs || st.access_mode != req.cap.mode as i32 {
+            if st.access_mode != ADOPTED_MODE
+                && (st.access != access
+                    || st.attrs != attrs
+                    || st.access_mode != req.cap.mode as i32)
+            {
                 return Err(Error::Incompatible {
                     volume: req.volume_id.clone(),
                     what: "staged",
@@ -611,6 +641,7 @@ impl<O: Os> Engine<O> {
             )));
         }
         if let Some(existing) = record.publishes.get(&req.target)
+            && existing.access_mode != ADOPTED_MODE
             && (existing.block != wanted.block
                 || existing.attrs != wanted.attrs
                 || existing.access_mode != wanted.access_mode)

@@ -16,10 +16,13 @@ pub mod journal;
 pub mod mount_options;
 pub mod mountinfo;
 pub mod probe;
+pub mod reconcile;
 pub mod server;
 pub mod service;
 pub mod sys;
 pub mod validate;
 
+#[cfg(test)]
+mod reconcile_tests;
 #[cfg(test)]
 mod service_tests;

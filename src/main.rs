@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::Journal;
+use moor_node::reconcile::Reconciler;
 use moor_node::server;
 use moor_node::service::{IdentityService, NodeService, OPTIONAL_TOOLS, PluginInfo, readiness};
 use moor_node::sys::Os as _;
@@ -59,6 +60,10 @@ struct Args {
     /// On SIGTERM, how long in-flight calls may take to finish, in seconds.
     #[arg(long, default_value_t = 20)]
     shutdown_grace: u64,
+    /// Seconds between reconciliation passes (the journal against the live mount table); one
+    /// pass always runs at start. 0: only at start.
+    #[arg(long, default_value_t = 60)]
+    reconcile_interval: u64,
 }
 
 fn init_logging(format: LogFormat) {
@@ -134,6 +139,12 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         resize_deadline: Duration::from_secs(args.tool_timeout),
     };
     let engine = Arc::new(Engine::new(Arc::clone(&os), journal, cfg));
+    // Before serving: finish or roll back what a crash cut short, clean what is corrupted.
+    let reconciler = Arc::new(Reconciler::new(Arc::clone(&engine), &args.driver_name));
+    reconciler.pass().await;
+    let periodic = (args.reconcile_interval > 0).then(|| {
+        Arc::clone(&reconciler).spawn_periodic(Duration::from_secs(args.reconcile_interval))
+    });
     let identity = IdentityService::new(info.clone(), Arc::clone(&os));
     let node = NodeService::new(engine, info);
     let listener = server::bind_unix(&socket)?;
@@ -155,6 +166,9 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         Duration::from_secs(args.shutdown_grace),
     )
     .await?;
+    if let Some(task) = periodic {
+        task.abort();
+    }
     info!("moor-node stopped cleanly");
     Ok(())
 }

@@ -17,17 +17,18 @@ use crate::service::{NodeService, PluginInfo};
 use crate::sys::Os as _;
 use crate::sys::fake::{Call, FakeOs, superblock};
 
-const K: &str = "/var/lib/kubelet";
-const DEV: &str = "/dev/loop7";
-const STAGING: &str = "/var/lib/kubelet/plugins/kubernetes.io/csi/moor.csi.io/abc/globalmount";
-const TARGET: &str = "/var/lib/kubelet/pods/p1/volumes/kubernetes.io~csi/pv1/mount";
+pub(crate) const K: &str = "/var/lib/kubelet";
+pub(crate) const DEV: &str = "/dev/loop7";
+pub(crate) const STAGING: &str =
+    "/var/lib/kubelet/plugins/kubernetes.io/csi/moor.csi.io/abc/globalmount";
+pub(crate) const TARGET: &str = "/var/lib/kubelet/pods/p1/volumes/kubernetes.io~csi/pv1/mount";
 const GIB: u64 = 1 << 30;
 
-struct Harness {
-    os: Arc<FakeOs>,
-    svc: NodeService<FakeOs>,
-    engine: Arc<Engine<FakeOs>>,
-    state: PathBuf,
+pub(crate) struct Harness {
+    pub(crate) os: Arc<FakeOs>,
+    pub(crate) svc: NodeService<FakeOs>,
+    pub(crate) engine: Arc<Engine<FakeOs>>,
+    pub(crate) state: PathBuf,
 }
 
 impl Drop for Harness {
@@ -74,7 +75,7 @@ fn harness_with(max_volumes: u64) -> Harness {
     }
 }
 
-fn harness() -> Harness {
+pub(crate) fn harness() -> Harness {
     harness_with(0)
 }
 
@@ -89,7 +90,7 @@ fn mount_cap(fs: &str, flags: &[&str], mode: Mode) -> csi::VolumeCapability {
     }
 }
 
-fn block_cap() -> csi::VolumeCapability {
+pub(crate) fn block_cap() -> csi::VolumeCapability {
     csi::VolumeCapability {
         access_mode: Some(AccessMode {
             mode: Mode::SingleNodeWriter as i32,
@@ -98,7 +99,7 @@ fn block_cap() -> csi::VolumeCapability {
     }
 }
 
-fn stage_req(cap: csi::VolumeCapability) -> csi::NodeStageVolumeRequest {
+pub(crate) fn stage_req(cap: csi::VolumeCapability) -> csi::NodeStageVolumeRequest {
     csi::NodeStageVolumeRequest {
         volume_id: "vol-1".into(),
         publish_context: HashMap::from([("devicePath".into(), DEV.into())]),
@@ -109,7 +110,10 @@ fn stage_req(cap: csi::VolumeCapability) -> csi::NodeStageVolumeRequest {
     }
 }
 
-fn publish_req(cap: csi::VolumeCapability, readonly: bool) -> csi::NodePublishVolumeRequest {
+pub(crate) fn publish_req(
+    cap: csi::VolumeCapability,
+    readonly: bool,
+) -> csi::NodePublishVolumeRequest {
     csi::NodePublishVolumeRequest {
         volume_id: "vol-1".into(),
         publish_context: HashMap::new(),
@@ -136,7 +140,7 @@ fn unstage_req() -> csi::NodeUnstageVolumeRequest {
     }
 }
 
-fn stats_req(path: &str) -> csi::NodeGetVolumeStatsRequest {
+pub(crate) fn stats_req(path: &str) -> csi::NodeGetVolumeStatsRequest {
     csi::NodeGetVolumeStatsRequest {
         volume_id: "vol-1".into(),
         volume_path: path.into(),
@@ -144,7 +148,7 @@ fn stats_req(path: &str) -> csi::NodeGetVolumeStatsRequest {
     }
 }
 
-fn ext4() -> csi::VolumeCapability {
+pub(crate) fn ext4() -> csi::VolumeCapability {
     mount_cap("ext4", &[], Mode::SingleNodeWriter)
 }
 
@@ -166,7 +170,7 @@ fn mkfs_calls(h: &Harness) -> usize {
     )
 }
 
-async fn staged(h: &Harness) {
+pub(crate) async fn staged(h: &Harness) {
     h.svc
         .node_stage_volume(Request::new(stage_req(ext4())))
         .await

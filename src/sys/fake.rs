@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use super::mount_table::MountEntry;
 use super::{
     BindMount, BlockDevice, FsMount, FsUsage, MountPoint, MountState, Os, SysError, SysResult,
     ToolError, ToolRun,
@@ -38,6 +39,7 @@ struct FakeMount {
     rdev: Option<(u32, u32)>,
     read_only: bool,
     is_dir: bool,
+    source: PathBuf,
 }
 
 #[derive(Debug, Clone)]
@@ -218,6 +220,27 @@ impl Os for FakeOs {
         }
     }
 
+    fn mount_table(&self) -> SysResult<Vec<MountEntry>> {
+        let st = self.lock();
+        let mut table: Vec<MountEntry> = st
+            .mounts
+            .iter()
+            .flat_map(|(point, stack)| {
+                stack.iter().map(|m| MountEntry {
+                    id: m.id,
+                    parent: 1,
+                    dev: m.dev,
+                    root: PathBuf::from("/"),
+                    mount_point: point.clone(),
+                    fs_type: if m.rdev.is_some() { "devtmpfs" } else { "fake" }.into(),
+                    source: m.source.display().to_string(),
+                })
+            })
+            .collect();
+        table.sort_by_key(|m| m.id);
+        Ok(table)
+    }
+
     fn mount_fs(&self, m: &FsMount) -> SysResult<()> {
         let mut st = self.lock();
         st.calls.push(Call::MountFs(m.clone()));
@@ -239,6 +262,7 @@ impl Os for FakeOs {
             rdev: None,
             read_only,
             is_dir: true,
+            source: m.device.clone(),
         };
         st.mounts.entry(m.target.clone()).or_default().push(mount);
         Ok(())
@@ -272,6 +296,7 @@ impl Os for FakeOs {
             rdev,
             read_only: b.attrs.read_only,
             is_dir,
+            source: b.source.clone(),
         };
         st.mounts.entry(b.target.clone()).or_default().push(mount);
         Ok(())

@@ -22,6 +22,7 @@ use rustix::mount::{
     FsMountFlags, FsOpenFlags, MountAttrFlags, MoveMountFlags, OpenTreeFlags, UnmountFlags,
 };
 
+use super::mount_table::{self, MountEntry};
 use super::raw::{self, MountAttr};
 use super::{
     Atime, BindMount, BlockDevice, FsMount, FsUsage, MountAttrs, MountPoint, MountState, Os,
@@ -240,6 +241,16 @@ impl Os for Linux {
             is_dir,
             read_only,
         }))
+    }
+
+    fn mount_table(&self) -> SysResult<Vec<MountEntry>> {
+        mount_table::read().map(|(t, _)| t).map_err(|e| {
+            SysError::new(
+                "read mount table",
+                Path::new("/proc/thread-self/mountinfo"),
+                std::io::Error::other(e.to_string()),
+            )
+        })
     }
 
     fn mount_fs(&self, m: &FsMount) -> SysResult<()> {

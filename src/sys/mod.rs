@@ -8,6 +8,7 @@
 
 pub mod fake;
 pub mod linux;
+pub mod mount_table;
 pub mod raw;
 
 use std::path::{Path, PathBuf};
@@ -238,6 +239,8 @@ pub enum ToolError {
 pub trait Os: Send + Sync + 'static {
     /// What is at `path`: nothing, an unmounted object, a mount root, or a corrupted mount.
     fn mount_state(&self, path: &Path) -> SysResult<MountState>;
+    /// The whole mount table of moor's mount namespace, read once (for reconciliation).
+    fn mount_table(&self) -> SysResult<Vec<mount_table::MountEntry>>;
     /// Mounts a block device's filesystem on an existing directory.
     fn mount_fs(&self, m: &FsMount) -> SysResult<()>;
     /// Bind-mounts `source` on the existing `target`, with `attrs` applied atomically.
