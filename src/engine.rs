@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 
 use crate::error::{Error, Result};
+use crate::fault;
 use crate::guard::VolumeLocks;
 use crate::journal::{
     AccessRecord, Durability, Journal, Phase, PublishRecord, StageRecord, VolumeRecord,
@@ -395,7 +396,9 @@ impl<O: Os> Engine<O> {
                 phase: Phase::Formatting,
             });
             self.journal.put(&record, Durability::Power)?;
+            fault::point("stage.formatting");
             report.mkfs = Some(self.mkfs(*fs, &req.device, resume_format)?);
+            fault::point("stage.formatted");
             report.formatted = true;
             content = self.probe_device(&req.device, device.size)?;
         }
@@ -430,6 +433,7 @@ impl<O: Os> Engine<O> {
             phase: Phase::InProgress,
         });
         self.journal.put(&record, Durability::Process)?;
+        fault::point("stage.mounting");
         let start = Instant::now();
         let mounted = self.os.mount_fs(&FsMount {
             device: req.device.clone(),
@@ -445,6 +449,7 @@ impl<O: Os> Engine<O> {
             return Err(e.into());
         }
         report.mount = Some(start.elapsed());
+        fault::point("stage.mounted");
         let after = (|| -> Result<u64> {
             if let Some(gid) = group
                 && !attrs.read_only
@@ -462,6 +467,7 @@ impl<O: Os> Engine<O> {
         match after {
             Ok(_) => {
                 self.confirm_stage(&mut record, req, device, attrs, access)?;
+                fault::point("stage.done");
                 Ok(report)
             }
             Err(e) => {
@@ -541,6 +547,7 @@ impl<O: Os> Engine<O> {
             st.phase = Phase::InProgress;
             self.journal.put(&record, Durability::Process)?;
         }
+        fault::point("unstage.unmounting");
         let staged_dev = record.stage.as_ref().map(|s| s.rdev);
         let is_block = matches!(
             record.stage.as_ref().map(|s| &s.access),
@@ -552,8 +559,10 @@ impl<O: Os> Engine<O> {
                 staged_dev.is_none_or(|d| mp.dev == d || mp.rdev.is_none())
             })?;
         }
+        fault::point("unstage.unmounted");
         record.stage = None;
         self.journal.put(&record, Durability::Process)?;
+        fault::point("unstage.done");
         Ok(())
     }
 
@@ -703,6 +712,7 @@ impl<O: Os> Engine<O> {
             },
         );
         self.journal.put(&record, Durability::Process)?;
+        fault::point("publish.binding");
         if let Err(e) = self.os.bind(&BindMount {
             source,
             target: req.target.clone(),
@@ -713,8 +723,10 @@ impl<O: Os> Engine<O> {
             self.journal.put(&record, Durability::Process)?;
             return Err(e.into());
         }
+        fault::point("publish.bound");
         record.publishes.insert(req.target.clone(), wanted);
         self.journal.put(&record, Durability::Process)?;
+        fault::point("publish.done");
         Ok(())
     }
 
@@ -729,12 +741,16 @@ impl<O: Os> Engine<O> {
             }
             self.journal.put(&record, Durability::Process)?;
         }
+        fault::point("unpublish.unmounting");
         self.unmount_all(&req.target, |_| true)?;
+        fault::point("unpublish.unmounted");
         self.os.remove(&req.target)?;
+        fault::point("unpublish.removed");
         if known {
             record.publishes.remove(&req.target);
             self.journal.put(&record, Durability::Process)?;
         }
+        fault::point("unpublish.done");
         Ok(())
     }
 
@@ -943,11 +959,13 @@ impl<O: Os> Engine<O> {
                 )));
             }
         };
+        fault::point("expand.resizing");
         self.os.run_tool(&ToolRun {
             program: program.into(),
             args,
             deadline: self.cfg.resize_deadline,
         })?;
+        fault::point("expand.resized");
         Ok(dev.size)
     }
 }

@@ -11,6 +11,7 @@
 
 pub mod engine;
 pub mod error;
+pub mod fault;
 pub mod guard;
 pub mod journal;
 pub mod mount_options;

@@ -104,6 +104,12 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if args.node_id.is_empty() {
         return Err("--node-id must not be empty".into());
     }
+    if let Some(point) = moor_node::fault::arm_from_env() {
+        warn!(
+            point,
+            "crash point armed (tests only): this process kills itself there"
+        );
+    }
     let socket = server::parse_endpoint(&args.endpoint)?;
     std::fs::create_dir_all(&args.state_dir)
         .map_err(|e| format!("state dir {}: {e}", args.state_dir.display()))?;

@@ -52,6 +52,16 @@ impl Daemon {
 
     /// Starts `program` (moor-node or moor-controller) and waits until its socket answers.
     pub async fn start_program(program: &str, socket: &Path, args: &[&str]) -> Self {
+        Self::start_program_env(program, socket, args, &[]).await
+    }
+
+    /// Starts `program` with extra environment variables and waits until its socket answers.
+    pub async fn start_program_env(
+        program: &str,
+        socket: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let bin = binary(program);
         assert!(
             bin.exists(),
@@ -62,6 +72,7 @@ impl Daemon {
             .arg("--endpoint")
             .arg(format!("unix://{}", socket.display()))
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {program}: {e}"));

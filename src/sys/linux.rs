@@ -466,17 +466,17 @@ pub fn find_program(program: &str) -> Option<PathBuf> {
 fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
     let program = run.program.clone();
     let exe = find_program(&run.program).unwrap_or_else(|| PathBuf::from(&run.program));
-    let mut child = Command::new(&exe)
-        .args(&run.args)
+    let mut cmd = Command::new(&exe);
+    cmd.args(&run.args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
-        .env("LC_ALL", "C")
-        .spawn()
-        .map_err(|source| ToolError::Spawn {
-            program: program.clone(),
-            source,
-        })?;
+        .env("LC_ALL", "C");
+    raw::die_with_parent(&mut cmd);
+    let mut child = cmd.spawn().map_err(|source| ToolError::Spawn {
+        program: program.clone(),
+        source,
+    })?;
     let mut stderr = child.stderr.take();
     let reader = std::thread::spawn(move || {
         let mut out = Vec::new();
