@@ -1,0 +1,422 @@
+//! Reconciliation for real (run as root): corrupted mounts made with a FUSE mount whose server
+//! died (ENOTCONN), a truncated and a garbage journal rebuilt from the mount table and
+//! kubelet's `vol_data.json`, and a pass over a namespace with 10,000 mounts.
+
+use std::collections::HashMap;
+use std::os::fd::AsRawFd as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use csi::node_client::NodeClient;
+use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use moor_node::engine::{Engine, EngineConfig};
+use moor_node::journal::{self, Journal};
+use moor_node::reconcile::{Action, Reconciler};
+use moor_node::sys::linux::Linux;
+use moor_privileged::client::{Daemon, connect};
+use moor_privileged::{Sandbox, is_mount_point};
+use moor_proto::csi::v1 as csi;
+use tonic::transport::Channel;
+
+const MIB: u64 = 1 << 20;
+
+fn cap() -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: "ext4".into(),
+            mount_flags: vec![],
+            volume_mount_group: String::new(),
+        })),
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Mounts a FUSE filesystem on `target` and closes its device at once: the server is dead
+/// and every access gives ENOTCONN.
+fn dead_fuse(target: &Path) {
+    let dev = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+        .expect("/dev/fuse");
+    let data = std::ffi::CString::new(format!(
+        "fd={},rootmode=40000,user_id=0,group_id=0",
+        dev.as_raw_fd()
+    ))
+    .expect("options");
+    rustix::mount::mount(
+        "moor-dead",
+        target,
+        "fuse",
+        rustix::mount::MountFlags::empty(),
+        data.as_c_str(),
+    )
+    .expect("mount fuse");
+    drop(dev);
+    let err = std::fs::metadata(target.join("x")).expect_err("dead fuse");
+    assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "{err}");
+}
+
+fn depth(path: &Path) -> usize {
+    let table = std::fs::read("/proc/thread-self/mountinfo").expect("mountinfo");
+    moor_node::mountinfo::parse(&table)
+        .expect("parse")
+        .iter()
+        .filter(|m| m.mount_point == path)
+        .count()
+}
+
+struct Node {
+    sb: Sandbox,
+    socket: PathBuf,
+    dev: PathBuf,
+    staging: PathBuf,
+    target: PathBuf,
+    daemon: Option<Daemon>,
+}
+
+impl Node {
+    fn new(name: &str) -> Self {
+        let sb = Sandbox::new(name);
+        let dev = sb.loop_device("v.img", 128 * MIB);
+        let socket = sb.root.join("csi.sock");
+        let staging = sb.staging("pv");
+        let target = sb.target("pod", "pv");
+        Self {
+            sb,
+            socket,
+            dev,
+            staging,
+            target,
+            daemon: None,
+        }
+    }
+
+    async fn start(&mut self) -> NodeClient<Channel> {
+        if let Some(mut d) = self.daemon.take() {
+            d.terminate();
+        }
+        let state = self.sb.state.display().to_string();
+        let kubelet = self.sb.kubelet.display().to_string();
+        self.daemon = Some(
+            Daemon::start(
+                &self.socket,
+                &[
+                    "--node-id",
+                    "n",
+                    "--state-dir",
+                    &state,
+                    "--kubelet-dir",
+                    &kubelet,
+                    "--reconcile-interval",
+                    "1",
+                ],
+            )
+            .await,
+        );
+        NodeClient::new(connect(&self.socket).await.expect("connect"))
+    }
+
+    async fn stage(&self, node: &mut NodeClient<Channel>) -> Result<(), tonic::Status> {
+        node.node_stage_volume(csi::NodeStageVolumeRequest {
+            volume_id: "vol".into(),
+            publish_context: HashMap::from([("devicePath".into(), self.dev.display().to_string())]),
+            staging_target_path: self.staging.display().to_string(),
+            volume_capability: Some(cap()),
+            ..Default::default()
+        })
+        .await
+        .map(drop)
+    }
+
+    async fn publish(&self, node: &mut NodeClient<Channel>) -> Result<(), tonic::Status> {
+        node.node_publish_volume(csi::NodePublishVolumeRequest {
+            volume_id: "vol".into(),
+            staging_target_path: self.staging.display().to_string(),
+            target_path: self.target.display().to_string(),
+            volume_capability: Some(cap()),
+            ..Default::default()
+        })
+        .await
+        .map(drop)
+    }
+
+    async fn unpublish(&self, node: &mut NodeClient<Channel>) -> Result<(), tonic::Status> {
+        node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: "vol".into(),
+            target_path: self.target.display().to_string(),
+        })
+        .await
+        .map(drop)
+    }
+
+    async fn unstage(&self, node: &mut NodeClient<Channel>) -> Result<(), tonic::Status> {
+        node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: "vol".into(),
+            staging_target_path: self.staging.display().to_string(),
+        })
+        .await
+        .map(drop)
+    }
+
+    async fn condition(&self, node: &mut NodeClient<Channel>, path: &Path) -> csi::VolumeCondition {
+        node.node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+            volume_id: "vol".into(),
+            volume_path: path.display().to_string(),
+            staging_target_path: String::new(),
+        })
+        .await
+        .expect("stats")
+        .into_inner()
+        .volume_condition
+        .expect("condition")
+    }
+
+    /// kubelet's `vol_data.json` beside the staging and target dirs.
+    fn write_vol_data(&self) {
+        let data = br#"{"driverName":"moor.csi.io","volumeHandle":"vol","specVolID":"pv"}"#;
+        for dir in [&self.staging, &self.target] {
+            let parent = dir.parent().expect("parent");
+            std::fs::write(parent.join("vol_data.json"), data).expect("vol_data.json");
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            d.terminate();
+        }
+    }
+}
+
+#[test]
+fn dead_fuse_mounts_are_cleaned_by_unpublish_unstage_and_reconciliation() {
+    let mut n = Node::new("fuse");
+    let rt = runtime();
+    rt.block_on(async {
+        let mut node = n.start().await;
+        n.stage(&mut node).await.expect("stage");
+        n.publish(&mut node).await.expect("publish");
+
+        // A dead FUSE mount over the target: unpublish peels it and moor's bind.
+        dead_fuse(&n.target);
+        assert!(n.condition(&mut node, &n.target).await.abnormal);
+        n.unpublish(&mut node)
+            .await
+            .expect("unpublish a corrupted target");
+        assert_eq!(depth(&n.target), 0);
+        assert!(!n.target.exists());
+
+        // Over the target again, and found by the periodic pass, which detaches it and
+        // leaves moor's bind beneath alone.
+        n.publish(&mut node).await.expect("publish");
+        std::fs::write(n.target.join("f"), b"kept").expect("write");
+        dead_fuse(&n.target);
+        let deadline = Instant::now() + std::time::Duration::from_secs(20);
+        while depth(&n.target) > 1 {
+            assert!(
+                Instant::now() < deadline,
+                "reconciliation did not clean the target"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        assert_eq!(std::fs::read(n.target.join("f")).expect("read"), b"kept");
+        assert!(!n.condition(&mut node, &n.target).await.abnormal);
+
+        // A dead FUSE over the staging path: unstage cleans it.
+        n.unpublish(&mut node).await.expect("unpublish");
+        dead_fuse(&n.staging);
+        n.unstage(&mut node)
+            .await
+            .expect("unstage a corrupted staging path");
+        assert_eq!(depth(&n.staging), 0);
+    });
+    assert!(n.sb.mounts().is_empty(), "{:?}", n.sb.mounts());
+}
+
+#[test]
+fn a_corrupted_target_found_at_start_is_detached_and_reported_until_kubelet_acts() {
+    let mut n = Node::new("fuse-start");
+    let rt = runtime();
+    rt.block_on(async {
+        let mut node = n.start().await;
+        n.stage(&mut node).await.expect("stage");
+        n.publish(&mut node).await.expect("publish");
+        if let Some(mut d) = n.daemon.take() {
+            d.terminate();
+        }
+        // The bind itself goes, and a dead FUSE takes its place.
+        rustix::mount::unmount(&n.target, rustix::mount::UnmountFlags::empty()).expect("umount");
+        dead_fuse(&n.target);
+        let mut node = n.start().await;
+        assert_eq!(
+            depth(&n.target),
+            0,
+            "the corrupted mount is detached at start"
+        );
+        let c = n.condition(&mut node, &n.target).await;
+        assert!(c.abnormal, "{c:?}");
+        // kubelet's answer: unpublish, unstage; both succeed and leave nothing.
+        n.unpublish(&mut node).await.expect("unpublish");
+        n.unstage(&mut node).await.expect("unstage");
+    });
+    assert!(n.sb.mounts().is_empty(), "{:?}", n.sb.mounts());
+}
+
+async fn rebuilt_after(n: &mut Node, damage: impl Fn(&Path)) {
+    let mut node = n.start().await;
+    n.stage(&mut node).await.expect("stage");
+    n.publish(&mut node).await.expect("publish");
+    std::fs::write(n.target.join("data"), b"survives").expect("write");
+    n.write_vol_data();
+    if let Some(mut d) = n.daemon.take() {
+        d.terminate();
+    }
+    damage(&n.sb.state.join(journal::LOG_FILE));
+    let mut node = n.start().await;
+    assert!(
+        n.sb.state.join(journal::CORRUPT_FILE).exists(),
+        "damaged log kept aside"
+    );
+    let (records, problems) = journal::read_state(&n.sb.state).expect("read");
+    assert!(problems.is_empty(), "rewritten log is clean: {problems:?}");
+    let r = records
+        .iter()
+        .find(|r| r.volume_id == "vol")
+        .expect("rebuilt record");
+    assert!(
+        r.stage.is_some() && r.publishes.contains_key(&n.target),
+        "{r:?}"
+    );
+    assert!(!n.condition(&mut node, &n.target).await.abnormal);
+    // kubelet's retries and its teardown all work on the rebuilt record.
+    n.stage(&mut node).await.expect("stage retry");
+    n.publish(&mut node).await.expect("publish retry");
+    assert_eq!(depth(&n.target), 1, "no second mount stacked");
+    assert_eq!(
+        std::fs::read(n.target.join("data")).expect("read"),
+        b"survives"
+    );
+    n.unpublish(&mut node).await.expect("unpublish");
+    n.unstage(&mut node).await.expect("unstage");
+    assert!(!is_mount_point(&n.staging));
+}
+
+#[test]
+fn a_garbage_journal_is_rebuilt_from_the_mount_table() {
+    let mut n = Node::new("journal-garbage");
+    let rt = runtime();
+    rt.block_on(rebuilt_after(&mut n, |log| {
+        std::fs::write(
+            log,
+            b"\x00\xffnot a journal at all\nmoor-journal v1 zzzz {}\n",
+        )
+        .expect("garbage");
+    }));
+    assert!(n.sb.mounts().is_empty(), "{:?}", n.sb.mounts());
+}
+
+#[test]
+fn a_truncated_journal_is_rebuilt_from_the_mount_table() {
+    let mut n = Node::new("journal-truncated");
+    let rt = runtime();
+    rt.block_on(rebuilt_after(&mut n, |log| {
+        let bytes = std::fs::read(log).expect("log");
+        // Cut inside the only record: nothing of it is readable.
+        std::fs::write(log, &bytes[..bytes.len() / 2]).expect("truncate");
+    }));
+    assert!(n.sb.mounts().is_empty(), "{:?}", n.sb.mounts());
+}
+
+#[test]
+fn a_pass_over_ten_thousand_mounts() {
+    const MOUNTS: usize = 10_000;
+    let mut n = Node::new("many-mounts");
+    let rt = runtime();
+    rt.block_on(async {
+        let mut node = n.start().await;
+        n.stage(&mut node).await.expect("stage");
+        n.publish(&mut node).await.expect("publish");
+        if let Some(mut d) = n.daemon.take() {
+            d.terminate();
+        }
+    });
+    // Half the mounts elsewhere on the node, half in pods' CSI volume dirs of other drivers.
+    let many = n.sb.root.join("many");
+    std::fs::create_dir_all(&many).expect("dir");
+    rustix::mount::mount(
+        "tmpfs",
+        &many,
+        "tmpfs",
+        rustix::mount::MountFlags::empty(),
+        None,
+    )
+    .expect("tmpfs");
+    let src = many.join("src");
+    std::fs::create_dir(&src).expect("src");
+    for i in 0..MOUNTS {
+        let dir = if i % 2 == 0 {
+            many.join(format!("m{i}"))
+        } else {
+            n.sb.k(&format!("pods/p{i}/volumes/kubernetes.io~csi/pv{i}/mount"))
+        };
+        std::fs::create_dir_all(&dir).expect("mount dir");
+        rustix::mount::mount_bind(&src, &dir).expect("bind");
+    }
+    let (journal, _) = Journal::open(&n.sb.state, false).expect("journal");
+    let os = Arc::new(Linux::new(&n.sb.kubelet).expect("os"));
+    let cfg = EngineConfig {
+        kubelet_dir: n.sb.kubelet.clone(),
+        ..EngineConfig::default()
+    };
+    let engine = Arc::new(Engine::new(os, Arc::new(journal), cfg));
+    let reconciler = Reconciler::new(engine, "moor.csi.io");
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let start = Instant::now();
+        let actions = reconciler.run().expect("pass");
+        times.push(start.elapsed());
+        assert!(
+            actions
+                .iter()
+                .all(|a| !matches!(a, Action::Adopted { .. } | Action::Unstacked { .. })),
+            "{actions:?}"
+        );
+    }
+    times.sort();
+    eprintln!(
+        "reconcile pass with {} mounts in the namespace: median {:?} (min {:?}, max {:?})",
+        MOUNTS,
+        times[times.len() / 2],
+        times[0],
+        times[times.len() - 1]
+    );
+    let table = moor_node::sys::mount_table::read().expect("table").0;
+    assert!(table.len() > MOUNTS);
+    // Nothing of moor's was touched.
+    assert_eq!(depth(&n.target), 1);
+    assert_eq!(depth(&n.staging), 1);
+    let _ = rustix::mount::unmount(&many, rustix::mount::UnmountFlags::DETACH);
+    for i in (1..MOUNTS).step_by(2) {
+        let dir =
+            n.sb.k(&format!("pods/p{i}/volumes/kubernetes.io~csi/pv{i}/mount"));
+        let _ = rustix::mount::unmount(&dir, rustix::mount::UnmountFlags::DETACH);
+    }
+    rt.block_on(async {
+        let mut node = n.start().await;
+        n.unpublish(&mut node).await.expect("unpublish");
+        n.unstage(&mut node).await.expect("unstage");
+    });
+    assert!(n.sb.mounts().is_empty(), "{:?}", n.sb.mounts().len());
+}
