@@ -147,7 +147,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let engine = Arc::new(Engine::new(Arc::clone(&os), journal, cfg));
     // Before serving: finish or roll back what a crash cut short, clean what is corrupted.
     let reconciler = Arc::new(Reconciler::new(Arc::clone(&engine), &args.driver_name));
-    reconciler.pass().await;
+    reconciler.pass(true).await;
     let periodic = (args.reconcile_interval > 0).then(|| {
         Arc::clone(&reconciler).spawn_periodic(Duration::from_secs(args.reconcile_interval))
     });

@@ -1,7 +1,7 @@
 //! Reconciliation: the journal against the live mount table, at start and every
 //! `--reconcile-interval`.
 //!
-//! One pass reads the mount table once, then walks the journal's volumes, each under its
+//! A full pass (at start) reads the mount table once, then walks the journal's volumes, each under its
 //! volume lock (a volume busy with a call is skipped until the next pass), and decides from a
 //! fresh `statx` of each recorded path:
 //!
@@ -16,6 +16,7 @@
 //! * a mount on one of moor's kubelet paths that the journal does not know (the journal was
 //!   damaged) is adopted back into the journal, named by kubelet's `vol_data.json`.
 //!
+//! The periodic passes are light: a `statx` per recorded path, no table read, no adoption.
 //! Each action is logged on one line; a finding that changes nothing is logged when first seen.
 
 use std::collections::{HashMap, HashSet};
@@ -221,9 +222,24 @@ impl<O: Os> Reconciler<O> {
         }
     }
 
-    /// One pass: returns every action and finding, and logs the new ones.
+    /// A full pass: reads the mount table once, so stacked mounts are found and mounts the
+    /// journal lost are adopted; returns every action and finding, and logs the new ones.
     pub fn run(&self) -> Result<Vec<Action>, Error> {
-        let table = self.engine.os().mount_table()?;
+        self.pass_with(true)
+    }
+
+    /// A light pass for the periodic timer: a `statx` per recorded path, no table read, so
+    /// its cost follows the volumes moor has, not the mounts the node has.
+    pub fn run_light(&self) -> Result<Vec<Action>, Error> {
+        self.pass_with(false)
+    }
+
+    fn pass_with(&self, full: bool) -> Result<Vec<Action>, Error> {
+        let table = if full {
+            self.engine.os().mount_table()?
+        } else {
+            Vec::new()
+        };
         let kubelet_dir = self.engine.config().kubelet_dir.clone();
         let mut index: Index<'_> = HashMap::new();
         for m in table
@@ -728,13 +744,14 @@ pub fn parse_vol_data(bytes: &[u8], driver: &str) -> Option<String> {
 impl<O: Os> Reconciler<O> {
     /// One pass on a blocking thread, with a summary line; errors are logged, not returned
     /// (the next pass tries again).
-    pub async fn pass(self: &Arc<Self>) -> Vec<Action> {
+    pub async fn pass(self: &Arc<Self>, full: bool) -> Vec<Action> {
         let this = Arc::clone(self);
         let start = std::time::Instant::now();
-        match tokio::task::spawn_blocking(move || this.run()).await {
+        match tokio::task::spawn_blocking(move || this.pass_with(full)).await {
             Ok(Ok(actions)) => {
                 let changed = actions.iter().filter(|a| a.changed_something()).count();
                 info!(
+                    full,
                     volumes = self.engine.journal().all().len(),
                     actions = changed,
                     findings = actions.len() - changed,
@@ -754,7 +771,7 @@ impl<O: Os> Reconciler<O> {
         }
     }
 
-    /// Runs a pass every `every` until the task is aborted.
+    /// Runs a light pass every `every` until the task is aborted.
     pub fn spawn_periodic(
         self: Arc<Self>,
         every: std::time::Duration,
@@ -765,7 +782,7 @@ impl<O: Os> Reconciler<O> {
             tick.tick().await;
             loop {
                 tick.tick().await;
-                self.pass().await;
+                self.pass(false).await;
             }
         })
     }

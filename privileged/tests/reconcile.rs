@@ -402,7 +402,17 @@ fn a_pass_over_ten_thousand_mounts() {
         times[0],
         times[times.len() - 1]
     );
+    let start = Instant::now();
     let table = moor_node::sys::mount_table::read().expect("table").0;
+    let statmount_time = start.elapsed();
+    let start = Instant::now();
+    let info = moor_node::sys::mount_table::read_from_mountinfo().expect("mountinfo");
+    eprintln!(
+        "mount table of {} mounts: listmount+statmount {statmount_time:?}, mountinfo {:?}",
+        table.len(),
+        start.elapsed()
+    );
+    assert_eq!(table.len(), info.len());
     assert!(table.len() > MOUNTS);
     // Nothing of moor's was touched.
     assert_eq!(depth(&n.target), 1);
