@@ -143,7 +143,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .map_err(|e| format!("state dir {}: {e}", args.state_dir.display()))?;
     let registration = match &args.registration_dir {
         Some(dir) => {
-            let reg_socket = registration::socket_path(dir, &args.driver_name);
+            let reg_socket = registration::socket_path(dir, &args.driver_name)?;
             // The same limits as any Unix socket path.
             server::parse_endpoint(&reg_socket.display().to_string())?;
             let kubelet_path = match &args.kubelet_registration_path {
@@ -192,11 +192,11 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let engine = Arc::new(Engine::new(Arc::clone(&os), journal, cfg));
     let identity = IdentityService::new(info.clone(), Arc::clone(&os));
     let node = NodeService::new(engine, info);
-    let listener = server::bind_unix(&socket)?;
     let http_listener = match &args.http_endpoint {
         Some(e) => Some(http::bind(e).await?),
         None => None,
     };
+    let listener = server::bind_unix(&socket)?;
     info!(
         endpoint = %socket.display(),
         driver = args.driver_name,
@@ -231,7 +231,9 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 kubelet_path.display().to_string(),
                 failed_tx.clone(),
             );
-            let reg_listener = server::bind_unix(&reg_socket)?;
+            let reg_listener = server::bind_unix(&reg_socket).inspect_err(|_| {
+                let _ = std::fs::remove_file(&socket);
+            })?;
             info!(socket = %reg_socket.display(), csi_endpoint = %kubelet_path.display(), "serving kubelet plugin registration");
             let router =
                 tonic::transport::Server::builder().add_service(RegistrationServer::new(service));
@@ -276,4 +278,43 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     reg?;
     info!("moor-node stopped cleanly");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registration_and_http_are_off_by_default() {
+        let a = Args::try_parse_from(["moor-node", "--node-id", "n"]).unwrap();
+        assert_eq!(
+            (
+                a.registration_dir,
+                a.kubelet_registration_path,
+                a.http_endpoint
+            ),
+            (None, None, None)
+        );
+        let a = Args::try_parse_from([
+            "moor-node",
+            "--node-id",
+            "n",
+            "--registration-dir",
+            "/var/lib/kubelet/plugins_registry",
+            "--kubelet-registration-path",
+            "/var/lib/kubelet/plugins/moor.csi.io/csi.sock",
+            "--http-endpoint",
+            ":9809",
+        ])
+        .unwrap();
+        assert_eq!(
+            a.registration_dir.as_deref(),
+            Some(std::path::Path::new("/var/lib/kubelet/plugins_registry"))
+        );
+        assert_eq!(
+            a.kubelet_registration_path.as_deref(),
+            Some("/var/lib/kubelet/plugins/moor.csi.io/csi.sock")
+        );
+        assert_eq!(a.http_endpoint.as_deref(), Some(":9809"));
+    }
 }

@@ -21,9 +21,24 @@ pub const PLUGIN_TYPE: &str = "CSIPlugin";
 /// The CSI versions announced to kubelet (kubelet's CSI plugin takes the highest 1.x it knows).
 pub const SUPPORTED_VERSIONS: [&str; 1] = ["1.0.0"];
 
+/// Registration setup errors.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistrationError {
+    /// The driver name cannot name a socket file.
+    #[error("driver name {0:?} cannot name the registration socket (empty, '/' or NUL)")]
+    DriverName(String),
+}
+
 /// Where the registration socket goes: `<dir>/<driver-name>-reg.sock`.
-pub fn socket_path(dir: &Path, driver_name: &str) -> PathBuf {
-    dir.join(format!("{driver_name}-reg.sock"))
+pub fn socket_path(dir: &Path, driver_name: &str) -> Result<PathBuf, RegistrationError> {
+    if driver_name.is_empty()
+        || driver_name.contains(['/', '\0'])
+        || driver_name == "."
+        || driver_name == ".."
+    {
+        return Err(RegistrationError::DriverName(driver_name.to_string()));
+    }
+    Ok(dir.join(format!("{driver_name}-reg.sock")))
 }
 
 /// The Registration service.
@@ -148,8 +163,12 @@ mod tests {
             socket_path(
                 Path::new("/var/lib/kubelet/plugins_registry"),
                 "moor.csi.io"
-            ),
+            )
+            .unwrap(),
             PathBuf::from("/var/lib/kubelet/plugins_registry/moor.csi.io-reg.sock")
         );
+        for bad in ["", "a/b", "../x", "a\0b", ".."] {
+            assert!(socket_path(Path::new("/r"), bad).is_err(), "{bad:?}");
+        }
     }
 }

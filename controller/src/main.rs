@@ -250,6 +250,16 @@ mod tests {
         .unwrap();
         assert_eq!(a.driver_name, "moor.csi.io");
         assert_eq!(a.node_id, "n1");
+        assert_eq!(a.http_endpoint, None, "off by default");
+        let a = Args::try_parse_from([
+            "moor-controller",
+            "--node-id",
+            "n1",
+            "--http-endpoint",
+            "0.0.0.0:9809",
+        ])
+        .unwrap();
+        assert_eq!(a.http_endpoint.as_deref(), Some("0.0.0.0:9809"));
         assert!(Args::try_parse_from(["moor-controller", "--log-format", "xml"]).is_err());
     }
 }
