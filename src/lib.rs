@@ -7,17 +7,22 @@
 //! * [`probe`] reads superblocks to tell a blank device from one that holds data;
 //! * [`mount_options`] decides which mount flags reach the kernel;
 //! * [`mountinfo`] parses the mount table where statx/statmount cannot answer;
-//! * [`service`] and [`server`] serve it all over gRPC on a Unix socket.
+//! * [`service`] and [`server`] serve it all over gRPC on a Unix socket;
+//! * [`registration`] registers the plugin with kubelet, [`http`] serves `/healthz` and
+//!   `/metrics`, and [`metrics`] keeps the Prometheus metrics.
 
 pub mod engine;
 pub mod error;
 pub mod fault;
 pub mod guard;
+pub mod http;
 pub mod journal;
+pub mod metrics;
 pub mod mount_options;
 pub mod mountinfo;
 pub mod probe;
 pub mod reconcile;
+pub mod registration;
 pub mod server;
 pub mod service;
 pub mod sys;

@@ -8,12 +8,16 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::Journal;
+use moor_node::metrics::{Metered, MeteredOs};
 use moor_node::reconcile::Reconciler;
-use moor_node::server;
+use moor_node::registration::{self, RegistrationService};
 use moor_node::service::{IdentityService, NodeService, OPTIONAL_TOOLS, PluginInfo, readiness};
-use moor_node::sys::Os as _;
+use moor_node::sys::Os;
 use moor_node::sys::linux::Linux;
+use moor_node::{http, server};
 use moor_proto::csi::v1::{identity_server::IdentityServer, node_server::NodeServer};
+use moor_proto::registration::v1::registration_server::RegistrationServer;
+use tokio::sync::watch;
 use tracing::{error, info, warn};
 
 /// Log output format.
@@ -64,6 +68,41 @@ struct Args {
     /// pass always runs at start. 0: only at start.
     #[arg(long, default_value_t = 60)]
     reconcile_interval: u64,
+    /// kubelet's plugin registration dir (e.g. /var/lib/kubelet/plugins_registry): serve
+    /// kubelet's registration API on <driver-name>-reg.sock there. Default: off (use the
+    /// node-driver-registrar sidecar).
+    #[arg(long)]
+    registration_dir: Option<PathBuf>,
+    /// The CSI socket's path on the host, as kubelet must dial it, when it differs from the
+    /// --endpoint path this container sees (default: the --endpoint path).
+    #[arg(long)]
+    kubelet_registration_path: Option<String>,
+    /// Serve /healthz and /metrics over HTTP on host:port (":port" binds 127.0.0.1).
+    /// Default: off.
+    #[arg(long)]
+    http_endpoint: Option<String>,
+}
+
+/// What the HTTP endpoint reports for the node.
+struct NodeStatus<O: Os> {
+    os: Arc<O>,
+    state_dir: PathBuf,
+    journal: Arc<Journal>,
+}
+
+impl<O: Os> http::Status for NodeStatus<O> {
+    fn health(&self) -> Result<(), String> {
+        readiness(self.os.as_ref(), &self.state_dir).map_or(Ok(()), Err)
+    }
+
+    fn metrics(&self) -> String {
+        moor_node::metrics::render_node(&self.journal)
+    }
+}
+
+/// Resolves once `stop` is set (or its sender is gone).
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
 }
 
 fn init_logging(format: LogFormat) {
@@ -113,13 +152,31 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let socket = server::parse_endpoint(&args.endpoint)?;
     std::fs::create_dir_all(&args.state_dir)
         .map_err(|e| format!("state dir {}: {e}", args.state_dir.display()))?;
-    let os = Arc::new(Linux::new(&args.kubelet_dir)?);
+    let registration = match &args.registration_dir {
+        Some(dir) => {
+            let reg_socket = registration::socket_path(dir, &args.driver_name)?;
+            // The same limits as any Unix socket path.
+            server::parse_endpoint(&reg_socket.display().to_string())?;
+            let kubelet_path = match &args.kubelet_registration_path {
+                Some(p) => server::parse_endpoint(p)?,
+                None => socket.clone(),
+            };
+            Some((reg_socket, kubelet_path))
+        }
+        None => None,
+    };
+    let os = Arc::new(MeteredOs::new(Linux::new(&args.kubelet_dir)?));
     let (journal, problems) = Journal::open(&args.state_dir, args.journal_fsync)?;
     for p in &problems {
         warn!(file = %p.path.display(), line = p.line, error = %p.error,
             "journal line unreadable; log kept as journal.log.corrupt, rebuilding from the mount table");
     }
     let journal = Arc::new(journal);
+    let status = NodeStatus {
+        os: Arc::clone(&os),
+        state_dir: args.state_dir.clone(),
+        journal: Arc::clone(&journal),
+    };
     for tool in OPTIONAL_TOOLS {
         if !os.has_program(tool) {
             warn!(
@@ -153,6 +210,10 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     });
     let identity = IdentityService::new(info.clone(), Arc::clone(&os));
     let node = NodeService::new(engine, info);
+    let http_listener = match &args.http_endpoint {
+        Some(e) => Some(http::bind(e).await?),
+        None => None,
+    };
     let listener = server::bind_unix(&socket)?;
     info!(
         endpoint = %socket.display(),
@@ -162,19 +223,119 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         "moor-node serving"
     );
     let router = tonic::transport::Server::builder()
-        .add_service(IdentityServer::new(identity))
-        .add_service(NodeServer::new(node));
-    server::serve(
-        router,
-        listener,
-        &socket,
-        server::termination(),
-        Duration::from_secs(args.shutdown_grace),
-    )
-    .await?;
+        .add_service(Metered::new(IdentityServer::new(identity)))
+        .add_service(Metered::new(NodeServer::new(node)));
+
+    // One stop for every server: SIGTERM/SIGINT, or kubelet refusing the registration.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stop_tx = Arc::new(stop_tx);
+    let (failed_tx, failed_rx) = watch::channel(None::<String>);
+    {
+        let stop_tx = Arc::clone(&stop_tx);
+        let mut failed = failed_rx.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = server::termination() => {}
+                Ok(_) = failed.wait_for(Option::is_some) => {}
+            }
+            stop_tx.send_replace(true);
+        });
+    }
+    // The registration socket comes last: kubelet may dial the CSI socket as soon as it sees it.
+    let reg = match registration {
+        Some((reg_socket, kubelet_path)) => {
+            let service = RegistrationService::new(
+                args.driver_name.clone(),
+                kubelet_path.display().to_string(),
+                failed_tx.clone(),
+            );
+            let reg_listener = server::bind_unix(&reg_socket).inspect_err(|_| {
+                let _ = std::fs::remove_file(&socket);
+            })?;
+            info!(socket = %reg_socket.display(), csi_endpoint = %kubelet_path.display(), "serving kubelet plugin registration");
+            let router =
+                tonic::transport::Server::builder().add_service(RegistrationServer::new(service));
+            Some((router, reg_listener, reg_socket))
+        }
+        None => None,
+    };
+    let grace = Duration::from_secs(args.shutdown_grace);
+    let grpc = async {
+        let r = server::serve(router, listener, &socket, stopped(stop_rx.clone()), grace).await;
+        stop_tx.send_replace(true);
+        r
+    };
+    let reg = async {
+        match reg {
+            Some((router, reg_listener, reg_socket)) => {
+                let r = server::serve(
+                    router,
+                    reg_listener,
+                    &reg_socket,
+                    stopped(stop_rx.clone()),
+                    grace,
+                )
+                .await;
+                stop_tx.send_replace(true);
+                r
+            }
+            None => Ok(()),
+        }
+    };
+    let web = async {
+        if let Some(l) = http_listener {
+            http::serve(l, Arc::new(status), stopped(stop_rx.clone())).await;
+        }
+    };
+    let (grpc, reg, ()) = tokio::join!(grpc, reg, web);
+    drop(failed_tx);
+    if let Some(why) = failed_rx.borrow().clone() {
+        return Err(format!("kubelet refused the registration: {why}").into());
+    }
     if let Some(task) = periodic {
         task.abort();
     }
+    grpc?;
+    reg?;
     info!("moor-node stopped cleanly");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registration_and_http_are_off_by_default() {
+        let a = Args::try_parse_from(["moor-node", "--node-id", "n"]).unwrap();
+        assert_eq!(
+            (
+                a.registration_dir,
+                a.kubelet_registration_path,
+                a.http_endpoint
+            ),
+            (None, None, None)
+        );
+        let a = Args::try_parse_from([
+            "moor-node",
+            "--node-id",
+            "n",
+            "--registration-dir",
+            "/var/lib/kubelet/plugins_registry",
+            "--kubelet-registration-path",
+            "/var/lib/kubelet/plugins/moor.csi.io/csi.sock",
+            "--http-endpoint",
+            ":9809",
+        ])
+        .unwrap();
+        assert_eq!(
+            a.registration_dir.as_deref(),
+            Some(std::path::Path::new("/var/lib/kubelet/plugins_registry"))
+        );
+        assert_eq!(
+            a.kubelet_registration_path.as_deref(),
+            Some("/var/lib/kubelet/plugins/moor.csi.io/csi.sock")
+        );
+        assert_eq!(a.http_endpoint.as_deref(), Some(":9809"));
+    }
 }

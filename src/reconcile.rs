@@ -290,6 +290,7 @@ impl<O: Os> Reconciler<O> {
         for a in actions {
             if a.changed_something() || !seen.contains(a) {
                 a.log();
+                crate::metrics::record_reconcile_action(a.kind());
             }
         }
         *seen = now;

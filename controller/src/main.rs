@@ -10,7 +10,8 @@ use moor_controller::embedded::attach::LoopAttacher;
 use moor_controller::embedded::{Config, EmbeddedBackend};
 use moor_controller::identity::IdentityService;
 use moor_controller::service::ControllerService;
-use moor_node::server;
+use moor_node::metrics::Metered;
+use moor_node::{http, server};
 use moor_proto::csi::v1::controller_server::ControllerServer;
 use moor_proto::csi::v1::identity_server::IdentityServer;
 use tracing::{error, info, warn};
@@ -48,6 +49,25 @@ struct Args {
     /// On SIGTERM or SIGINT, how long in-flight calls may take to finish, in seconds.
     #[arg(long, default_value_t = 20)]
     shutdown_grace: u64,
+    /// Serve /healthz and /metrics over HTTP on host:port (":port" binds 127.0.0.1).
+    /// Default: off.
+    #[arg(long)]
+    http_endpoint: Option<String>,
+}
+
+/// What the HTTP endpoint reports for the controller.
+struct ControllerStatus<B: moor_controller::Backend> {
+    backend: Arc<B>,
+}
+
+impl<B: moor_controller::Backend> http::Status for ControllerStatus<B> {
+    fn health(&self) -> Result<(), String> {
+        self.backend.probe().map_err(|e| e.to_string())
+    }
+
+    fn metrics(&self) -> String {
+        moor_node::metrics::render_grpc()
+    }
 }
 
 fn init_logging(format: LogFormat) {
@@ -153,6 +173,10 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let identity = IdentityService::new(args.driver_name.clone(), Arc::clone(&backend));
     let controller = ControllerService::new(Arc::clone(&backend));
     let listener = server::bind_unix(&socket)?;
+    let http_listener = match &args.http_endpoint {
+        Some(e) => Some(http::bind(e).await?),
+        None => None,
+    };
     info!(
         endpoint = %socket.display(),
         driver = args.driver_name,
@@ -162,16 +186,34 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         "moor-controller serving"
     );
     let router = tonic::transport::Server::builder()
-        .add_service(IdentityServer::new(identity))
-        .add_service(ControllerServer::new(controller));
-    server::serve(
-        router,
-        listener,
-        &socket,
-        server::termination(),
-        Duration::from_secs(args.shutdown_grace),
-    )
-    .await?;
+        .add_service(Metered::new(IdentityServer::new(identity)))
+        .add_service(Metered::new(ControllerServer::new(controller)));
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let grpc = async {
+        let r = server::serve(
+            router,
+            listener,
+            &socket,
+            server::termination(),
+            Duration::from_secs(args.shutdown_grace),
+        )
+        .await;
+        stop_tx.send_replace(true);
+        r
+    };
+    let web = async {
+        if let Some(l) = http_listener {
+            let status = Arc::new(ControllerStatus {
+                backend: Arc::clone(&backend),
+            });
+            http::serve(l, status, async {
+                let _ = stop_rx.wait_for(|s| *s).await;
+            })
+            .await;
+        }
+    };
+    let (grpc, ()) = tokio::join!(grpc, web);
+    grpc?;
     info!("moor-controller stopped cleanly");
     Ok(())
 }
@@ -208,6 +250,16 @@ mod tests {
         .unwrap();
         assert_eq!(a.driver_name, "moor.csi.io");
         assert_eq!(a.node_id, "n1");
+        assert_eq!(a.http_endpoint, None, "off by default");
+        let a = Args::try_parse_from([
+            "moor-controller",
+            "--node-id",
+            "n1",
+            "--http-endpoint",
+            "0.0.0.0:9809",
+        ])
+        .unwrap();
+        assert_eq!(a.http_endpoint.as_deref(), Some("0.0.0.0:9809"));
         assert!(Args::try_parse_from(["moor-controller", "--log-format", "xml"]).is_err());
     }
 }

@@ -585,7 +585,7 @@ fn workload(
             .or_default()
             .extend(sa_needs);
     }
-    probes(&pod, p);
+    probes(&pod, ctx, p);
     let (endpoint_container, binary) = match moor[..] {
         [(bin, c)] => (c, bin),
         _ => {
@@ -800,15 +800,21 @@ fn sidecar(c: &Value, s: &Sidecar, args: &[String], p: &mut Vec<String>) {
     }
 }
 
-/// Where an HTTP endpoint flag makes a container listen: (host, port).
-fn listens(c: &Value) -> Vec<(String, u16)> {
+/// Where an HTTP endpoint flag makes a container listen: (host, port). A moor binary binds
+/// `--http-endpoint=:port` to loopback; the sidecars (Go) bind every interface.
+fn listens(c: &Value, ctx: &Context) -> Vec<(String, u16)> {
     let args = strs(c.get("args"));
     let mut out = Vec::new();
     if let Some(ep) = arg_value(&args, "http-endpoint")
         && let Some((host, port)) = ep.rsplit_once(':')
         && let Ok(port) = port.parse()
     {
-        out.push((host.trim_matches(['[', ']']).to_owned(), port));
+        let host = if host.is_empty() && moor_binary(c, ctx).is_some() {
+            "127.0.0.1"
+        } else {
+            host.trim_matches(['[', ']'])
+        };
+        out.push((host.to_owned(), port));
     }
     if let Some(port) = arg_value(&args, "health-port").and_then(|p| p.parse().ok()) {
         out.push((String::new(), port));
@@ -820,11 +826,11 @@ fn is_loopback(host: &str) -> bool {
     matches!(host, "127.0.0.1" | "localhost" | "::1")
 }
 
-fn probes(pod: &Pod<'_>, p: &mut Vec<String>) {
+fn probes(pod: &Pod<'_>, ctx: &Context, p: &mut Vec<String>) {
     let mut servers: BTreeMap<u16, (String, &str)> = BTreeMap::new();
     for c in pod.containers {
         let cname = c.get("name").and_then(Value::as_str).unwrap_or("?");
-        for (host, port) in listens(c) {
+        for (host, port) in listens(c, ctx) {
             if pod.host_network() && !is_loopback(&host) {
                 p.push(format!(
                     "container {cname} listens on every interface of the node (hostNetwork) at \
@@ -962,6 +968,15 @@ fn node_pod(
             if pod.host_path(c, dir) != Some(registry.as_str()) {
                 p.push(format!(
                     "moor-node --registration-dir={dir} must be the host's {registry}"
+                ));
+            }
+            // kubelet dials the path moor-node announces: the socket's path on the host.
+            let want = format!("{plugin_dir}/{socket_file}");
+            let announced = flag("kubelet-registration-path").unwrap_or_else(|| socket.to_owned());
+            if announced != want {
+                p.push(format!(
+                    "moor-node announces {announced} to the kubelet: \
+                     --kubelet-registration-path must be {want}"
                 ));
             }
         }

@@ -81,32 +81,7 @@ pub struct ComingFlag {
 /// tests print a note that the entry is stale). Only the optional overlays may use a flag that
 /// is still coming: the default overlay (`overlays/registrar`) must run with today's binaries,
 /// and a test enforces it.
-pub const COMING_FLAGS: &[ComingFlag] = &[
-    // Built-in kubelet plugin registration (overlays/builtin-registration).
-    ComingFlag {
-        binary: "moor-node",
-        name: "registration-dir",
-        arity: Arity::Value,
-    },
-    // moor-node's own HTTP endpoint (health, metrics). Not used by the manifests yet.
-    ComingFlag {
-        binary: "moor-node",
-        name: "http-endpoint",
-        arity: Arity::Value,
-    },
-    // Period of the node's reconciliation of its journal with the mounts. Not used yet.
-    ComingFlag {
-        binary: "moor-node",
-        name: "reconcile-interval",
-        arity: Arity::Value,
-    },
-    // moor-controller's own HTTP endpoint (health, metrics). Not used by the manifests yet.
-    ComingFlag {
-        binary: "moor-controller",
-        name: "http-endpoint",
-        arity: Arity::Value,
-    },
-];
+pub const COMING_FLAGS: &[ComingFlag] = &[];
 
 impl Cli {
     /// Adds the [`COMING_FLAGS`] of this binary that its source does not define yet.

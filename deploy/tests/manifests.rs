@@ -210,7 +210,9 @@ fn base_objects_are_as_specified() {
             "--state-dir=/var/lib/moor",
             "--kubelet-dir=/var/lib/kubelet",
             "--log-format=json",
-            "--shutdown-grace=20"
+            "--shutdown-grace=20",
+            "--reconcile-interval=60",
+            "--http-endpoint=127.0.0.1:9809"
         ])
     );
     assert_eq!(node["livenessProbe"]["httpGet"]["path"], "/healthz");
@@ -303,12 +305,15 @@ fn overlays_change_only_what_they_say() {
     pod["containers"]
         .as_array_mut()
         .unwrap()
-        .retain(|c| c["name"] != "node-driver-registrar");
+        .retain(|c| c["name"] != "node-driver-registrar" && c["name"] != "liveness-probe");
     let node = container_mut(ds, "moor-node");
-    node["args"]
-        .as_array_mut()
-        .unwrap()
-        .push(json!("--registration-dir=/registration"));
+    let args = node["args"].as_array_mut().unwrap();
+    args.push(json!("--registration-dir=/registration"));
+    args.push(json!(
+        "--kubelet-registration-path=/var/lib/kubelet/plugins/moor.csi.io/csi.sock"
+    ));
+    node["ports"].as_array_mut().unwrap().remove(0);
+    node["livenessProbe"]["httpGet"]["port"] = json!("http");
     node["volumeMounts"]
         .as_array_mut()
         .unwrap()
@@ -661,6 +666,33 @@ fn checks_catch_broken_manifests() {
         "the driver would register twice",
     );
     expect_problem(
+        "built-in registration announcing the container's socket path",
+        |r| {
+            node_pod(r)["containers"]
+                .as_array_mut()
+                .unwrap()
+                .retain(|c| c["name"] != "node-driver-registrar");
+            let ds = find_mut(r, "DaemonSet", "moor-node");
+            container_mut(ds, "moor-node")["args"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!("--registration-dir=/registration"));
+        },
+        "--kubelet-registration-path must be /var/lib/kubelet/plugins/moor.csi.io/csi.sock",
+    );
+    expect_problem(
+        "moor-node's http endpoint on every interface of the host network",
+        |r| {
+            let ds = find_mut(r, "DaemonSet", "moor-node");
+            let args = container_mut(ds, "moor-node")["args"]
+                .as_array_mut()
+                .unwrap();
+            args.retain(|a| !a.as_str().unwrap().starts_with("--http-endpoint"));
+            args.push(json!("--http-endpoint=0.0.0.0:9809"));
+        },
+        "container moor-node listens on every interface of the node (hostNetwork) at port 9809",
+    );
+    expect_problem(
         "no registration",
         |r| {
             node_pod(r)["containers"]
@@ -691,9 +723,9 @@ fn checks_catch_broken_manifests() {
         "probe port nobody serves",
         |r| {
             let dep = find_mut(r, "Deployment", "moor-controller");
-            container_mut(dep, "moor-controller")["ports"][0]["containerPort"] = json!(9809);
+            container_mut(dep, "moor-controller")["ports"][0]["containerPort"] = json!(9810);
         },
-        "probes port 9809, which nothing in the pod serves",
+        "probes port 9810, which nothing in the pod serves",
     );
     expect_problem(
         "undefined env var",
