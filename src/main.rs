@@ -131,6 +131,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         max_volumes: args.max_volumes,
         mkfs_deadline: Duration::from_secs(args.tool_timeout),
         resize_deadline: Duration::from_secs(args.tool_timeout),
+        ..EngineConfig::default()
     };
     let engine = Arc::new(Engine::new(Arc::clone(&os), journal, cfg));
     let identity = IdentityService::new(info.clone(), Arc::clone(&os));

@@ -27,6 +27,7 @@ use super::{
     Atime, BindMount, BlockDevice, FsMount, FsUsage, MountAttrs, MountPoint, MountState, Os,
     SysError, SysResult, ToolError, ToolRun, is_corruption_errno,
 };
+use crate::discovery::{self, DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
 
 /// `STATX_MNT_ID_UNIQUE` (Linux 6.8): a mount id that is never reused.
 const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
@@ -421,6 +422,18 @@ impl Os for Linux {
 
     fn has_program(&self, program: &str) -> bool {
         find_program(program).is_some()
+    }
+
+    fn identify(&self, rdev: (u32, u32), want: &DeviceIdentity) -> Verdict {
+        discovery::identify_with_udev(rdev, want)
+    }
+
+    fn find_device(
+        &self,
+        want: &DeviceIdentity,
+        wait: Duration,
+    ) -> Result<FoundDevice, DiscoveryError> {
+        discovery::find_with_udev(want, wait)
     }
 
     fn loop_backing_file(&self, rdev: (u32, u32)) -> Option<PathBuf> {
