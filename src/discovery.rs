@@ -118,7 +118,7 @@ impl fmt::Display for DeviceFacts {
         let mut parts = Vec::new();
         if let Some(b) = &self.backing_file {
             let deleted = if b.deleted { " (deleted)" } else { "" };
-            parts.push(format!("backing file {}{deleted}", b.path.display()));
+            parts.push(format!("backed by {}{deleted}", b.path.display()));
         }
         if let Some(s) = self.serials.first() {
             parts.push(format!("serial {s:?}"));
