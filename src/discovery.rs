@@ -17,6 +17,8 @@ use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::sys::loopinfo;
+
 /// How long NodeStageVolume waits for a device to appear, unless configured otherwise.
 pub const DEFAULT_DISCOVERY_DEADLINE: Duration = Duration::from_secs(60);
 
@@ -344,6 +346,37 @@ fn facts_of(dev: &udev::Device) -> Option<(FoundDevice, DeviceFacts)> {
     Some((FoundDevice { path, rdev }, facts))
 }
 
+/// For a loop device that matches by its backing file's name: whether it reads the very file
+/// now at that path. A file unlinked and recreated under the same name is marked "(deleted)"
+/// by the kernel already; this also catches what the name alone cannot (a file renamed over).
+/// When the filesystem reports another device for the path than for the open file (overlay
+/// filesystems), the inode numbers are not comparable and the name decides.
+fn confirm_inode(found: &FoundDevice, want: &DeviceIdentity) -> Verdict {
+    let Some(want_file) = &want.backing_file else {
+        return Verdict::Match;
+    };
+    match (
+        loopinfo::backing_inode(&found.path),
+        loopinfo::file_inode(want_file),
+    ) {
+        (Ok(got), Ok(now)) if got.dev == now.dev && got.ino != now.ino => Verdict::Other(format!(
+            "backed by an earlier file named {} (inode {}; the file there now is inode {})",
+            want_file.display(),
+            got.ino,
+            now.ino
+        )),
+        _ => Verdict::Match,
+    }
+}
+
+/// The full check of a real device: its facts, then (for a loop device) its backing inode.
+fn check(found: &FoundDevice, facts: &DeviceFacts, want: &DeviceIdentity) -> Verdict {
+    match verdict(want, facts) {
+        Verdict::Match => confirm_inode(found, want),
+        other => other,
+    }
+}
+
 /// Compares the block device `rdev` with `want`, through udev and sysfs.
 pub fn identify_with_udev(rdev: (u32, u32), want: &DeviceIdentity) -> Verdict {
     let num = rustix::fs::makedev(rdev.0, rdev.1);
@@ -351,7 +384,7 @@ pub fn identify_with_udev(rdev: (u32, u32), want: &DeviceIdentity) -> Verdict {
         return Verdict::Unknown;
     };
     match facts_of(&dev) {
-        Some((_, facts)) => verdict(&canonical_identity(want), &facts),
+        Some((found, facts)) => check(&found, &facts, &canonical_identity(want)),
         None => Verdict::Other("not a whole block disk".into()),
     }
 }
@@ -364,7 +397,7 @@ fn scan(want: &DeviceIdentity) -> Result<Option<FoundDevice>, DiscoveryError> {
     let devices = en.scan_devices().map_err(DiscoveryError::Enumerate)?;
     for dev in devices {
         if let Some((found, facts)) = facts_of(&dev)
-            && verdict(want, &facts) == Verdict::Match
+            && check(&found, &facts, want) == Verdict::Match
         {
             return Ok(Some(found));
         }
@@ -455,7 +488,7 @@ pub fn find_with_udev(
                 continue;
             }
             if let Some((found, facts)) = facts_of(&event.device())
-                && verdict(&want, &facts) == Verdict::Match
+                && check(&found, &facts, &want) == Verdict::Match
             {
                 return Ok(found);
             }

@@ -16,6 +16,7 @@ use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::Journal;
 use moor_node::service::{NodeService, PluginInfo};
 use moor_node::sys::linux::Linux;
+use moor_node::sys::loopinfo;
 use moor_privileged::{Sandbox, is_mount_point, read_at};
 use moor_proto::csi::v1 as csi;
 use moor_proto::csi::v1::node_server::Node as _;
@@ -419,4 +420,17 @@ fn a_device_that_never_appears_is_deadline_exceeded() {
     assert_eq!(err.code(), Code::DeadlineExceeded, "{}", err.message());
     assert!(err.message().contains("never.img"), "{}", err.message());
     assert!(!is_mount_point(&staging));
+}
+
+#[test]
+fn a_loop_device_reports_the_inode_it_reads() {
+    let _one = one_at_a_time();
+    let sb = Sandbox::new("disc-inode");
+    let a = sparse_file(&sb, "ino-a.img", 16 * MIB);
+    let b = sparse_file(&sb, "ino-b.img", 16 * MIB);
+    let dev = attach(&a, None).expect("attach");
+    let got = loopinfo::backing_inode(&dev.0).expect("LOOP_GET_STATUS64");
+    assert_eq!(got, loopinfo::file_inode(&a).expect("stat"));
+    assert_ne!(got, loopinfo::file_inode(&b).expect("stat"));
+    drop(dev);
 }

@@ -8,6 +8,7 @@
 
 pub mod fake;
 pub mod linux;
+pub mod loopinfo;
 pub mod raw;
 
 use std::path::{Path, PathBuf};
