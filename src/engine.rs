@@ -196,6 +196,7 @@ impl<O: Os> Engine<O> {
                     Verdict::Unknown => {}
                 },
                 Err(e) if sys_not_found(&e) => {}
+                // Not a block device, or the OS refused: report it as opening it does.
                 Err(_) => {
                     self.open_device(&req.volume_id, path)?;
                 }
