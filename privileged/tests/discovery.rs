@@ -51,10 +51,75 @@ enum Events {
 }
 
 /// systemd-udevd, started for one test, in its own process group; stopped (the whole group)
-/// and waited for when dropped, and its run dir removed if the test made it.
+/// and waited for when dropped, and what it changed on the node undone: its run dir removed if
+/// the test made it, the links it made under /dev removed, and the owners and modes it gave
+/// device nodes (its `static_node` rules) restored.
 struct Udevd {
     child: Child,
     made_run_dir: bool,
+    dev_before: DevState,
+}
+
+/// Directories of /dev where udevd makes links.
+const UDEV_LINK_DIRS: [&str; 3] = ["/dev/disk", "/dev/block", "/dev/char"];
+
+/// What udevd may change in /dev: the owner and mode of the nodes directly in it, and every
+/// path below its link dirs.
+struct DevState {
+    nodes: HashMap<PathBuf, (u32, u32, u32)>,
+    links: std::collections::BTreeSet<PathBuf>,
+}
+
+impl DevState {
+    fn read() -> Self {
+        use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
+        let mut nodes = HashMap::new();
+        for e in std::fs::read_dir("/dev").into_iter().flatten().flatten() {
+            if let Ok(m) = std::fs::symlink_metadata(e.path())
+                && (m.file_type().is_char_device() || m.file_type().is_block_device())
+            {
+                nodes.insert(e.path(), (m.mode() & 0o7777, m.uid(), m.gid()));
+            }
+        }
+        let mut links = std::collections::BTreeSet::new();
+        for dir in UDEV_LINK_DIRS {
+            walk(Path::new(dir), &mut links);
+        }
+        Self { nodes, links }
+    }
+
+    /// Undoes what changed since `self` was read.
+    fn restore(&self) {
+        let now = Self::read();
+        for (path, (mode, uid, gid)) in &self.nodes {
+            if now.nodes.get(path) != Some(&(*mode, *uid, *gid)) {
+                let _ = std::os::unix::fs::chown(path, Some(*uid), Some(*gid));
+                let _ = std::fs::set_permissions(
+                    path,
+                    std::os::unix::fs::PermissionsExt::from_mode(*mode),
+                );
+            }
+        }
+        // Deepest first, so a dir goes after what it holds.
+        for path in now.links.iter().rev() {
+            if !self.links.contains(path) {
+                let _ = std::fs::remove_file(path).or_else(|_| std::fs::remove_dir(path));
+            }
+        }
+    }
+}
+
+/// Every path below `dir`, and `dir` itself if it exists (symlinks not followed).
+fn walk(dir: &Path, out: &mut std::collections::BTreeSet<PathBuf>) {
+    let Ok(m) = std::fs::symlink_metadata(dir) else {
+        return;
+    };
+    out.insert(dir.to_path_buf());
+    if m.is_dir() {
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            walk(&e.path(), out);
+        }
+    }
 }
 
 impl Udevd {
@@ -71,6 +136,7 @@ impl Udevd {
         .find(|p| Path::new(p).exists())
         .expect("systemd-udevd is installed (package udev)");
         let made_run_dir = !Path::new("/run/udev").exists();
+        let dev_before = DevState::read();
         let child = Command::new(program)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -81,6 +147,7 @@ impl Udevd {
         let mut udevd = Self {
             child,
             made_run_dir,
+            dev_before,
         };
         // Wait for its control socket to accept connections (a condition, not a time).
         for _ in 0..3000 {
@@ -106,6 +173,7 @@ impl Drop for Udevd {
         if self.made_run_dir {
             let _ = std::fs::remove_dir_all("/run/udev");
         }
+        self.dev_before.restore();
     }
 }
 
