@@ -354,7 +354,9 @@ async fn filesystem_life(c: &mut Cluster, sb: &Sandbox) {
     let restored = c
         .create("e2e-fs-restored", 512 * MIB, &cap, Some(source))
         .await;
-    let ctx2 = c.attach(&restored, &cap).await;
+    let mut ctx2 = c.attach(&restored, &cap).await;
+    // No path hint at all: the node finds the device by its identity alone.
+    ctx2.remove("devicePath");
     let staging2 = sb.staging("pv-fs-restored");
     let target2 = sb.target("pod-e2e", "pv-fs-restored");
     c.stage(&restored, ctx2, &cap, &staging2).await;

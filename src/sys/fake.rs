@@ -519,10 +519,6 @@ impl Os for FakeOs {
         !self.lock().missing_programs.contains(program)
     }
 
-    fn loop_backing_file(&self, rdev: (u32, u32)) -> Option<PathBuf> {
-        self.lock().backing.get(&rdev).cloned()
-    }
-
     fn identify(&self, rdev: (u32, u32), want: &DeviceIdentity) -> Verdict {
         discovery::verdict(want, &Self::facts(&self.lock(), rdev))
     }

@@ -435,15 +435,6 @@ impl Os for Linux {
     ) -> Result<FoundDevice, DiscoveryError> {
         discovery::find_with_udev(want, wait)
     }
-
-    fn loop_backing_file(&self, rdev: (u32, u32)) -> Option<PathBuf> {
-        let sys = format!("/sys/dev/block/{}:{}/loop/backing_file", rdev.0, rdev.1);
-        let text = std::fs::read_to_string(sys).ok()?;
-        let text = text.trim_end_matches('\n');
-        Some(PathBuf::from(
-            text.strip_suffix(" (deleted)").unwrap_or(text),
-        ))
-    }
 }
 
 /// Finds `program` on `$PATH` or in the usual sbin/bin dirs.

@@ -265,8 +265,6 @@ pub trait Os: Send + Sync + 'static {
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError>;
     /// Whether a program is on the PATH.
     fn has_program(&self, program: &str) -> bool;
-    /// For a loop device, the file behind it (sysfs `loop/backing_file`); None otherwise.
-    fn loop_backing_file(&self, rdev: (u32, u32)) -> Option<PathBuf>;
     /// Compares the block device `rdev` with a volume's identity (a loop device's backing
     /// file, a disk's serial or WWN).
     fn identify(&self, rdev: (u32, u32), want: &DeviceIdentity) -> Verdict;
