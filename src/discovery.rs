@@ -347,10 +347,10 @@ fn facts_of(dev: &udev::Device) -> Option<(FoundDevice, DeviceFacts)> {
 }
 
 /// For a loop device that matches by its backing file's name: whether it reads the very file
-/// now at that path. A file unlinked and recreated under the same name is marked "(deleted)"
-/// by the kernel already; this also catches what the name alone cannot (a file renamed over).
-/// When the filesystem reports another device for the path than for the open file (overlay
-/// filesystems), the inode numbers are not comparable and the name decides.
+/// now at that path, by inode, so the identity does not rest on the name the kernel renders
+/// alone (a file recreated under the volume's name is another volume's data, whatever the name
+/// says). When the filesystem reports another device for the path than for the open file
+/// (overlay filesystems), the inode numbers are not comparable and the name decides.
 fn confirm_inode(found: &FoundDevice, want: &DeviceIdentity) -> Verdict {
     let Some(want_file) = &want.backing_file else {
         return Verdict::Match;
