@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 
+use crate::discovery::{DEFAULT_DISCOVERY_DEADLINE, DiscoveryError, Verdict};
 use crate::error::{Error, Result};
 use crate::fault;
 use crate::guard::VolumeLocks;
@@ -44,6 +45,8 @@ pub struct EngineConfig {
     pub mkfs_deadline: Duration,
     /// Deadline for resize tools.
     pub resize_deadline: Duration,
+    /// How long NodeStageVolume waits for the volume's device to appear.
+    pub discovery_deadline: Duration,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +56,7 @@ impl Default for EngineConfig {
             max_volumes: 0,
             mkfs_deadline: Duration::from_secs(600),
             resize_deadline: Duration::from_secs(600),
+            discovery_deadline: DEFAULT_DISCOVERY_DEADLINE,
         }
     }
 }
@@ -171,6 +175,70 @@ impl<O: Os> Engine<O> {
                 Error::Sys(e)
             }
         })
+    }
+
+    /// Finds the volume's device for NodeStageVolume and checks its identity before use.
+    ///
+    /// devicePath is a hint, taken only when the device there is the volume's; otherwise the
+    /// device is searched for by identity, waiting for it to appear up to the discovery
+    /// deadline. A hint that is another volume's device (a reused loop number, a stale link)
+    /// is refused unless the volume's own device is attached elsewhere right now.
+    fn resolve_device(&self, req: &validate::Stage) -> Result<(PathBuf, BlockDevice)> {
+        let want = &req.identity;
+        let hint = req.device.as_deref();
+        if want.is_empty() {
+            // Nothing to check the device against: the path is all the controller gave.
+            let path = hint.ok_or_else(|| {
+                Error::invalid("publish_context", "names neither a device nor its identity")
+            })?;
+            return Ok((path.to_path_buf(), self.open_device(&req.volume_id, path)?));
+        }
+        let mut conflict = None;
+        if let Some(path) = hint {
+            match self.os.block_device(path) {
+                Ok(dev) => match self.os.identify(dev.rdev, want) {
+                    Verdict::Match => return Ok((path.to_path_buf(), dev)),
+                    Verdict::Other(got) => conflict = Some(format!("{} is {got}", path.display())),
+                    Verdict::Unknown => {}
+                },
+                Err(e) if sys_not_found(&e) => {}
+                // Not a block device, or the OS refused: report it as opening it does.
+                Err(_) => {
+                    self.open_device(&req.volume_id, path)?;
+                }
+            }
+        }
+        // With a conflicting hint, only a device attached now may stand in for it.
+        let wait = if conflict.is_some() {
+            Duration::ZERO
+        } else {
+            self.cfg.discovery_deadline
+        };
+        let found = match (self.os.find_device(want, wait), conflict) {
+            (Ok(found), _) => found,
+            (Err(DiscoveryError::NotPresent { .. }), Some(conflict)) => {
+                return Err(Error::FailedPrecondition(format!(
+                    "volume {:?} is the device with {want}, but {conflict}: refusing to use it",
+                    req.volume_id
+                )));
+            }
+            (Err(e), _) => return Err(e.into()),
+        };
+        // Identity before use: the device may have changed since it was seen.
+        let dev = self.open_device(&req.volume_id, &found.path)?;
+        match self.os.identify(dev.rdev, want) {
+            Verdict::Match => Ok((found.path, dev)),
+            Verdict::Other(got) => Err(Error::FailedPrecondition(format!(
+                "volume {:?} is the device with {want}, but {} is now {got}: refusing to use it",
+                req.volume_id,
+                found.path.display()
+            ))),
+            Verdict::Unknown => Err(Error::FailedPrecondition(format!(
+                "volume {:?}: {} lost its identity ({want}) while being opened",
+                req.volume_id,
+                found.path.display()
+            ))),
+        }
     }
 
     /// Unmounts everything stacked on `path` that `is_ours` accepts, and a corrupted mount.
@@ -303,21 +371,7 @@ impl<O: Os> Engine<O> {
             return Err(Error::TooManyVolumes(self.cfg.max_volumes));
         }
 
-        let device = self.open_device(&req.volume_id, &req.device)?;
-        if let Some(want) = &req.backing_file {
-            // Identity before use: a reused loop number or a stale link must never be
-            // formatted or mounted as this volume.
-            let got = self.os.loop_backing_file(device.rdev);
-            if got.as_ref() != Some(want) {
-                return Err(Error::FailedPrecondition(format!(
-                    "device {} is backed by {}, not {}: it is not volume {:?}",
-                    req.device.display(),
-                    got.map_or_else(|| "nothing".to_string(), |g| g.display().to_string()),
-                    want.display(),
-                    req.volume_id
-                )));
-            }
-        }
+        let (device_path, device) = self.resolve_device(req)?;
         if let Some(st) = &record.stage
             && st.rdev != device.rdev
             && st.phase == Phase::Done
@@ -327,7 +381,7 @@ impl<O: Os> Engine<O> {
                 req.volume_id,
                 st.rdev.0,
                 st.rdev.1,
-                req.device.display(),
+                device_path.display(),
                 device.rdev.0,
                 device.rdev.1
             )));
@@ -350,7 +404,7 @@ impl<O: Os> Engine<O> {
                         ));
                 if ours && !req.cap.access.is_block() {
                     // Already staged (a retry, or a crash after the mount): confirm.
-                    self.confirm_stage(&mut record, req, device, attrs, access)?;
+                    self.confirm_stage(&mut record, req, (&device_path, device), attrs, access)?;
                     return Ok(report);
                 }
                 return Err(Error::Incompatible {
@@ -372,11 +426,11 @@ impl<O: Os> Engine<O> {
 
         let Access::Mount { fs, options, group } = &req.cap.access else {
             // Block: the device is verified; nothing is mounted at stage.
-            self.confirm_stage(&mut record, req, device, attrs, access)?;
+            self.confirm_stage(&mut record, req, (&device_path, device), attrs, access)?;
             return Ok(report);
         };
 
-        let mut content = self.probe_device(&req.device, device.size)?;
+        let mut content = self.probe_device(&device_path, device.size)?;
         // Format a blank device; and resume moor's own mkfs that a crash cut short (the journal
         // says it was formatting this device), over its partial work only.
         let format = match &content {
@@ -388,7 +442,7 @@ impl<O: Os> Engine<O> {
         if format {
             record.stage = Some(StageRecord {
                 path: req.staging.clone(),
-                device: req.device.clone(),
+                device: device_path.clone(),
                 rdev: device.rdev,
                 access: access.clone(),
                 attrs,
@@ -397,10 +451,10 @@ impl<O: Os> Engine<O> {
             });
             self.journal.put(&record, Durability::Power)?;
             fault::point("stage.formatting");
-            report.mkfs = Some(self.mkfs(*fs, &req.device, resume_format)?);
+            report.mkfs = Some(self.mkfs(*fs, &device_path, resume_format)?);
             fault::point("stage.formatted");
             report.formatted = true;
-            content = self.probe_device(&req.device, device.size)?;
+            content = self.probe_device(&device_path, device.size)?;
         }
         match &content {
             Content::Filesystem { fs: found, .. } if compatible(*found, *fs) => {}
@@ -416,7 +470,7 @@ impl<O: Os> Engine<O> {
                     )?;
                 }
                 return Err(Error::DeviceNotBlank {
-                    device: req.device.display().to_string(),
+                    device: device_path.display().to_string(),
                     content: other.describe(),
                     fs_type: fs.name().to_string(),
                 });
@@ -425,7 +479,7 @@ impl<O: Os> Engine<O> {
 
         record.stage = Some(StageRecord {
             path: req.staging.clone(),
-            device: req.device.clone(),
+            device: device_path.clone(),
             rdev: device.rdev,
             access: access.clone(),
             attrs,
@@ -436,7 +490,7 @@ impl<O: Os> Engine<O> {
         fault::point("stage.mounting");
         let start = Instant::now();
         let mounted = self.os.mount_fs(&FsMount {
-            device: req.device.clone(),
+            device: device_path.clone(),
             target: req.staging.clone(),
             fs_type: fs.name().to_string(),
             attrs,
@@ -466,7 +520,7 @@ impl<O: Os> Engine<O> {
         })();
         match after {
             Ok(_) => {
-                self.confirm_stage(&mut record, req, device, attrs, access)?;
+                self.confirm_stage(&mut record, req, (&device_path, device), attrs, access)?;
                 fault::point("stage.done");
                 Ok(report)
             }
@@ -492,13 +546,13 @@ impl<O: Os> Engine<O> {
         &self,
         record: &mut VolumeRecord,
         req: &validate::Stage,
-        device: BlockDevice,
+        (device_path, device): (&Path, BlockDevice),
         attrs: MountAttrs,
         access: AccessRecord,
     ) -> Result<()> {
         record.stage = Some(StageRecord {
             path: req.staging.clone(),
-            device: req.device.clone(),
+            device: device_path.to_path_buf(),
             rdev: device.rdev,
             access,
             attrs,

@@ -5,6 +5,7 @@
 
 use tonic::{Code, Status};
 
+use crate::discovery::DiscoveryError;
 use crate::journal::JournalError;
 use crate::mount_options::OptionError;
 use crate::sys::{SysError, ToolError};
@@ -78,6 +79,9 @@ pub enum Error {
     /// The node's own records could not be written.
     #[error("node journal: {0}")]
     Journal(#[from] JournalError),
+    /// The volume's device could not be found by its identity.
+    #[error(transparent)]
+    Discovery(#[from] DiscoveryError),
 }
 
 impl From<ToolError> for Error {
@@ -111,6 +115,14 @@ impl Error {
             Error::Unavailable(_) => Code::Unavailable,
             Error::ToolTimeout(_) => Code::DeadlineExceeded,
             Error::Sys(_) | Error::Tool(_) | Error::Journal(_) => Code::Internal,
+            Error::Discovery(e) => match e {
+                DiscoveryError::Deadline { .. } => Code::DeadlineExceeded,
+                DiscoveryError::NoEventSource { .. } | DiscoveryError::Enumerate(_) => {
+                    Code::Unavailable
+                }
+                DiscoveryError::NotPresent { .. } => Code::NotFound,
+                DiscoveryError::Poll(_) => Code::Internal,
+            },
         }
     }
 }

@@ -4,6 +4,7 @@
 //! * [`validate`] turns CSI requests into typed, checked requests;
 //! * [`engine`] carries out the Node RPCs' semantics over the OS ([`sys`]) and the node
 //!   journal ([`journal`]), one operation per volume at a time ([`guard`]);
+//! * [`discovery`] finds a volume's block device by identity, through udev;
 //! * [`probe`] reads superblocks to tell a blank device from one that holds data;
 //! * [`mount_options`] decides which mount flags reach the kernel;
 //! * [`mountinfo`] parses the mount table where statx/statmount cannot answer;
@@ -11,6 +12,7 @@
 //! * [`registration`] registers the plugin with kubelet, [`http`] serves `/healthz` and
 //!   `/metrics`, and [`metrics`] keeps the Prometheus metrics.
 
+pub mod discovery;
 pub mod engine;
 pub mod error;
 pub mod fault;

@@ -68,6 +68,10 @@ struct Args {
     /// pass always runs at start. 0: only at start.
     #[arg(long, default_value_t = 60)]
     reconcile_interval: u64,
+    /// How long NodeStageVolume waits, in seconds, for a volume's device to appear (found by
+    /// its identity through udev) before answering DEADLINE_EXCEEDED.
+    #[arg(long, env = "MOOR_DEVICE_WAIT", default_value_t = 60)]
+    device_wait: u64,
     /// kubelet's plugin registration dir (e.g. /var/lib/kubelet/plugins_registry): serve
     /// kubelet's registration API on <driver-name>-reg.sock there. Default: off (use the
     /// node-driver-registrar sidecar).
@@ -200,6 +204,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         max_volumes: args.max_volumes,
         mkfs_deadline: Duration::from_secs(args.tool_timeout),
         resize_deadline: Duration::from_secs(args.tool_timeout),
+        discovery_deadline: Duration::from_secs(args.device_wait),
     };
     let engine = Arc::new(Engine::new(Arc::clone(&os), journal, cfg));
     // Before serving: finish or roll back what a crash cut short, clean what is corrupted.

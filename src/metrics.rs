@@ -584,8 +584,20 @@ impl<O: Os> Os for MeteredOs<O> {
         self.inner.has_program(program)
     }
 
-    fn loop_backing_file(&self, rdev: (u32, u32)) -> Option<std::path::PathBuf> {
-        self.inner.loop_backing_file(rdev)
+    fn identify(
+        &self,
+        rdev: (u32, u32),
+        want: &crate::discovery::DeviceIdentity,
+    ) -> crate::discovery::Verdict {
+        self.inner.identify(rdev, want)
+    }
+
+    fn find_device(
+        &self,
+        want: &crate::discovery::DeviceIdentity,
+        wait: std::time::Duration,
+    ) -> Result<crate::discovery::FoundDevice, crate::discovery::DiscoveryError> {
+        self.inner.find_device(want, wait)
     }
 }
 

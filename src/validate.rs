@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use csi::volume_capability::{AccessType, access_mode::Mode};
 use moor_proto::csi::v1 as csi;
 
+use crate::discovery::DeviceIdentity;
 use crate::error::{Error, Result};
 use crate::mount_options::{self, Filesystem, MountOptions};
 use crate::sys::MountAttrs;
@@ -27,6 +28,14 @@ pub const DEVICE_PATH_KEY: &str = "devicePath";
 /// The publish_context key naming the file behind a loop device (the embedded backend's
 /// identity of the volume): the node refuses a device backed by anything else.
 pub const BACKING_FILE_KEY: &str = "backingFile";
+/// The publish_context key giving the disk's serial number (udev `ID_SERIAL` or
+/// `ID_SERIAL_SHORT`, sysfs `serial`): a cloud backend's identity of the volume.
+pub const DEVICE_SERIAL_KEY: &str = "deviceSerial";
+/// The publish_context key giving the disk's World Wide Name (udev `ID_WWN`, sysfs `wwid`;
+/// `0x`/`naa.`/`eui.` prefixes and case do not matter).
+pub const DEVICE_WWN_KEY: &str = "deviceWWN";
+/// Longest serial number or WWN accepted.
+pub const MAX_DEVICE_ID_LEN: usize = 256;
 /// Filesystem used when the capability names none.
 pub const DEFAULT_FS: Filesystem = Filesystem::Ext4;
 
@@ -88,10 +97,11 @@ impl Capability {
 pub struct Stage {
     /// Volume id.
     pub volume_id: String,
-    /// The device the controller attached.
-    pub device: PathBuf,
-    /// The file that must be behind the device, when the controller names one.
-    pub backing_file: Option<PathBuf>,
+    /// The device the controller attached, as a hint: used only if its identity matches.
+    pub device: Option<PathBuf>,
+    /// What the device must be (backing file, serial, WWN); empty when the controller names
+    /// only a path.
+    pub identity: DeviceIdentity,
     /// staging_target_path.
     pub staging: PathBuf,
     /// Capability.
@@ -322,30 +332,76 @@ pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<St
     let cap = capability(req.volume_capability.as_ref())?;
     map_size("publish_context", &req.publish_context)?;
     map_size("volume_context", &req.volume_context)?;
-    let raw = req.publish_context.get(DEVICE_PATH_KEY).ok_or_else(|| {
-        Error::invalid(
-            "publish_context",
-            format!("{DEVICE_PATH_KEY:?} must be set"),
-        )
-    })?;
-    let device = clean_absolute("publish_context.devicePath", raw)?;
-    if !device.starts_with("/dev") || device.starts_with(kubelet_dir) {
-        return Err(Error::invalid(
-            "publish_context.devicePath",
-            "must name a device under /dev",
-        ));
-    }
-    let backing_file = match req.publish_context.get(BACKING_FILE_KEY) {
-        Some(raw) => Some(clean_absolute("publish_context.backingFile", raw)?),
-        None => None,
-    };
+    let (device, identity) = device_identity(&req.publish_context, kubelet_dir)?;
     Ok(Stage {
         volume_id,
         device,
-        backing_file,
+        identity,
         staging,
         cap,
     })
+}
+
+/// A serial number or WWN from publish_context.
+fn device_id(field: &'static str, raw: &str) -> Result<String> {
+    let v = raw.trim();
+    if v.is_empty() {
+        return Err(Error::invalid(field, "must not be empty"));
+    }
+    if v.len() > MAX_DEVICE_ID_LEN {
+        return Err(Error::invalid(
+            field,
+            format!("longer than {MAX_DEVICE_ID_LEN} bytes"),
+        ));
+    }
+    if v.chars().any(char::is_control) {
+        return Err(Error::invalid(field, "contains control characters"));
+    }
+    Ok(v.to_string())
+}
+
+/// The device hint and identity NodeStageVolume's publish_context gives: at least one of them.
+fn device_identity(
+    ctx: &HashMap<String, String>,
+    kubelet_dir: &Path,
+) -> Result<(Option<PathBuf>, DeviceIdentity)> {
+    let device = match ctx.get(DEVICE_PATH_KEY) {
+        Some(raw) => {
+            let device = clean_absolute("publish_context.devicePath", raw)?;
+            if !device.starts_with("/dev") || device.starts_with(kubelet_dir) {
+                return Err(Error::invalid(
+                    "publish_context.devicePath",
+                    "must name a device under /dev",
+                ));
+            }
+            Some(device)
+        }
+        None => None,
+    };
+    let identity = DeviceIdentity {
+        backing_file: ctx
+            .get(BACKING_FILE_KEY)
+            .map(|raw| clean_absolute("publish_context.backingFile", raw))
+            .transpose()?,
+        serial: ctx
+            .get(DEVICE_SERIAL_KEY)
+            .map(|raw| device_id("publish_context.deviceSerial", raw))
+            .transpose()?,
+        wwn: ctx
+            .get(DEVICE_WWN_KEY)
+            .map(|raw| device_id("publish_context.deviceWWN", raw))
+            .transpose()?,
+    };
+    if device.is_none() && identity.is_empty() {
+        return Err(Error::invalid(
+            "publish_context",
+            format!(
+                "must name the device: {DEVICE_PATH_KEY:?}, or its identity \
+                 ({BACKING_FILE_KEY:?}, {DEVICE_SERIAL_KEY:?} or {DEVICE_WWN_KEY:?})"
+            ),
+        ));
+    }
+    Ok((device, identity))
 }
 
 /// Validates NodeUnstageVolume.

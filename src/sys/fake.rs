@@ -4,11 +4,16 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use super::mount_table::MountEntry;
 use super::{
     BindMount, BlockDevice, FsMount, FsUsage, MountPoint, MountState, Os, SysError, SysResult,
     ToolError, ToolRun,
+};
+use crate::discovery::{
+    self, BackingFile, DeviceFacts, DeviceIdentity, DiscoveryError, EventSource, FoundDevice,
+    Verdict,
 };
 
 /// One call made to the fake, for assertions.
@@ -30,6 +35,8 @@ pub enum Call {
     Tool(String, Vec<String>),
     /// `share_with_group`.
     ShareWithGroup(PathBuf, u32),
+    /// `find_device(identity, wait)`.
+    FindDevice(DeviceIdentity, Duration),
 }
 
 #[derive(Debug, Clone)]
@@ -50,6 +57,15 @@ struct FakeDevice {
     data: BTreeMap<u64, Vec<u8>>,
 }
 
+/// A device that appears while a `find_device` waits (as if announced by an event).
+#[derive(Debug, Clone)]
+struct Arrival {
+    path: PathBuf,
+    rdev: (u32, u32),
+    size: u64,
+    backing: PathBuf,
+}
+
 #[derive(Debug, Default)]
 struct State {
     dirs: BTreeSet<PathBuf>,
@@ -60,6 +76,9 @@ struct State {
     failures: HashMap<&'static str, i32>,
     missing_programs: BTreeSet<String>,
     backing: HashMap<(u32, u32), PathBuf>,
+    deleted_backing: BTreeSet<(u32, u32)>,
+    serials: HashMap<(u32, u32), String>,
+    arrivals: Vec<Arrival>,
     next_mount_id: u64,
     calls: Vec<Call>,
 }
@@ -143,6 +162,57 @@ impl FakeOs {
         self.lock()
             .backing
             .insert(rdev, file.as_ref().to_path_buf());
+    }
+
+    /// Marks the file behind loop device `rdev` as unlinked (the kernel's "(deleted)").
+    pub fn set_backing_file_deleted(&self, rdev: (u32, u32)) {
+        self.lock().deleted_backing.insert(rdev);
+    }
+
+    /// Gives the device `rdev` a serial number.
+    pub fn set_serial(&self, rdev: (u32, u32), serial: &str) {
+        self.lock().serials.insert(rdev, serial.to_string());
+    }
+
+    /// Queues a loop device (`path`, `rdev`, `size` bytes, backed by `backing`) that appears
+    /// only once a `find_device` is waiting, as a device announced by an event does.
+    pub fn attach_on_event(
+        &self,
+        path: impl AsRef<Path>,
+        rdev: (u32, u32),
+        size: u64,
+        backing: impl AsRef<Path>,
+    ) {
+        self.lock().arrivals.push(Arrival {
+            path: path.as_ref().to_path_buf(),
+            rdev,
+            size,
+            backing: backing.as_ref().to_path_buf(),
+        });
+    }
+
+    fn facts(st: &State, rdev: (u32, u32)) -> DeviceFacts {
+        DeviceFacts {
+            backing_file: st.backing.get(&rdev).map(|p| BackingFile {
+                path: p.clone(),
+                deleted: st.deleted_backing.contains(&rdev),
+            }),
+            serials: st.serials.get(&rdev).cloned().into_iter().collect(),
+            wwns: Vec::new(),
+        }
+    }
+
+    fn find_present(st: &State, want: &DeviceIdentity) -> Option<FoundDevice> {
+        let mut devices: Vec<_> = st.devices.iter().collect();
+        devices.sort_by(|a, b| a.0.cmp(b.0));
+        devices.into_iter().find_map(|(path, d)| {
+            (discovery::verdict(want, &Self::facts(st, d.rdev)) == Verdict::Match).then(|| {
+                FoundDevice {
+                    path: path.clone(),
+                    rdev: d.rdev,
+                }
+            })
+        })
     }
 
     /// Pretends a program is not installed.
@@ -474,8 +544,51 @@ impl Os for FakeOs {
         !self.lock().missing_programs.contains(program)
     }
 
-    fn loop_backing_file(&self, rdev: (u32, u32)) -> Option<PathBuf> {
-        self.lock().backing.get(&rdev).cloned()
+    fn identify(&self, rdev: (u32, u32), want: &DeviceIdentity) -> Verdict {
+        discovery::verdict(want, &Self::facts(&self.lock(), rdev))
+    }
+
+    fn find_device(
+        &self,
+        want: &DeviceIdentity,
+        wait: Duration,
+    ) -> Result<FoundDevice, DiscoveryError> {
+        let mut st = self.lock();
+        st.calls.push(Call::FindDevice(want.clone(), wait));
+        if let Some(errno) = st.failures.remove("find_device") {
+            return Err(DiscoveryError::NoEventSource {
+                source_kind: EventSource::Kernel,
+                source: std::io::Error::from_raw_os_error(errno),
+            });
+        }
+        if let Some(found) = Self::find_present(&st, want) {
+            return Ok(found);
+        }
+        if wait.is_zero() {
+            return Err(DiscoveryError::NotPresent {
+                identity: want.to_string(),
+            });
+        }
+        // Each queued arrival is one event received while waiting.
+        for a in std::mem::take(&mut st.arrivals) {
+            st.devices.insert(
+                a.path.clone(),
+                FakeDevice {
+                    rdev: a.rdev,
+                    size: a.size,
+                    data: BTreeMap::new(),
+                },
+            );
+            st.backing.insert(a.rdev, a.backing);
+            if let Some(found) = Self::find_present(&st, want) {
+                return Ok(found);
+            }
+        }
+        Err(DiscoveryError::Deadline {
+            identity: want.to_string(),
+            waited: wait,
+            source_kind: EventSource::Kernel,
+        })
     }
 }
 

@@ -28,6 +28,7 @@ use super::{
     Atime, BindMount, BlockDevice, FsMount, FsUsage, MountAttrs, MountPoint, MountState, Os,
     SysError, SysResult, ToolError, ToolRun, is_corruption_errno,
 };
+use crate::discovery::{self, DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
 
 /// `STATX_MNT_ID_UNIQUE` (Linux 6.8): a mount id that is never reused.
 const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
@@ -434,13 +435,16 @@ impl Os for Linux {
         find_program(program).is_some()
     }
 
-    fn loop_backing_file(&self, rdev: (u32, u32)) -> Option<PathBuf> {
-        let sys = format!("/sys/dev/block/{}:{}/loop/backing_file", rdev.0, rdev.1);
-        let text = std::fs::read_to_string(sys).ok()?;
-        let text = text.trim_end_matches('\n');
-        Some(PathBuf::from(
-            text.strip_suffix(" (deleted)").unwrap_or(text),
-        ))
+    fn identify(&self, rdev: (u32, u32), want: &DeviceIdentity) -> Verdict {
+        discovery::identify_with_udev(rdev, want)
+    }
+
+    fn find_device(
+        &self,
+        want: &DeviceIdentity,
+        wait: Duration,
+    ) -> Result<FoundDevice, DiscoveryError> {
+        discovery::find_with_udev(want, wait)
     }
 }
 

@@ -8,11 +8,14 @@
 
 pub mod fake;
 pub mod linux;
+pub mod loopinfo;
 pub mod mount_table;
 pub mod raw;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use crate::discovery::{DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
 
 /// An error from one step of talking to the OS: which step, on what, and the errno.
 #[derive(Debug, thiserror::Error)]
@@ -265,8 +268,16 @@ pub trait Os: Send + Sync + 'static {
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError>;
     /// Whether a program is on the PATH.
     fn has_program(&self, program: &str) -> bool;
-    /// For a loop device, the file behind it (sysfs `loop/backing_file`); None otherwise.
-    fn loop_backing_file(&self, rdev: (u32, u32)) -> Option<PathBuf>;
+    /// Compares the block device `rdev` with a volume's identity (a loop device's backing
+    /// file, a disk's serial or WWN).
+    fn identify(&self, rdev: (u32, u32), want: &DeviceIdentity) -> Verdict;
+    /// Finds the block device with identity `want`; when it is not attached yet, waits up to
+    /// `wait` for it to appear (zero: look once). Blocks the calling thread.
+    fn find_device(
+        &self,
+        want: &DeviceIdentity,
+        wait: Duration,
+    ) -> Result<FoundDevice, DiscoveryError>;
 }
 
 /// Errnos that mean "a mount is there but broken".
