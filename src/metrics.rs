@@ -435,9 +435,11 @@ where
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let method = method_of(req.uri().path()).to_string();
         let start = Instant::now();
+        let in_flight = InFlightCall::enter();
         let fut = self.inner.call(req);
         Box::pin(async move {
             let r = fut.await;
+            drop(in_flight);
             if let Ok(resp) = &r {
                 let code = response_code(resp.headers());
                 // An unknown method answers UNIMPLEMENTED: one label for all of them.
@@ -451,6 +453,29 @@ where
             r
         })
     }
+}
+
+static IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts a call as in flight until dropped (also when its future is dropped unfinished).
+struct InFlightCall;
+
+impl InFlightCall {
+    fn enter() -> Self {
+        IN_FLIGHT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self
+    }
+}
+
+impl Drop for InFlightCall {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// gRPC calls in flight through [`Metered`] services in this process.
+pub fn calls_in_flight() -> usize {
+    IN_FLIGHT.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 fn result_label<T, E>(r: &Result<T, E>) -> &'static str {

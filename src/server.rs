@@ -86,11 +86,24 @@ pub async fn serve(
     let serving = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), signal);
     let result = tokio::select! {
         r = serving => r.map_err(ServeError::from),
-        () = async {
+        drained = async {
             stopping.notified().await;
-            tokio::time::sleep(grace).await;
+            // Clients such as kubelet keep their connections open for good: once no call is in
+            // flight there is nothing left to wait for.
+            let deadline = tokio::time::Instant::now() + grace;
+            while crate::metrics::calls_in_flight() > 0 {
+                if tokio::time::Instant::now() >= deadline {
+                    return false;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            true
         } => {
-            tracing::warn!(?grace, "in-flight calls or idle connections outlived the grace period");
+            if drained {
+                tracing::info!("no call in flight: stopping");
+            } else {
+                tracing::warn!(?grace, "in-flight calls outlived the grace period");
+            }
             Ok(())
         }
     };
