@@ -135,14 +135,12 @@ pub async fn info(c: &mut Clients, t: Duration) -> Result<Report, CliError> {
             let names: Vec<String> = node_caps
                 .capabilities
                 .iter()
-                .filter_map(|c| match &c.r#type {
-                    Some(csi::node_service_capability::Type::Rpc(r)) => Some(
-                        csi::node_service_capability::rpc::Type::try_from(r.r#type).map_or_else(
-                            |_| format!("UNKNOWN({})", r.r#type),
-                            |x| x.as_str_name().to_string(),
-                        ),
-                    ),
-                    None => None,
+                .filter_map(|c| c.r#type.as_ref())
+                .map(|csi::node_service_capability::Type::Rpc(r)| {
+                    csi::node_service_capability::rpc::Type::try_from(r.r#type).map_or_else(
+                        |_| format!("UNKNOWN({})", r.r#type),
+                        |x| x.as_str_name().to_string(),
+                    )
                 })
                 .collect();
             let topology = ni
@@ -181,14 +179,12 @@ pub async fn info(c: &mut Clients, t: Duration) -> Result<Report, CliError> {
         let names: Vec<String> = caps
             .capabilities
             .iter()
-            .filter_map(|c| match &c.r#type {
-                Some(csi::controller_service_capability::Type::Rpc(r)) => Some(
-                    csi::controller_service_capability::rpc::Type::try_from(r.r#type).map_or_else(
-                        |_| format!("UNKNOWN({})", r.r#type),
-                        |x| x.as_str_name().to_string(),
-                    ),
-                ),
-                None => None,
+            .filter_map(|c| c.r#type.as_ref())
+            .map(|csi::controller_service_capability::Type::Rpc(r)| {
+                csi::controller_service_capability::rpc::Type::try_from(r.r#type).map_or_else(
+                    |_| format!("UNKNOWN({})", r.r#type),
+                    |x| x.as_str_name().to_string(),
+                )
             })
             .collect();
         table.row(vec!["controller capabilities".into(), list_text(&names)]);

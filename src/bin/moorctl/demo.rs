@@ -37,6 +37,8 @@ const HELLO: &str = "hello from moor\n";
 struct Failure {
     step: String,
     reason: String,
+    /// Stopped by a signal rather than by an error.
+    interrupted: bool,
 }
 
 /// Signals received so far.
@@ -78,9 +80,12 @@ impl Ui {
         fut: impl Future<Output = Result<T, String>>,
     ) -> Result<T, Failure> {
         if cancellable && self.interrupts.count() > 0 {
+            let reason = format!("interrupted by {} before this step", self.interrupts.name());
+            println!("  STOP  {name}\n        {reason}");
             return Err(Failure {
                 step: name.to_string(),
-                reason: format!("interrupted by {} before this step", self.interrupts.name()),
+                reason,
+                interrupted: true,
             });
         }
         let start = Instant::now();
@@ -122,9 +127,11 @@ impl Ui {
             Ok(_) => println!("  ok    {name:<62} {ms:>9.1} ms"),
             Err(e) => println!("  FAIL  {name:<62} {ms:>9.1} ms\n        {e}"),
         }
+        let interrupted = cancellable && self.interrupts.count() > 1;
         r.map_err(|reason| Failure {
             step: name.to_string(),
             reason,
+            interrupted,
         })
     }
 }
@@ -876,6 +883,11 @@ fn sweep(root: &Path) -> Vec<String> {
         let _ = rustix::mount::unmount(m.as_path(), rustix::mount::UnmountFlags::DETACH);
         left.push(format!("mount {}", m.display()));
     }
+    // A detached loop device is freed when its last user (udev's probe, say) closes it.
+    let start = Instant::now();
+    while !loops_below(root).is_empty() && start.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     for dev in loops_below(root) {
         let _ = Command::new("losetup")
             .arg("-d")
@@ -915,6 +927,7 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
         Ok(()) if !left.is_empty() => Err(Failure {
             step: "final check".into(),
             reason: format!("the teardown left {} behind (removed now)", left.join(", ")),
+            interrupted: false,
         }),
         other => other,
     };
@@ -947,6 +960,7 @@ async fn demo(
         let mut s = signal(kind).map_err(|e| Failure {
             step: "set up".into(),
             reason: format!("cannot handle signals: {e}"),
+            interrupted: false,
         })?;
         let i = Arc::clone(&interrupts);
         tokio::spawn(async move {
@@ -967,6 +981,7 @@ async fn demo(
         std::fs::create_dir_all(d).map_err(|e| Failure {
             step: "set up".into(),
             reason: format!("{}: {e}", d.display()),
+            interrupted: false,
         })?;
     }
     println!(
@@ -1019,7 +1034,7 @@ async fn demo(
                 made: Made::default(),
             };
             let walked = d.walk(&ui).await;
-            if walked.is_err() {
+            if walked.as_ref().is_err_and(|f| !f.interrupted) {
                 for dm in &daemons {
                     println!("        {} log: {}", dm.name, dm.log_tail(3));
                 }
