@@ -361,6 +361,26 @@ fn moorctl_drives_a_whole_volume_life_against_real_daemons() {
     );
     ok(&strs(&w.node(&["unstage", &id, "--staging", &st])));
     assert!(mounts_under(&w.sb.root).is_empty());
+    // The device holds xfs now: staging it as ext4 is refused, and the error says so.
+    let out = moorctl(&strs(&w.node(&[
+        "stage",
+        &id,
+        "--staging",
+        &st,
+        "--device",
+        &dev,
+        "--fs-type",
+        "ext4",
+    ])));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.starts_with(&format!(
+            "moorctl: NodeStageVolume failed: FAILED_PRECONDITION: device {dev} holds an xfs filesystem"
+        )),
+        "{err}"
+    );
+    assert!(mounts_under(&w.sb.root).is_empty());
     ok(&strs(&w.ctl(&["unpublish", &id, "--node", NODE])));
     ok(&strs(&w.ctl(&["volume", "delete", &id])));
     assert_eq!(

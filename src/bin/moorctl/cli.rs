@@ -14,9 +14,9 @@ Exit codes:
   4  status: at least one volume is not healthy, or a journal record is unreadable
   5  a local failure: the journal or the mount table cannot be read, or a demo step failed";
 
-/// moorctl: talks to moor's CSI sockets, reports what a node has mounted, runs the demo.
+/// moorctl: calls moor's CSI sockets by hand, reports what a node has mounted, runs the demo.
 #[derive(Debug, Parser)]
-#[command(name = "moorctl", version, about, long_about = None, after_help = EXIT_CODES)]
+#[command(name = "moorctl", version, after_help = EXIT_CODES)]
 pub struct Cli {
     /// The CSI socket: a unix:// URL or a plain path (a node's or the controller's).
     #[arg(
@@ -82,12 +82,23 @@ pub enum Command {
     /// Usage and condition of a mounted volume (NodeGetVolumeStats).
     #[command(after_help = EXIT_CODES)]
     Stats(StatsArgs),
-    /// Every volume moor's journal says is staged or published on this node, checked against
-    /// the live mount table and the device (run on the node, as root).
+    /// Checks every volume moor staged or published here against the mount table and device.
+    ///
+    /// Reads moor-node's journal (without changing it) and compares each staged or published
+    /// path with the live mount table and the recorded device. Verdicts: healthy, drifted
+    /// (a recorded mount is missing or from another device, or an operation never finished),
+    /// corrupted (the mount fails with ENOTCONN, ESTALE, EIO...), device-gone (the device
+    /// node is missing, another device, or a detached loop device). Run it on the node, as
+    /// root. Exits 4 when any volume is not healthy.
     #[command(after_help = EXIT_CODES)]
     Status(StatusArgs),
-    /// Starts moor-controller and moor-node in a temporary dir and walks a whole volume life
-    /// (needs root; everything it makes is removed, also on failure or Ctrl-C).
+    /// Runs moor-controller and moor-node in a temp dir and walks a whole volume life.
+    ///
+    /// Create, attach, stage, publish, write a file, snapshot, restore and read back, expand
+    /// online, a raw block volume, then unpublish, unstage, detach and delete. Needs root.
+    /// It runs in a private mount namespace, and removes everything it made (daemons, mounts,
+    /// loop devices, files), also when a step fails or on Ctrl-C: the first Ctrl-C lets the
+    /// running step finish, a second abandons it.
     #[command(after_help = EXIT_CODES)]
     Demo(DemoArgs),
     /// Prints a shell completion script.

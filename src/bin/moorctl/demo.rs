@@ -31,6 +31,8 @@ use crate::error::{CliError, code_name};
 const GIB: i64 = 1 << 30;
 const NODE: &str = "demo-node";
 const HELLO: &str = "hello from moor\n";
+/// What an empty log tail reads as.
+const NOTHING: &str = "(its log says nothing)";
 
 /// A step that failed, and why.
 #[derive(Debug, Clone)]
@@ -125,7 +127,10 @@ impl Ui {
         let ms = start.elapsed().as_secs_f64() * 1000.0;
         match &r {
             Ok(_) => println!("  ok    {name:<62} {ms:>9.1} ms"),
-            Err(e) => println!("  FAIL  {name:<62} {ms:>9.1} ms\n        {e}"),
+            Err(e) => println!(
+                "  FAIL  {name:<62} {ms:>9.1} ms\n        {}",
+                e.trim_end().replace('\n', "\n        ")
+            ),
         }
         let interrupted = cancellable && self.interrupts.count() > 1;
         r.map_err(|reason| Failure {
@@ -167,6 +172,7 @@ impl Daemon {
             .arg("--endpoint")
             .arg(format!("unix://{}", socket.display()))
             .args(args)
+            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -184,7 +190,7 @@ impl Daemon {
                 return Err(format!(
                     "{} exited at start ({st}): {}",
                     self.name,
-                    self.log_tail(5)
+                    self.log_tail(5, false)
                 ));
             }
             if let Ok(c) = connect_path(socket, Duration::from_secs(2)).await {
@@ -225,15 +231,18 @@ impl Daemon {
         }
     }
 
-    /// The last `n` lines of its log, on one line.
-    fn log_tail(&self, n: usize) -> String {
+    /// The last `n` lines of its log (only warnings and errors with `problems`), on one line.
+    fn log_tail(&self, n: usize, problems: bool) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| !problems || l.contains("WARN") || l.contains("ERROR"))
+            .collect();
         let tail = lines
             .get(lines.len().saturating_sub(n)..)
             .unwrap_or_default();
         if tail.is_empty() {
-            "(its log is empty)".into()
+            NOTHING.into()
         } else {
             tail.join(" | ")
         }
@@ -1036,7 +1045,10 @@ async fn demo(
             let walked = d.walk(&ui).await;
             if walked.as_ref().is_err_and(|f| !f.interrupted) {
                 for dm in &daemons {
-                    println!("        {} log: {}", dm.name, dm.log_tail(3));
+                    let tail = dm.log_tail(3, true);
+                    if tail != NOTHING {
+                        println!("        {} log: {tail}", dm.name);
+                    }
                 }
             }
             println!("teardown:");
