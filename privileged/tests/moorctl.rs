@@ -792,3 +792,59 @@ fn a_failing_demo_step_is_named_with_its_reason_and_cleaned_up() {
     assert!(!dir.exists(), "{} is left", dir.display());
     assert!(no_loops_under(&dir));
 }
+
+/// Processes whose command line mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        if let Ok(cmd) = std::fs::read(e.path().join("cmdline"))
+            && String::from_utf8_lossy(&cmd).contains(needle)
+        {
+            found.push(String::from_utf8_lossy(&cmd).replace('\0', " "));
+        }
+    }
+    found
+}
+
+#[test]
+fn a_killed_demo_takes_its_daemons_and_mounts_with_it() {
+    moor_privileged::require_root();
+    let mut child = Command::new(binary("moorctl"))
+        .arg("demo")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn demo");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let dir = demo_dir(&lines.next().and_then(Result::ok).unwrap_or_default());
+    // The sweep detaches what the killed demo could not (its controller's loop devices).
+    let _sweep = LoopSweep(dir.clone());
+    for line in lines.by_ref() {
+        if line
+            .unwrap_or_default()
+            .contains("ok    NodePublishVolume demo ")
+        {
+            break;
+        }
+    }
+    let needle = dir.display().to_string();
+    assert_eq!(processes_mentioning(&needle).len(), 2, "both daemons run");
+    child.kill().expect("SIGKILL");
+    let _ = child.wait();
+    drop(lines);
+    let start = std::time::Instant::now();
+    while !processes_mentioning(&needle).is_empty()
+        && start.elapsed() < std::time::Duration::from_secs(30)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(
+        processes_mentioning(&needle).is_empty(),
+        "{:?}",
+        processes_mentioning(&needle)
+    );
+    // Its mounts lived in its own namespace, gone with its last process.
+    assert!(host_mounts_under(&dir).is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -168,7 +168,9 @@ impl Daemon {
         let err = out
             .try_clone()
             .map_err(|e| format!("{}: {e}", log.display()))?;
-        let child = Command::new(bin)
+        let mut cmd = Command::new(bin);
+        crate::sys::terminate_with_parent(&mut cmd);
+        let child = cmd
             .arg("--endpoint")
             .arg(format!("unix://{}", socket.display()))
             .args(args)
