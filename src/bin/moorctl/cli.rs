@@ -1,0 +1,435 @@
+//! The command line: every command, its arguments and the documented exit codes.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Exit codes, also printed at the end of `--help`.
+pub const EXIT_CODES: &str = "\
+Exit codes:
+  0  success
+  1  the driver answered the call with a gRPC error
+  2  usage error (bad arguments)
+  3  cannot connect to the endpoint
+  4  status: at least one volume is not healthy, or a journal record is unreadable
+  5  a local failure: the journal or the mount table cannot be read, or a demo step failed";
+
+/// moorctl: calls moor's CSI sockets by hand, reports what a node has mounted, runs the demo.
+#[derive(Debug, Parser)]
+#[command(name = "moorctl", version, after_help = EXIT_CODES)]
+pub struct Cli {
+    /// The CSI socket: a unix:// URL or a plain path (a node's or the controller's).
+    #[arg(
+        long,
+        global = true,
+        default_value = "unix:///csi/csi.sock",
+        env = "CSI_ENDPOINT"
+    )]
+    pub endpoint: String,
+    /// How to print answers: a table for people, JSON for scripts.
+    #[arg(long, short, global = true, value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+    /// Deadline for connecting and for each call, in seconds.
+    #[arg(long, global = true, default_value_t = 120)]
+    pub timeout: u64,
+    /// The command.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// Aligned columns and sentences.
+    Table,
+    /// One JSON document on stdout.
+    Json,
+}
+
+/// Every command.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Plugin info, capabilities, readiness, and node info or controller capabilities.
+    #[command(after_help = EXIT_CODES)]
+    Info,
+    /// Asks the plugin whether it is ready (Probe).
+    #[command(after_help = EXIT_CODES)]
+    Probe,
+    /// Volumes on the controller.
+    #[command(subcommand)]
+    Volume(VolumeCommand),
+    /// Snapshots on the controller.
+    #[command(subcommand)]
+    Snapshot(SnapshotCommand),
+    /// Attaches a volume to a node (ControllerPublishVolume); prints the publish context.
+    #[command(after_help = EXIT_CODES)]
+    Publish(PublishArgs),
+    /// Detaches a volume from a node (ControllerUnpublishVolume).
+    #[command(after_help = EXIT_CODES)]
+    Unpublish(UnpublishArgs),
+    /// Stages a volume on this node, as kubelet would (NodeStageVolume).
+    #[command(after_help = EXIT_CODES)]
+    Stage(StageArgs),
+    /// Unstages a volume (NodeUnstageVolume).
+    #[command(after_help = EXIT_CODES)]
+    Unstage(UnstageArgs),
+    /// Mounts a staged volume at a pod's target (NodePublishVolume).
+    #[command(after_help = EXIT_CODES)]
+    Mount(MountArgs),
+    /// Unmounts a volume from a pod's target (NodeUnpublishVolume).
+    #[command(after_help = EXIT_CODES)]
+    Unmount(UnmountArgs),
+    /// Usage and condition of a mounted volume (NodeGetVolumeStats).
+    #[command(after_help = EXIT_CODES)]
+    Stats(StatsArgs),
+    /// Checks every volume moor staged or published here against the mount table and device.
+    ///
+    /// Reads moor-node's journal (without changing it) and compares each staged or published
+    /// path with the live mount table and the recorded device. Verdicts: healthy, drifted
+    /// (a recorded mount is missing or from another device, or an operation never finished),
+    /// corrupted (the mount fails with ENOTCONN, ESTALE, EIO...), device-gone (the device
+    /// node is missing, another device, or a detached loop device). Run it on the node, as
+    /// root. Exits 4 when any volume is not healthy.
+    #[command(after_help = EXIT_CODES)]
+    Status(StatusArgs),
+    /// Runs moor-controller and moor-node in a temp dir and walks a whole volume life.
+    ///
+    /// Create, attach, stage, publish, write a file, snapshot, restore and read back, expand
+    /// online, a raw block volume, then unpublish, unstage, detach and delete. Needs root.
+    /// It runs in a private mount namespace, and removes everything it made (daemons, mounts,
+    /// loop devices, files), also when a step fails or on Ctrl-C: the first Ctrl-C lets the
+    /// running step finish, a second abandons it.
+    #[command(after_help = EXIT_CODES)]
+    Demo(DemoArgs),
+    /// Prints a shell completion script.
+    #[command(after_help = EXIT_CODES)]
+    Completion(CompletionArgs),
+}
+
+/// `volume ...`.
+#[derive(Debug, Subcommand)]
+pub enum VolumeCommand {
+    /// Creates a volume (CreateVolume).
+    #[command(after_help = EXIT_CODES)]
+    Create(VolumeCreateArgs),
+    /// Deletes a volume (DeleteVolume).
+    #[command(after_help = EXIT_CODES)]
+    Delete(IdArg),
+    /// Lists volumes (ListVolumes, every page).
+    #[command(after_help = EXIT_CODES)]
+    List,
+    /// Shows one volume (ControllerGetVolume).
+    #[command(after_help = EXIT_CODES)]
+    Get(IdArg),
+    /// Grows a volume (ControllerExpandVolume).
+    #[command(after_help = EXIT_CODES)]
+    Expand(VolumeExpandArgs),
+}
+
+/// `snapshot ...`.
+#[derive(Debug, Subcommand)]
+pub enum SnapshotCommand {
+    /// Snapshots a volume (CreateSnapshot).
+    #[command(after_help = EXIT_CODES)]
+    Create(SnapshotCreateArgs),
+    /// Deletes a snapshot (DeleteSnapshot).
+    #[command(after_help = EXIT_CODES)]
+    Delete(IdArg),
+    /// Lists snapshots (ListSnapshots, every page).
+    #[command(after_help = EXIT_CODES)]
+    List(SnapshotListArgs),
+}
+
+/// A volume or snapshot id.
+#[derive(Debug, Args)]
+pub struct IdArg {
+    /// The id.
+    pub id: String,
+}
+
+/// How a volume is accessed: a filesystem or a raw block device, and the access mode.
+#[derive(Debug, Clone, Args)]
+pub struct CapabilityArgs {
+    /// Raw block access instead of a filesystem.
+    #[arg(long)]
+    pub block: bool,
+    /// Filesystem type (ignored with --block).
+    #[arg(long, default_value = "ext4")]
+    pub fs_type: String,
+    /// Mount flag (repeatable; ignored with --block).
+    #[arg(long = "mount-flag")]
+    pub mount_flags: Vec<String>,
+    /// Access mode.
+    #[arg(long, value_enum, default_value_t = AccessMode::SingleNodeWriter)]
+    pub access_mode: AccessMode,
+}
+
+/// CSI access modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AccessMode {
+    /// SINGLE_NODE_WRITER.
+    SingleNodeWriter,
+    /// SINGLE_NODE_READER_ONLY.
+    SingleNodeReaderOnly,
+    /// MULTI_NODE_READER_ONLY.
+    MultiNodeReaderOnly,
+    /// MULTI_NODE_SINGLE_WRITER.
+    MultiNodeSingleWriter,
+    /// MULTI_NODE_MULTI_WRITER.
+    MultiNodeMultiWriter,
+    /// SINGLE_NODE_SINGLE_WRITER.
+    SingleNodeSingleWriter,
+    /// SINGLE_NODE_MULTI_WRITER.
+    SingleNodeMultiWriter,
+}
+
+/// `volume create`.
+#[derive(Debug, Args)]
+pub struct VolumeCreateArgs {
+    /// The volume's name (CreateVolume is idempotent by name).
+    pub name: String,
+    /// Size: bytes or with a unit (K, M, G, T, KiB, MiB, GiB, TiB).
+    #[arg(long, value_parser = parse_size)]
+    pub size: u64,
+    /// Fill it from this snapshot.
+    #[arg(long, conflicts_with = "from_volume")]
+    pub from_snapshot: Option<String>,
+    /// Clone it from this volume.
+    #[arg(long)]
+    pub from_volume: Option<String>,
+    /// A storage-class parameter KEY=VALUE (repeatable).
+    #[arg(long = "param", value_parser = parse_key_value)]
+    pub params: Vec<(String, String)>,
+    /// Access.
+    #[command(flatten)]
+    pub cap: CapabilityArgs,
+}
+
+/// `volume expand`.
+#[derive(Debug, Args)]
+pub struct VolumeExpandArgs {
+    /// The volume id.
+    pub id: String,
+    /// New size: bytes or with a unit.
+    #[arg(long, value_parser = parse_size)]
+    pub size: u64,
+    /// Access.
+    #[command(flatten)]
+    pub cap: CapabilityArgs,
+}
+
+/// `snapshot create`.
+#[derive(Debug, Args)]
+pub struct SnapshotCreateArgs {
+    /// The snapshot's name.
+    pub name: String,
+    /// The volume to snapshot.
+    #[arg(long)]
+    pub volume: String,
+}
+
+/// `snapshot list`.
+#[derive(Debug, Args)]
+pub struct SnapshotListArgs {
+    /// Only snapshots of this volume.
+    #[arg(long)]
+    pub volume: Option<String>,
+}
+
+/// `publish`.
+#[derive(Debug, Args)]
+pub struct PublishArgs {
+    /// The volume id.
+    pub volume: String,
+    /// The node to attach it to.
+    #[arg(long)]
+    pub node: String,
+    /// Attach read-only.
+    #[arg(long)]
+    pub readonly: bool,
+    /// Access.
+    #[command(flatten)]
+    pub cap: CapabilityArgs,
+}
+
+/// `unpublish`.
+#[derive(Debug, Args)]
+pub struct UnpublishArgs {
+    /// The volume id.
+    pub volume: String,
+    /// The node to detach it from.
+    #[arg(long)]
+    pub node: String,
+}
+
+/// `stage`.
+#[derive(Debug, Args)]
+pub struct StageArgs {
+    /// The volume id.
+    pub volume: String,
+    /// kubelet's staging path.
+    #[arg(long)]
+    pub staging: PathBuf,
+    /// The device (sets publish_context devicePath).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// A publish_context entry KEY=VALUE, as ControllerPublishVolume returned it (repeatable).
+    #[arg(long = "context", value_parser = parse_key_value)]
+    pub context: Vec<(String, String)>,
+    /// Access.
+    #[command(flatten)]
+    pub cap: CapabilityArgs,
+}
+
+/// `unstage`.
+#[derive(Debug, Args)]
+pub struct UnstageArgs {
+    /// The volume id.
+    pub volume: String,
+    /// kubelet's staging path.
+    #[arg(long)]
+    pub staging: PathBuf,
+}
+
+/// `mount`.
+#[derive(Debug, Args)]
+pub struct MountArgs {
+    /// The volume id.
+    pub volume: String,
+    /// kubelet's staging path.
+    #[arg(long)]
+    pub staging: PathBuf,
+    /// The pod's target path.
+    #[arg(long)]
+    pub target: PathBuf,
+    /// Mount read-only.
+    #[arg(long)]
+    pub readonly: bool,
+    /// Access.
+    #[command(flatten)]
+    pub cap: CapabilityArgs,
+}
+
+/// `unmount`.
+#[derive(Debug, Args)]
+pub struct UnmountArgs {
+    /// The volume id.
+    pub volume: String,
+    /// The pod's target path.
+    #[arg(long)]
+    pub target: PathBuf,
+}
+
+/// `stats`.
+#[derive(Debug, Args)]
+pub struct StatsArgs {
+    /// The volume id.
+    pub volume: String,
+    /// A path where it is published or staged.
+    #[arg(long)]
+    pub path: PathBuf,
+    /// Its staging path, if known.
+    #[arg(long)]
+    pub staging: Option<PathBuf>,
+}
+
+/// `status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// moor-node's --state-dir.
+    #[arg(long, default_value = "/var/lib/moor")]
+    pub state_dir: PathBuf,
+}
+
+/// `demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Filesystem for the demo's volumes.
+    #[arg(long, value_parser = ["xfs", "ext4", "btrfs"], default_value = "xfs")]
+    pub fs_type: String,
+    /// Where moor-node and moor-controller are (default: next to moorctl).
+    #[arg(long)]
+    pub bin_dir: Option<PathBuf>,
+}
+
+/// `completion`.
+#[derive(Debug, Args)]
+pub struct CompletionArgs {
+    /// The shell.
+    pub shell: clap_complete::Shell,
+}
+
+/// Parses a size: plain bytes, or a number with K/M/G/T (powers of 1000) or KiB/MiB/GiB/TiB
+/// (powers of 1024).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (e.g. 1GiB, 512MiB, 1073741824)"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KB" => 1000,
+        "M" | "MB" => 1000_u64.pow(2),
+        "G" | "GB" => 1000_u64.pow(3),
+        "T" | "TB" => 1000_u64.pow(4),
+        "Ki" | "KiB" => 1 << 10,
+        "Mi" | "MiB" => 1 << 20,
+        "Gi" | "GiB" => 1 << 30,
+        "Ti" | "TiB" => 1 << 40,
+        other => return Err(format!("unknown size unit {other:?} in {text:?}")),
+    };
+    n.checked_mul(mult)
+        .filter(|b| i64::try_from(*b).is_ok())
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// Parses `KEY=VALUE`.
+pub fn parse_key_value(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("{text:?} is not KEY=VALUE")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("2G"), Ok(2_000_000_000));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("1 parsec").is_err());
+        assert!(parse_size("GiB").is_err());
+        assert!(parse_size("99999999999TiB").is_err());
+    }
+
+    #[test]
+    fn key_values() {
+        assert_eq!(
+            parse_key_value("devicePath=/dev/loop3"),
+            Ok(("devicePath".into(), "/dev/loop3".into()))
+        );
+        assert_eq!(parse_key_value("k="), Ok(("k".into(), String::new())));
+        assert!(parse_key_value("=v").is_err());
+        assert!(parse_key_value("novalue").is_err());
+    }
+
+    #[test]
+    fn endpoint_and_output_are_global() {
+        let cli =
+            Cli::try_parse_from(["moorctl", "volume", "list", "--output", "json"]).expect("parse");
+        assert_eq!(cli.output, Output::Json);
+        assert_eq!(cli.endpoint, "unix:///csi/csi.sock");
+    }
+}

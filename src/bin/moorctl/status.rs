@@ -1,0 +1,814 @@
+//! `moorctl status`: moor's journal side by side with the live mount table and the devices.
+//!
+//! The journal is read without changing it; the mount table is read once, from
+//! `/proc/self/mountinfo`; each recorded path is looked at with one `statx` (mount root, mount
+//! id) and each device with one `stat` and, for a loop device, its sysfs `backing_file`.
+//! Judging is pure ([`judge_path`], [`judge_device`]) so it is unit-tested without a kernel.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use moor_node::journal::{AccessRecord, Phase, VolumeRecord};
+use moor_node::mountinfo::MountInfo;
+use rustix::fs::{AtFlags, FileType, StatxAttributes, StatxFlags};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::error::CliError;
+use crate::output::{Human, Report, Table};
+
+/// The loop driver's block major.
+const LOOP_MAJOR: u32 = 7;
+
+/// How a volume (or one of its paths) stands, from best to worst.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Verdict {
+    /// The journal and the system agree.
+    Healthy,
+    /// They disagree: a recorded mount is missing or from another device, or a phase is still
+    /// in progress.
+    Drifted,
+    /// A recorded path fails with an error that means a broken mount (ENOTCONN, ESTALE, EIO...).
+    Corrupted,
+    /// The recorded device is gone, detached, or now another device.
+    DeviceGone,
+}
+
+impl Verdict {
+    /// The verdict's name as printed.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Healthy => "healthy",
+            Self::Drifted => "drifted",
+            Self::Corrupted => "corrupted",
+            Self::DeviceGone => "device-gone",
+        }
+    }
+}
+
+/// What is at a recorded path now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LivePath {
+    /// Nothing there.
+    Absent,
+    /// Something there, not a mount point.
+    NotMounted,
+    /// A mount point.
+    Mounted {
+        /// st_dev of the files on it.
+        dev: (u32, u32),
+        /// For a block device node: its rdev.
+        rdev: Option<(u32, u32)>,
+        /// The device behind the filesystem when st_dev is anonymous (btrfs): the rdev of the
+        /// mount table's source.
+        source_rdev: Option<(u32, u32)>,
+        /// Filesystem type, from the mount table.
+        fs_type: String,
+    },
+    /// The path fails with this errno, one that means a broken mount.
+    Broken(i32),
+    /// Another error.
+    Unreadable(String),
+}
+
+/// What the recorded device is now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LiveDevice {
+    /// The node is there with the recorded number; for a loop device, its backing file.
+    Present {
+        /// The loop backing file, if it is a loop device.
+        backing: Option<String>,
+    },
+    /// No such node.
+    Missing,
+    /// The node is another device now.
+    Other((u32, u32)),
+    /// Not a block device.
+    NotBlock,
+    /// A loop device with nothing attached.
+    Detached,
+    /// A loop device whose backing file was deleted.
+    BackingDeleted(String),
+    /// Cannot be looked at.
+    Unreadable(String),
+}
+
+/// One line of the verdict: a path or the device of a volume.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    /// `device`, `staging` or `publish`.
+    pub role: &'static str,
+    /// The path.
+    pub path: PathBuf,
+    /// What the journal says.
+    pub journal: String,
+    /// What is there.
+    pub live: String,
+    /// The verdict on this line.
+    pub verdict: Verdict,
+    /// Why, when not healthy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// One volume's verdict.
+#[derive(Debug, Clone, Serialize)]
+pub struct VolumeStatus {
+    /// CSI volume id.
+    pub volume_id: String,
+    /// The worst verdict of its checks.
+    pub verdict: Verdict,
+    /// Every check.
+    pub checks: Vec<Check>,
+}
+
+fn dev_text(d: (u32, u32)) -> String {
+    format!("{}:{}", d.0, d.1)
+}
+
+fn errno_text(errno: i32) -> String {
+    let name = match errno {
+        libc::ENOTCONN => "ENOTCONN",
+        libc::ESTALE => "ESTALE",
+        libc::EIO => "EIO",
+        libc::EHOSTDOWN => "EHOSTDOWN",
+        libc::ENXIO => "ENXIO",
+        libc::ENODEV => "ENODEV",
+        _ => "errno",
+    };
+    format!(
+        "{name} ({})",
+        std::io::Error::from_raw_os_error(errno)
+            .to_string()
+            .split(" (os error")
+            .next()
+            .unwrap_or_default()
+    )
+}
+
+/// What a live path reads as in the LIVE column.
+pub fn live_text(live: &LivePath) -> String {
+    match live {
+        LivePath::Absent => "absent".into(),
+        LivePath::NotMounted => "not mounted".into(),
+        LivePath::Mounted { rdev: Some(r), .. } => format!("device node {}", dev_text(*r)),
+        LivePath::Mounted {
+            dev,
+            source_rdev,
+            fs_type,
+            ..
+        } => match source_rdev {
+            Some(s) if s != dev => format!("mounted {fs_type} from {}", dev_text(*s)),
+            _ => format!("mounted {fs_type} from {}", dev_text(*dev)),
+        },
+        LivePath::Broken(e) => format!("broken: {}", errno_text(*e)),
+        LivePath::Unreadable(e) => format!("unreadable: {e}"),
+    }
+}
+
+/// Judges one recorded path. `block` is whether a block device node is expected there (a
+/// block publish); `rdev` is the device recorded at stage.
+pub fn judge_path(
+    what: &str,
+    phase: Phase,
+    block: bool,
+    rdev: Option<(u32, u32)>,
+    live: &LivePath,
+) -> (Verdict, Option<String>) {
+    match live {
+        LivePath::Broken(e) => {
+            return (
+                Verdict::Corrupted,
+                Some(format!("the mount fails with {}", errno_text(*e))),
+            );
+        }
+        LivePath::Unreadable(e) => {
+            return (Verdict::Drifted, Some(format!("cannot look at it: {e}")));
+        }
+        _ => {}
+    }
+    if phase != Phase::Done {
+        return (
+            Verdict::Drifted,
+            Some(format!(
+                "the journal says {what} is still {}: moor-node died or is working on it",
+                match phase {
+                    Phase::Formatting => "formatting",
+                    _ => "in progress",
+                }
+            )),
+        );
+    }
+    match live {
+        LivePath::Absent | LivePath::NotMounted => (
+            Verdict::Drifted,
+            Some(format!(
+                "recorded as {what} but nothing is mounted there{}",
+                if *live == LivePath::Absent {
+                    " (the path is gone)"
+                } else {
+                    ""
+                }
+            )),
+        ),
+        LivePath::Mounted {
+            dev,
+            rdev: live_rdev,
+            source_rdev,
+            ..
+        } => {
+            let Some(want) = rdev else {
+                return (Verdict::Healthy, None);
+            };
+            let got = if block {
+                *live_rdev
+            } else if *dev == want || live_rdev.is_some() {
+                Some(*dev)
+            } else {
+                source_rdev.or(Some(*dev))
+            };
+            if got == Some(want) {
+                (Verdict::Healthy, None)
+            } else if block && live_rdev.is_none() {
+                (
+                    Verdict::Drifted,
+                    Some("a filesystem is mounted where a block device node was published".into()),
+                )
+            } else {
+                (
+                    Verdict::Drifted,
+                    Some(format!(
+                        "mounted from device {}, but the journal recorded {}",
+                        got.map_or_else(|| "?".into(), dev_text),
+                        dev_text(want)
+                    )),
+                )
+            }
+        }
+        LivePath::Broken(_) | LivePath::Unreadable(_) => (Verdict::Drifted, None),
+    }
+}
+
+/// Judges the recorded device.
+pub fn judge_device(
+    device: &Path,
+    rdev: (u32, u32),
+    live: &LiveDevice,
+) -> (Verdict, String, Option<String>) {
+    let dev = device.display();
+    match live {
+        LiveDevice::Present { backing: Some(b) } => (
+            Verdict::Healthy,
+            format!("{} backed by {b}", dev_text(rdev)),
+            None,
+        ),
+        LiveDevice::Present { backing: None } => (Verdict::Healthy, dev_text(rdev), None),
+        LiveDevice::Missing => (
+            Verdict::DeviceGone,
+            "absent".into(),
+            Some(format!("device {dev} no longer exists")),
+        ),
+        LiveDevice::Other(now) => (
+            Verdict::DeviceGone,
+            dev_text(*now),
+            Some(format!(
+                "{dev} is now device {}, not the recorded {}",
+                dev_text(*now),
+                dev_text(rdev)
+            )),
+        ),
+        LiveDevice::NotBlock => (
+            Verdict::DeviceGone,
+            "not a block device".into(),
+            Some(format!("{dev} is no longer a block device")),
+        ),
+        LiveDevice::Detached => (
+            Verdict::DeviceGone,
+            "detached".into(),
+            Some(format!(
+                "loop device {dev} has been detached: no backing file"
+            )),
+        ),
+        LiveDevice::BackingDeleted(b) => (
+            Verdict::DeviceGone,
+            format!("backed by {b}"),
+            Some(format!("the backing file of {dev} has been deleted")),
+        ),
+        LiveDevice::Unreadable(e) => (
+            Verdict::DeviceGone,
+            "unreadable".into(),
+            Some(format!("cannot look at {dev}: {e}")),
+        ),
+    }
+}
+
+/// The mount table, by mount id.
+#[derive(Debug, Default)]
+pub struct MountTable {
+    by_id: HashMap<u64, MountInfo>,
+}
+
+impl MountTable {
+    /// Reads and parses `/proc/self/mountinfo` once.
+    pub fn read() -> Result<Self, CliError> {
+        let path = PathBuf::from("/proc/self/mountinfo");
+        let bytes = std::fs::read(&path).map_err(|e| CliError::MountTable {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let entries = moor_node::mountinfo::parse(&bytes).map_err(|e| CliError::MountTable {
+            path,
+            reason: e.to_string(),
+        })?;
+        Ok(Self {
+            by_id: entries.into_iter().map(|m| (m.mount_id, m)).collect(),
+        })
+    }
+}
+
+/// Looks at one path: one statx, then the mount table by mount id.
+pub fn look_at_path(path: &Path, table: &MountTable) -> LivePath {
+    let stx = match rustix::fs::statx(
+        rustix::fs::CWD,
+        path,
+        AtFlags::SYMLINK_NOFOLLOW,
+        StatxFlags::TYPE | StatxFlags::MNT_ID,
+    ) {
+        Ok(s) => s,
+        Err(rustix::io::Errno::NOENT) => return LivePath::Absent,
+        Err(e) if moor_node::sys::is_corruption_errno(e.raw_os_error()) => {
+            return LivePath::Broken(e.raw_os_error());
+        }
+        Err(e) => return LivePath::Unreadable(std::io::Error::from(e).to_string()),
+    };
+    let mount_root = stx
+        .stx_attributes_mask
+        .contains(StatxAttributes::MOUNT_ROOT)
+        && stx.stx_attributes.contains(StatxAttributes::MOUNT_ROOT);
+    if !mount_root {
+        return LivePath::NotMounted;
+    }
+    let dev = (stx.stx_dev_major, stx.stx_dev_minor);
+    let is_block = FileType::from_raw_mode(stx.stx_mode.into()) == FileType::BlockDevice;
+    let rdev = is_block.then_some((stx.stx_rdev_major, stx.stx_rdev_minor));
+    let entry = table.by_id.get(&stx.stx_mnt_id);
+    let fs_type = entry.map_or_else(|| "?".to_string(), |m| m.fs_type.clone());
+    // An anonymous st_dev (major 0, as btrfs gives) says nothing of the device: take the
+    // mount table's source instead.
+    let source_rdev = entry
+        .filter(|m| dev.0 == 0 && m.source.starts_with("/dev/"))
+        .and_then(|m| rustix::fs::stat(m.source.as_str()).ok())
+        .map(|st| (rustix::fs::major(st.st_rdev), rustix::fs::minor(st.st_rdev)));
+    LivePath::Mounted {
+        dev,
+        rdev,
+        source_rdev,
+        fs_type,
+    }
+}
+
+/// Looks at the recorded device node.
+pub fn look_at_device(device: &Path, rdev: (u32, u32)) -> LiveDevice {
+    let st = match rustix::fs::stat(device) {
+        Ok(s) => s,
+        Err(rustix::io::Errno::NOENT) => return LiveDevice::Missing,
+        Err(e) => return LiveDevice::Unreadable(std::io::Error::from(e).to_string()),
+    };
+    if FileType::from_raw_mode(st.st_mode) != FileType::BlockDevice {
+        return LiveDevice::NotBlock;
+    }
+    let now = (rustix::fs::major(st.st_rdev), rustix::fs::minor(st.st_rdev));
+    if now != rdev {
+        return LiveDevice::Other(now);
+    }
+    if rdev.0 != LOOP_MAJOR {
+        return LiveDevice::Present { backing: None };
+    }
+    let sys = format!("/sys/dev/block/{}:{}/loop/backing_file", rdev.0, rdev.1);
+    match std::fs::read_to_string(&sys) {
+        Ok(b) => {
+            let b = b.trim_end_matches('\n').to_string();
+            if b.ends_with(" (deleted)") {
+                LiveDevice::BackingDeleted(b)
+            } else {
+                LiveDevice::Present { backing: Some(b) }
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => LiveDevice::Detached,
+        Err(e) => LiveDevice::Unreadable(e.to_string()),
+    }
+}
+
+fn phase_text(phase: Phase, done: &str) -> String {
+    match phase {
+        Phase::Done => done.to_string(),
+        Phase::InProgress => format!("{done} (in progress)"),
+        Phase::Formatting => "formatting".into(),
+    }
+}
+
+/// Checks one volume's record against the system.
+pub fn check_volume(rec: &VolumeRecord, table: &MountTable) -> VolumeStatus {
+    let mut checks = Vec::new();
+    let rdev = rec.stage.as_ref().map(|s| s.rdev);
+    if let Some(s) = &rec.stage {
+        let (verdict, live, reason) =
+            judge_device(&s.device, s.rdev, &look_at_device(&s.device, s.rdev));
+        checks.push(Check {
+            role: "device",
+            path: s.device.clone(),
+            journal: dev_text(s.rdev),
+            live,
+            verdict,
+            reason,
+        });
+        let block = matches!(s.access, AccessRecord::Block);
+        if block {
+            // Staging a block volume mounts nothing; only the phase can be off.
+            let (verdict, reason) = if s.phase == Phase::Done {
+                (Verdict::Healthy, None)
+            } else {
+                judge_path("staged", s.phase, false, None, &LivePath::NotMounted)
+            };
+            checks.push(Check {
+                role: "staging",
+                path: s.path.clone(),
+                journal: phase_text(s.phase, "staged (block)"),
+                live: "-".into(),
+                verdict,
+                reason,
+            });
+        } else {
+            let live = look_at_path(&s.path, table);
+            let (verdict, reason) = judge_path("staged", s.phase, false, Some(s.rdev), &live);
+            let fs = match &s.access {
+                AccessRecord::Mount { fs_type, .. } => fs_type.as_str(),
+                AccessRecord::Block => "block",
+            };
+            checks.push(Check {
+                role: "staging",
+                path: s.path.clone(),
+                journal: phase_text(s.phase, &format!("mounted {fs}")),
+                live: live_text(&live),
+                verdict,
+                reason,
+            });
+        }
+    }
+    for (target, p) in &rec.publishes {
+        let live = look_at_path(target, table);
+        let (verdict, reason) = judge_path("published", p.phase, p.block, rdev, &live);
+        checks.push(Check {
+            role: "publish",
+            path: target.clone(),
+            journal: phase_text(
+                p.phase,
+                if p.block {
+                    "published (block)"
+                } else {
+                    "published"
+                },
+            ),
+            live: live_text(&live),
+            verdict,
+            reason,
+        });
+    }
+    let verdict = checks
+        .iter()
+        .map(|c| c.verdict)
+        .max()
+        .unwrap_or(Verdict::Healthy);
+    VolumeStatus {
+        volume_id: rec.volume_id.clone(),
+        verdict,
+        checks,
+    }
+}
+
+/// A journal record that could not be read.
+#[derive(Debug, Clone, Serialize)]
+pub struct Problem {
+    /// The file.
+    pub path: PathBuf,
+    /// Why.
+    pub error: String,
+}
+
+/// The whole status, as a report; `Err(Unhealthy)` carries it when anything is off.
+pub fn render(
+    state_dir: &Path,
+    volumes: &[VolumeStatus],
+    problems: &[Problem],
+) -> (Report, Option<String>) {
+    let mut table = Table::new(&["VOLUME", "VERDICT", "WHAT", "PATH", "JOURNAL", "LIVE"]);
+    let mut notes = String::new();
+    for v in volumes {
+        for (i, c) in v.checks.iter().enumerate() {
+            table.row(vec![
+                if i == 0 {
+                    v.volume_id.clone()
+                } else {
+                    String::new()
+                },
+                if i == 0 {
+                    v.verdict.name().into()
+                } else {
+                    String::new()
+                },
+                c.role.into(),
+                c.path.display().to_string(),
+                c.journal.clone(),
+                c.live.clone(),
+            ]);
+            if let Some(r) = &c.reason {
+                notes.push_str(&format!(
+                    "{}: {} ({} {})\n",
+                    v.volume_id,
+                    r,
+                    c.role,
+                    c.path.display()
+                ));
+            }
+        }
+    }
+    for p in problems {
+        notes.push_str(&format!(
+            "unreadable journal record {}: {}\n",
+            p.path.display(),
+            p.error
+        ));
+    }
+    let mut counts: Vec<String> = Vec::new();
+    for verdict in [
+        Verdict::Healthy,
+        Verdict::Drifted,
+        Verdict::Corrupted,
+        Verdict::DeviceGone,
+    ] {
+        let n = volumes.iter().filter(|v| v.verdict == verdict).count();
+        if n > 0 {
+            counts.push(format!("{n} {}", verdict.name()));
+        }
+    }
+    let summary = format!(
+        "{} volume{} in {}{}{}",
+        volumes.len(),
+        if volumes.len() == 1 { "" } else { "s" },
+        state_dir.display(),
+        if counts.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", counts.join(", "))
+        },
+        if problems.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; {} unreadable journal record{}",
+                problems.len(),
+                if problems.len() == 1 { "" } else { "s" }
+            )
+        }
+    );
+    notes.push_str(&summary);
+    let healthy = problems.is_empty() && volumes.iter().all(|v| v.verdict == Verdict::Healthy);
+    let human = if volumes.is_empty() {
+        Human::Text(notes)
+    } else {
+        Human::Table(table, notes)
+    };
+    let report = Report {
+        human,
+        json: json!({
+            "state_dir": state_dir,
+            "healthy": healthy,
+            "volumes": volumes,
+            "journal_problems": problems,
+        }),
+    };
+    (report, (!healthy).then_some(summary))
+}
+
+/// `moorctl status`: reads the journal and the mount table once, checks every volume. With
+/// `shown_below`, paths under that dir are printed relative to it.
+pub fn status(
+    state_dir: &Path,
+    shown_below: Option<&Path>,
+) -> Result<(Report, Option<String>), CliError> {
+    let (records, problems) = moor_node::journal::read_state(state_dir)?;
+    let table = MountTable::read()?;
+    let volumes: Vec<VolumeStatus> = records
+        .iter()
+        .filter(|r| !r.is_empty())
+        .map(|r| check_volume(r, &table))
+        .map(|mut v| {
+            for c in &mut v.checks {
+                if let Some(rel) = shown_below.and_then(|b| c.path.strip_prefix(b).ok()) {
+                    c.path = rel.to_path_buf();
+                }
+            }
+            v
+        })
+        .collect();
+    let problems: Vec<Problem> = problems
+        .into_iter()
+        .map(|p| Problem {
+            path: p.path,
+            error: p.error.to_string(),
+        })
+        .collect();
+    let shown = shown_below
+        .and_then(|b| state_dir.strip_prefix(b).ok())
+        .unwrap_or(state_dir);
+    Ok(render(shown, &volumes, &problems))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::Output;
+
+    const DEV: (u32, u32) = (7, 3);
+
+    fn mounted(dev: (u32, u32)) -> LivePath {
+        LivePath::Mounted {
+            dev,
+            rdev: None,
+            source_rdev: None,
+            fs_type: "xfs".into(),
+        }
+    }
+
+    #[test]
+    fn a_mount_from_the_recorded_device_is_healthy() {
+        assert_eq!(
+            judge_path("staged", Phase::Done, false, Some(DEV), &mounted(DEV)),
+            (Verdict::Healthy, None)
+        );
+    }
+
+    #[test]
+    fn a_missing_mount_or_another_device_is_drift() {
+        let (v, why) = judge_path(
+            "published",
+            Phase::Done,
+            false,
+            Some(DEV),
+            &LivePath::NotMounted,
+        );
+        assert_eq!(v, Verdict::Drifted);
+        assert_eq!(
+            why.as_deref(),
+            Some("recorded as published but nothing is mounted there")
+        );
+        let (v, why) = judge_path("staged", Phase::Done, false, Some(DEV), &mounted((8, 1)));
+        assert_eq!(v, Verdict::Drifted);
+        assert_eq!(
+            why.as_deref(),
+            Some("mounted from device 8:1, but the journal recorded 7:3")
+        );
+        let (v, _) = judge_path("staged", Phase::InProgress, false, Some(DEV), &mounted(DEV));
+        assert_eq!(v, Verdict::Drifted);
+    }
+
+    #[test]
+    fn btrfs_is_matched_by_its_source_device() {
+        let live = LivePath::Mounted {
+            dev: (0, 52),
+            rdev: None,
+            source_rdev: Some(DEV),
+            fs_type: "btrfs".into(),
+        };
+        assert_eq!(
+            judge_path("staged", Phase::Done, false, Some(DEV), &live).0,
+            Verdict::Healthy
+        );
+        assert_eq!(live_text(&live), "mounted btrfs from 7:3");
+    }
+
+    #[test]
+    fn a_block_publish_is_matched_by_the_device_node() {
+        let node = LivePath::Mounted {
+            dev: (0, 5),
+            rdev: Some(DEV),
+            source_rdev: None,
+            fs_type: "devtmpfs".into(),
+        };
+        assert_eq!(
+            judge_path("published", Phase::Done, true, Some(DEV), &node).0,
+            Verdict::Healthy
+        );
+        assert_eq!(live_text(&node), "device node 7:3");
+        assert_eq!(
+            judge_path("published", Phase::Done, true, Some(DEV), &mounted(DEV)).0,
+            Verdict::Drifted
+        );
+    }
+
+    #[test]
+    fn a_broken_mount_is_corrupted() {
+        let (v, why) = judge_path(
+            "published",
+            Phase::Done,
+            false,
+            Some(DEV),
+            &LivePath::Broken(libc::ENOTCONN),
+        );
+        assert_eq!(v, Verdict::Corrupted);
+        let why = why.unwrap_or_default();
+        assert!(why.starts_with("the mount fails with ENOTCONN"), "{why}");
+    }
+
+    #[test]
+    fn device_verdicts() {
+        let p = Path::new("/dev/loop3");
+        assert_eq!(
+            judge_device(p, DEV, &LiveDevice::Present { backing: None }).0,
+            Verdict::Healthy
+        );
+        let (v, live, why) = judge_device(p, DEV, &LiveDevice::Detached);
+        assert_eq!((v, live.as_str()), (Verdict::DeviceGone, "detached"));
+        assert_eq!(
+            why.as_deref(),
+            Some("loop device /dev/loop3 has been detached: no backing file")
+        );
+        assert_eq!(
+            judge_device(p, DEV, &LiveDevice::Missing).0,
+            Verdict::DeviceGone
+        );
+        let (_, _, why) = judge_device(p, DEV, &LiveDevice::Other((7, 9)));
+        assert_eq!(
+            why.as_deref(),
+            Some("/dev/loop3 is now device 7:9, not the recorded 7:3")
+        );
+    }
+
+    #[test]
+    fn verdicts_order_from_best_to_worst() {
+        assert!(Verdict::Healthy < Verdict::Drifted);
+        assert!(Verdict::Drifted < Verdict::Corrupted);
+        assert!(Verdict::Corrupted < Verdict::DeviceGone);
+    }
+
+    #[test]
+    fn the_report_has_a_table_notes_and_json() {
+        let vols = vec![
+            VolumeStatus {
+                volume_id: "vol-a".into(),
+                verdict: Verdict::Healthy,
+                checks: vec![Check {
+                    role: "device",
+                    path: "/dev/loop3".into(),
+                    journal: "7:3".into(),
+                    live: "7:3".into(),
+                    verdict: Verdict::Healthy,
+                    reason: None,
+                }],
+            },
+            VolumeStatus {
+                volume_id: "vol-b".into(),
+                verdict: Verdict::Drifted,
+                checks: vec![Check {
+                    role: "publish",
+                    path: "/k/t".into(),
+                    journal: "published".into(),
+                    live: "not mounted".into(),
+                    verdict: Verdict::Drifted,
+                    reason: Some("recorded as published but nothing is mounted there".into()),
+                }],
+            },
+        ];
+        let problems = vec![Problem {
+            path: "/s/volumes/x.rec".into(),
+            error: "checksum mismatch".into(),
+        }];
+        let (report, unhealthy) = render(Path::new("/s"), &vols, &problems);
+        let text = report.render(Output::Table);
+        assert_eq!(
+            text,
+            "VOLUME  VERDICT  WHAT     PATH        JOURNAL    LIVE\n\
+             vol-a   healthy  device   /dev/loop3  7:3        7:3\n\
+             vol-b   drifted  publish  /k/t        published  not mounted\n\
+             vol-b: recorded as published but nothing is mounted there (publish /k/t)\n\
+             unreadable journal record /s/volumes/x.rec: checksum mismatch\n\
+             2 volumes in /s: 1 healthy, 1 drifted; 1 unreadable journal record\n"
+        );
+        assert_eq!(
+            unhealthy.as_deref(),
+            Some("2 volumes in /s: 1 healthy, 1 drifted; 1 unreadable journal record")
+        );
+        assert_eq!(report.json["healthy"], false);
+        assert_eq!(report.json["volumes"][1]["verdict"], "drifted");
+        assert_eq!(report.json["volumes"][0]["checks"][0]["role"], "device");
+        assert_eq!(
+            report.json["journal_problems"][0]["error"],
+            "checksum mismatch"
+        );
+
+        let (ok, none) = render(Path::new("/s"), &vols[..1], &[]);
+        assert!(none.is_none());
+        assert_eq!(ok.json["healthy"], true);
+    }
+}
