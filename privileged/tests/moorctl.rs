@@ -564,8 +564,8 @@ fn status_reports_an_unreadable_journal_record() {
     moor_privileged::require_root();
     let dir = std::env::temp_dir().join(format!("moorctl-journal-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.join("volumes")).expect("mkdir");
-    let bad = dir.join("volumes/626164.rec");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let bad = dir.join(moor_node::journal::LOG_FILE);
     std::fs::write(&bad, b"moor-journal v1 00000000 {}\n").expect("write");
     let out = moorctl(&["status", "--state-dir", &dir.display().to_string()]);
     let json_out = moorctl(&[
@@ -580,7 +580,7 @@ fn status_reports_an_unreadable_journal_record() {
     let stdout = text(&out.stdout);
     assert!(
         stdout.contains(&format!(
-            "unreadable journal record {}: checksum mismatch",
+            "unreadable journal record {}:1: checksum mismatch",
             bad.display()
         )),
         "{stdout}"

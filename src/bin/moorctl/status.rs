@@ -492,6 +492,8 @@ pub fn check_volume(rec: &VolumeRecord, table: &MountTable) -> VolumeStatus {
 pub struct Problem {
     /// The file.
     pub path: PathBuf,
+    /// 1-based line of the journal log (0: the file as a whole).
+    pub line: usize,
     /// Why.
     pub error: String,
 }
@@ -535,8 +537,9 @@ pub fn render(
     }
     for p in problems {
         notes.push_str(&format!(
-            "unreadable journal record {}: {}\n",
+            "unreadable journal record {}:{}: {}\n",
             p.path.display(),
+            p.line,
             p.error
         ));
     }
@@ -616,6 +619,7 @@ pub fn status(
         .into_iter()
         .map(|p| Problem {
             path: p.path,
+            line: p.line,
             error: p.error.to_string(),
         })
         .collect();
@@ -781,7 +785,8 @@ mod tests {
             },
         ];
         let problems = vec![Problem {
-            path: "/s/volumes/x.rec".into(),
+            path: "/s/journal.log".into(),
+            line: 3,
             error: "checksum mismatch".into(),
         }];
         let (report, unhealthy) = render(Path::new("/s"), &vols, &problems);
@@ -792,7 +797,7 @@ mod tests {
              vol-a   healthy  device   /dev/loop3  7:3        7:3\n\
              vol-b   drifted  publish  /k/t        published  not mounted\n\
              vol-b: recorded as published but nothing is mounted there (publish /k/t)\n\
-             unreadable journal record /s/volumes/x.rec: checksum mismatch\n\
+             unreadable journal record /s/journal.log:3: checksum mismatch\n\
              2 volumes in /s: 1 healthy, 1 drifted; 1 unreadable journal record\n"
         );
         assert_eq!(
