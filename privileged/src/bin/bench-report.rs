@@ -196,6 +196,26 @@ fn memory_kib(text: &str, key: &str) -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// The command that runs a row's benchmark, and its reference if it has one (a regex with
+/// `[^/]+` where the two ids differ: no `|`, which a markdown table cell cannot hold).
+fn reproduce(r: &Row) -> String {
+    match r.reference {
+        Some(reference) => {
+            let pattern: Vec<&str> =
+                r.id.split('/')
+                    .zip(reference.split('/'))
+                    .map(|(a, b)| if a == b { a } else { "[^/]+" })
+                    .collect();
+            format!(
+                "cargo bench --bench {} -- '^{}$'",
+                r.bench,
+                pattern.join("/")
+            )
+        }
+        None => format!("cargo bench --bench {} -- --exact {}", r.bench, r.id),
+    }
+}
+
 fn table(dir: &Path, note: Option<&str>) -> String {
     let mut out = String::new();
     if let Some(note) = note {
@@ -228,12 +248,11 @@ fn table(dir: &Path, note: Option<&str>) -> String {
         };
         let _ = writeln!(
             out,
-            "| {} | {} | {median_text} | {ref_text} | {ratio_text} | {} | {holds} | `cargo bench --bench {} -- {}` |",
+            "| {} | {} | {median_text} | {ref_text} | {ratio_text} | {} | {holds} | `{}` |",
             r.group,
             r.label,
             r.target.text(),
-            r.bench,
-            r.id,
+            reproduce(r),
         );
     }
     let mem = std::fs::read_to_string(dir.join("memory.txt")).unwrap_or_default();
@@ -348,6 +367,19 @@ mod tests {
         // 8 pairs in 4 ms against 1 pair in 1 ms: 2000 ops/s against 1000.
         assert!((ratio(Scaling(8, 1), 4e6, 1e6) - 2.0).abs() < 1e-9);
         assert!((ratio(Ops(8), 4e6, 2e6) - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn reproduce_runs_the_reference_too() {
+        let r = ROWS.iter().find(|r| r.id == "scale/grpc/100").expect("row");
+        assert_eq!(
+            reproduce(r),
+            "cargo bench --bench scale -- '^scale/[^/]+/100$'"
+        );
+        assert_eq!(
+            reproduce(&ROWS[0]),
+            "cargo bench --bench mount -- --exact publish/raw"
+        );
     }
 
     #[test]
