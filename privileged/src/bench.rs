@@ -1,0 +1,476 @@
+//! Shared pieces of the criterion benches in `benches/`: a real `moor-node` in a sandbox with a
+//! client on it, the CSI requests the benches send, fresh blank loop devices, a crowd of extra
+//! mounts, the daemon's memory, and each group's time budget.
+//!
+//! Everything here cleans up on drop, also when a bench panics: the daemon is stopped, extra
+//! mounts are detached, loop devices are released and their backing files removed.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use csi::node_client::NodeClient;
+use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use moor_proto::csi::v1 as csi;
+use tonic::transport::Channel;
+
+use crate::Sandbox;
+use crate::client::{Daemon, binary, connect};
+
+/// One mebibyte.
+pub const MIB: u64 = 1 << 20;
+/// One gibibyte.
+pub const GIB: u64 = 1 << 30;
+
+/// Whether `MOOR_BENCH_QUICK` asks for a fast smoke run (set and neither empty nor `0`).
+pub fn quick() -> bool {
+    std::env::var_os("MOOR_BENCH_QUICK").is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// How long one criterion group may take: its sample count, warm-up and measurement time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// Samples per benchmark (criterion's minimum is 10).
+    pub samples: usize,
+    /// Warm-up time per benchmark.
+    pub warm_up: Duration,
+    /// Measurement time per benchmark.
+    pub measurement: Duration,
+}
+
+impl Budget {
+    /// A budget for a full run, cut to 10 samples, 0.2 s warm-up and 0.5 s measurement when
+    /// [`quick`] is set.
+    pub fn new(samples: usize, warm_up: Duration, measurement: Duration) -> Self {
+        let full = Self {
+            samples: samples.max(10),
+            warm_up,
+            measurement,
+        };
+        if quick() {
+            Self {
+                samples: 10,
+                warm_up: full.warm_up.min(Duration::from_millis(200)),
+                measurement: full.measurement.min(Duration::from_millis(500)),
+            }
+        } else {
+            full
+        }
+    }
+}
+
+/// A mount volume capability for `fs`, single-node multi-writer.
+pub fn cap(fs: &str) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeMultiWriter as i32,
+        }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            mount_flags: vec![],
+            volume_mount_group: String::new(),
+        })),
+    }
+}
+
+/// NodeStageVolume of `dev` as `fs` on `staging`.
+pub fn stage_req(vol: &str, dev: &Path, staging: &Path, fs: &str) -> csi::NodeStageVolumeRequest {
+    csi::NodeStageVolumeRequest {
+        volume_id: vol.into(),
+        publish_context: HashMap::from([("devicePath".into(), dev.display().to_string())]),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(cap(fs)),
+        secrets: HashMap::new(),
+        volume_context: HashMap::new(),
+    }
+}
+
+/// NodePublishVolume of an ext4 volume staged on `staging` to `target`, read-write.
+pub fn publish_req(vol: &str, staging: &Path, target: &Path) -> csi::NodePublishVolumeRequest {
+    csi::NodePublishVolumeRequest {
+        volume_id: vol.into(),
+        publish_context: HashMap::new(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(cap("ext4")),
+        readonly: false,
+        secrets: HashMap::new(),
+        volume_context: HashMap::new(),
+    }
+}
+
+/// NodeUnpublishVolume of `target`.
+pub fn unpublish_req(vol: &str, target: &Path) -> csi::NodeUnpublishVolumeRequest {
+    csi::NodeUnpublishVolumeRequest {
+        volume_id: vol.into(),
+        target_path: target.display().to_string(),
+    }
+}
+
+/// NodeUnstageVolume of `staging`.
+pub fn unstage_req(vol: &str, staging: &Path) -> csi::NodeUnstageVolumeRequest {
+    csi::NodeUnstageVolumeRequest {
+        volume_id: vol.into(),
+        staging_target_path: staging.display().to_string(),
+    }
+}
+
+/// Connects a Node client to `socket` on the calling task's runtime (a tonic channel lives on
+/// the runtime that made it, so each runtime needs its own).
+pub async fn node_client(socket: &Path) -> NodeClient<Channel> {
+    NodeClient::new(connect(socket).await.expect("connect to moor-node"))
+}
+
+/// A real `moor-node` in its own sandbox (private mount namespace of the calling thread, which
+/// the daemon shares), with a client on a current-thread runtime.
+///
+/// Dropping it stops the daemon (SIGTERM, then waits), then the sandbox detaches every mount
+/// below it and releases its loop devices.
+#[derive(Debug)]
+pub struct Node {
+    /// A client on `rt`.
+    pub client: NodeClient<Channel>,
+    /// The daemon process.
+    pub daemon: Daemon,
+    /// The runtime `client` lives on.
+    pub rt: tokio::runtime::Runtime,
+    /// The sandbox: kubelet dir, state dir, loop devices.
+    pub sb: Sandbox,
+}
+
+impl Node {
+    /// Enters a sandbox named `name` and starts `moor-node` in it, its log in
+    /// `<sandbox>/moor-node.log` (at its default level, so the daemon does its usual work).
+    pub fn start(name: &str) -> Self {
+        let sb = Sandbox::new(name);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        let socket = sb.root.join("csi.sock");
+        let log = sb.root.join("moor-node.log");
+        let bin = binary("moor-node");
+        assert!(
+            bin.exists(),
+            "{} is not built (cargo build --bins)",
+            bin.display()
+        );
+        let child = Command::new(bin)
+            .arg("--endpoint")
+            .arg(format!("unix://{}", socket.display()))
+            .args(["--node-id", "bench", "--shutdown-grace", "2"])
+            .arg("--state-dir")
+            .arg(&sb.state)
+            .arg("--kubelet-dir")
+            .arg(&sb.kubelet)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(File::create(&log).expect("daemon log"))
+            .spawn()
+            .expect("spawn moor-node");
+        let mut daemon = Daemon {
+            child,
+            socket: socket.clone(),
+        };
+        let client = rt.block_on(async {
+            let start = Instant::now();
+            loop {
+                if let Ok(ch) = connect(&socket).await {
+                    break NodeClient::new(ch);
+                }
+                if let Ok(Some(status)) = daemon.child.try_wait() {
+                    panic!(
+                        "moor-node exited ({status}): {}",
+                        std::fs::read_to_string(&log).unwrap_or_default()
+                    );
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "moor-node did not come up"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        Self {
+            client,
+            daemon,
+            rt,
+            sb,
+        }
+    }
+
+    /// The daemon's process id.
+    pub fn pid(&self) -> u32 {
+        self.daemon.child.id()
+    }
+
+    /// The daemon's socket.
+    pub fn socket(&self) -> &Path {
+        &self.daemon.socket
+    }
+
+    /// NodeStageVolume; panics on error.
+    pub fn stage(&mut self, vol: &str, dev: &Path, staging: &Path, fs: &str) {
+        self.rt
+            .block_on(
+                self.client
+                    .node_stage_volume(stage_req(vol, dev, staging, fs)),
+            )
+            .expect("NodeStageVolume");
+    }
+
+    /// NodeUnstageVolume; panics on error.
+    pub fn unstage(&mut self, vol: &str, staging: &Path) {
+        self.rt
+            .block_on(self.client.node_unstage_volume(unstage_req(vol, staging)))
+            .expect("NodeUnstageVolume");
+    }
+
+    /// NodePublishVolume then NodeUnpublishVolume; panics on error.
+    pub fn publish_unpublish(&mut self, vol: &str, staging: &Path, target: &Path) {
+        let client = &mut self.client;
+        self.rt.block_on(async {
+            client
+                .node_publish_volume(publish_req(vol, staging, target))
+                .await
+                .expect("NodePublishVolume");
+            client
+                .node_unpublish_volume(unpublish_req(vol, target))
+                .await
+                .expect("NodeUnpublishVolume");
+        });
+    }
+
+    /// A staged ext4 volume `vol` on a fresh loop device of `size` bytes (formatted by the
+    /// daemon, as a blank device is), and a publish target for it. Returns (staging, target).
+    pub fn staged_volume(&mut self, vol: &str, size: u64) -> (PathBuf, PathBuf) {
+        let dev = self.sb.loop_device(&format!("{vol}.img"), size);
+        let staging = self.sb.staging(vol);
+        let target = self.sb.target(&format!("pod-{vol}"), vol);
+        self.stage(vol, &dev, &staging, "ext4");
+        (staging, target)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(pid) = rustix::process::Pid::from_raw(self.daemon.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+        let _ = self.daemon.child.wait();
+    }
+}
+
+/// A fresh blank loop device on its own sparse backing file. Dropping it closes the device,
+/// which the kernel then detaches (it is marked autoclear), and removes the backing file.
+#[derive(Debug)]
+pub struct BlankDevice {
+    /// The loop device.
+    pub dev: PathBuf,
+    file: PathBuf,
+    held: Option<File>,
+}
+
+impl BlankDevice {
+    /// Makes `file` a sparse file of `size` bytes and attaches it to a free loop device.
+    pub fn new(file: PathBuf, size: u64) -> Self {
+        File::create(&file)
+            .and_then(|f| f.set_len(size))
+            .expect("sparse backing file");
+        let out = Command::new("losetup")
+            .args(["--find", "--show", "--direct-io=off"])
+            .arg(&file)
+            .output()
+            .expect("losetup");
+        if !out.status.success() {
+            let _ = std::fs::remove_file(&file);
+            panic!("losetup: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        let held = File::open(&dev);
+        // Held open, the detach request only marks the device autoclear: it goes when the last
+        // user does, even if this process is killed. Not held, it is detached at once.
+        let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+        let held = match held {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = std::fs::remove_file(&file);
+                panic!("open {}: {e}", dev.display());
+            }
+        };
+        Self {
+            dev,
+            file,
+            held: Some(held),
+        }
+    }
+}
+
+impl Drop for BlankDevice {
+    fn drop(&mut self) {
+        self.held.take();
+        let _ = std::fs::remove_file(&self.file);
+    }
+}
+
+/// Extra mounts that crowd the mount namespace: one tmpfs holding a source dir bind-mounted
+/// onto sibling dirs. Dropping it detaches the tmpfs and with it every bind below.
+#[derive(Debug)]
+pub struct Crowd {
+    root: PathBuf,
+    source: PathBuf,
+    binds: usize,
+}
+
+impl Crowd {
+    /// Mounts a tmpfs on `root` (made if missing).
+    pub fn new(root: PathBuf) -> std::io::Result<Self> {
+        std::fs::create_dir_all(&root)?;
+        rustix::mount::mount(
+            "moor-crowd",
+            root.as_path(),
+            "tmpfs",
+            rustix::mount::MountFlags::empty(),
+            None,
+        )?;
+        let crowd = Self {
+            source: root.join("source"),
+            root,
+            binds: 0,
+        };
+        std::fs::create_dir(&crowd.source)?;
+        Ok(crowd)
+    }
+
+    /// Adds bind mounts until there are `binds` of them.
+    pub fn grow_to(&mut self, binds: usize) -> std::io::Result<()> {
+        while self.binds < binds {
+            let dir = self.root.join(format!("m{}", self.binds));
+            std::fs::create_dir(&dir)?;
+            rustix::mount::mount_bind(self.source.as_path(), dir.as_path())?;
+            self.binds += 1;
+        }
+        Ok(())
+    }
+
+    /// How many bind mounts it holds.
+    pub fn binds(&self) -> usize {
+        self.binds
+    }
+}
+
+impl Drop for Crowd {
+    fn drop(&mut self) {
+        let _ = rustix::mount::unmount(self.root.as_path(), rustix::mount::UnmountFlags::DETACH);
+    }
+}
+
+/// The number of mounts the calling thread's mount namespace holds.
+pub fn mount_count() -> usize {
+    std::fs::read("/proc/thread-self/mountinfo")
+        .map(|t| t.iter().filter(|&&b| b == b'\n').count())
+        .unwrap_or(0)
+}
+
+/// A process's resident memory, from `/proc/<pid>/status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Memory {
+    /// VmRSS: resident now, KiB.
+    pub rss_kib: u64,
+    /// VmHWM: the peak resident set since start or the last [`reset_peak`], KiB.
+    pub hwm_kib: u64,
+}
+
+/// Reads VmRSS and VmHWM of `pid`.
+pub fn memory(pid: u32) -> std::io::Result<Memory> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let field = |name: &str| -> std::io::Result<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+            .ok_or_else(|| std::io::Error::other(format!("no {name} in /proc/{pid}/status")))
+    };
+    Ok(Memory {
+        rss_kib: field("VmRSS:")?,
+        hwm_kib: field("VmHWM:")?,
+    })
+}
+
+/// Resets the peak resident set (VmHWM) of `pid` to its current resident set.
+pub fn reset_peak(pid: u32) -> std::io::Result<()> {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5")
+}
+
+/// KiB as MiB.
+pub fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+/// Where criterion writes its results: `$CRITERION_HOME`, else `$CARGO_TARGET_DIR/criterion`,
+/// else `criterion` in the target dir holding the running executable (`target/<profile>/` or
+/// `target/<profile>/deps/`).
+pub fn criterion_dir() -> PathBuf {
+    if let Some(home) = std::env::var_os("CRITERION_HOME") {
+        return PathBuf::from(home);
+    }
+    if let Some(target) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(target).join("criterion");
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    let mut dir = exe.parent().unwrap_or(Path::new(".")).to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir.pop();
+    dir.join("criterion")
+}
+
+/// Prints the daemon's memory and writes it to `memory.txt` in [`criterion_dir`]: the line
+/// printed, then `idle_rss_kib <n>` and, if measured, `peak_hwm_kib <n>`.
+pub fn report_memory(idle: Memory, peak: Option<Memory>) -> std::io::Result<PathBuf> {
+    let line = match peak {
+        Some(p) => format!(
+            "moor-node RSS idle: {:.1} MiB, peak under 64 clients: {:.1} MiB",
+            mib(idle.rss_kib),
+            mib(p.hwm_kib)
+        ),
+        None => format!(
+            "moor-node RSS idle: {:.1} MiB, peak under 64 clients: not measured",
+            mib(idle.rss_kib)
+        ),
+    };
+    println!("{line}");
+    let mut text = format!("{line}\nidle_rss_kib {}\n", idle.rss_kib);
+    if let Some(p) = peak {
+        text.push_str(&format!("peak_hwm_kib {}\n", p.hwm_kib));
+    }
+    let dir = criterion_dir();
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("memory.txt");
+    std::fs::write(&path, text)?;
+    Ok(path)
+}
+
+/// The mkfs command moor runs for a blank device (the same program and arguments as the
+/// engine's, without the force flag).
+pub fn mkfs_command(fs: &str, dev: &Path) -> Command {
+    let mut cmd = Command::new(format!("mkfs.{fs}"));
+    match fs {
+        "ext2" | "ext3" | "ext4" => cmd.args([
+            "-q",
+            "-E",
+            "lazy_itable_init=1,lazy_journal_init=1,nodiscard",
+        ]),
+        _ => cmd.args(["-q", "-K"]),
+    };
+    cmd.arg(dev).stdin(Stdio::null());
+    cmd
+}
+
+/// The mount data moor always passes for `fs` (xfs gets `nouuid`).
+pub fn mount_data(fs: &str) -> Option<&'static std::ffi::CStr> {
+    (fs == "xfs").then_some(c"nouuid")
+}

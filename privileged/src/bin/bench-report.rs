@@ -1,0 +1,396 @@
+//! Prints the README's performance table from the results of `cargo bench`: the medians in
+//! `target/criterion/<group>/<bench>/new/estimates.json`, each with its reference and ratio,
+//! the target issue 7 sets and whether it holds, and the daemon's memory from
+//! `target/criterion/memory.txt`.
+//!
+//!     bench-report [--criterion DIR] [--note TEXT] [--update FILE]
+//!
+//! `--update FILE` replaces the text between the lines `<!-- bench-table:begin -->` and
+//! `<!-- bench-table:end -->` of FILE (the README) with the table instead of printing it.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+const BEGIN: &str = "<!-- bench-table:begin -->";
+const END: &str = "<!-- bench-table:end -->";
+
+/// What issue 7 asks of a ratio.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    /// The reference itself, or no target.
+    Unset,
+    /// The ratio must be at most this.
+    AtMost(f64),
+    /// The ratio must be at least this.
+    AtLeast(f64),
+}
+
+impl Target {
+    fn text(self) -> String {
+        match self {
+            Target::Unset => "—".into(),
+            Target::AtMost(x) => format!("≤ {x}×"),
+            Target::AtLeast(x) => format!("≥ {x}×"),
+        }
+    }
+
+    fn holds(self, ratio: f64) -> &'static str {
+        match self {
+            Target::Unset => "",
+            Target::AtMost(x) if ratio <= x => "yes",
+            Target::AtLeast(x) if ratio >= x => "yes",
+            _ => "**no**",
+        }
+    }
+}
+
+/// How a row's numbers compare.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    /// Median time; ratio is this time over the reference's.
+    Time,
+    /// Throughput of `n` publish+unpublish pairs per iteration; ratio is the reference's
+    /// throughput over this one (the same as the ratio of times per pair).
+    Ops(u32),
+    /// Throughput of `n` pairs per iteration against the reference's `m`; ratio is this
+    /// throughput over the reference's (scaling: higher is better).
+    Scaling(u32, u32),
+}
+
+/// One row of the table.
+#[derive(Debug)]
+struct Row {
+    group: &'static str,
+    label: &'static str,
+    id: &'static str,
+    reference: Option<&'static str>,
+    kind: Kind,
+    target: Target,
+    bench: &'static str,
+}
+
+const fn row(
+    group: &'static str,
+    label: &'static str,
+    id: &'static str,
+    reference: Option<&'static str>,
+    kind: Kind,
+    target: Target,
+    bench: &'static str,
+) -> Row {
+    Row {
+        group,
+        label,
+        id,
+        reference,
+        kind,
+        target,
+        bench,
+    }
+}
+
+use Kind::{Ops, Scaling, Time};
+use Target::{AtLeast, AtMost, Unset as NoTarget};
+
+#[rustfmt::skip]
+const ROWS: &[Row] = &[
+    row("1", "raw mount(MS_BIND)+umount2 of a directory", "publish/raw", None, Time, NoTarget, "mount"),
+    row("2", "engine publish+unpublish, no gRPC", "publish/engine", Some("publish/raw"), Time, NoTarget, "mount"),
+    row("3", "gRPC NodePublish+NodeUnpublish, real daemon", "publish/grpc", Some("publish/raw"), Time, AtMost(3.0), "mount"),
+    row("4", "raw mount(2)+umount2, formatted ext4 loop device", "stage/raw-ext4", None, Time, NoTarget, "stage"),
+    row("4", "gRPC NodeStage+NodeUnstage, formatted ext4", "stage/grpc-ext4", Some("stage/raw-ext4"), Time, AtMost(1.2), "stage"),
+    row("4", "raw mount(2)+umount2, formatted xfs loop device", "stage/raw-xfs", None, Time, NoTarget, "stage"),
+    row("4", "gRPC NodeStage+NodeUnstage, formatted xfs", "stage/grpc-xfs", Some("stage/raw-xfs"), Time, AtMost(1.2), "stage"),
+    row("5", "raw bind+umount2, 100 other mounts", "scale/raw/100", None, Time, NoTarget, "scale"),
+    row("5", "gRPC publish+unpublish, 100 other mounts", "scale/grpc/100", Some("scale/raw/100"), Time, NoTarget, "scale"),
+    row("5", "raw bind+umount2, 1,000 other mounts", "scale/raw/1000", None, Time, NoTarget, "scale"),
+    row("5", "gRPC publish+unpublish, 1,000 other mounts", "scale/grpc/1000", Some("scale/raw/1000"), Time, NoTarget, "scale"),
+    row("5", "raw bind+umount2, 10,000 other mounts", "scale/raw/10000", None, Time, NoTarget, "scale"),
+    row("5", "gRPC publish+unpublish, 10,000 other mounts", "scale/grpc/10000", Some("scale/raw/10000"), Time, NoTarget, "scale"),
+    row("5", "gRPC at 10,000 mounts against gRPC at 100", "scale/grpc/10000", Some("scale/grpc/100"), Time, AtMost(1.2), "scale"),
+    row("6", "raw bind+umount2, 1 thread", "concurrency/raw/1", None, Ops(1), NoTarget, "concurrency"),
+    row("6", "gRPC publish+unpublish, 1 client", "concurrency/grpc/1", Some("concurrency/raw/1"), Ops(1), NoTarget, "concurrency"),
+    row("6", "raw bind+umount2, 8 threads", "concurrency/raw/8", None, Ops(8), NoTarget, "concurrency"),
+    row("6", "gRPC publish+unpublish, 8 clients", "concurrency/grpc/8", Some("concurrency/raw/8"), Ops(8), NoTarget, "concurrency"),
+    row("6", "raw bind+umount2, 64 threads", "concurrency/raw/64", None, Ops(64), NoTarget, "concurrency"),
+    row("6", "gRPC publish+unpublish, 64 clients", "concurrency/grpc/64", Some("concurrency/raw/64"), Ops(64), NoTarget, "concurrency"),
+    row("6", "gRPC throughput, 8 clients against 1", "concurrency/grpc/8", Some("concurrency/grpc/1"), Scaling(8, 1), AtLeast(1.5), "concurrency"),
+    row("7", "mkfs + mount(2), blank 10 GiB ext4", "first-stage/raw-ext4", None, Time, NoTarget, "stage"),
+    row("7", "gRPC NodeStage, blank 10 GiB ext4", "first-stage/grpc-ext4", Some("first-stage/raw-ext4"), Time, AtMost(1.1), "stage"),
+    row("7", "mkfs + mount(2), blank 10 GiB xfs", "first-stage/raw-xfs", None, Time, NoTarget, "stage"),
+    row("7", "gRPC NodeStage, blank 10 GiB xfs", "first-stage/grpc-xfs", Some("first-stage/raw-xfs"), Time, AtMost(1.1), "stage"),
+];
+
+/// The median, in nanoseconds, from a criterion `estimates.json`.
+fn median_ns(json: &str) -> Option<f64> {
+    let rest = &json[json.find("\"median\"")?..];
+    let rest = &rest[rest.find("\"point_estimate\"")? + "\"point_estimate\"".len()..];
+    let rest = rest.trim_start().strip_prefix(':')?.trim_start();
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E')))
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+fn median(dir: &Path, id: &str) -> Option<f64> {
+    let text = std::fs::read_to_string(dir.join(id).join("new/estimates.json")).ok()?;
+    median_ns(&text)
+}
+
+/// Three significant digits in the best unit.
+fn duration(ns: f64) -> String {
+    let (v, unit) = if ns >= 1e9 {
+        (ns / 1e9, "s")
+    } else if ns >= 1e6 {
+        (ns / 1e6, "ms")
+    } else if ns >= 1e3 {
+        (ns / 1e3, "µs")
+    } else {
+        (ns, "ns")
+    };
+    format!("{} {unit}", sig3(v))
+}
+
+fn sig3(v: f64) -> String {
+    if v >= 100.0 {
+        format!("{v:.0}")
+    } else if v >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// Pairs per second for `n` pairs per iteration of `ns`.
+fn ops(n: u32, ns: f64) -> f64 {
+    f64::from(n) * 1e9 / ns
+}
+
+fn value(kind: Kind, ns: f64) -> String {
+    match kind {
+        Time => duration(ns),
+        Ops(n) | Scaling(n, _) => format!("{} ops/s", sig3(ops(n, ns))),
+    }
+}
+
+fn reference_value(kind: Kind, ns: f64) -> String {
+    match kind {
+        Time => duration(ns),
+        Ops(n) => format!("{} ops/s", sig3(ops(n, ns))),
+        Scaling(_, m) => format!("{} ops/s", sig3(ops(m, ns))),
+    }
+}
+
+fn ratio(kind: Kind, ns: f64, ref_ns: f64) -> f64 {
+    match kind {
+        Time | Ops(_) => ns / ref_ns,
+        Scaling(n, m) => ops(n, ns) / ops(m, ref_ns),
+    }
+}
+
+/// `key value` lines of memory.txt, in KiB.
+fn memory_kib(text: &str, key: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The command that runs a row's benchmark, and its reference if it has one (a regex with
+/// `[^/]+` where the two ids differ: no `|`, which a markdown table cell cannot hold).
+fn reproduce(r: &Row) -> String {
+    match r.reference {
+        Some(reference) => {
+            let pattern: Vec<&str> =
+                r.id.split('/')
+                    .zip(reference.split('/'))
+                    .map(|(a, b)| if a == b { a } else { "[^/]+" })
+                    .collect();
+            format!(
+                "cargo bench --bench {} -- '^{}$'",
+                r.bench,
+                pattern.join("/")
+            )
+        }
+        None => format!("cargo bench --bench {} -- --exact {}", r.bench, r.id),
+    }
+}
+
+fn table(dir: &Path, note: Option<&str>) -> String {
+    let mut out = String::new();
+    if let Some(note) = note {
+        let _ = writeln!(out, "{note}\n");
+    }
+    out.push_str(
+        "| # | bench | median | reference | ratio | target | holds | reproduce |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    for r in ROWS {
+        let this = median(dir, r.id);
+        let reference = r.reference.map(|id| (id, median(dir, id)));
+        let median_text = this.map_or("not run".into(), |ns| value(r.kind, ns));
+        let (ref_text, ratio_text, holds) = match (this, reference) {
+            (_, None) => ("—".to_string(), "1×".to_string(), ""),
+            (Some(ns), Some((_, Some(ref_ns)))) => {
+                let x = ratio(r.kind, ns, ref_ns);
+                (
+                    reference_value(r.kind, ref_ns),
+                    format!("{}×", sig3(x)),
+                    r.target.holds(x),
+                )
+            }
+            (_, Some((id, _))) => (format!("`{id}` not run"), "—".into(), ""),
+        };
+        let ratio_text = if r.reference.is_none() {
+            "reference".to_string()
+        } else {
+            ratio_text
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {median_text} | {ref_text} | {ratio_text} | {} | {holds} | `{}` |",
+            r.group,
+            r.label,
+            r.target.text(),
+            reproduce(r),
+        );
+    }
+    let mem = std::fs::read_to_string(dir.join("memory.txt")).unwrap_or_default();
+    for (label, key, limit) in [
+        (
+            "moor-node resident memory, idle after start (VmRSS)",
+            "idle_rss_kib",
+            15u64,
+        ),
+        (
+            "moor-node peak resident memory under 64 clients (VmHWM)",
+            "peak_hwm_kib",
+            30,
+        ),
+    ] {
+        let (v, holds) = match memory_kib(&mem, key) {
+            Some(kib) => (
+                format!("{:.1} MiB", kib as f64 / 1024.0),
+                if kib < limit * 1024 { "yes" } else { "**no**" },
+            ),
+            None => ("not run".into(), ""),
+        };
+        let _ = writeln!(
+            out,
+            "| mem | {label} | {v} | — | — | < {limit} MiB | {holds} | `cargo bench --bench concurrency` |"
+        );
+    }
+    out
+}
+
+fn default_dir() -> PathBuf {
+    if let Some(home) = std::env::var_os("CRITERION_HOME") {
+        return PathBuf::from(home);
+    }
+    if let Some(target) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(target).join("criterion");
+    }
+    // This binary lives in target/<profile>/.
+    match std::env::current_exe() {
+        Ok(exe) => exe
+            .parent()
+            .and_then(Path::parent)
+            .map_or_else(|| PathBuf::from("target"), Path::to_path_buf)
+            .join("criterion"),
+        Err(_) => PathBuf::from("target/criterion"),
+    }
+}
+
+fn update(file: &Path, table: &str) -> Result<(), String> {
+    let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let (Some(b), Some(e)) = (text.find(BEGIN), text.find(END)) else {
+        return Err(format!("{} has no {BEGIN} ... {END} lines", file.display()));
+    };
+    if e < b {
+        return Err(format!("{END} comes before {BEGIN} in {}", file.display()));
+    }
+    let new = format!("{}{BEGIN}\n{table}{}", &text[..b], &text[e..]);
+    std::fs::write(file, new).map_err(|e| format!("{}: {e}", file.display()))
+}
+
+fn main() -> ExitCode {
+    let mut args = std::env::args().skip(1);
+    let (mut dir, mut note, mut file) = (default_dir(), None, None);
+    while let Some(a) = args.next() {
+        match (a.as_str(), args.next()) {
+            ("--criterion", Some(v)) => dir = PathBuf::from(v),
+            ("--note", Some(v)) => note = Some(v),
+            ("--update", Some(v)) => file = Some(PathBuf::from(v)),
+            _ => {
+                eprintln!("usage: bench-report [--criterion DIR] [--note TEXT] [--update FILE]");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let table = table(&dir, note.as_deref());
+    match file {
+        None => {
+            print!("{table}");
+            ExitCode::SUCCESS
+        }
+        Some(f) => match update(&f, &table) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench-report: {e}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_median_not_the_mean() {
+        let json = r#"{"mean":{"confidence_interval":{"confidence_level":0.95,"lower_bound":1.0,"upper_bound":3.0},"point_estimate":2.0,"standard_error":0.1},"median":{"confidence_interval":{"confidence_level":0.95,"lower_bound":4.0,"upper_bound":6.0},"point_estimate":5.5e3,"standard_error":0.2}}"#;
+        assert_eq!(median_ns(json), Some(5500.0));
+        assert_eq!(median_ns("{}"), None);
+    }
+
+    #[test]
+    fn formats_in_the_best_unit() {
+        assert_eq!(duration(26_200.0), "26.2 µs");
+        assert_eq!(duration(1_270_000.0), "1.27 ms");
+        assert_eq!(duration(312_400_000.0), "312 ms");
+        assert_eq!(duration(2.5e9), "2.50 s");
+    }
+
+    #[test]
+    fn scaling_compares_throughput() {
+        // 8 pairs in 4 ms against 1 pair in 1 ms: 2000 ops/s against 1000.
+        assert!((ratio(Scaling(8, 1), 4e6, 1e6) - 2.0).abs() < 1e-9);
+        assert!((ratio(Ops(8), 4e6, 2e6) - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn reproduce_runs_the_reference_too() {
+        let r = ROWS.iter().find(|r| r.id == "scale/grpc/100").expect("row");
+        assert_eq!(
+            reproduce(r),
+            "cargo bench --bench scale -- '^scale/[^/]+/100$'"
+        );
+        assert_eq!(
+            reproduce(&ROWS[0]),
+            "cargo bench --bench mount -- --exact publish/raw"
+        );
+    }
+
+    #[test]
+    fn update_replaces_between_the_markers_only() {
+        let dir = std::env::temp_dir().join(format!("bench-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let f = dir.join("README.md");
+        std::fs::write(&f, format!("a\n{BEGIN}\nold\n{END}\nb\n")).expect("write");
+        update(&f, "new\n").expect("update");
+        let got = std::fs::read_to_string(&f).expect("read");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(got, format!("a\n{BEGIN}\nnew\n{END}\nb\n"));
+    }
+}
