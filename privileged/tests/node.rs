@@ -612,9 +612,15 @@ fn nothing_is_left_in_the_sandbox_after_a_lifecycle() {
     });
     assert!(sb.mounts().is_empty());
     assert!(n.engine.journal().all().is_empty());
-    let left: Vec<PathBuf> = std::fs::read_dir(sb.state.join("volumes"))
+    let (records, problems) = moor_node::journal::read_state(&sb.state).expect("journal");
+    assert!(
+        records.is_empty() && problems.is_empty(),
+        "{records:?} {problems:?}"
+    );
+    let left: Vec<PathBuf> = std::fs::read_dir(&sb.state)
         .expect("state")
         .map(|e| e.expect("entry").path())
+        .filter(|p| p.file_name() != Some(std::ffi::OsStr::new(moor_node::journal::LOG_FILE)))
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
