@@ -209,3 +209,37 @@ pub fn run(program: &str, args: &[&str]) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// How many mounts sit on `path` in this thread's mount namespace (stacked ones count).
+pub fn mount_depth(path: &Path) -> usize {
+    let table = std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default();
+    moor_node::mountinfo::parse(&table)
+        .unwrap_or_default()
+        .iter()
+        .filter(|m| m.mount_point == path)
+        .count()
+}
+
+/// A current-thread tokio runtime: daemons it starts inherit this thread's mount namespace.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// A mount volume capability for `fs` with access `mode`.
+pub fn fs_cap(
+    fs: &str,
+    mode: moor_proto::csi::v1::volume_capability::access_mode::Mode,
+) -> moor_proto::csi::v1::VolumeCapability {
+    use moor_proto::csi::v1::volume_capability::{AccessMode, AccessType, MountVolume};
+    moor_proto::csi::v1::VolumeCapability {
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            mount_flags: vec![],
+            volume_mount_group: String::new(),
+        })),
+    }
+}

@@ -5,14 +5,14 @@
 //! intact (so the device was never formatted again), and nothing leaks.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use csi::node_client::NodeClient;
-use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use csi::volume_capability::access_mode::Mode;
 use moor_node::fault;
-use moor_privileged::Sandbox;
 use moor_privileged::client::{Daemon, connect};
+use moor_privileged::{Sandbox, fs_cap, mount_depth, runtime};
 use moor_proto::csi::v1 as csi;
 use tonic::transport::Channel;
 
@@ -62,26 +62,7 @@ struct World {
 }
 
 fn cap() -> csi::VolumeCapability {
-    csi::VolumeCapability {
-        access_mode: Some(AccessMode {
-            mode: Mode::SingleNodeWriter as i32,
-        }),
-        access_type: Some(AccessType::Mount(MountVolume {
-            fs_type: "xfs".into(),
-            mount_flags: vec![],
-            volume_mount_group: String::new(),
-        })),
-    }
-}
-
-/// How many mounts sit on `path` in this thread's namespace.
-fn depth(path: &Path) -> usize {
-    let table = std::fs::read("/proc/thread-self/mountinfo").expect("mountinfo");
-    moor_node::mountinfo::parse(&table)
-        .expect("parse")
-        .iter()
-        .filter(|m| m.mount_point == path)
-        .count()
+    fs_cap("xfs", Mode::SingleNodeWriter)
 }
 
 impl World {
@@ -199,8 +180,16 @@ impl World {
             Op::Publish | Op::Expand => (1, 1),
             Op::Unstage => (0, 0),
         };
-        assert_eq!(depth(&self.staging), staged, "{round}: staging mounts");
-        assert_eq!(depth(&self.target), published, "{round}: target mounts");
+        assert_eq!(
+            mount_depth(&self.staging),
+            staged,
+            "{round}: staging mounts"
+        );
+        assert_eq!(
+            mount_depth(&self.target),
+            published,
+            "{round}: target mounts"
+        );
         if published == 1 {
             let data = std::fs::read(self.target.join("marker")).expect("marker");
             assert_eq!(data, MARKER, "{round}: data intact");
@@ -250,13 +239,6 @@ impl Drop for World {
             let _ = d.child.wait();
         }
     }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 #[test]

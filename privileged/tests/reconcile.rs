@@ -9,36 +9,20 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use csi::node_client::NodeClient;
-use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use csi::volume_capability::access_mode::Mode;
 use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::{self, Journal};
 use moor_node::reconcile::{Action, Reconciler};
 use moor_node::sys::linux::Linux;
 use moor_privileged::client::{Daemon, connect};
-use moor_privileged::{Sandbox, is_mount_point};
+use moor_privileged::{Sandbox, fs_cap, is_mount_point, mount_depth, runtime};
 use moor_proto::csi::v1 as csi;
 use tonic::transport::Channel;
 
 const MIB: u64 = 1 << 20;
 
 fn cap() -> csi::VolumeCapability {
-    csi::VolumeCapability {
-        access_mode: Some(AccessMode {
-            mode: Mode::SingleNodeWriter as i32,
-        }),
-        access_type: Some(AccessType::Mount(MountVolume {
-            fs_type: "ext4".into(),
-            mount_flags: vec![],
-            volume_mount_group: String::new(),
-        })),
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
+    fs_cap("ext4", Mode::SingleNodeWriter)
 }
 
 /// Mounts a FUSE filesystem on `target` and closes its device at once: the server is dead
@@ -65,15 +49,6 @@ fn dead_fuse(target: &Path) {
     drop(dev);
     let err = std::fs::metadata(target.join("x")).expect_err("dead fuse");
     assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "{err}");
-}
-
-fn depth(path: &Path) -> usize {
-    let table = std::fs::read("/proc/thread-self/mountinfo").expect("mountinfo");
-    moor_node::mountinfo::parse(&table)
-        .expect("parse")
-        .iter()
-        .filter(|m| m.mount_point == path)
-        .count()
 }
 
 struct Node {
@@ -215,7 +190,7 @@ fn dead_fuse_mounts_are_cleaned_by_unpublish_unstage_and_reconciliation() {
         n.unpublish(&mut node)
             .await
             .expect("unpublish a corrupted target");
-        assert_eq!(depth(&n.target), 0);
+        assert_eq!(mount_depth(&n.target), 0);
         assert!(!n.target.exists());
 
         // Over the target again, and found by the periodic pass, which detaches it and
@@ -224,7 +199,7 @@ fn dead_fuse_mounts_are_cleaned_by_unpublish_unstage_and_reconciliation() {
         std::fs::write(n.target.join("f"), b"kept").expect("write");
         dead_fuse(&n.target);
         let deadline = Instant::now() + std::time::Duration::from_secs(20);
-        while depth(&n.target) > 1 {
+        while mount_depth(&n.target) > 1 {
             assert!(
                 Instant::now() < deadline,
                 "reconciliation did not clean the target"
@@ -240,7 +215,7 @@ fn dead_fuse_mounts_are_cleaned_by_unpublish_unstage_and_reconciliation() {
         n.unstage(&mut node)
             .await
             .expect("unstage a corrupted staging path");
-        assert_eq!(depth(&n.staging), 0);
+        assert_eq!(mount_depth(&n.staging), 0);
     });
     assert!(n.sb.mounts().is_empty(), "{:?}", n.sb.mounts());
 }
@@ -261,7 +236,7 @@ fn a_corrupted_target_found_at_start_is_detached_and_reported_until_kubelet_acts
         dead_fuse(&n.target);
         let mut node = n.start().await;
         assert_eq!(
-            depth(&n.target),
+            mount_depth(&n.target),
             0,
             "the corrupted mount is detached at start"
         );
@@ -303,7 +278,7 @@ async fn rebuilt_after(n: &mut Node, damage: impl Fn(&Path)) {
     // kubelet's retries and its teardown all work on the rebuilt record.
     n.stage(&mut node).await.expect("stage retry");
     n.publish(&mut node).await.expect("publish retry");
-    assert_eq!(depth(&n.target), 1, "no second mount stacked");
+    assert_eq!(mount_depth(&n.target), 1, "no second mount stacked");
     assert_eq!(
         std::fs::read(n.target.join("data")).expect("read"),
         b"survives"
@@ -415,8 +390,8 @@ fn a_pass_over_ten_thousand_mounts() {
     assert_eq!(table.len(), info.len());
     assert!(table.len() > MOUNTS);
     // Nothing of moor's was touched.
-    assert_eq!(depth(&n.target), 1);
-    assert_eq!(depth(&n.staging), 1);
+    assert_eq!(mount_depth(&n.target), 1);
+    assert_eq!(mount_depth(&n.staging), 1);
     let _ = rustix::mount::unmount(&many, rustix::mount::UnmountFlags::DETACH);
     for i in (1..MOUNTS).step_by(2) {
         let dir =
