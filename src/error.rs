@@ -114,6 +114,11 @@ impl Error {
             Error::TooManyVolumes(_) => Code::ResourceExhausted,
             Error::Unavailable(_) => Code::Unavailable,
             Error::ToolTimeout(_) => Code::DeadlineExceeded,
+            // A symlink in a path below the kubelet dir, or a path that leads out of it: the
+            // node's state is not what the call needs, not a fault of moor's.
+            Error::Sys(e) if matches!(e.errno(), Some(libc::ELOOP | libc::EXDEV)) => {
+                Code::FailedPrecondition
+            }
             Error::Sys(_) | Error::Tool(_) | Error::Journal(_) => Code::Internal,
             Error::Discovery(e) => match e {
                 DiscoveryError::Deadline { .. } => Code::DeadlineExceeded,

@@ -61,7 +61,12 @@ pub fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|e| sock_err("create socket dir", e))?;
     }
-    let listener = UnixListener::bind(path).map_err(|e| sock_err("bind", e))?;
+    // No window in which the socket has a looser mode than 0660: bind under a umask that
+    // already gives it that mode, then set it explicitly as well.
+    let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o117));
+    let bound = UnixListener::bind(path);
+    rustix::process::umask(old);
+    let listener = bound.map_err(|e| sock_err("bind", e))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
         .map_err(|e| sock_err("chmod", e))?;
     Ok(listener)

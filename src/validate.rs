@@ -224,6 +224,7 @@ pub fn clean_absolute(field: &'static str, raw: &str) -> Result<PathBuf> {
     Ok(PathBuf::from(raw))
 }
 
+/// Checks a map's total size; its contents are never quoted (it may hold secrets).
 fn map_size(field: &'static str, map: &HashMap<String, String>) -> Result<()> {
     let bytes: usize = map.iter().map(|(k, v)| k.len() + v.len()).sum();
     if bytes > MAX_MAP_BYTES {
@@ -332,6 +333,7 @@ pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<St
     let cap = capability(req.volume_capability.as_ref())?;
     map_size("publish_context", &req.publish_context)?;
     map_size("volume_context", &req.volume_context)?;
+    map_size("secrets", &req.secrets)?;
     let (device, identity) = device_identity(&req.publish_context, kubelet_dir)?;
     Ok(Stage {
         volume_id,
@@ -419,6 +421,7 @@ pub fn publish(req: &csi::NodePublishVolumeRequest, kubelet_dir: &Path) -> Resul
     let cap = capability(req.volume_capability.as_ref())?;
     map_size("publish_context", &req.publish_context)?;
     map_size("volume_context", &req.volume_context)?;
+    map_size("secrets", &req.secrets)?;
     if req.staging_target_path.is_empty() {
         // moor advertises STAGE_UNSTAGE_VOLUME: the spec's row "staging target path not set".
         return Err(Error::FailedPrecondition(
@@ -461,6 +464,7 @@ pub fn stats(req: &csi::NodeGetVolumeStatsRequest, kubelet_dir: &Path) -> Result
 pub fn expand(req: &csi::NodeExpandVolumeRequest, kubelet_dir: &Path) -> Result<Expand> {
     let volume_id = volume_id("volume_id", &req.volume_id)?;
     let path = path_under("volume_path", &req.volume_path, kubelet_dir)?;
+    map_size("secrets", &req.secrets)?;
     let staging = if req.staging_target_path.is_empty() {
         None
     } else {

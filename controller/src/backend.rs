@@ -14,6 +14,8 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::os::unix::fs::MetadataExt as _;
+use std::path::Path;
 use std::time::SystemTime;
 
 use crate::error::{Error, Result};
@@ -469,8 +471,86 @@ pub fn page_after<'a, T: Clone + 'a>(
     }
 }
 
+/// Checks that a backend may keep volumes in the data dir at `path`: a real directory (not a
+/// symlink), owned by this process's effective user, and writable by no one else. Anyone else
+/// able to write there could plant records or backing files the controller would attach.
+/// A backend calls this on its data dir before reading anything from it.
+pub fn check_data_dir(path: &Path) -> Result<()> {
+    let meta = std::fs::symlink_metadata(path).map_err(|e| Error::io("stat data dir", path, e))?;
+    let refuse = |why: String| {
+        Err(Error::NotReady(format!(
+            "data dir {}: {why}; refusing to use it",
+            path.display()
+        )))
+    };
+    if meta.file_type().is_symlink() {
+        return refuse("is a symlink".into());
+    }
+    if !meta.is_dir() {
+        return refuse("is not a directory".into());
+    }
+    let me = rustix::process::geteuid().as_raw();
+    if meta.uid() != me {
+        return refuse(format!(
+            "is owned by uid {}, not by this process (uid {me})",
+            meta.uid()
+        ));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return refuse(format!(
+            "is writable by its group or others (mode {:o})",
+            meta.mode() & 0o7777
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
+    use super::check_data_dir;
+
+    fn scratch(tag: &str) -> std::path::PathBuf {
+        let p = std::env::temp_dir().join(format!("moor-datadir-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        let _ = std::fs::remove_file(&p);
+        p
+    }
+
+    #[test]
+    fn data_dir_must_be_ours_and_private() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let ok = scratch("ok");
+        std::fs::create_dir(&ok).expect("dir");
+        std::fs::set_permissions(&ok, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        assert!(check_data_dir(&ok).is_ok());
+
+        std::fs::set_permissions(&ok, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let e = check_data_dir(&ok).expect_err("world-writable");
+        assert!(e.to_string().contains("writable"), "{e}");
+        std::fs::set_permissions(&ok, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+
+        let link = scratch("link");
+        std::os::unix::fs::symlink(&ok, &link).expect("symlink");
+        assert!(check_data_dir(&link).is_err());
+        let _ = std::fs::remove_file(&link);
+
+        let file = scratch("file");
+        std::fs::write(&file, b"").expect("file");
+        assert!(check_data_dir(&file).is_err());
+        let _ = std::fs::remove_file(&file);
+
+        assert!(check_data_dir(&scratch("missing")).is_err());
+
+        // Owned by someone else (only root can give a dir away; others skip this part).
+        if rustix::process::geteuid().is_root() {
+            rustix::fs::chown(&ok, Some(rustix::process::Uid::from_raw(65534)), None)
+                .expect("chown");
+            let e = check_data_dir(&ok).expect_err("not ours");
+            assert!(e.to_string().contains("owned by uid 65534"), "{e}");
+        }
+        let _ = std::fs::remove_dir_all(&ok);
+    }
+
     use super::*;
 
     const MIB: u64 = 1 << 20;

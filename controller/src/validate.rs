@@ -19,6 +19,8 @@ use crate::error::{Error, Result, trunc};
 
 /// Longest id or name (the spec's general limit for strings).
 pub const MAX_STRING_LEN: usize = 128;
+/// Longest node id (the spec raises the general limit to 192 bytes for node ids).
+pub const MAX_NODE_ID_LEN: usize = 192;
 /// Most bytes in all keys and values of one map (the spec's 4 KiB for maps).
 pub const MAX_MAP_BYTES: usize = 4096;
 /// Most capabilities in one request.
@@ -41,6 +43,24 @@ pub fn id(field: &'static str, id: &str) -> Result<String> {
         return Err(Error::invalid(field, "contains control characters"));
     }
     Ok(id.to_string())
+}
+
+/// Checks a node id: as [`id`], with the spec's 192-byte limit for node ids.
+pub fn node_id(field: &'static str, raw: &str) -> Result<String> {
+    if raw.len() > MAX_NODE_ID_LEN {
+        return Err(Error::invalid(
+            field,
+            format!("longer than {MAX_NODE_ID_LEN} bytes"),
+        ));
+    }
+    if raw.len() > MAX_STRING_LEN {
+        // Between the general limit and the node id limit: only the length differs.
+        if raw.chars().any(char::is_control) {
+            return Err(Error::invalid(field, "contains control characters"));
+        }
+        return Ok(raw.to_string());
+    }
+    id(field, raw)
 }
 
 /// Checks an optional id: empty means unset.
@@ -310,7 +330,7 @@ pub fn delete_volume(req: &csi::DeleteVolumeRequest) -> Result<String> {
 /// Validates ControllerPublishVolume.
 pub fn publish(req: &csi::ControllerPublishVolumeRequest) -> Result<PublishRequest> {
     let volume_id = id("volume_id", &req.volume_id)?;
-    let node_id = id("node_id", &req.node_id)?;
+    let node_id = node_id("node_id", &req.node_id)?;
     let capability = capability("volume_capability", req.volume_capability.as_ref())?;
     map_size("secrets", &req.secrets)?;
     let context = map("volume_context", &req.volume_context)?;
@@ -328,7 +348,11 @@ pub fn unpublish(req: &csi::ControllerUnpublishVolumeRequest) -> Result<(String,
     map_size("secrets", &req.secrets)?;
     Ok((
         id("volume_id", &req.volume_id)?,
-        optional_id("node_id", &req.node_id)?,
+        if req.node_id.is_empty() {
+            None
+        } else {
+            Some(node_id("node_id", &req.node_id)?)
+        },
     ))
 }
 
@@ -491,6 +515,23 @@ mod tests {
         assert!(name("name", "bad\u{85}").is_err());
         assert!(name("name", "").is_err());
         assert!(name("name", "ünïcødé").is_ok());
+    }
+
+    #[test]
+    fn node_ids_may_be_192_bytes() {
+        assert!(node_id("node_id", &"n".repeat(192)).is_ok());
+        assert_eq!(
+            field_of(node_id("node_id", &"n".repeat(193)).unwrap_err()),
+            "node_id"
+        );
+        assert!(node_id("node_id", &format!("{}\n", "n".repeat(150))).is_err());
+        assert!(node_id("node_id", "").is_err());
+        let req = csi::ControllerUnpublishVolumeRequest {
+            volume_id: "v".into(),
+            node_id: "n".repeat(193),
+            secrets: HashMap::new(),
+        };
+        assert_eq!(field_of(unpublish(&req).unwrap_err()), "node_id");
     }
 
     #[test]

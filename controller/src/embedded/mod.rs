@@ -234,8 +234,10 @@ impl<A: Attacher> EmbeddedBackend<A> {
         if cfg.node_id.is_empty() {
             return Err(Error::invalid("node_id", "must be set"));
         }
-        fs::create_dir_all(&cfg.data_dir)
+        std::os::unix::fs::DirBuilderExt::mode(fs::DirBuilder::new().recursive(true), 0o700)
+            .create(&cfg.data_dir)
             .map_err(|e| Error::io("create data dir", &cfg.data_dir, e))?;
+        crate::backend::check_data_dir(&cfg.data_dir)?;
         let root = fs::canonicalize(&cfg.data_dir)
             .map_err(|e| Error::io("resolve data dir", &cfg.data_dir, e))?;
         let layout = Layout::new(root);
