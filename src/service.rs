@@ -59,14 +59,27 @@ pub fn readiness<O: Os>(os: &O, state_dir: &std::path::Path) -> Option<String> {
     None
 }
 
-/// Runs `f` on the blocking pool; a panic becomes INTERNAL.
+/// Runs `f`, which may block in the kernel (mount, mkfs), without stalling the server; a
+/// panic becomes INTERNAL.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, Error> + Send + 'static,
 ) -> Result<T, Status> {
-    match tokio::task::spawn_blocking(f).await {
+    // On a multi-thread runtime (the daemon's): on this worker, with the runtime told it
+    // blocks (its other tasks move to another worker), which saves a hand-off to the blocking
+    // pool and back, yet a call stuck in the kernel cannot starve the server. Elsewhere: on
+    // the blocking pool.
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    let outcome = if multi_thread {
+        std::panic::catch_unwind(AssertUnwindSafe(|| tokio::task::block_in_place(f)))
+            .map_err(|_| ())
+    } else {
+        tokio::task::spawn_blocking(f).await.map_err(|_| ())
+    };
+    match outcome {
         Ok(r) => r.map_err(Status::from),
-        Err(e) => {
-            warn!(error = %e, "handler panicked");
+        Err(()) => {
+            warn!("handler panicked");
             Err(Status::internal(
                 "internal error: the operation panicked; see the node log",
             ))
