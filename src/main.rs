@@ -258,8 +258,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 let _ = std::fs::remove_file(&socket);
             })?;
             info!(socket = %reg_socket.display(), csi_endpoint = %kubelet_path.display(), "serving kubelet plugin registration");
-            let router =
-                tonic::transport::Server::builder().add_service(RegistrationServer::new(service));
+            let router = tonic::transport::Server::builder()
+                .add_service(Metered::new(RegistrationServer::new(service)));
             Some((router, reg_listener, reg_socket))
         }
         None => None,

@@ -95,14 +95,25 @@ pub async fn serve(
             stopping.notified().await;
             // Clients such as kubelet keep their connections open for good: once no call is in
             // flight there is nothing left to wait for.
+            // A call counts until its handler returns; its answer still has to reach the
+            // socket, so stop only once no call has been in flight for a short linger.
             let deadline = tokio::time::Instant::now() + grace;
-            while crate::metrics::calls_in_flight() > 0 {
-                if tokio::time::Instant::now() >= deadline {
+            let linger = std::time::Duration::from_millis(100);
+            let mut idle_since = None;
+            loop {
+                let now = tokio::time::Instant::now();
+                if crate::metrics::calls_in_flight() > 0 {
+                    idle_since = None;
+                } else if idle_since.is_some_and(|t| now >= t + linger) {
+                    return true;
+                } else if idle_since.is_none() {
+                    idle_since = Some(now);
+                }
+                if now >= deadline {
                     return false;
                 }
                 tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             }
-            true
         } => {
             if drained {
                 tracing::info!("no call in flight: stopping");
