@@ -12,6 +12,7 @@
 //! * [`registration`] registers the plugin with kubelet, [`http`] serves `/healthz` and
 //!   `/metrics`, and [`metrics`] keeps the Prometheus metrics.
 
+pub mod daemon;
 pub mod discovery;
 pub mod engine;
 pub mod error;

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::Journal;
 use moor_node::metrics::{Metered, MeteredOs};
@@ -14,20 +14,11 @@ use moor_node::registration::{self, RegistrationService};
 use moor_node::service::{IdentityService, NodeService, OPTIONAL_TOOLS, PluginInfo, readiness};
 use moor_node::sys::Os;
 use moor_node::sys::linux::Linux;
-use moor_node::{http, server};
+use moor_node::{daemon, http, server};
 use moor_proto::csi::v1::{identity_server::IdentityServer, node_server::NodeServer};
 use moor_proto::registration::v1::registration_server::RegistrationServer;
 use tokio::sync::watch;
-use tracing::{error, info, warn};
-
-/// Log output format.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+use tracing::{info, warn};
 
 /// moor-node: the CSI node plugin. Serves the CSI Identity and Node services to kubelet on a
 /// Unix socket, and stages and publishes volumes by direct mount syscalls.
@@ -53,8 +44,8 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     max_volumes: u64,
     /// Log format.
-    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
+    #[arg(long, value_enum, default_value_t = daemon::LogFormat::Text)]
+    log_format: daemon::LogFormat,
     /// fsync every journal write (default: only those that must outlive a power loss).
     #[arg(long)]
     journal_fsync: bool,
@@ -109,38 +100,10 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
-}
-
 fn main() -> ExitCode {
     let args = Args::parse();
-    init_logging(args.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            error!(error = %e, "cannot start the async runtime");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            error!(error = %e, "moor-node stopped");
-            ExitCode::FAILURE
-        }
-    }
+    daemon::init_logging(args.log_format);
+    daemon::run("moor-node", run(args))
 }
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {

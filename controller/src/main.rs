@@ -5,25 +5,16 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use moor_controller::embedded::attach::LoopAttacher;
 use moor_controller::embedded::{Config, EmbeddedBackend};
 use moor_controller::identity::IdentityService;
 use moor_controller::service::ControllerService;
 use moor_node::metrics::Metered;
-use moor_node::{http, server};
+use moor_node::{daemon, http, server};
 use moor_proto::csi::v1::controller_server::ControllerServer;
 use moor_proto::csi::v1::identity_server::IdentityServer;
-use tracing::{error, info, warn};
-
-/// Log output format.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+use tracing::{info, warn};
 
 /// moor-controller: the CSI controller plugin. Serves the CSI Identity and Controller services
 /// on a Unix socket; its embedded backend keeps volumes as sparse files under --data-dir and
@@ -44,8 +35,8 @@ struct Args {
     #[arg(long, default_value = "/var/lib/moor/controller")]
     data_dir: PathBuf,
     /// Log format.
-    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
+    #[arg(long, value_enum, default_value_t = daemon::LogFormat::Text)]
+    log_format: daemon::LogFormat,
     /// On SIGTERM or SIGINT, how long in-flight calls may take to finish, in seconds.
     #[arg(long, default_value_t = 20)]
     shutdown_grace: u64,
@@ -67,18 +58,6 @@ impl<B: moor_controller::Backend> http::Status for ControllerStatus<B> {
 
     fn metrics(&self) -> String {
         moor_node::metrics::render_grpc()
-    }
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
     }
 }
 
@@ -120,24 +99,8 @@ fn check_names(driver: &str, node: &str) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    init_logging(args.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            error!(error = %e, "cannot start the async runtime");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            error!(error = %e, "moor-controller stopped");
-            ExitCode::FAILURE
-        }
-    }
+    daemon::init_logging(args.log_format);
+    daemon::run("moor-controller", run(args))
 }
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {

@@ -329,7 +329,9 @@ pub fn parse_clap_source(binary: &str, src: &str) -> Result<Cli, String> {
             Some(_) => false,
             None => arity == Arity::Value && outer.is_none() && !has_default,
         };
-        let kind = match inner_ty.as_str() {
+        // A value enum may be named by a path (`daemon::LogFormat`): its last segment.
+        let type_name = inner_ty.rsplit("::").next().unwrap_or(&inner_ty);
+        let kind = match type_name {
             "u8" | "u16" | "u32" | "u64" | "u128" | "usize" => ValueKind::Unsigned,
             "i8" | "i16" | "i32" | "i64" | "i128" | "isize" => ValueKind::Signed,
             t if enums.contains_key(t) && !opts.contains_key("value_parser") => {

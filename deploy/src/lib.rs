@@ -115,7 +115,7 @@ pub fn read_repo_file(rel: &str) -> Result<String, String> {
 }
 
 /// The command lines of moor-node (`src/main.rs`) and moor-controller
-/// (`controller/src/main.rs`), with the [`flags::COMING_FLAGS`] when `coming`.
+/// (`controller/src/main.rs`, both with the value enums of `src/daemon.rs`), with the [`flags::COMING_FLAGS`] when `coming`.
 ///
 /// Returns them and the notes about coming flags that have landed.
 ///
@@ -123,8 +123,11 @@ pub fn read_repo_file(rel: &str) -> Result<String, String> {
 /// When a source cannot be read or parsed, or a coming flag landed with another arity.
 pub fn binaries(coming: bool) -> Result<(flags::Cli, flags::Cli, Vec<String>), String> {
     let mut notes = Vec::new();
+    // The value enums both daemons share (their log format) live in `src/daemon.rs`.
+    let shared = read_repo_file("src/daemon.rs")?;
     let mut read = |binary: &str, rel: &str| -> Result<flags::Cli, String> {
-        let cli = flags::parse_clap_source(binary, &read_repo_file(rel)?)?;
+        let source = format!("{}\n{shared}", read_repo_file(rel)?);
+        let cli = flags::parse_clap_source(binary, &source)?;
         if !coming {
             return Ok(cli);
         }

@@ -1,0 +1,53 @@
+//! The start-up both daemons share: their log format flag, logging to stderr, and the
+//! multi-thread runtime that runs them, with the process's exit code.
+
+use std::future::Future;
+use std::process::ExitCode;
+
+use tracing::error;
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`).
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+/// Runs `daemon` on a multi-thread runtime; its error is logged as why `name` stopped.
+pub fn run(
+    name: &str,
+    daemon: impl Future<Output = Result<(), Box<dyn std::error::Error>>>,
+) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            error!(error = %e, "cannot start the async runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(daemon) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!(error = %e, "{name} stopped");
+            ExitCode::FAILURE
+        }
+    }
+}
