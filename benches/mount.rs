@@ -4,7 +4,11 @@
 //!
 //! Group `publish`, its raw reference first so results read as ratios:
 //! * `raw`: mount(MS_BIND) + umount2 of a directory, by syscall (issue 7's group 1);
+//! * `raw-dir`: the same with the target made before and removed after (mkdir, rmdir), which
+//!   the spec has the plugin do: the kernel's share of a publish+unpublish;
 //! * `engine`: the engine's publish + unpublish of a staged ext4 volume, without gRPC (2);
+//! * `grpc-null`: two NodeGetCapabilities calls on the real daemon: the gRPC round trips of a
+//!   pair with no work behind them;
 //! * `grpc`: NodePublishVolume + NodeUnpublishVolume through gRPC on the real daemon (3).
 
 use std::sync::Arc;
@@ -41,6 +45,19 @@ fn publish(c: &mut Criterion) {
         })
     });
 
+    // The same, with the target made before and removed after, as the spec has the plugin do
+    // (mkdir + bind + umount2 + rmdir): the kernel's share of a publish+unpublish pair.
+    let raw_dir = node.sb.root.join("raw-dir");
+    g.bench_function("raw-dir", |b| {
+        b.iter(|| {
+            std::fs::create_dir(&raw_dir).expect("mkdir");
+            rustix::mount::mount_bind(raw_src.as_path(), raw_dir.as_path()).expect("bind");
+            rustix::mount::unmount(raw_dir.as_path(), rustix::mount::UnmountFlags::empty())
+                .expect("umount");
+            std::fs::remove_dir(&raw_dir).expect("rmdir");
+        })
+    });
+
     // The engine alone, in this process, on its own state dir and volume.
     let sb = &node.sb;
     let state = sb.root.join("state-engine");
@@ -70,6 +87,7 @@ fn publish(c: &mut Criterion) {
     let st2 = validate::unstage(&unstage_req("vol-eng", &staging2), &sb.kubelet).expect("valid");
     engine.unstage(&st2).expect("engine unstage");
 
+    g.bench_function("grpc-null", |b| b.iter(|| node.null_pair()));
     g.bench_function("grpc", |b| {
         b.iter(|| node.publish_unpublish("vol-pub", &staging, &target))
     });

@@ -2,6 +2,7 @@
 //! multi-thread runtime that runs them, with the process's exit code.
 
 use std::future::Future;
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use tracing::error;
@@ -19,8 +20,10 @@ pub enum LogFormat {
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only for a person at a terminal: a log collector gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

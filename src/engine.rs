@@ -21,8 +21,8 @@ use crate::journal::{
 use crate::mount_options::Filesystem;
 use crate::probe::{self, Content};
 use crate::sys::{
-    BindMount, BlockDevice, FsMount, FsUsage, MountAttrs, MountPoint, MountState, Os, SysError,
-    ToolRun, is_corruption_errno,
+    AlignedBuf, BindMount, BlockDevice, FsMount, FsUsage, MountAttrs, MountPoint, MountState, Os,
+    SysError, ToolRun, is_corruption_errno,
 };
 use crate::validate::{self, Access, Capability};
 
@@ -280,27 +280,35 @@ impl<O: Os> Engine<O> {
     }
 
     /// Reads the device's superblock regions and says what is on it.
+    ///
+    /// The windows are read into page-aligned buffers, so the OS layer can read them with
+    /// O_DIRECT: no copy through the device's page cache, which the mount would throw away.
     pub fn probe_device(&self, device: &Path, size: u64) -> Result<Content> {
-        let quick_len = (probe::QUICK_LEN as u64).min(size) as usize;
-        let mut head = vec![0u8; quick_len];
-        let n = self.os.read_device(device, 0, &mut head)?;
-        head.truncate(n);
-        if let Some(found) = probe::probe_quick(&head) {
+        let head_len = (probe::HEAD_LEN as u64).min(size) as usize;
+        let quick_len = probe::QUICK_LEN.min(head_len);
+        let mut head = AlignedBuf::zeroed(head_len);
+        let n = self
+            .os
+            .read_device(device, 0, &mut head.as_mut_slice()[..quick_len])?;
+        if let Some(found) = probe::probe_quick(&head.as_slice()[..n]) {
             return Ok(found);
         }
-        let head_len = (probe::HEAD_LEN as u64).min(size) as usize;
-        head.resize(head_len, 0);
-        if head_len > n {
-            let more = self.os.read_device(device, n as u64, &mut head[n..])?;
-            head.truncate(n + more);
+        let mut got = n;
+        if n == quick_len && head_len > n {
+            got += self
+                .os
+                .read_device(device, n as u64, &mut head.as_mut_slice()[n..])?;
         }
         let tail_len = (probe::TAIL_LEN as u64).min(size) as usize;
-        let mut tail = vec![0u8; tail_len];
-        let got = self
+        let mut tail = AlignedBuf::zeroed(tail_len);
+        let tail_got = self
             .os
-            .read_device(device, size - tail_len as u64, &mut tail)?;
-        tail.truncate(got);
-        Ok(probe::probe(&head, &tail, size))
+            .read_device(device, size - tail_len as u64, tail.as_mut_slice())?;
+        Ok(probe::probe(
+            &head.as_slice()[..got],
+            &tail.as_slice()[..tail_got],
+            size,
+        ))
     }
 
     fn mkfs(&self, fs: Filesystem, device: &Path, force: bool) -> Result<Duration> {

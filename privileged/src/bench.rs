@@ -243,6 +243,20 @@ impl Node {
         });
     }
 
+    /// Two NodeGetCapabilities calls: the gRPC round trips of a publish+unpublish pair with
+    /// no work behind them, the floor the daemon's own work adds to.
+    pub fn null_pair(&mut self) {
+        let client = &mut self.client;
+        self.rt.block_on(async {
+            for _ in 0..2 {
+                client
+                    .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
+                    .await
+                    .expect("NodeGetCapabilities");
+            }
+        });
+    }
+
     /// A staged ext4 volume `vol` on a fresh loop device of `size` bytes (formatted by the
     /// daemon, as a blank device is), and a publish target for it. Returns (staging, target).
     pub fn staged_volume(&mut self, vol: &str, size: u64) -> (PathBuf, PathBuf) {

@@ -63,6 +63,21 @@ impl Sandbox {
         }
     }
 
+    /// Puts the data dir on a tmpfs, so the loop devices made after this are backed by memory:
+    /// a device flush (an ext4 or xfs unmount, mkfs) then ends in RAM instead of on this
+    /// machine's disk, whose latency is the same for every caller but swings widely. The
+    /// benches of mounting a device use it; the tmpfs goes when the sandbox drops.
+    pub fn data_in_memory(&self) {
+        rustix::mount::mount(
+            "moor-bench",
+            self.data.as_path(),
+            "tmpfs",
+            rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV,
+            c"mode=0700",
+        )
+        .expect("tmpfs on the data dir");
+    }
+
     /// A sparse backing file of `size` bytes attached as a loop device; returns the device.
     pub fn loop_device(&self, name: &str, size: u64) -> PathBuf {
         let file = self.data.join(name);

@@ -6,7 +6,6 @@
 //! dir can never redirect a mount, a mkdir or a removal elsewhere.
 
 use std::ffi::OsStr;
-use std::io::Read as _;
 use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Component, Path, PathBuf};
@@ -25,8 +24,8 @@ use rustix::mount::{
 use super::mount_table::{self, MountEntry};
 use super::raw::{self, MountAttr};
 use super::{
-    Atime, BindMount, BlockDevice, FsMount, FsUsage, MountAttrs, MountPoint, MountState, Os,
-    SysError, SysResult, ToolError, ToolRun, is_corruption_errno,
+    Atime, BindMount, BlockDevice, DIRECT_ALIGN, FsMount, FsUsage, MountAttrs, MountPoint,
+    MountState, Os, SysError, SysResult, ToolError, ToolRun, is_corruption_errno,
 };
 use crate::discovery::{self, DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
 
@@ -386,19 +385,19 @@ impl Os for Linux {
     }
 
     fn read_device(&self, path: &Path, offset: u64, buf: &mut [u8]) -> SysResult<usize> {
-        let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
-            .map_err(|e| SysError::new("open device", path, e))?;
-        let mut done = 0;
-        while done < buf.len() {
-            let rest = buf.get_mut(done..).unwrap_or_default();
-            match rustix::io::pread(&fd, rest, offset + done as u64) {
-                Ok(0) => break,
-                Ok(n) => done += n,
-                Err(Errno::INTR) => {}
-                Err(e) => return Err(SysError::new("read device", path, e)),
+        let aligned = (buf.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN)
+            && buf.len().is_multiple_of(DIRECT_ALIGN)
+            && offset.is_multiple_of(DIRECT_ALIGN as u64);
+        if aligned {
+            // O_DIRECT: the bytes come from the device, not through its page cache (the kernel
+            // writes back cached dirty pages of the range first). A device or a size it
+            // refuses (EINVAL) falls back to a cached read.
+            match read_all(path, OFlags::DIRECT, offset, buf) {
+                Err(e) if e.errno() == Some(libc::EINVAL) => {}
+                other => return other,
             }
         }
-        Ok(done)
+        read_all(path, OFlags::empty(), offset, buf)
     }
 
     fn fs_usage(&self, path: &Path) -> SysResult<FsUsage> {
@@ -448,6 +447,27 @@ impl Os for Linux {
     }
 }
 
+/// Opens the device at `path` with `extra` flags and reads `buf` at `offset`, up to its end.
+fn read_all(path: &Path, extra: OFlags, offset: u64, buf: &mut [u8]) -> SysResult<usize> {
+    let fd = rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::CLOEXEC | extra,
+        Mode::empty(),
+    )
+    .map_err(|e| SysError::new("open device", path, e))?;
+    let mut done = 0;
+    while done < buf.len() {
+        let rest = buf.get_mut(done..).unwrap_or_default();
+        match rustix::io::pread(&fd, rest, offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(SysError::new("read device", path, e)),
+        }
+    }
+    Ok(done)
+}
+
 /// Finds `program` on `$PATH` or in the usual sbin/bin dirs.
 pub fn find_program(program: &str) -> Option<PathBuf> {
     if program.contains('/') {
@@ -463,6 +483,44 @@ pub fn find_program(program: &str) -> Option<PathBuf> {
             rustix::fs::access(p.as_os_str().as_bytes(), rustix::fs::Access::EXEC_OK).is_ok()
                 && p.is_file()
         })
+}
+
+/// What one read of a tool's stderr gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunk {
+    /// Bytes.
+    Data,
+    /// The end: the tool (and anything it started) closed it, or it failed.
+    End,
+    /// Nothing yet (a non-blocking read).
+    NotReady,
+}
+
+/// A tool's stderr as it is read: the first 64 KiB kept, the rest read and dropped, so the
+/// tool never blocks on a full pipe.
+#[derive(Debug, Default)]
+struct ToolStderr {
+    bytes: Vec<u8>,
+}
+
+impl ToolStderr {
+    const KEEP: usize = 64 * 1024;
+
+    /// Reads once from `fd`.
+    fn read_from(&mut self, fd: impl std::os::fd::AsFd) -> Chunk {
+        let mut buf = [0u8; 4096];
+        match rustix::io::read(fd, &mut buf) {
+            Ok(0) => Chunk::End,
+            Ok(n) => {
+                let room = Self::KEEP.saturating_sub(self.bytes.len());
+                self.bytes
+                    .extend_from_slice(buf.get(..n.min(room)).unwrap_or_default());
+                Chunk::Data
+            }
+            Err(Errno::INTR | Errno::AGAIN) => Chunk::NotReady,
+            Err(_) => Chunk::End,
+        }
+    }
 }
 
 /// Runs a tool, collecting its stderr, and kills it at the deadline. Waiting is done on a
@@ -481,16 +539,7 @@ fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
         program: program.clone(),
         source,
     })?;
-    let mut stderr = child.stderr.take();
-    let reader = std::thread::spawn(move || {
-        let mut out = Vec::new();
-        if let Some(s) = stderr.as_mut() {
-            // Keep at most 64 KiB; the rest is drained so the tool never blocks.
-            let _ = s.take(64 * 1024).read_to_end(&mut out);
-            let _ = std::io::copy(s, &mut std::io::sink());
-        }
-        out
-    });
+    let stderr = child.stderr.take();
     let wait_err = |source: std::io::Error| ToolError::Wait {
         program: program.clone(),
         source,
@@ -499,6 +548,9 @@ fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
         .ok_or_else(|| wait_err(std::io::Error::other("child has no pid")))?;
     let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
         .map_err(|e| wait_err(e.into()))?;
+    // One poll(2) waits for the exit and collects stderr: no reader thread, no sleeps.
+    let mut collected = ToolStderr::default();
+    let mut stderr_open = stderr.is_some();
     let start = Instant::now();
     let mut timed_out = false;
     loop {
@@ -508,20 +560,41 @@ fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
             let _ = child.kill();
             break;
         }
-        let mut fds = [rustix::event::PollFd::new(
-            &pidfd,
-            rustix::event::PollFlags::IN,
-        )];
         let timeout = rustix::event::Timespec::try_from(left.min(Duration::from_secs(3600)))
             .map_err(|_| wait_err(std::io::Error::other("bad deadline")))?;
-        match rustix::event::poll(&mut fds, Some(&timeout)) {
-            Ok(n) if n > 0 => break,
-            Ok(_) | Err(Errno::INTR) => {}
-            Err(e) => return Err(wait_err(e.into())),
+        let (exited, readable) = {
+            let mut fds = vec![rustix::event::PollFd::new(
+                &pidfd,
+                rustix::event::PollFlags::IN,
+            )];
+            if let (true, Some(err)) = (stderr_open, stderr.as_ref()) {
+                fds.push(rustix::event::PollFd::new(
+                    err,
+                    rustix::event::PollFlags::IN,
+                ));
+            }
+            match rustix::event::poll(&mut fds, Some(&timeout)) {
+                Ok(_) | Err(Errno::INTR) => {}
+                Err(e) => return Err(wait_err(e.into())),
+            }
+            let ready = |i: usize| fds.get(i).is_some_and(|f| !f.revents().is_empty());
+            (ready(0), ready(1))
+        };
+        if readable && let Some(err) = stderr.as_ref() {
+            stderr_open = collected.read_from(err) != Chunk::End;
+        }
+        if exited {
+            break;
         }
     }
     let status = child.wait().map_err(wait_err)?;
-    let stderr = reader.join().unwrap_or_default();
+    // What the tool wrote just before it exited; a descendant still holding the pipe cannot
+    // stall this (the end is non-blocking now).
+    if let (true, Some(err)) = (stderr_open, stderr.as_ref()) {
+        let _ = rustix::io::ioctl_fionbio(err, true);
+        while collected.read_from(err) == Chunk::Data {}
+    }
+    let stderr = collected.bytes;
     if timed_out {
         return Err(ToolError::Timeout {
             program,
@@ -552,6 +625,44 @@ mod tests {
         let err = run_with_deadline(&run).unwrap_err();
         let text = err.to_string();
         assert!(text.contains("boom") && text.contains('3'), "{text}");
+    }
+
+    #[test]
+    fn tool_stderr_is_capped_and_never_blocks_the_tool() {
+        // 200 KB of stderr (three times a pipe's buffer), then a failure.
+        let run = ToolRun {
+            program: "sh".into(),
+            args: vec![
+                "-c".into(),
+                "head -c 200000 /dev/zero | tr '\\0' x >&2; echo end >&2; exit 4".into(),
+            ],
+            deadline: Duration::from_secs(20),
+        };
+        match run_with_deadline(&run) {
+            Err(ToolError::Failed { stderr, status, .. }) => {
+                assert_eq!(stderr.len(), ToolStderr::KEEP, "{status}");
+                assert!(stderr.bytes().all(|b| b == b'x'));
+                assert!(status.contains('4'), "{status}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_descendant_holding_stderr_does_not_hold_the_caller() {
+        // The tool exits at once; what it started keeps the pipe open for 5 s.
+        let run = ToolRun {
+            program: "sh".into(),
+            args: vec!["-c".into(), "echo started >&2; sleep 5 >&2 & exit 5".into()],
+            deadline: Duration::from_secs(20),
+        };
+        let start = Instant::now();
+        let err = run_with_deadline(&run).unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(4),
+            "waited for the descendant"
+        );
+        assert!(err.to_string().contains("started"), "{err}");
     }
 
     #[test]

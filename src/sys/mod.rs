@@ -18,6 +18,50 @@ use std::time::Duration;
 use crate::discovery::{DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
 
 /// An error from one step of talking to the OS: which step, on what, and the errno.
+/// The alignment (buffer address, length, offset) that lets a device read use O_DIRECT.
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// A zeroed byte buffer whose start is aligned to [`DIRECT_ALIGN`], for device reads that
+/// bypass the page cache.
+#[derive(Debug)]
+pub struct AlignedBuf {
+    storage: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    /// `len` zero bytes, aligned.
+    pub fn zeroed(len: usize) -> Self {
+        let storage = vec![0u8; len + DIRECT_ALIGN];
+        // At most DIRECT_ALIGN - 1 in practice; if the platform cannot say, the buffer is
+        // merely unaligned and reads take the page cache.
+        let start = storage
+            .as_ptr()
+            .align_offset(DIRECT_ALIGN)
+            .min(DIRECT_ALIGN);
+        Self {
+            storage,
+            start,
+            len,
+        }
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.storage
+            .get(self.start..self.start + self.len)
+            .unwrap_or_default()
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.storage
+            .get_mut(self.start..self.start + self.len)
+            .unwrap_or_default()
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("{step} {}: {source}{detail}", path.display())]
 pub struct SysError {
@@ -258,7 +302,9 @@ pub trait Os: Send + Sync + 'static {
     fn remove(&self, path: &Path) -> SysResult<()>;
     /// Opens a block device and reports its number and size.
     fn block_device(&self, path: &Path) -> SysResult<BlockDevice>;
-    /// Reads from a block device at `offset`; returns how many bytes were read.
+    /// Reads from a block device at `offset`; returns how many bytes were read (fewer only at
+    /// the device's end). When `buf`, its length and `offset` are all multiples of
+    /// [`DIRECT_ALIGN`] the read may bypass the page cache (O_DIRECT).
     fn read_device(&self, path: &Path, offset: u64, buf: &mut [u8]) -> SysResult<usize>;
     /// Usage of the filesystem mounted at `path`.
     fn fs_usage(&self, path: &Path) -> SysResult<FsUsage>;
