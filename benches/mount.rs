@@ -11,16 +11,12 @@
 //!   pair with no work behind them;
 //! * `grpc`: NodePublishVolume + NodeUnpublishVolume through gRPC on the real daemon (3).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use moor_node::engine::{Engine, EngineConfig};
-use moor_node::journal::Journal;
-use moor_node::sys::linux::Linux;
 use moor_node::validate;
 use moor_privileged::bench::{
-    Budget, MIB, Node, publish_req, stage_req, unpublish_req, unstage_req,
+    self, Budget, MIB, Node, publish_req, stage_req, unpublish_req, unstage_req,
 };
 
 fn publish(c: &mut Criterion) {
@@ -60,14 +56,7 @@ fn publish(c: &mut Criterion) {
 
     // The engine alone, in this process, on its own state dir and volume.
     let sb = &node.sb;
-    let state = sb.root.join("state-engine");
-    let os = Arc::new(Linux::new(&sb.kubelet).expect("os"));
-    let (journal, _) = Journal::open(&state, false).expect("journal");
-    let cfg = EngineConfig {
-        kubelet_dir: sb.kubelet.clone(),
-        ..EngineConfig::default()
-    };
-    let engine = Engine::new(os, Arc::new(journal), cfg);
+    let engine = bench::engine(sb, "state-engine");
     let dev2 = sb.loop_device("eng.img", 64 * MIB);
     let staging2 = sb.staging("pv-eng");
     let st = validate::stage(&stage_req("vol-eng", &dev2, &staging2, "ext4"), &sb.kubelet)

@@ -5,7 +5,8 @@
 //! (the same for both sides, and the noisiest part of the machine).
 //!
 //! * Group `stage` (issue 7's group 4): an already formatted ext4 and xfs device.
-//!   `raw-<fs>`: mount(2) + umount2; `grpc-<fs>`: NodeStageVolume + NodeUnstageVolume.
+//!   `raw-<fs>`: mount(2) + umount2; `engine-<fs>`: the engine's stage + unstage in this
+//!   process, without gRPC; `grpc-<fs>`: NodeStageVolume + NodeUnstageVolume.
 //! * Group `first-stage` (7): the first stage of a blank 10 GiB volume (a fresh sparse file on
 //!   a fresh loop device each iteration, set up and torn down outside the timing).
 //!   `raw-<fs>`: moor's mkfs command + mount(2); `grpc-<fs>`: NodeStageVolume, which probes,
@@ -14,7 +15,10 @@
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
-use moor_privileged::bench::{BlankDevice, Budget, GIB, MIB, Node, mkfs_command, mount_data};
+use moor_node::validate;
+use moor_privileged::bench::{
+    self, BlankDevice, Budget, GIB, MIB, Node, mkfs_command, mount_data, stage_req, unstage_req,
+};
 use rustix::mount::{MountFlags, UnmountFlags};
 
 const FILESYSTEMS: [&str; 2] = ["ext4", "xfs"];
@@ -27,6 +31,9 @@ fn stage(node: &mut Node, c: &mut Criterion) {
         .warm_up_time(budget.warm_up)
         .measurement_time(budget.measurement)
         .sampling_mode(SamplingMode::Flat);
+    // The engine alone, in this process, on its own state dir (the same volume and device: the
+    // daemon has it unstaged whenever the engine stages it, and the other way round).
+    let engine = bench::engine(&node.sb, "state-engine");
     for fs in FILESYSTEMS {
         // xfs needs 300 MiB at least.
         let dev = node.sb.loop_device(&format!("stage-{fs}.img"), 512 * MIB);
@@ -47,6 +54,16 @@ fn stage(node: &mut Node, c: &mut Criterion) {
                 )
                 .expect("mount");
                 rustix::mount::unmount(staging.as_path(), UnmountFlags::empty()).expect("umount");
+            })
+        });
+        let stage =
+            validate::stage(&stage_req(&vol, &dev, &staging, fs), &node.sb.kubelet).expect("valid");
+        let unstage =
+            validate::unstage(&unstage_req(&vol, &staging), &node.sb.kubelet).expect("valid");
+        g.bench_function(format!("engine-{fs}"), |b| {
+            b.iter(|| {
+                engine.stage(&stage).expect("engine stage");
+                engine.unstage(&unstage).expect("engine unstage");
             })
         });
         g.bench_function(format!("grpc-{fs}"), |b| {

@@ -3,13 +3,16 @@
 //! An append-only log, `journal.log`: one line per change, `moor-journal v1 <crc32c hex>
 //! <json>\n`, the whole new record of one volume. Replaying the log keeps the newest line of
 //! each volume; a damaged line fails its checksum and is reported, never trusted. One change
-//! costs one `write(2)`; the log is compacted (temp file, fsync, rename, fsync dir) when it
-//! has grown well past the live records.
+//! costs one `write(2)`; the log is compacted (temp file, rename over the log) when it has
+//! grown well past the live records.
 //!
 //! Durability follows the lifetime of what a record describes. Mounts do not survive a reboot,
 //! so a record of a mount only has to survive the death of the process, which the page cache
 //! gives as soon as `write(2)` returns. A record that guards data across reboots (a mkfs in
 //! progress) is `fdatasync`ed before the mkfs starts; `--journal-fsync` syncs every line.
+//! A compaction is fsynced (temp file, then the dir after the rename) only while such a record
+//! is live, or with `--journal-fsync`: otherwise a power loss can cost at most records of
+//! mounts the reboot has undone anyway, and the hot path does not wait for the disk.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
@@ -145,6 +148,14 @@ impl VolumeRecord {
             stage: None,
             publishes: BTreeMap::new(),
         }
+    }
+
+    /// Whether the record guards data across a reboot: a mkfs in progress, which only moor
+    /// may resume (the device is no longer blank, nor yet a filesystem).
+    pub fn guards_data(&self) -> bool {
+        self.stage
+            .as_ref()
+            .is_some_and(|s| s.phase == Phase::Formatting)
     }
 
     /// Whether the record says nothing (and can be deleted).
@@ -397,7 +408,7 @@ impl Journal {
             })?;
         }
         let records: HashMap<String, VolumeRecord> = replayed.records.into_iter().collect();
-        let (log, len, lines) = write_compacted(state_dir, &records)?;
+        let (log, len, lines) = write_compacted(state_dir, &records, true)?;
         Ok((
             Self {
                 dir: state_dir.to_path_buf(),
@@ -441,7 +452,6 @@ impl Journal {
     pub fn put(&self, record: &VolumeRecord, durability: Durability) -> Result<(), JournalError> {
         let line = encode(record);
         let mut st = self.lock();
-        let path = self.dir.join(LOG_FILE);
         let written = st.log.write_all(&line).and_then(|()| {
             if self.fsync_all || durability == Durability::Power {
                 st.log.sync_data()
@@ -453,7 +463,10 @@ impl Journal {
             // Cut a partial line off so the next append starts on a line of its own.
             let len = st.len;
             let _ = st.log.set_len(len);
-            return Err(JournalError::Write { path, source });
+            return Err(JournalError::Write {
+                path: self.dir.join(LOG_FILE),
+                source,
+            });
         }
         st.len += line.len() as u64;
         st.lines += 1;
@@ -464,7 +477,8 @@ impl Journal {
         }
         if st.lines > st.records.len() * 4 + COMPACT_SLACK {
             // A failed compaction leaves the old log, which is still whole: carry on with it.
-            if let Ok((log, len, lines)) = write_compacted(&self.dir, &st.records) {
+            let durable = self.fsync_all || st.records.values().any(VolumeRecord::guards_data);
+            if let Ok((log, len, lines)) = write_compacted(&self.dir, &st.records, durable) {
                 st.log = log;
                 st.len = len;
                 st.lines = lines;
@@ -479,6 +493,7 @@ impl Journal {
 fn write_compacted(
     dir: &Path,
     records: &HashMap<String, VolumeRecord>,
+    durable: bool,
 ) -> Result<(File, u64, usize), JournalError> {
     let path = dir.join(LOG_FILE);
     let tmp = dir.join("journal.log.tmp");
@@ -495,10 +510,14 @@ fn write_compacted(
             .truncate(true)
             .open(&tmp)?;
         f.write_all(&content)?;
-        f.sync_all()?;
+        if durable {
+            f.sync_all()?;
+        }
         drop(f);
         std::fs::rename(&tmp, &path)?;
-        File::open(dir)?.sync_all()?;
+        if durable {
+            File::open(dir)?.sync_all()?;
+        }
         OpenOptions::new().append(true).open(&path)
     };
     let log = write().map_err(|source| JournalError::Write {
@@ -659,6 +678,40 @@ mod tests {
         drop(j);
         let (j, _) = Journal::open(&dir, false).unwrap();
         assert!(j.all().is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn only_a_mkfs_in_progress_guards_data_and_compaction_keeps_it() {
+        let mut formatting = sample();
+        assert!(!formatting.guards_data());
+        if let Some(st) = formatting.stage.as_mut() {
+            st.phase = Phase::Formatting;
+        }
+        assert!(formatting.guards_data());
+        assert!(!VolumeRecord::new("v").guards_data());
+
+        // Compactions with and without a guarding record live both leave a whole log.
+        let dir = temp_dir("guard");
+        {
+            let (j, _) = Journal::open(&dir, false).unwrap();
+            let mut other = sample();
+            other.volume_id = "other".into();
+            for _ in 0..(COMPACT_SLACK + 10) {
+                j.put(&other, Durability::Process).unwrap();
+            }
+            j.put(&formatting, Durability::Power).unwrap();
+            for _ in 0..(COMPACT_SLACK + 10) {
+                j.put(&other, Durability::Process).unwrap();
+            }
+            assert!(std::fs::metadata(dir.join(LOG_FILE)).unwrap().len() < 64 * 1024);
+        }
+        let (j, problems) = Journal::open(&dir, false).unwrap();
+        assert!(problems.is_empty());
+        assert_eq!(j.get("vol/1 ü"), Some(formatting));
+        assert!(j.get("other").is_some());
+        assert!(!dir.join("journal.log.tmp").exists());
+        drop(j);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -346,23 +346,23 @@ fn blank_or_unknown(windows: &Windows<'_>) -> Content {
     }
 }
 
-/// Index of the first non-zero byte. Whole 64-byte blocks are tested at once (the compiler
-/// turns the OR-fold into vector instructions), which keeps a megabyte of zeros cheap.
+/// Index of the first non-zero byte. Each 64-byte block is tested as eight OR-ed machine
+/// words (about ten times faster than a byte at a time), which keeps the megabytes a blank
+/// check reads cheap; only a block with a non-zero byte is searched byte by byte.
 fn first_nonzero(buf: &[u8]) -> Option<usize> {
-    const BLOCK: usize = 64;
-    let mut blocks = buf.chunks_exact(BLOCK);
-    let mut base = 0;
-    for block in blocks.by_ref() {
-        if block.iter().fold(0u8, |acc, &b| acc | b) != 0 {
-            return block.iter().position(|&b| b != 0).map(|i| base + i);
+    let (blocks, rest) = buf.as_chunks::<64>();
+    for (i, block) in blocks.iter().enumerate() {
+        let (words, _) = block.as_chunks::<8>();
+        let any = words
+            .iter()
+            .fold(0u64, |acc, w| acc | u64::from_ne_bytes(*w));
+        if any != 0 {
+            return block.iter().position(|&b| b != 0).map(|j| i * 64 + j);
         }
-        base += BLOCK;
     }
-    blocks
-        .remainder()
-        .iter()
+    rest.iter()
         .position(|&b| b != 0)
-        .map(|i| base + i)
+        .map(|j| blocks.len() * 64 + j)
 }
 
 // ----- ext2/3/4 -----------------------------------------------------------------------------

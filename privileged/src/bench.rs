@@ -9,12 +9,17 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use moor_proto::csi::v1 as csi;
 use tonic::transport::Channel;
+
+use moor_node::engine::{Engine, EngineConfig};
+use moor_node::journal::Journal;
+use moor_node::sys::linux::Linux;
 
 use crate::Sandbox;
 use crate::client::{Daemon, binary, connect};
@@ -115,6 +120,18 @@ pub fn unstage_req(vol: &str, staging: &Path) -> csi::NodeUnstageVolumeRequest {
         volume_id: vol.into(),
         staging_target_path: staging.display().to_string(),
     }
+}
+
+/// moor's engine in this process, on the sandbox's kubelet dir and its own state dir
+/// `<sandbox>/<state>`: the node's work without gRPC and without the daemon.
+pub fn engine(sb: &Sandbox, state: &str) -> Engine<Linux> {
+    let os = Arc::new(Linux::new(&sb.kubelet).expect("os"));
+    let (journal, _) = Journal::open(&sb.root.join(state), false).expect("journal");
+    let cfg = EngineConfig {
+        kubelet_dir: sb.kubelet.clone(),
+        ..EngineConfig::default()
+    };
+    Engine::new(os, Arc::new(journal), cfg)
 }
 
 /// Connects a Node client to `socket` on the calling task's runtime (a tonic channel lives on

@@ -96,7 +96,10 @@ use Target::{AtLeast, AtMost, Unset as NoTarget};
 #[rustfmt::skip]
 const ROWS: &[Row] = &[
     row("1", "raw mount(MS_BIND)+umount2 of a directory", "publish/raw", None, Time, NoTarget, "mount"),
+    row("1", "raw mkdir+bind+umount2+rmdir (the target made and removed, as the spec has it)", "publish/raw-dir", Some("publish/raw"), Time, NoTarget, "mount"),
     row("2", "engine publish+unpublish, no gRPC", "publish/engine", Some("publish/raw"), Time, NoTarget, "mount"),
+    row("2", "engine publish+unpublish against raw with mkdir+rmdir", "publish/engine", Some("publish/raw-dir"), Time, NoTarget, "mount"),
+    row("3", "gRPC round trips alone: two NodeGetCapabilities", "publish/grpc-null", Some("publish/raw"), Time, NoTarget, "mount"),
     row("3", "gRPC NodePublish+NodeUnpublish, real daemon", "publish/grpc", Some("publish/raw"), Time, AtMost(3.0), "mount"),
     row("4", "raw mount(2)+umount2, formatted ext4 loop device", "stage/raw-ext4", None, Time, NoTarget, "stage"),
     row("4", "gRPC NodeStage+NodeUnstage, formatted ext4", "stage/grpc-ext4", Some("stage/raw-ext4"), Time, AtMost(1.2), "stage"),
