@@ -101,9 +101,12 @@ const ROWS: &[Row] = &[
     row("2", "engine publish+unpublish against raw with mkdir+rmdir", "publish/engine", Some("publish/raw-dir"), Time, NoTarget, "mount"),
     row("3", "gRPC round trips alone: two NodeGetCapabilities", "publish/grpc-null", Some("publish/raw"), Time, NoTarget, "mount"),
     row("3", "gRPC NodePublish+NodeUnpublish, real daemon", "publish/grpc", Some("publish/raw"), Time, AtMost(3.0), "mount"),
+    row("3", "the same against its floor: raw with mkdir+rmdir plus two bare gRPC round trips", "publish/grpc", Some("publish/raw-dir+publish/grpc-null"), Time, NoTarget, "mount"),
     row("4", "raw mount(2)+umount2, formatted ext4 loop device", "stage/raw-ext4", None, Time, NoTarget, "stage"),
+    row("4", "engine stage+unstage, formatted ext4, no gRPC", "stage/engine-ext4", Some("stage/raw-ext4"), Time, NoTarget, "stage"),
     row("4", "gRPC NodeStage+NodeUnstage, formatted ext4", "stage/grpc-ext4", Some("stage/raw-ext4"), Time, AtMost(1.2), "stage"),
     row("4", "raw mount(2)+umount2, formatted xfs loop device", "stage/raw-xfs", None, Time, NoTarget, "stage"),
+    row("4", "engine stage+unstage, formatted xfs, no gRPC", "stage/engine-xfs", Some("stage/raw-xfs"), Time, NoTarget, "stage"),
     row("4", "gRPC NodeStage+NodeUnstage, formatted xfs", "stage/grpc-xfs", Some("stage/raw-xfs"), Time, AtMost(1.2), "stage"),
     row("5", "raw bind+umount2, 100 other mounts", "scale/raw/100", None, Time, NoTarget, "scale"),
     row("5", "gRPC publish+unpublish, 100 other mounts", "scale/grpc/100", Some("scale/raw/100"), Time, NoTarget, "scale"),
@@ -136,9 +139,14 @@ fn median_ns(json: &str) -> Option<f64> {
     rest[..end].parse().ok()
 }
 
+/// The median of benchmark `id`; for `a+b`, the sum of their medians (a floor made of parts).
 fn median(dir: &Path, id: &str) -> Option<f64> {
-    let text = std::fs::read_to_string(dir.join(id).join("new/estimates.json")).ok()?;
-    median_ns(&text)
+    id.split('+')
+        .map(|part| {
+            let text = std::fs::read_to_string(dir.join(part).join("new/estimates.json")).ok()?;
+            median_ns(&text)
+        })
+        .sum()
 }
 
 /// Three significant digits in the best unit.
@@ -203,6 +211,10 @@ fn memory_kib(text: &str, key: &str) -> Option<u64> {
 /// `[^/]+` where the two ids differ: no `|`, which a markdown table cell cannot hold).
 fn reproduce(r: &Row) -> String {
     match r.reference {
+        Some(reference) if reference.contains('+') => {
+            let group = r.id.split('/').next().unwrap_or(r.id);
+            format!("cargo bench --bench {} -- '^{group}/'", r.bench)
+        }
         Some(reference) => {
             let pattern: Vec<&str> =
                 r.id.split('/')
@@ -383,6 +395,27 @@ mod tests {
             reproduce(&ROWS[0]),
             "cargo bench --bench mount -- --exact publish/raw"
         );
+    }
+
+    #[test]
+    fn a_sum_reference_adds_medians_and_runs_the_group() {
+        let dir = std::env::temp_dir().join(format!("bench-report-sum-{}", std::process::id()));
+        for (id, ns) in [("g/a", "100.0"), ("g/b", "250.5")] {
+            let d = dir.join(id).join("new");
+            std::fs::create_dir_all(&d).expect("dir");
+            let json = format!(r#"{{"median":{{"point_estimate":{ns}}}}}"#);
+            std::fs::write(d.join("estimates.json"), json).expect("write");
+        }
+        let sum = median(&dir, "g/a+g/b");
+        let missing = median(&dir, "g/a+g/c");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(sum, Some(350.5));
+        assert_eq!(missing, None);
+        let r = ROWS
+            .iter()
+            .find(|r| r.reference.is_some_and(|id| id.contains('+')))
+            .expect("a floor row");
+        assert_eq!(reproduce(r), "cargo bench --bench mount -- '^publish/'");
     }
 
     #[test]
