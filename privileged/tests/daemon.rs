@@ -250,3 +250,127 @@ fn moor_node_help_and_version() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unix://"));
 }
+
+/// How many running processes have `needle` in their command line.
+fn processes_running(needle: &str) -> usize {
+    std::fs::read_dir("/proc")
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+                .filter(|cmd| String::from_utf8_lossy(cmd).contains(needle))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Stages held in the kernel as long as anything can hold them (here: in a mkfs that waits to
+/// be released) never take the server's last worker: with more of them than the daemon has
+/// workers, Identity and Node calls are still answered, and the stages finish once released.
+#[test]
+fn stages_stuck_in_mkfs_leave_the_server_answering() {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    let sb = Sandbox::new("stuck");
+    let tools = sb.root.join("tools");
+    std::fs::create_dir_all(&tools).expect("tools dir");
+    let release = sb.root.join("release");
+    let mkfs = tools.join("mkfs.ext4");
+    std::fs::write(
+        &mkfs,
+        format!(
+            "#!/bin/sh\nwhile [ ! -e '{}' ]; do sleep 0.05; done\nexit 1\n",
+            release.display()
+        ),
+    )
+    .expect("fake mkfs");
+    std::fs::set_permissions(&mkfs, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let path = format!(
+        "{}:{}",
+        tools.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let devs: Vec<_> = (0..3)
+        .map(|i| sb.loop_device(&format!("s{i}.img"), 64 * MIB))
+        .collect();
+    let socket = sb.root.join("csi.sock");
+    let (state, kubelet) = (
+        sb.state.display().to_string(),
+        sb.kubelet.display().to_string(),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("rt");
+    rt.block_on(async {
+        let mut daemon = Daemon::start_program_env(
+            "moor-node",
+            &socket,
+            &[
+                "--node-id",
+                "n",
+                "--state-dir",
+                &state,
+                "--kubelet-dir",
+                &kubelet,
+            ],
+            &[("PATH", &path)],
+        )
+        .await;
+        let mut stages = Vec::new();
+        for (i, dev) in devs.iter().enumerate() {
+            let mut node = NodeClient::new(connect(&socket).await.expect("connect"));
+            let req = moor_privileged::bench::stage_req(
+                &format!("vol-{i}"),
+                dev,
+                &sb.staging(&format!("pv-{i}")),
+                "ext4",
+            );
+            stages.push(tokio::spawn(
+                async move { node.node_stage_volume(req).await },
+            ));
+        }
+        let needle = mkfs.display().to_string();
+        let start = std::time::Instant::now();
+        while processes_running(&needle) < devs.len() {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(60),
+                "the three stages never reached mkfs (as when the server stalls)"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+
+        // Three calls held in the kernel's hands, more than the daemon's workers: it answers.
+        // (A server with no worker left would never answer: the bound turns a hang into a
+        // failure.)
+        let answered = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            let channel = connect(&socket).await.expect("connect");
+            let probe = IdentityClient::new(channel.clone())
+                .probe(csi::ProbeRequest {})
+                .await
+                .expect("probe")
+                .into_inner();
+            assert_eq!(probe.ready, Some(true));
+            NodeClient::new(channel)
+                .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
+                .await
+                .expect("capabilities");
+        })
+        .await;
+        if answered.is_err() {
+            let _ = std::fs::write(&release, b"");
+            panic!("the server did not answer while stages were stuck in mkfs");
+        }
+        assert!(
+            stages.iter().all(|s| !s.is_finished()),
+            "a stage finished before its mkfs was released"
+        );
+
+        std::fs::write(&release, b"").expect("release");
+        for s in stages {
+            let status = s.await.expect("task").expect_err("the fake mkfs fails");
+            assert!(status.message().contains("mkfs"), "{status:?}");
+        }
+        assert!(daemon.terminate().success());
+    });
+    assert_eq!(processes_running(&mkfs.display().to_string()), 0);
+}
