@@ -17,7 +17,6 @@ use std::time::Duration;
 
 use crate::discovery::{DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
 
-/// An error from one step of talking to the OS: which step, on what, and the errno.
 /// The alignment (buffer address, length, offset) that lets a device read use O_DIRECT.
 pub const DIRECT_ALIGN: usize = 4096;
 
@@ -62,6 +61,7 @@ impl AlignedBuf {
     }
 }
 
+/// An error from one step of talking to the OS: which step, on what, and the errno.
 #[derive(Debug, thiserror::Error)]
 #[error("{step} {}: {source}{detail}", path.display())]
 pub struct SysError {
