@@ -616,6 +616,37 @@ mod tests {
     use super::*;
 
     #[test]
+    fn aligned_and_unaligned_reads_give_the_same_bytes() {
+        // A regular file stands in for the device: O_DIRECT where the filesystem takes it,
+        // the cached read where it refuses (EINVAL); the bytes are the same either way.
+        let path = std::env::temp_dir().join(format!("moor-read-{}", std::process::id()));
+        let data: Vec<u8> = (0..3 * DIRECT_ALIGN + 100)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        std::fs::write(&path, &data).unwrap();
+        let os = Linux::new(&std::env::temp_dir()).unwrap();
+        let mut aligned = crate::sys::AlignedBuf::zeroed(2 * DIRECT_ALIGN);
+        let n = os
+            .read_device(&path, DIRECT_ALIGN as u64, aligned.as_mut_slice())
+            .unwrap();
+        let mut unaligned = vec![0u8; 2 * DIRECT_ALIGN + 1];
+        let m = os
+            .read_device(&path, DIRECT_ALIGN as u64, &mut unaligned[1..])
+            .unwrap();
+        // Past the end: a short read, not an error.
+        let mut tail = crate::sys::AlignedBuf::zeroed(DIRECT_ALIGN);
+        let t = os
+            .read_device(&path, 3 * DIRECT_ALIGN as u64, tail.as_mut_slice())
+            .unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!((n, m, t), (2 * DIRECT_ALIGN, 2 * DIRECT_ALIGN, 100));
+        assert_eq!(aligned.as_slice(), &data[DIRECT_ALIGN..3 * DIRECT_ALIGN]);
+        assert_eq!(&unaligned[1..], &data[DIRECT_ALIGN..3 * DIRECT_ALIGN]);
+        assert_eq!(&tail.as_slice()[..100], &data[3 * DIRECT_ALIGN..]);
+        assert_eq!(aligned.as_slice().as_ptr() as usize % DIRECT_ALIGN, 0);
+    }
+
+    #[test]
     fn tool_failure_carries_stderr() {
         let run = ToolRun {
             program: "sh".into(),
