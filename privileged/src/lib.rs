@@ -173,6 +173,19 @@ impl Drop for Sandbox {
     }
 }
 
+/// The command lines (NULs as spaces) of the running processes that mention `needle`.
+pub fn processes_mentioning(needle: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        if let Ok(cmd) = std::fs::read(e.path().join("cmdline"))
+            && String::from_utf8_lossy(&cmd).contains(needle)
+        {
+            found.push(String::from_utf8_lossy(&cmd).replace('\0', " "));
+        }
+    }
+    found
+}
+
 /// Writes `data` at `offset` of a block device (or file).
 pub fn write_at(dev: &Path, offset: u64, data: &[u8]) {
     use std::os::unix::fs::FileExt as _;

@@ -7,7 +7,7 @@ use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use moor_privileged::client::{Daemon, connect};
-use moor_privileged::{Sandbox, is_mount_point};
+use moor_privileged::{Sandbox, is_mount_point, processes_mentioning};
 use moor_proto::csi::v1 as csi;
 use tonic::Code;
 
@@ -251,18 +251,6 @@ fn moor_node_help_and_version() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unix://"));
 }
 
-/// How many running processes have `needle` in their command line.
-fn processes_running(needle: &str) -> usize {
-    std::fs::read_dir("/proc")
-        .map(|dir| {
-            dir.flatten()
-                .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-                .filter(|cmd| String::from_utf8_lossy(cmd).contains(needle))
-                .count()
-        })
-        .unwrap_or(0)
-}
-
 /// Stages held in the kernel as long as anything can hold them (here: in a mkfs that waits to
 /// be released) never take the server's last worker: with more of them than the daemon has
 /// workers, Identity and Node calls are still answered, and the stages finish once released.
@@ -331,7 +319,7 @@ fn stages_stuck_in_mkfs_leave_the_server_answering() {
         }
         let needle = mkfs.display().to_string();
         let start = std::time::Instant::now();
-        while processes_running(&needle) < devs.len() {
+        while processes_mentioning(&needle).len() < devs.len() {
             assert!(
                 start.elapsed() < std::time::Duration::from_secs(60),
                 "the three stages never reached mkfs (as when the server stalls)"
@@ -372,5 +360,5 @@ fn stages_stuck_in_mkfs_leave_the_server_answering() {
         }
         assert!(daemon.terminate().success());
     });
-    assert_eq!(processes_running(&mkfs.display().to_string()), 0);
+    assert!(processes_mentioning(&mkfs.display().to_string()).is_empty());
 }

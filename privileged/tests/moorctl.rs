@@ -8,8 +8,8 @@ use std::os::fd::AsRawFd as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use moor_privileged::Sandbox;
 use moor_privileged::client::{Daemon, binary};
+use moor_privileged::{Sandbox, processes_mentioning};
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
@@ -791,19 +791,6 @@ fn a_failing_demo_step_is_named_with_its_reason_and_cleaned_up() {
     );
     assert!(!dir.exists(), "{} is left", dir.display());
     assert!(no_loops_under(&dir));
-}
-
-/// Processes whose command line mentions `needle`.
-fn processes_mentioning(needle: &str) -> Vec<String> {
-    let mut found = Vec::new();
-    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        if let Ok(cmd) = std::fs::read(e.path().join("cmdline"))
-            && String::from_utf8_lossy(&cmd).contains(needle)
-        {
-            found.push(String::from_utf8_lossy(&cmd).replace('\0', " "));
-        }
-    }
-    found
 }
 
 #[test]
