@@ -286,12 +286,17 @@ impl<O: Os> Engine<O> {
     pub fn probe_device(&self, device: &Path, size: u64) -> Result<Content> {
         let head_len = (probe::HEAD_LEN as u64).min(size) as usize;
         let quick_len = probe::QUICK_LEN.min(head_len);
-        let mut head = AlignedBuf::zeroed(head_len);
-        let n = self
-            .os
-            .read_device(device, 0, &mut head.as_mut_slice()[..quick_len])?;
-        if let Some(found) = probe::probe_quick(&head.as_slice()[..n]) {
+        // The quick read gets a buffer of its own: a formatted device (every stage after the
+        // first) never pays for zeroing the megabyte it does not read.
+        let mut quick = AlignedBuf::zeroed(quick_len);
+        let n = self.os.read_device(device, 0, quick.as_mut_slice())?;
+        let quick = quick.as_slice().get(..n).unwrap_or_default();
+        if let Some(found) = probe::probe_quick(quick) {
             return Ok(found);
+        }
+        let mut head = AlignedBuf::zeroed(head_len);
+        if let Some(start) = head.as_mut_slice().get_mut(..n) {
+            start.copy_from_slice(quick);
         }
         let mut got = n;
         if n == quick_len && head_len > n {

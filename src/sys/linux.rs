@@ -6,10 +6,9 @@
 //! dir can never redirect a mount, a mkdir or a removal elsewhere.
 
 use std::ffi::OsStr;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd as _, OwnedFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Component, Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rustix::fs::{
@@ -23,6 +22,7 @@ use rustix::mount::{
 
 use super::mount_table::{self, MountEntry};
 use super::raw::{self, MountAttr};
+use super::spawn;
 use super::{
     Atime, BindMount, BlockDevice, DIRECT_ALIGN, FsMount, FsUsage, MountAttrs, MountPoint,
     MountState, Os, SysError, SysResult, ToolError, ToolRun, is_corruption_errno,
@@ -527,72 +527,85 @@ impl ToolStderr {
 /// pidfd with poll(2): no sleeps, no busy loop.
 fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
     let program = run.program.clone();
-    let exe = find_program(&run.program).unwrap_or_else(|| PathBuf::from(&run.program));
-    let mut cmd = Command::new(&exe);
-    cmd.args(&run.args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .env("LC_ALL", "C");
-    raw::die_with_parent(&mut cmd);
-    let mut child = cmd.spawn().map_err(|source| ToolError::Spawn {
+    let spawn_err = |source: std::io::Error| ToolError::Spawn {
         program: program.clone(),
         source,
-    })?;
-    let stderr = child.stderr.take();
+    };
     let wait_err = |source: std::io::Error| ToolError::Wait {
         program: program.clone(),
         source,
     };
-    let pid = rustix::process::Pid::from_raw(child.id() as i32)
-        .ok_or_else(|| wait_err(std::io::Error::other("child has no pid")))?;
-    let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
-        .map_err(|e| wait_err(e.into()))?;
+    let exe = find_program(&run.program).unwrap_or_else(|| PathBuf::from(&run.program));
+    let null = rustix::fs::open("/dev/null", OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
+        .map_err(|e| spawn_err(e.into()))?;
+    let (stderr, stderr_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(|e| spawn_err(e.into()))?;
+    let child = spawn::spawn(
+        &exe,
+        &run.args,
+        &tool_env(),
+        [null.as_fd(), null.as_fd(), stderr_w.as_fd()],
+    )
+    .map_err(spawn_err)?;
+    drop(stderr_w);
     // One poll(2) waits for the exit and collects stderr: no reader thread, no sleeps.
     let mut collected = ToolStderr::default();
-    let mut stderr_open = stderr.is_some();
+    let mut stderr_open = true;
     let start = Instant::now();
     let mut timed_out = false;
+    let mut failure = None;
     loop {
         let left = run.deadline.saturating_sub(start.elapsed());
         if left.is_zero() {
             timed_out = true;
-            let _ = child.kill();
             break;
         }
-        let timeout = rustix::event::Timespec::try_from(left.min(Duration::from_secs(3600)))
-            .map_err(|_| wait_err(std::io::Error::other("bad deadline")))?;
+        let Ok(timeout) = rustix::event::Timespec::try_from(left.min(Duration::from_secs(3600)))
+        else {
+            failure = Some(std::io::Error::other("bad deadline"));
+            break;
+        };
         let (exited, readable) = {
             let mut fds = vec![rustix::event::PollFd::new(
-                &pidfd,
+                &child.pidfd,
                 rustix::event::PollFlags::IN,
             )];
-            if let (true, Some(err)) = (stderr_open, stderr.as_ref()) {
+            if stderr_open {
                 fds.push(rustix::event::PollFd::new(
-                    err,
+                    &stderr,
                     rustix::event::PollFlags::IN,
                 ));
             }
             match rustix::event::poll(&mut fds, Some(&timeout)) {
                 Ok(_) | Err(Errno::INTR) => {}
-                Err(e) => return Err(wait_err(e.into())),
+                Err(e) => {
+                    failure = Some(e.into());
+                    break;
+                }
             }
             let ready = |i: usize| fds.get(i).is_some_and(|f| !f.revents().is_empty());
             (ready(0), ready(1))
         };
-        if readable && let Some(err) = stderr.as_ref() {
-            stderr_open = collected.read_from(err) != Chunk::End;
+        if readable {
+            stderr_open = collected.read_from(&stderr) != Chunk::End;
         }
         if exited {
             break;
         }
     }
-    let status = child.wait().map_err(wait_err)?;
+    if timed_out || failure.is_some() {
+        // Never leave it running, nor unreaped.
+        let _ = spawn::kill(&child);
+    }
+    let status = spawn::wait(&child).map_err(wait_err)?;
+    if let Some(source) = failure {
+        return Err(wait_err(source));
+    }
     // What the tool wrote just before it exited; a descendant still holding the pipe cannot
     // stall this (the end is non-blocking now).
-    if let (true, Some(err)) = (stderr_open, stderr.as_ref()) {
-        let _ = rustix::io::ioctl_fionbio(err, true);
-        while collected.read_from(err) == Chunk::Data {}
+    if stderr_open {
+        let _ = rustix::io::ioctl_fionbio(&stderr, true);
+        while collected.read_from(&stderr) == Chunk::Data {}
     }
     let stderr = collected.bytes;
     if timed_out {
@@ -601,14 +614,28 @@ fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
             deadline: run.deadline,
         });
     }
-    if status.success() {
+    if status.exit_status() == Some(0) {
         return Ok(());
     }
     Err(ToolError::Failed {
         program,
-        status: status.to_string(),
+        status: spawn::describe(&status),
         stderr: String::from_utf8_lossy(&stderr).trim().to_string(),
     })
+}
+
+/// A tool's environment: the daemon's, with messages in the C locale (moor reads them).
+fn tool_env() -> Vec<std::ffi::OsString> {
+    std::env::vars_os()
+        .filter(|(k, _)| k != "LC_ALL")
+        .map(|(k, v)| {
+            let mut kv = k;
+            kv.push("=");
+            kv.push(v);
+            kv
+        })
+        .chain(std::iter::once("LC_ALL=C".into()))
+        .collect()
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
-//! The syscalls rustix does not wrap yet. With `loopinfo` (one ioctl), the only `unsafe` code
-//! in the node.
+//! The syscalls rustix does not wrap yet. With `loopinfo` (one ioctl) and `spawn` (starting a
+//! tool), the only `unsafe` code in the node.
 //!
 //! * `mount_setattr(2)` (Linux 5.12): change the attributes of a (detached) mount tree, used to
 //!   make a bind mount read-only before it becomes visible, with no window in which it is
@@ -130,21 +130,5 @@ pub fn statmount(mnt_id: u64, mask: u64, buf: &mut [u8]) -> io::Result<()> {
         Ok(())
     } else {
         Err(io::Error::last_os_error())
-    }
-}
-
-/// Makes the child `cmd` spawns get SIGKILL when the thread that spawned it dies, so a tool
-/// (mkfs, resize) never outlives a killed daemon and races the restarted one's retry.
-pub fn die_with_parent(cmd: &mut std::process::Command) {
-    use std::os::unix::process::CommandExt as _;
-    let hook = || {
-        rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
-            .map_err(io::Error::from)
-    };
-    // SAFETY: the hook runs in the child between fork and exec; it only makes one
-    // async-signal-safe syscall (prctl) and touches no memory shared with the parent, no
-    // locks and no allocator.
-    unsafe {
-        cmd.pre_exec(hook);
     }
 }
