@@ -76,7 +76,7 @@ fn publish(c: &mut Criterion) {
     let st2 = validate::unstage(&unstage_req("vol-eng", &staging2), &sb.kubelet).expect("valid");
     engine.unstage(&st2).expect("engine unstage");
 
-    g.bench_function("grpc-null", |b| b.iter(|| node.null_pair()));
+    g.bench_function("grpc-null", |b| b.iter(|| node.null_calls(2)));
     g.bench_function("grpc", |b| {
         b.iter(|| node.publish_unpublish("vol-pub", &staging, &target))
     });

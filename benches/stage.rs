@@ -11,7 +11,13 @@
 //!   a fresh loop device each iteration, set up and torn down outside the timing).
 //!   `raw-<fs>`: moor's mkfs command + mount(2); `grpc-<fs>`: NodeStageVolume, which probes,
 //!   formats and mounts. The unmount (umount2 / NodeUnstageVolume) is not timed.
+//!   `floor-<fs>`: what a plugin that never formats a device with data on it must add to the
+//!   raw work, measured on its own: the blank proof (moor's probe of the first and last MiB,
+//!   read past the page cache), the intent to format made durable (a journal-sized record
+//!   written and fdatasync'd in the state dir) and one bare gRPC round trip.
 
+use std::os::unix::fs::FileExt as _;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
@@ -76,6 +82,21 @@ fn stage(node: &mut Node, c: &mut Criterion) {
     g.finish();
 }
 
+/// The time `run` reports for each of `iters` fresh blank devices made by `fresh` (made and
+/// released outside the timing).
+fn each_fresh(
+    iters: u64,
+    fresh: impl Fn() -> BlankDevice,
+    mut run: impl FnMut(&Path) -> Duration,
+) -> Duration {
+    (0..iters)
+        .map(|_| {
+            let blank = fresh();
+            run(&blank.dev)
+        })
+        .sum()
+}
+
 /// Group 7: the first stage of a blank 10 GiB device.
 fn first_stage(node: &mut Node, c: &mut Criterion) {
     let budget = Budget::new(10, Duration::from_secs(1), Duration::from_secs(6));
@@ -85,49 +106,76 @@ fn first_stage(node: &mut Node, c: &mut Criterion) {
         .measurement_time(budget.measurement)
         .sampling_mode(SamplingMode::Flat);
     let data = node.sb.data.clone();
+    let engine = bench::engine(&node.sb, "state-floor");
+    // A stand-in for the journal, on the same filesystem as the daemon's.
+    let intent = std::fs::File::create(node.sb.state.join("floor-intent")).expect("intent file");
     let fresh = move |fs: &str| BlankDevice::new(data.join(format!("first-{fs}.img")), 10 * GIB);
     for fs in FILESYSTEMS {
         let staging = node.sb.staging(&format!("pv-first-{fs}"));
         let vol = format!("vol-first-{fs}");
         g.bench_function(format!("raw-{fs}"), |b| {
             b.iter_custom(|iters| {
-                let mut timed = Duration::ZERO;
-                for _ in 0..iters {
-                    let blank = fresh(fs);
-                    std::fs::create_dir_all(&staging).expect("staging dir");
-                    let start = Instant::now();
-                    let out = mkfs_command(fs, &blank.dev).output().expect("mkfs");
-                    assert!(
-                        out.status.success(),
-                        "mkfs.{fs}: {}",
-                        String::from_utf8_lossy(&out.stderr)
-                    );
-                    rustix::mount::mount(
-                        blank.dev.as_path(),
-                        staging.as_path(),
-                        fs,
-                        MountFlags::empty(),
-                        mount_data(fs),
-                    )
-                    .expect("mount");
-                    timed += start.elapsed();
-                    rustix::mount::unmount(staging.as_path(), UnmountFlags::empty())
-                        .expect("umount");
-                }
-                timed
+                each_fresh(
+                    iters,
+                    || fresh(fs),
+                    |dev| {
+                        std::fs::create_dir_all(&staging).expect("staging dir");
+                        let start = Instant::now();
+                        let out = mkfs_command(fs, dev).output().expect("mkfs");
+                        assert!(
+                            out.status.success(),
+                            "mkfs.{fs}: {}",
+                            String::from_utf8_lossy(&out.stderr)
+                        );
+                        rustix::mount::mount(
+                            dev,
+                            staging.as_path(),
+                            fs,
+                            MountFlags::empty(),
+                            mount_data(fs),
+                        )
+                        .expect("mount");
+                        let took = start.elapsed();
+                        rustix::mount::unmount(staging.as_path(), UnmountFlags::empty())
+                            .expect("umount");
+                        took
+                    },
+                )
+            })
+        });
+        g.bench_function(format!("floor-{fs}"), |b| {
+            b.iter_custom(|iters| {
+                each_fresh(
+                    iters,
+                    || fresh(fs),
+                    |dev| {
+                        let start = Instant::now();
+                        let content = engine
+                            .probe_device(dev, 10 * GIB)
+                            .expect("probe the blank device");
+                        intent.write_all_at(&[0x5a; 450], 0).expect("write intent");
+                        intent.sync_data().expect("fdatasync intent");
+                        node.null_calls(1);
+                        let took = start.elapsed();
+                        assert!(content.is_blank(), "{content:?}");
+                        took
+                    },
+                )
             })
         });
         g.bench_function(format!("grpc-{fs}"), |b| {
             b.iter_custom(|iters| {
-                let mut timed = Duration::ZERO;
-                for _ in 0..iters {
-                    let blank = fresh(fs);
-                    let start = Instant::now();
-                    node.stage(&vol, &blank.dev, &staging, fs);
-                    timed += start.elapsed();
-                    node.unstage(&vol, &staging);
-                }
-                timed
+                each_fresh(
+                    iters,
+                    || fresh(fs),
+                    |dev| {
+                        let start = Instant::now();
+                        node.stage(&vol, dev, &staging, fs);
+                        let took = start.elapsed();
+                        node.unstage(&vol, &staging);
+                        took
+                    },
+                )
             })
         });
     }

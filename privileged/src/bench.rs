@@ -260,12 +260,12 @@ impl Node {
         });
     }
 
-    /// Two NodeGetCapabilities calls: the gRPC round trips of a publish+unpublish pair with
-    /// no work behind them, the floor the daemon's own work adds to.
-    pub fn null_pair(&mut self) {
+    /// `n` NodeGetCapabilities calls: the gRPC round trips of `n` CSI calls with no work
+    /// behind them, the floor the daemon's own work adds to.
+    pub fn null_calls(&mut self, n: usize) {
         let client = &mut self.client;
         self.rt.block_on(async {
-            for _ in 0..2 {
+            for _ in 0..n {
                 client
                     .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
                     .await

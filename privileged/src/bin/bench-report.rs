@@ -124,8 +124,10 @@ const ROWS: &[Row] = &[
     row("6", "gRPC throughput, 8 clients against 1", "concurrency/grpc/8", Some("concurrency/grpc/1"), Scaling(8, 1), AtLeast(1.5), "concurrency"),
     row("7", "mkfs + mount(2), blank 10 GiB ext4", "first-stage/raw-ext4", None, Time, NoTarget, "stage"),
     row("7", "gRPC NodeStage, blank 10 GiB ext4", "first-stage/grpc-ext4", Some("first-stage/raw-ext4"), Time, AtMost(1.1), "stage"),
+    row("7", "the same against its floor: mkfs + mount(2) plus the blank proof, the durable intent and one bare gRPC round trip", "first-stage/grpc-ext4", Some("first-stage/raw-ext4+first-stage/floor-ext4"), Time, NoTarget, "stage"),
     row("7", "mkfs + mount(2), blank 10 GiB xfs", "first-stage/raw-xfs", None, Time, NoTarget, "stage"),
     row("7", "gRPC NodeStage, blank 10 GiB xfs", "first-stage/grpc-xfs", Some("first-stage/raw-xfs"), Time, AtMost(1.1), "stage"),
+    row("7", "the same against its floor: mkfs + mount(2) plus the blank proof, the durable intent and one bare gRPC round trip", "first-stage/grpc-xfs", Some("first-stage/raw-xfs+first-stage/floor-xfs"), Time, NoTarget, "stage"),
 ];
 
 /// The median, in nanoseconds, from a criterion `estimates.json`.
