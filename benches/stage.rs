@@ -37,35 +37,49 @@ fn stage(node: &mut Node, c: &mut Criterion) {
         .warm_up_time(budget.warm_up)
         .measurement_time(budget.measurement)
         .sampling_mode(SamplingMode::Flat);
-    // The engine alone, in this process, on its own state dir (the same volume and device: the
-    // daemon has it unstaged whenever the engine stages it, and the other way round).
+    // The engine alone, in this process, on its own state dir.
     let engine = bench::engine(&node.sb, "state-engine");
     for fs in FILESYSTEMS {
-        // xfs needs 300 MiB at least.
-        let dev = node.sb.loop_device(&format!("stage-{fs}.img"), 512 * MIB);
-        let staging = node.sb.staging(&format!("pv-stage-{fs}"));
-        let vol = format!("vol-stage-{fs}");
-        // Formatted once, by moor itself, then unstaged: the benches mount a formatted device.
-        node.stage(&vol, &dev, &staging, fs);
-        node.unstage(&vol, &staging);
-        std::fs::create_dir_all(&staging).expect("staging dir");
+        // Each bench mounts a device of its own, formatted by moor (staged once, then
+        // unstaged): a filesystem's mount time drifts with its own history (an xfs mount on
+        // this machine takes 2.8 ms on a fresh log and about 4 ms after a thousand cycles), so
+        // a shared device would favour whichever bench runs first.
+        let mut formatted = |name: &str| {
+            // xfs needs 300 MiB at least.
+            let dev = node
+                .sb
+                .loop_device(&format!("stage-{name}-{fs}.img"), 512 * MIB);
+            let staging = node.sb.staging(&format!("pv-stage-{name}-{fs}"));
+            let vol = format!("vol-stage-{name}-{fs}");
+            node.stage(&vol, &dev, &staging, fs);
+            node.unstage(&vol, &staging);
+            (dev, staging, vol)
+        };
+        let raw = formatted("raw");
+        let (engine_dev, engine_staging, engine_vol) = formatted("engine");
+        let (dev, staging, vol) = formatted("grpc");
+        std::fs::create_dir_all(&raw.1).expect("staging dir");
         g.bench_function(format!("raw-{fs}"), |b| {
             b.iter(|| {
                 rustix::mount::mount(
-                    dev.as_path(),
-                    staging.as_path(),
+                    raw.0.as_path(),
+                    raw.1.as_path(),
                     fs,
                     MountFlags::empty(),
                     mount_data(fs),
                 )
                 .expect("mount");
-                rustix::mount::unmount(staging.as_path(), UnmountFlags::empty()).expect("umount");
+                rustix::mount::unmount(raw.1.as_path(), UnmountFlags::empty()).expect("umount");
             })
         });
-        let stage =
-            validate::stage(&stage_req(&vol, &dev, &staging, fs), &node.sb.kubelet).expect("valid");
+        let stage = validate::stage(
+            &stage_req(&engine_vol, &engine_dev, &engine_staging, fs),
+            &node.sb.kubelet,
+        )
+        .expect("valid");
         let unstage =
-            validate::unstage(&unstage_req(&vol, &staging), &node.sb.kubelet).expect("valid");
+            validate::unstage(&unstage_req(&engine_vol, &engine_staging), &node.sb.kubelet)
+                .expect("valid");
         g.bench_function(format!("engine-{fs}"), |b| {
             b.iter(|| {
                 engine.stage(&stage).expect("engine stage");
