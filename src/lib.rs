@@ -1,7 +1,8 @@
 //! moor-node: the CSI node plugin's library.
 //!
 //! The daemon is a thin shell (`main.rs`) around these modules:
-//! * [`validate`] turns CSI requests into typed, checked requests;
+//! * [`validate`] turns CSI requests into typed, checked requests, within the spec's
+//!   [`limits`] (shared with the controller);
 //! * [`engine`] carries out the Node RPCs' semantics over the OS ([`sys`]) and the node
 //!   journal ([`journal`]), one operation per volume at a time ([`guard`]);
 //! * [`discovery`] finds a volume's block device by identity, through udev;
@@ -20,6 +21,7 @@ pub mod fault;
 pub mod guard;
 pub mod http;
 pub mod journal;
+pub mod limits;
 pub mod metrics;
 pub mod mount_options;
 pub mod mountinfo;

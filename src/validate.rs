@@ -12,15 +12,16 @@ use moor_proto::csi::v1 as csi;
 
 use crate::discovery::DeviceIdentity;
 use crate::error::{Error, Result};
+use crate::limits::{self, trunc};
 use crate::mount_options::{self, Filesystem, MountOptions};
 use crate::sys::MountAttrs;
 
 /// Longest volume id (the spec's general limit for strings).
-pub const MAX_ID_LEN: usize = 128;
+pub const MAX_ID_LEN: usize = limits::MAX_STRING_LEN;
 /// Longest path (PATH_MAX).
 pub const MAX_PATH_LEN: usize = 4096;
 /// Most bytes in all keys and values of one map (the spec's 4 KiB for maps).
-pub const MAX_MAP_BYTES: usize = 4096;
+pub const MAX_MAP_BYTES: usize = limits::MAX_MAP_BYTES;
 /// Most mount flags in one capability.
 pub const MAX_MOUNT_FLAGS: usize = 64;
 /// The publish_context key naming the device the controller attached.
@@ -169,19 +170,10 @@ pub struct Expand {
 
 /// Checks a volume id.
 pub fn volume_id(field: &'static str, id: &str) -> Result<String> {
-    if id.is_empty() {
-        return Err(Error::invalid(field, "must be set"));
+    match limits::id_problem(id, MAX_ID_LEN) {
+        Some(reason) => Err(Error::invalid(field, reason)),
+        None => Ok(id.to_string()),
     }
-    if id.len() > MAX_ID_LEN {
-        return Err(Error::invalid(
-            field,
-            format!("longer than {MAX_ID_LEN} bytes"),
-        ));
-    }
-    if id.bytes().any(|b| b == 0 || b.is_ascii_control()) {
-        return Err(Error::invalid(field, "contains control characters"));
-    }
-    Ok(id.to_string())
 }
 
 /// Checks that `raw` is an absolute, clean path strictly below `root`.
@@ -226,14 +218,10 @@ pub fn clean_absolute(field: &'static str, raw: &str) -> Result<PathBuf> {
 
 /// Checks a map's total size; its contents are never quoted (it may hold secrets).
 fn map_size(field: &'static str, map: &HashMap<String, String>) -> Result<()> {
-    let bytes: usize = map.iter().map(|(k, v)| k.len() + v.len()).sum();
-    if bytes > MAX_MAP_BYTES {
-        return Err(Error::invalid(
-            field,
-            format!("larger than {MAX_MAP_BYTES} bytes"),
-        ));
+    match limits::map_problem(map) {
+        Some(reason) => Err(Error::invalid(field, reason)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Checks a volume capability.
@@ -317,15 +305,6 @@ pub fn capability(cap: Option<&csi::VolumeCapability>) -> Result<Capability> {
     Ok(Capability { access, mode })
 }
 
-/// Shortens user input quoted in an error.
-fn trunc(s: &str) -> &str {
-    let mut end = s.len().min(64);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
-}
-
 /// Validates NodeStageVolume.
 pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<Stage> {
     let volume_id = volume_id("volume_id", &req.volume_id)?;
@@ -344,22 +323,13 @@ pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<St
     })
 }
 
-/// A serial number or WWN from publish_context.
+/// A serial number or WWN from publish_context (surrounding blanks dropped).
 fn device_id(field: &'static str, raw: &str) -> Result<String> {
     let v = raw.trim();
-    if v.is_empty() {
-        return Err(Error::invalid(field, "must not be empty"));
+    match limits::id_problem(v, MAX_DEVICE_ID_LEN) {
+        Some(reason) => Err(Error::invalid(field, reason)),
+        None => Ok(v.to_string()),
     }
-    if v.len() > MAX_DEVICE_ID_LEN {
-        return Err(Error::invalid(
-            field,
-            format!("longer than {MAX_DEVICE_ID_LEN} bytes"),
-        ));
-    }
-    if v.chars().any(char::is_control) {
-        return Err(Error::invalid(field, "contains control characters"));
-    }
-    Ok(v.to_string())
 }
 
 /// The device hint and identity NodeStageVolume's publish_context gives: at least one of them.

@@ -221,14 +221,7 @@ impl From<Error> for Status {
 /// Result of a controller operation.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Shortens user input quoted in an error (at most 64 bytes, on a char boundary).
-pub fn trunc(s: &str) -> &str {
-    let mut end = s.len().min(64);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
-}
+pub use moor_node::limits::trunc;
 
 #[cfg(test)]
 mod tests {
@@ -323,12 +316,5 @@ mod tests {
 
     fn libc_enoent() -> i32 {
         rustix::io::Errno::NOENT.raw_os_error()
-    }
-
-    #[test]
-    fn trunc_respects_char_boundaries() {
-        let s = "é".repeat(40);
-        assert!(trunc(&s).len() <= 64);
-        assert_eq!(trunc("abc"), "abc");
     }
 }

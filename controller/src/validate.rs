@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 
 use csi::volume_capability::{AccessType as CsiAccessType, access_mode::Mode};
+use moor_node::limits;
 use moor_proto::csi::v1 as csi;
 
 use crate::backend::{
@@ -17,50 +18,28 @@ use crate::backend::{
 };
 use crate::error::{Error, Result, trunc};
 
-/// Longest id or name (the spec's general limit for strings).
-pub const MAX_STRING_LEN: usize = 128;
-/// Longest node id (the spec raises the general limit to 192 bytes for node ids).
-pub const MAX_NODE_ID_LEN: usize = 192;
-/// Most bytes in all keys and values of one map (the spec's 4 KiB for maps).
-pub const MAX_MAP_BYTES: usize = 4096;
+pub use moor_node::limits::{MAX_MAP_BYTES, MAX_NODE_ID_LEN, MAX_STRING_LEN};
 /// Most capabilities in one request.
 pub const MAX_CAPABILITIES: usize = 32;
 /// Most topology segments in one requirement list.
 pub const MAX_SEGMENTS: usize = 256;
 
 /// Checks an id from a request: set, at most 128 bytes, no control characters.
-pub fn id(field: &'static str, id: &str) -> Result<String> {
-    if id.is_empty() {
-        return Err(Error::invalid(field, "must be set"));
-    }
-    if id.len() > MAX_STRING_LEN {
-        return Err(Error::invalid(
-            field,
-            format!("longer than {MAX_STRING_LEN} bytes"),
-        ));
-    }
-    if id.chars().any(char::is_control) {
-        return Err(Error::invalid(field, "contains control characters"));
-    }
-    Ok(id.to_string())
+pub fn id(field: &'static str, raw: &str) -> Result<String> {
+    checked(field, raw, MAX_STRING_LEN)
 }
 
 /// Checks a node id: as [`id`], with the spec's 192-byte limit for node ids.
 pub fn node_id(field: &'static str, raw: &str) -> Result<String> {
-    if raw.len() > MAX_NODE_ID_LEN {
-        return Err(Error::invalid(
-            field,
-            format!("longer than {MAX_NODE_ID_LEN} bytes"),
-        ));
+    checked(field, raw, MAX_NODE_ID_LEN)
+}
+
+/// `raw` as an id of at most `max` bytes, or INVALID_ARGUMENT on `field`.
+fn checked(field: &'static str, raw: &str, max: usize) -> Result<String> {
+    match limits::id_problem(raw, max) {
+        Some(reason) => Err(Error::invalid(field, reason)),
+        None => Ok(raw.to_string()),
     }
-    if raw.len() > MAX_STRING_LEN {
-        // Between the general limit and the node id limit: only the length differs.
-        if raw.chars().any(char::is_control) {
-            return Err(Error::invalid(field, "contains control characters"));
-        }
-        return Ok(raw.to_string());
-    }
-    id(field, raw)
 }
 
 /// Checks an optional id: empty means unset.
@@ -96,26 +75,16 @@ pub fn name(field: &'static str, name: &str) -> Result<String> {
 
 /// Checks a map's total size and copies it into a sorted map.
 pub fn map(field: &'static str, map: &HashMap<String, String>) -> Result<Parameters> {
-    let bytes: usize = map.iter().map(|(k, v)| k.len() + v.len()).sum();
-    if bytes > MAX_MAP_BYTES {
-        return Err(Error::invalid(
-            field,
-            format!("larger than {MAX_MAP_BYTES} bytes"),
-        ));
-    }
+    map_size(field, map)?;
     Ok(map.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
 }
 
 /// Checks the size of a map whose contents are not used (secrets): never quoted.
 fn map_size(field: &'static str, map: &HashMap<String, String>) -> Result<()> {
-    let bytes: usize = map.iter().map(|(k, v)| k.len() + v.len()).sum();
-    if bytes > MAX_MAP_BYTES {
-        return Err(Error::invalid(
-            field,
-            format!("larger than {MAX_MAP_BYTES} bytes"),
-        ));
+    match limits::map_problem(map) {
+        Some(reason) => Err(Error::invalid(field, reason)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Checks a volume capability's shape: access type and a known access mode are set.
