@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 pub mod bench;
 pub mod client;
+pub mod requests;
 pub mod sys;
 
 /// A test's private world.

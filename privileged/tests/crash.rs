@@ -12,6 +12,7 @@ use csi::node_client::NodeClient;
 use csi::volume_capability::access_mode::Mode;
 use moor_node::fault;
 use moor_privileged::client::{Daemon, connect};
+use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, fs_cap, mount_depth, runtime};
 use moor_proto::csi::v1 as csi;
 use tonic::transport::Channel;
@@ -157,17 +158,11 @@ impl World {
                 .await
                 .map(drop),
             Op::Unpublish => node
-                .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                    volume_id: "vol".into(),
-                    target_path: self.target.display().to_string(),
-                })
+                .node_unpublish_volume(unpublish_req("vol", &self.target))
                 .await
                 .map(drop),
             Op::Unstage => node
-                .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                    volume_id: "vol".into(),
-                    staging_target_path: self.staging.display().to_string(),
-                })
+                .node_unstage_volume(unstage_req("vol", &self.staging))
                 .await
                 .map(drop),
         }

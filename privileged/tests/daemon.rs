@@ -7,6 +7,7 @@ use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use moor_privileged::client::{Daemon, connect};
+use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, is_mount_point, processes_mentioning};
 use moor_proto::csi::v1 as csi;
 use tonic::Code;
@@ -127,18 +128,12 @@ fn moor_node_serves_a_whole_volume_life_and_stops_cleanly() {
             .await
             .expect_err("empty request");
         assert_eq!(bad.code(), Code::InvalidArgument);
-        node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: "vol-d".into(),
-            target_path: target.display().to_string(),
-        })
-        .await
-        .expect("unpublish");
-        node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: "vol-d".into(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .expect("unstage");
+        node.node_unpublish_volume(unpublish_req("vol-d", &target))
+            .await
+            .expect("unpublish");
+        node.node_unstage_volume(unstage_req("vol-d", &staging))
+            .await
+            .expect("unstage");
     });
     assert!(!is_mount_point(&staging) && !target.exists());
     drop(rt); // closes the client's connections
@@ -205,12 +200,9 @@ fn moor_node_restarted_keeps_its_volumes() {
             .expect("stage retry after restart");
         assert_eq!(sb.mounts().iter().filter(|m| **m == staging).count(), 1);
         assert!(staging.join("kept").exists());
-        node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: "vol-r".into(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .expect("unstage");
+        node.node_unstage_volume(unstage_req("vol-r", &staging))
+            .await
+            .expect("unstage");
     });
     drop(rt);
     assert!(second.terminate().success());

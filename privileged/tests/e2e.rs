@@ -13,6 +13,7 @@ use csi::controller_client::ControllerClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
 use moor_privileged::client::{Daemon, connect};
+use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, is_block_device, is_mount_point};
 use moor_proto::csi::v1 as csi;
 use tonic::transport::Channel;
@@ -274,10 +275,7 @@ impl Cluster {
         for (vol, target) in made.published.iter().rev() {
             let r = self
                 .node
-                .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                    volume_id: vol.clone(),
-                    target_path: target.display().to_string(),
-                })
+                .node_unpublish_volume(unpublish_req(vol, target))
                 .await;
             if let Err(e) = r {
                 failed.push(format!("NodeUnpublishVolume {vol}: {e}"));
@@ -286,10 +284,7 @@ impl Cluster {
         for (vol, staging) in made.staged.iter().rev() {
             let r = self
                 .node
-                .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                    volume_id: vol.clone(),
-                    staging_target_path: staging.display().to_string(),
-                })
+                .node_unstage_volume(unstage_req(vol, staging))
                 .await;
             if let Err(e) = r {
                 failed.push(format!("NodeUnstageVolume {vol}: {e}"));

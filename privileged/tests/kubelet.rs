@@ -17,6 +17,7 @@ use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
 use moor_privileged::client::{Daemon, connect, free_port, http_get};
+use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, is_block_device, is_mount_point};
 use moor_proto::csi::v1 as csi;
 use moor_proto::registration::v1 as reg;
@@ -424,19 +425,13 @@ fn kubelet_registers_moor_node_and_drives_volumes_across_restarts() {
         kill(&mut daemon);
         daemon = start_node(&socket, &args).await;
         let Registered { mut node, .. } = k.register().await;
-        node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: "vol-b".into(),
-            target_path: btarget.display().to_string(),
-        })
-        .await
-        .expect("block unpublish after restart");
+        node.node_unpublish_volume(unpublish_req("vol-b", &btarget))
+            .await
+            .expect("block unpublish after restart");
         assert!(!btarget.exists());
-        node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: "vol-b".into(),
-            staging_target_path: bstaging.display().to_string(),
-        })
-        .await
-        .expect("block unstage");
+        node.node_unstage_volume(unstage_req("vol-b", &bstaging))
+            .await
+            .expect("block unstage");
         // kubelet removes the block staging dir itself (RemoveAll) after NodeUnstageVolume.
         let _ = std::fs::remove_dir_all(&bstaging);
     });
@@ -578,18 +573,12 @@ fn moor_node_health_and_metrics_over_http() {
 
     rt.block_on(async {
         let mut node = NodeClient::new(connect(&socket).await.expect("connect"));
-        node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: "vol-m".into(),
-            target_path: target.display().to_string(),
-        })
-        .await
-        .expect("unpublish");
-        node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: "vol-m".into(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .expect("unstage");
+        node.node_unpublish_volume(unpublish_req("vol-m", &target))
+            .await
+            .expect("unpublish");
+        node.node_unstage_volume(unstage_req("vol-m", &staging))
+            .await
+            .expect("unstage");
     });
     let m = http_get(&addr, "/metrics").expect("metrics").body;
     assert!(m.lines().any(|l| l == "moor_volumes_staged 0"), "{m}");

@@ -15,6 +15,7 @@ use moor_node::journal::{self, Journal};
 use moor_node::reconcile::{Action, Reconciler};
 use moor_node::sys::linux::Linux;
 use moor_privileged::client::{Daemon, connect};
+use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, fs_cap, is_mount_point, mount_depth, runtime};
 use moor_proto::csi::v1 as csi;
 use tonic::transport::Channel;
@@ -127,21 +128,15 @@ impl Node {
     }
 
     async fn unpublish(&self, node: &mut NodeClient<Channel>) -> Result<(), tonic::Status> {
-        node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: "vol".into(),
-            target_path: self.target.display().to_string(),
-        })
-        .await
-        .map(drop)
+        node.node_unpublish_volume(unpublish_req("vol", &self.target))
+            .await
+            .map(drop)
     }
 
     async fn unstage(&self, node: &mut NodeClient<Channel>) -> Result<(), tonic::Status> {
-        node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: "vol".into(),
-            staging_target_path: self.staging.display().to_string(),
-        })
-        .await
-        .map(drop)
+        node.node_unstage_volume(unstage_req("vol", &self.staging))
+            .await
+            .map(drop)
     }
 
     async fn condition(&self, node: &mut NodeClient<Channel>, path: &Path) -> csi::VolumeCondition {

@@ -15,6 +15,7 @@ use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use moor_privileged::Sandbox;
 use moor_privileged::client::{binary, connect};
+use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_proto::csi::v1 as csi;
 
 const MARKER: &str = "zq-secret-marker-5e9b1";
@@ -156,18 +157,12 @@ fn node_logs_never_contain_secrets() {
                 ..Default::default()
             })
             .await;
-        node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: "vol-s".into(),
-            target_path: target.display().to_string(),
-        })
-        .await
-        .expect("unpublish");
-        node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: "vol-s".into(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .expect("unstage");
+        node.node_unpublish_volume(unpublish_req("vol-s", &target))
+            .await
+            .expect("unpublish");
+        node.node_unstage_volume(unstage_req("vol-s", &staging))
+            .await
+            .expect("unstage");
     });
     drop(rt);
     let log = daemon.stop();

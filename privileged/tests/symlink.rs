@@ -16,6 +16,7 @@ use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use moor_privileged::Sandbox;
 use moor_privileged::client::{Daemon, connect};
+use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_proto::csi::v1 as csi;
 use rustix::fs::{CWD, RenameFlags};
 
@@ -156,30 +157,21 @@ impl World {
     fn unpublish(&self, target: &Path) -> Result<(), tonic::Status> {
         let mut node = self.node();
         self.rt
-            .block_on(node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                volume_id: "vol-s".into(),
-                target_path: target.display().to_string(),
-            }))
+            .block_on(node.node_unpublish_volume(unpublish_req("vol-s", target)))
             .map(|_| ())
     }
 
     fn unstage_at(&self, staging: &Path) -> Result<(), tonic::Status> {
         let mut node = self.node();
         self.rt
-            .block_on(node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                volume_id: "vol-other".into(),
-                staging_target_path: staging.display().to_string(),
-            }))
+            .block_on(node.node_unstage_volume(unstage_req("vol-other", staging)))
             .map(|_| ())
     }
 
     fn finish(mut self) {
         let mut node = self.node();
         self.rt
-            .block_on(node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                volume_id: "vol-s".into(),
-                staging_target_path: self.staging.display().to_string(),
-            }))
+            .block_on(node.node_unstage_volume(unstage_req("vol-s", &self.staging)))
             .expect("unstage");
         drop(node);
         drop(self.rt);

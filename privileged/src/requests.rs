@@ -1,0 +1,64 @@
+//! The CSI requests the privileged tests and the benches send most: built from a volume id
+//! and the paths, the way kubelet fills them in.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use moor_proto::csi::v1 as csi;
+
+/// A mount volume capability for `fs`, single-node multi-writer.
+pub fn cap(fs: &str) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeMultiWriter as i32,
+        }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            mount_flags: vec![],
+            volume_mount_group: String::new(),
+        })),
+    }
+}
+
+/// NodeStageVolume of `dev` as `fs` on `staging`.
+pub fn stage_req(vol: &str, dev: &Path, staging: &Path, fs: &str) -> csi::NodeStageVolumeRequest {
+    csi::NodeStageVolumeRequest {
+        volume_id: vol.into(),
+        publish_context: HashMap::from([("devicePath".into(), dev.display().to_string())]),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(cap(fs)),
+        secrets: HashMap::new(),
+        volume_context: HashMap::new(),
+    }
+}
+
+/// NodePublishVolume of an ext4 volume staged on `staging` to `target`, read-write.
+pub fn publish_req(vol: &str, staging: &Path, target: &Path) -> csi::NodePublishVolumeRequest {
+    csi::NodePublishVolumeRequest {
+        volume_id: vol.into(),
+        publish_context: HashMap::new(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(cap("ext4")),
+        readonly: false,
+        secrets: HashMap::new(),
+        volume_context: HashMap::new(),
+    }
+}
+
+/// NodeUnpublishVolume of `target`.
+pub fn unpublish_req(vol: &str, target: &Path) -> csi::NodeUnpublishVolumeRequest {
+    csi::NodeUnpublishVolumeRequest {
+        volume_id: vol.into(),
+        target_path: target.display().to_string(),
+    }
+}
+
+/// NodeUnstageVolume of `staging`.
+pub fn unstage_req(vol: &str, staging: &Path) -> csi::NodeUnstageVolumeRequest {
+    csi::NodeUnstageVolumeRequest {
+        volume_id: vol.into(),
+        staging_target_path: staging.display().to_string(),
+    }
+}
