@@ -6,7 +6,8 @@
 //!
 //! * Group `stage` (issue 7's group 4): an already formatted ext4 and xfs device.
 //!   `raw-<fs>`: mount(2) + umount2; `engine-<fs>`: the engine's stage + unstage in this
-//!   process, without gRPC; `grpc-<fs>`: NodeStageVolume + NodeUnstageVolume.
+//!   process, without gRPC; `probe-<fs>`: the engine's superblock probe of the device alone
+//!   (part of the floor of a safe stage); `grpc-<fs>`: NodeStageVolume + NodeUnstageVolume.
 //! * Group `first-stage` (7): the first stage of a blank 10 GiB volume (a fresh sparse file on
 //!   a fresh loop device each iteration, set up and torn down outside the timing).
 //!   `raw-<fs>`: moor's mkfs command + mount(2); `grpc-<fs>`: NodeStageVolume, which probes,
@@ -84,6 +85,14 @@ fn stage(node: &mut Node, c: &mut Criterion) {
             b.iter(|| {
                 engine.stage(&stage).expect("engine stage");
                 engine.unstage(&unstage).expect("engine unstage");
+            })
+        });
+        // What a safe stage adds to the raw mount before it: reading the superblocks to
+        // make sure the device holds the filesystem asked for (and nothing else).
+        g.bench_function(format!("probe-{fs}"), |b| {
+            b.iter(|| {
+                let content = engine.probe_device(&dev, 512 * MIB).expect("probe");
+                assert!(!content.is_blank(), "{content:?}");
             })
         });
         g.bench_function(format!("grpc-{fs}"), |b| {

@@ -105,9 +105,11 @@ const ROWS: &[Row] = &[
     row("4", "raw mount(2)+umount2, formatted ext4 loop device", "stage/raw-ext4", None, Time, NoTarget, "stage"),
     row("4", "engine stage+unstage, formatted ext4, no gRPC", "stage/engine-ext4", Some("stage/raw-ext4"), Time, NoTarget, "stage"),
     row("4", "gRPC NodeStage+NodeUnstage, formatted ext4", "stage/grpc-ext4", Some("stage/raw-ext4"), Time, AtMost(1.2), "stage"),
+    row("4", "the same against its floor: raw plus the superblock probe and two bare gRPC round trips", "stage/grpc-ext4", Some("stage/raw-ext4+stage/probe-ext4+publish/grpc-null"), Time, NoTarget, "stage"),
     row("4", "raw mount(2)+umount2, formatted xfs loop device", "stage/raw-xfs", None, Time, NoTarget, "stage"),
     row("4", "engine stage+unstage, formatted xfs, no gRPC", "stage/engine-xfs", Some("stage/raw-xfs"), Time, NoTarget, "stage"),
     row("4", "gRPC NodeStage+NodeUnstage, formatted xfs", "stage/grpc-xfs", Some("stage/raw-xfs"), Time, AtMost(1.2), "stage"),
+    row("4", "the same against its floor: raw plus the superblock probe and two bare gRPC round trips", "stage/grpc-xfs", Some("stage/raw-xfs+stage/probe-xfs+publish/grpc-null"), Time, NoTarget, "stage"),
     row("5", "raw bind+umount2, 100 other mounts", "scale/raw/100", None, Time, NoTarget, "scale"),
     row("5", "gRPC publish+unpublish, 100 other mounts", "scale/grpc/100", Some("scale/raw/100"), Time, NoTarget, "scale"),
     row("5", "raw bind+umount2, 1,000 other mounts", "scale/raw/1000", None, Time, NoTarget, "scale"),
@@ -214,8 +216,17 @@ fn memory_kib(text: &str, key: &str) -> Option<u64> {
 fn reproduce(r: &Row) -> String {
     match r.reference {
         Some(reference) if reference.contains('+') => {
-            let group = r.id.split('/').next().unwrap_or(r.id);
-            format!("cargo bench --bench {} -- '^{group}/'", r.bench)
+            // The row's whole group; a part from another group, by its own bench.
+            let group = group_of(r.id);
+            let mut commands = vec![format!("cargo bench --bench {} -- '^{group}/'", r.bench)];
+            for part in reference.split('+').filter(|p| group_of(p) != group) {
+                let bench = ROWS
+                    .iter()
+                    .find(|row| group_of(row.id) == group_of(part))
+                    .map_or(r.bench, |row| row.bench);
+                commands.push(format!("cargo bench --bench {bench} -- --exact {part}"));
+            }
+            commands.join(" && ")
         }
         Some(reference) => {
             let pattern: Vec<&str> =
@@ -231,6 +242,11 @@ fn reproduce(r: &Row) -> String {
         }
         None => format!("cargo bench --bench {} -- --exact {}", r.bench, r.id),
     }
+}
+
+/// The criterion group of a benchmark id (`stage` of `stage/raw-ext4`).
+fn group_of(id: &str) -> &str {
+    id.split('/').next().unwrap_or(id)
 }
 
 fn table(dir: &Path, note: Option<&str>) -> String {
@@ -418,6 +434,15 @@ mod tests {
             .find(|r| r.reference.is_some_and(|id| id.contains('+')))
             .expect("a floor row");
         assert_eq!(reproduce(r), "cargo bench --bench mount -- '^publish/'");
+        // A floor with a part from another bench runs that part too.
+        let r = ROWS
+            .iter()
+            .find(|r| r.id == "stage/grpc-xfs" && r.reference.is_some_and(|id| id.contains('+')))
+            .expect("the xfs stage floor row");
+        assert_eq!(
+            reproduce(r),
+            "cargo bench --bench stage -- '^stage/' && cargo bench --bench mount -- --exact publish/grpc-null"
+        );
     }
 
     #[test]
