@@ -4,21 +4,12 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use csi::volume_capability::access_mode::Mode;
 use moor_proto::csi::v1 as csi;
 
 /// A mount volume capability for `fs`, single-node multi-writer.
 pub fn cap(fs: &str) -> csi::VolumeCapability {
-    csi::VolumeCapability {
-        access_mode: Some(AccessMode {
-            mode: Mode::SingleNodeMultiWriter as i32,
-        }),
-        access_type: Some(AccessType::Mount(MountVolume {
-            fs_type: fs.into(),
-            mount_flags: vec![],
-            volume_mount_group: String::new(),
-        })),
-    }
+    crate::fs_cap(fs, Mode::SingleNodeMultiWriter)
 }
 
 /// NodeStageVolume of `dev` as `fs` on `staging`.

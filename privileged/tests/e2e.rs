@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 
 use csi::controller_client::ControllerClient;
 use csi::node_client::NodeClient;
-use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
+use csi::volume_capability::{AccessMode, AccessType, BlockVolume, access_mode::Mode};
 use moor_privileged::client::{Daemon, connect};
 use moor_privileged::requests::{unpublish_req, unstage_req};
-use moor_privileged::{Sandbox, is_block_device, is_mount_point};
+use moor_privileged::{Sandbox, fs_cap, is_block_device, is_mount_point};
 use moor_proto::csi::v1 as csi;
 use tonic::transport::Channel;
 
@@ -23,16 +23,7 @@ const NODE: &str = "node-e2e";
 const PATTERN: &[u8] = b"moor end to end: the same bytes after snapshot and restore";
 
 fn mount_cap(fs: &str) -> csi::VolumeCapability {
-    csi::VolumeCapability {
-        access_mode: Some(AccessMode {
-            mode: Mode::SingleNodeWriter as i32,
-        }),
-        access_type: Some(AccessType::Mount(MountVolume {
-            fs_type: fs.into(),
-            mount_flags: vec![],
-            volume_mount_group: String::new(),
-        })),
-    }
+    fs_cap(fs, Mode::SingleNodeWriter)
 }
 
 fn block_cap() -> csi::VolumeCapability {
