@@ -1,5 +1,6 @@
 //! gRPC clients over a Unix socket, and a handle on a real `moor-node` process.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -46,12 +47,12 @@ pub fn binary(name: &str) -> PathBuf {
 
 impl Daemon {
     /// Starts `moor-node` with these args and waits until its socket answers.
-    pub async fn start(socket: &Path, args: &[&str]) -> Self {
+    pub async fn start(socket: &Path, args: &[impl AsRef<OsStr>]) -> Self {
         Self::start_program("moor-node", socket, args).await
     }
 
     /// Starts `program` (moor-node or moor-controller) and waits until its socket answers.
-    pub async fn start_program(program: &str, socket: &Path, args: &[&str]) -> Self {
+    pub async fn start_program(program: &str, socket: &Path, args: &[impl AsRef<OsStr>]) -> Self {
         Self::start_program_env(program, socket, args, &[]).await
     }
 
@@ -59,7 +60,7 @@ impl Daemon {
     pub async fn start_program_env(
         program: &str,
         socket: &Path,
-        args: &[&str],
+        args: &[impl AsRef<OsStr>],
         env: &[(&str, &str)],
     ) -> Self {
         let bin = binary(program);

@@ -64,6 +64,21 @@ impl Sandbox {
         }
     }
 
+    /// moor-node's arguments for this sandbox: `--node-id node_id`, its state and kubelet
+    /// dirs, then `extra`.
+    pub fn node_args(&self, node_id: &str, extra: &[&str]) -> Vec<String> {
+        let mut args = vec![
+            "--node-id".to_string(),
+            node_id.to_string(),
+            "--state-dir".to_string(),
+            self.state.display().to_string(),
+            "--kubelet-dir".to_string(),
+            self.kubelet.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|a| (*a).to_string()));
+        args
+    }
+
     /// Puts the data dir on a tmpfs, so the loop devices made after this are backed by memory:
     /// a device flush (an ext4 or xfs unmount, mkfs) then ends in RAM instead of on this
     /// machine's disk, whose latency is the same for every caller but swings widely. The

@@ -92,22 +92,11 @@ impl World {
             let _ = d.child.kill();
             let _ = d.child.wait();
         }
-        let state = self.sb.state.display().to_string();
-        let kubelet = self.sb.kubelet.display().to_string();
         let env: Vec<(&str, &str)> = crash_at.map(|p| (fault::ENV, p)).into_iter().collect();
         let d = Daemon::start_program_env(
             "moor-node",
             &self.socket,
-            &[
-                "--node-id",
-                "crash-node",
-                "--state-dir",
-                &state,
-                "--kubelet-dir",
-                &kubelet,
-                "--log-format",
-                "json",
-            ],
+            &self.sb.node_args("crash-node", &["--log-format", "json"]),
             &env,
         )
         .await;

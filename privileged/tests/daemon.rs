@@ -28,22 +28,9 @@ fn moor_node_serves_a_whole_volume_life_and_stops_cleanly() {
         .enable_all()
         .build()
         .expect("rt");
-    let (state, kubelet) = (
-        sb.state.display().to_string(),
-        sb.kubelet.display().to_string(),
-    );
     let mut daemon = rt.block_on(Daemon::start(
         &socket,
-        &[
-            "--node-id",
-            "node-a",
-            "--state-dir",
-            &state,
-            "--kubelet-dir",
-            &kubelet,
-            "--max-volumes",
-            "16",
-        ],
+        &sb.node_args("node-a", &["--max-volumes", "16"]),
     ));
     let mode = std::fs::metadata(&socket)
         .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()));
@@ -156,18 +143,7 @@ fn moor_node_restarted_keeps_its_volumes() {
         .enable_all()
         .build()
         .expect("rt");
-    let (state, kubelet) = (
-        sb.state.display().to_string(),
-        sb.kubelet.display().to_string(),
-    );
-    let args = [
-        "--node-id",
-        "node-a",
-        "--state-dir",
-        &state,
-        "--kubelet-dir",
-        &kubelet,
-    ];
+    let args = sb.node_args("node-a", &[]);
     let cap = csi::VolumeCapability {
         access_mode: Some(AccessMode {
             mode: Mode::SingleNodeWriter as i32,
@@ -273,10 +249,6 @@ fn stages_stuck_in_mkfs_leave_the_server_answering() {
         .map(|i| sb.loop_device(&format!("s{i}.img"), 64 * MIB))
         .collect();
     let socket = sb.root.join("csi.sock");
-    let (state, kubelet) = (
-        sb.state.display().to_string(),
-        sb.kubelet.display().to_string(),
-    );
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -285,14 +257,7 @@ fn stages_stuck_in_mkfs_leave_the_server_answering() {
         let mut daemon = Daemon::start_program_env(
             "moor-node",
             &socket,
-            &[
-                "--node-id",
-                "n",
-                "--state-dir",
-                &state,
-                "--kubelet-dir",
-                &kubelet,
-            ],
+            &sb.node_args("n", &[]),
             &[("PATH", &path)],
         )
         .await;

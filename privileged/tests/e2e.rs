@@ -426,11 +426,7 @@ fn life(name: &str, body: for<'a> fn(&'a mut Cluster, &'a Sandbox) -> BoxedLife<
         .enable_all()
         .build()
         .expect("runtime");
-    let (ks, ss, ds) = (
-        sb.kubelet.display().to_string(),
-        sb.state.display().to_string(),
-        ctl_data.display().to_string(),
-    );
+    let ds = ctl_data.display().to_string();
     let ctl_sock = sb.root.join("controller.sock");
     let node_sock = sb.root.join("node.sock");
     let mut daemons = rt.block_on(async {
@@ -440,11 +436,7 @@ fn life(name: &str, body: for<'a> fn(&'a mut Cluster, &'a Sandbox) -> BoxedLife<
             &["--node-id", NODE, "--data-dir", &ds],
         )
         .await;
-        let node = Daemon::start(
-            &node_sock,
-            &["--node-id", NODE, "--state-dir", &ss, "--kubelet-dir", &ks],
-        )
-        .await;
+        let node = Daemon::start(&node_sock, &sb.node_args(NODE, &[])).await;
         [controller, node]
     });
     let mut cluster = rt.block_on(async {

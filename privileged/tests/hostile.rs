@@ -127,21 +127,8 @@ fn node_refuses_hostile_requests_and_leaves_nothing_behind() {
     let outside = sb.root.join("outside");
     std::fs::create_dir_all(&outside).expect("outside");
     let rt = runtime();
-    let (state, kubelet) = (
-        sb.state.display().to_string(),
-        sb.kubelet.display().to_string(),
-    );
-    let daemon = rt.block_on(Daemon::start(
-        &socket,
-        &[
-            "--node-id",
-            "node-h",
-            "--state-dir",
-            &state,
-            "--kubelet-dir",
-            &kubelet,
-        ],
-    ));
+    let kubelet = sb.kubelet.display().to_string();
+    let daemon = rt.block_on(Daemon::start(&socket, &sb.node_args("node-h", &[])));
     let s = |p: &Path| p.display().to_string();
     let k = |rel: &str| format!("{kubelet}/{rel}");
     let dev_ctx = HashMap::from([("devicePath".to_string(), s(&dev))]);

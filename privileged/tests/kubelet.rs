@@ -261,25 +261,17 @@ fn publish_req(
 }
 
 fn node_args(sb: &Sandbox, k: &Kubelet<'_>, extra: &[&str]) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--node-id",
-        "node-k",
+    let registry = k.registry.display().to_string();
+    let mut a = vec![
         "--driver-name",
         DRIVER,
-        "--state-dir",
-        &sb.state.display().to_string(),
-        "--kubelet-dir",
-        &sb.kubelet.display().to_string(),
         "--registration-dir",
-        &k.registry.display().to_string(),
+        &registry,
         "--shutdown-grace",
         "5",
-    ]
-    .iter()
-    .map(|s| (*s).to_string())
-    .collect();
-    a.extend(extra.iter().map(|s| (*s).to_string()));
-    a
+    ];
+    a.extend_from_slice(extra);
+    sb.node_args("node-k", &a)
 }
 
 async fn start_node(socket: &Path, args: &[String]) -> Daemon {

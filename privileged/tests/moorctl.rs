@@ -134,22 +134,8 @@ impl World {
             .expect("rt");
         let node_sock = sb.root.join("node.sock");
         let ctl_sock = sb.root.join("ctl.sock");
-        let (state, kubelet, data) = (
-            sb.state.display().to_string(),
-            sb.kubelet.display().to_string(),
-            sb.data.join("controller").display().to_string(),
-        );
-        let mut daemons = vec![rt.block_on(Daemon::start(
-            &node_sock,
-            &[
-                "--node-id",
-                NODE,
-                "--state-dir",
-                &state,
-                "--kubelet-dir",
-                &kubelet,
-            ],
-        ))];
+        let data = sb.data.join("controller").display().to_string();
+        let mut daemons = vec![rt.block_on(Daemon::start(&node_sock, &sb.node_args(NODE, &[])))];
         if with_controller {
             daemons.push(rt.block_on(Daemon::start_program(
                 "moor-controller",

@@ -82,21 +82,10 @@ impl Node {
         if let Some(mut d) = self.daemon.take() {
             d.terminate();
         }
-        let state = self.sb.state.display().to_string();
-        let kubelet = self.sb.kubelet.display().to_string();
         self.daemon = Some(
             Daemon::start(
                 &self.socket,
-                &[
-                    "--node-id",
-                    "n",
-                    "--state-dir",
-                    &state,
-                    "--kubelet-dir",
-                    &kubelet,
-                    "--reconcile-interval",
-                    "1",
-                ],
+                &self.sb.node_args("n", &["--reconcile-interval", "1"]),
             )
             .await,
         );

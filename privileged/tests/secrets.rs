@@ -43,7 +43,12 @@ impl Drop for Logged {
 }
 
 impl Logged {
-    async fn start(program: &str, socket: &Path, log: PathBuf, args: &[&str]) -> Self {
+    async fn start(
+        program: &str,
+        socket: &Path,
+        log: PathBuf,
+        args: &[impl AsRef<std::ffi::OsStr>],
+    ) -> Self {
         let file = std::fs::File::create(&log).expect("log file");
         let child = Command::new(binary(program))
             .arg("--endpoint")
@@ -101,22 +106,11 @@ fn node_logs_never_contain_secrets() {
         .enable_all()
         .build()
         .expect("rt");
-    let (state, kubelet) = (
-        sb.state.display().to_string(),
-        sb.kubelet.display().to_string(),
-    );
     let daemon = rt.block_on(Logged::start(
         "moor-node",
         &socket,
         sb.root.join("node.log"),
-        &[
-            "--node-id",
-            "node-s",
-            "--state-dir",
-            &state,
-            "--kubelet-dir",
-            &kubelet,
-        ],
+        &sb.node_args("node-s", &[]),
     ));
     rt.block_on(async {
         let mut node = NodeClient::new(connect(&socket).await.expect("connect"));

@@ -95,21 +95,7 @@ fn start(sb: &Sandbox) -> World {
         .enable_all()
         .build()
         .expect("rt");
-    let (state, kubelet) = (
-        sb.state.display().to_string(),
-        sb.kubelet.display().to_string(),
-    );
-    let daemon = rt.block_on(Daemon::start(
-        &socket,
-        &[
-            "--node-id",
-            "node-s",
-            "--state-dir",
-            &state,
-            "--kubelet-dir",
-            &kubelet,
-        ],
-    ));
+    let daemon = rt.block_on(Daemon::start(&socket, &sb.node_args("node-s", &[])));
     rt.block_on(async {
         let mut node = NodeClient::new(connect(&socket).await.expect("connect"));
         node.node_stage_volume(csi::NodeStageVolumeRequest {
