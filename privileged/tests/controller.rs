@@ -48,16 +48,32 @@ impl Fixture {
         fx
     }
 
+    /// Opens a backend on the fixture's dir.
+    ///
+    /// The data dir's lock is a flock, which belongs to the open file, and a child that another
+    /// test of this binary is spawning holds a copy of every fd until it execs (close-on-exec
+    /// closes them only then). So right after a backend is dropped its lock can still be held
+    /// for that moment: a lock still busy is retried for a while before it counts as a failure.
     fn start(&mut self) -> Report {
-        let (backend, report) = EmbeddedBackend::open(
-            Config {
-                data_dir: self.dir.join("data"),
-                node_id: NODE.into(),
-                topology_key: "topology.moor.csi.io/node".into(),
-            },
-            LoopAttacher::new(),
-        )
-        .expect("open backend");
+        let start = Instant::now();
+        let (backend, report) = loop {
+            let opened = EmbeddedBackend::open(
+                Config {
+                    data_dir: self.dir.join("data"),
+                    node_id: NODE.into(),
+                    topology_key: "topology.moor.csi.io/node".into(),
+                },
+                LoopAttacher::new(),
+            );
+            match opened {
+                Err(moor_controller::Error::Unavailable(_))
+                    if start.elapsed() < Duration::from_secs(10) =>
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                other => break other.expect("open backend"),
+            }
+        };
         self.backend = Some(Arc::new(backend));
         report
     }
