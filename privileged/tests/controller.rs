@@ -192,11 +192,14 @@ fn device_size(dev: &str) -> u64 {
     sectors * 512
 }
 
-/// Waits for `dev` to be unbound (the kernel finishes a detach on last close).
-fn wait_unbound(dev: &str) -> bool {
+/// Waits until `dev` no longer serves a file under `dir` (the kernel finishes a detach on last
+/// close). A device freed by this test may at once be bound again by a concurrent one: the
+/// kernel hands out the lowest free number, so "unbound" alone is not what to wait for.
+fn wait_unbound(dev: &str, dir: &Path) -> bool {
+    let ours = |b: &str| Path::new(b).starts_with(dir);
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(5) {
-        if sysfs_backing(dev).is_none() {
+        if !sysfs_backing(dev).is_some_and(|b| ours(&b)) {
             return true;
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -303,7 +306,10 @@ fn attach_and_detach() {
     let e = fx.b().delete_volume(&id).unwrap_err();
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     fx.unpublish(&id);
-    assert!(wait_unbound(&dev), "{dev} still bound after unpublish");
+    assert!(
+        wait_unbound(&dev, &fx.dir),
+        "{dev} still bound after unpublish"
+    );
     assert!(fx.devices().is_empty());
     fx.unpublish(&id);
     fx.b().delete_volume(&id).expect("delete");
@@ -327,7 +333,7 @@ fn read_only_attach() {
         }
     );
     fx.unpublish(&id);
-    assert!(wait_unbound(dev));
+    assert!(wait_unbound(dev, &fx.dir));
 }
 
 #[test]
@@ -402,7 +408,7 @@ fn snapshot_restore_and_clone_carry_the_data() {
     fx.b().delete_snapshot(&snap.id).expect("delete snapshot");
     assert!(!snap_file.exists());
     for d in [&src_dev, &restored_dev, &clone_dev, &dev] {
-        assert!(wait_unbound(d));
+        assert!(wait_unbound(d, &fx.dir));
     }
     assert!(fx.devices().is_empty());
 }
@@ -448,7 +454,7 @@ fn expand_grows_the_attached_device() {
     assert_eq!(size, 20 * MIB);
     assert_eq!(device_size(&dev), 20 * MIB);
     fx.unpublish(&id);
-    assert!(wait_unbound(&dev));
+    assert!(wait_unbound(&dev, &fx.dir));
 }
 
 #[test]
@@ -477,7 +483,7 @@ fn restart_with_an_attached_volume() {
     let stray = stray.display().to_string();
     let report = fx.restart();
     assert_eq!(report.detached.len(), 1, "{report:?}");
-    assert!(wait_unbound(&stray));
+    assert!(wait_unbound(&stray, &fx.dir));
     assert_eq!(fx.devices().len(), 1);
 
     // A publish that died after recording its intent and attaching: adopted.
@@ -505,7 +511,7 @@ fn restart_with_an_attached_volume() {
     attacher
         .detach(Path::new(&dev), file_a)
         .expect("detach behind its back");
-    assert!(wait_unbound(&dev));
+    assert!(wait_unbound(&dev, &fx.dir));
     let report = fx.restart();
     assert_eq!(report.corrected.len(), 1, "{report:?}");
     assert!(fx.b().get_volume(&a).expect("a").published_nodes.is_empty());
@@ -514,8 +520,8 @@ fn restart_with_an_attached_volume() {
 
     fx.unpublish(&a);
     fx.unpublish(&b);
-    assert!(wait_unbound(&new_dev));
-    assert!(wait_unbound(&ctx_b[DEVICE_PATH_KEY]));
+    assert!(wait_unbound(&new_dev, &fx.dir));
+    assert!(wait_unbound(&ctx_b[DEVICE_PATH_KEY], &fx.dir));
     assert!(fx.devices().is_empty());
 }
 
@@ -569,7 +575,7 @@ fn eight_concurrent_attaches() {
         t.join().expect("thread").expect("unpublish");
     }
     for d in devices {
-        assert!(wait_unbound(d), "{d} still bound");
+        assert!(wait_unbound(d, &fx.dir), "{d} still bound");
     }
     assert!(fx.devices().is_empty());
 }
@@ -684,7 +690,7 @@ async fn grpc_publish_context_over_a_socket() {
     })
     .await
     .expect("delete");
-    assert!(wait_unbound(&ctx[DEVICE_PATH_KEY]));
+    assert!(wait_unbound(&ctx[DEVICE_PATH_KEY], &fx.dir));
     let _ = stop.send(());
     server.await.expect("join").expect("serve");
     assert!(!socket.exists());
@@ -822,7 +828,7 @@ fn snapshots_and_clones_are_reflinked_where_the_filesystem_can() {
     for v in [&id, &restored.id] {
         backend.unpublish_volume(v, None).expect("unpublish");
     }
-    assert!(wait_unbound(&dev) && wait_unbound(&rdev));
+    assert!(wait_unbound(&dev, &xfs.dir) && wait_unbound(&rdev, &xfs.dir));
 }
 
 /// Env var that turns [`controller_child_process`] into a controller serving that dir.
@@ -1047,7 +1053,7 @@ async fn killed_controller_loses_nothing() {
         .expect("delete");
     }
     child.kill();
-    assert!(wait_unbound(&ctx[DEVICE_PATH_KEY]));
-    assert!(wait_unbound(&ctx_b[DEVICE_PATH_KEY]));
+    assert!(wait_unbound(&ctx[DEVICE_PATH_KEY], &dir));
+    assert!(wait_unbound(&ctx_b[DEVICE_PATH_KEY], &dir));
     assert!(ours(&dir).is_empty());
 }

@@ -357,6 +357,12 @@ impl Attacher for LoopAttacher {
             Some(id) if id != expect => return Ok(Detach::NotOurs),
             Some(_) => {}
         }
+        let name = device
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        let ours = self.sysfs_backing(&name);
         match loopdev::clear_fd(&fd) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(Errno::NXIO.raw_os_error()) => {
@@ -366,14 +372,12 @@ impl Attacher for LoopAttacher {
         }
         drop(fd);
         // The kernel unbinds on last close; wait for it unless someone else holds it open.
-        let name = device
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or_default()
-            .to_string();
+        // Once unbound, the number is the lowest free one and may be bound again at once by
+        // anyone: a device serving another file is done with ours.
         let start = Instant::now();
         while start.elapsed() < DETACH_WAIT {
-            if self.sysfs_backing(&name).is_none() {
+            let now = self.sysfs_backing(&name);
+            if now.is_none() || now != ours {
                 return Ok(Detach::Done);
             }
             std::thread::sleep(Duration::from_millis(5));
