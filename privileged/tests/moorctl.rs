@@ -405,18 +405,30 @@ fn dead_fuse_mount(at: &Path) {
 
 /// A loop device on a new file under the sandbox, not held open (so it can be detached at
 /// once); the world's sweep detaches it if the test fails.
+///
+/// Its number is a high one (losetup creates the device): once detached, a device is free
+/// for anyone, and the kernel hands out the lowest free number first, so a low one could be
+/// bound again by a concurrent test before `moorctl status` looks at it.
 fn free_loop_device(w: &World, name: &str, size: u64) -> String {
     let file = w.sb.data.join(name);
     let f = std::fs::File::create(&file).expect("backing file");
     f.set_len(size).expect("size");
     drop(f);
-    let out = Command::new("losetup")
-        .args(["--find", "--show"])
-        .arg(&file)
-        .output()
-        .expect("losetup");
-    assert!(out.status.success(), "losetup: {}", text(&out.stderr));
-    text(&out.stdout).trim().to_string()
+    let mut last = String::new();
+    for n in 900..964 {
+        let dev = format!("/dev/loop{n}");
+        let out = Command::new("losetup")
+            .arg(&dev)
+            .arg(&file)
+            .output()
+            .expect("losetup");
+        if out.status.success() {
+            return dev;
+        }
+        // Bound already (by another user of this machine): try the next number.
+        last = text(&out.stderr);
+    }
+    panic!("no free loop device among loop900..loop963: {last}");
 }
 
 #[test]
@@ -483,12 +495,17 @@ fn status_verdicts_for_real_drift_corruption_and_a_lost_device() {
         .status()
         .expect("losetup -d");
     assert!(st.success());
+    // The kernel unbinds on last close: a udev probe may hold the device for a moment.
+    let bound = format!(
+        "/sys/block/{}/loop/backing_file",
+        d4.trim_start_matches("/dev/")
+    );
+    let start = std::time::Instant::now();
+    while Path::new(&bound).exists() && start.elapsed() < std::time::Duration::from_secs(5) {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     assert!(
-        !Path::new(&format!(
-            "/sys/block/{}/loop/backing_file",
-            d4.trim_start_matches("/dev/")
-        ))
-        .exists(),
+        !Path::new(&bound).exists(),
         "the loop device is still attached"
     );
 
@@ -801,7 +818,9 @@ fn a_killed_demo_takes_its_daemons_and_mounts_with_it() {
             break;
         }
     }
-    let needle = dir.display().to_string();
+    // With the separator: another demo's dir may extend this one's name (moor-demo-12 and
+    // moor-demo-123).
+    let needle = format!("{}/", dir.display());
     assert_eq!(processes_mentioning(&needle).len(), 2, "both daemons run");
     child.kill().expect("SIGKILL");
     let _ = child.wait();
