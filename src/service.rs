@@ -1,17 +1,15 @@
 //! The CSI Identity and Node gRPC services, over the [`Engine`].
 //!
 //! Slow operations (stage, unstage, expand: mkfs, mount of a filesystem, resize) may block in
-//! the kernel for long: they run in place while a worker stays free for the server, else with
-//! the runtime told they block (see [`blocking`]). Publish, unpublish and stats are a handful
-//! of syscalls and run in place. A panic anywhere in a handler is caught and answered with
-//! INTERNAL; the daemon stays up.
+//! the kernel for long: they run with the runtime told they block (see [`blocking`]). Publish,
+//! unpublish and stats are a handful of syscalls and run in place. A panic anywhere in a
+//! handler is caught and answered with INTERNAL; the daemon stays up.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use moor_proto::csi::v1 as csi;
@@ -62,57 +60,24 @@ pub fn readiness<O: Os>(os: &O, state_dir: &std::path::Path) -> Option<String> {
     None
 }
 
-/// Calls running in place on a worker of the daemon's runtime (see [`blocking`]).
-static IN_PLACE: AtomicUsize = AtomicUsize::new(0);
-
-/// Holds one of the in-place slots until dropped.
-struct InPlace;
-
-impl InPlace {
-    /// Takes a slot if fewer than `limit` calls run in place.
-    fn take(limit: usize) -> Option<Self> {
-        IN_PLACE
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < limit).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Self)
-    }
-}
-
-impl Drop for InPlace {
-    fn drop(&mut self) {
-        IN_PLACE.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 /// Runs `f`, which may block in the kernel (mount, mkfs), without stalling the server; a
 /// panic becomes INTERNAL.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, Error> + Send + 'static,
 ) -> Result<T, Status> {
-    // On a multi-thread runtime (the daemon's): while all but one of its workers are free, in
-    // place on this worker, which costs nothing; the free worker keeps serving (and takes over
-    // this one's queued tasks) however long the kernel holds this call. Past that, on this
-    // worker with the runtime told it blocks, so its core moves to another thread: that hand-off
-    // wakes a thread (on a virtual machine, often a halted vCPU), but a call stuck in the
-    // kernel can never take the last worker. Elsewhere (tests): on the blocking pool.
-    let handle = tokio::runtime::Handle::try_current().ok();
-    let workers = handle
-        .as_ref()
-        .filter(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
-        .map(|h| h.metrics().num_workers());
-    let outcome = match workers {
-        Some(n) => match InPlace::take(n.saturating_sub(1)) {
-            Some(slot) => {
-                let r = std::panic::catch_unwind(AssertUnwindSafe(f)).map_err(|_| ());
-                drop(slot);
-                r
-            }
-            None => std::panic::catch_unwind(AssertUnwindSafe(|| tokio::task::block_in_place(f)))
-                .map_err(|_| ()),
-        },
-        None => tokio::task::spawn_blocking(f).await.map_err(|_| ()),
+    // On a multi-thread runtime (the daemon's): on this worker, with the runtime told it
+    // blocks, so its core (its queue of tasks) moves to another thread, which goes on serving.
+    // Running in place without telling is not safe even while another worker is free: a free
+    // worker may sleep without the I/O driver, which this one took when it woke for the call,
+    // and then nobody reads the sockets until the call returns (every other call, Probe
+    // included, waits behind a mkfs). Elsewhere (tests): on the blocking pool.
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    let outcome = if multi_thread {
+        std::panic::catch_unwind(AssertUnwindSafe(|| tokio::task::block_in_place(f)))
+            .map_err(|_| ())
+    } else {
+        tokio::task::spawn_blocking(f).await.map_err(|_| ())
     };
     match outcome {
         Ok(r) => r.map_err(Status::from),
