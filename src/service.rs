@@ -67,10 +67,13 @@ async fn blocking<T: Send + 'static>(
 ) -> Result<T, Status> {
     // On a multi-thread runtime (the daemon's): on this worker, with the runtime told it
     // blocks, so its core (its queue of tasks) moves to another thread, which goes on serving.
-    // Running in place without telling is not safe even while another worker is free: a free
-    // worker may sleep without the I/O driver, which this one took when it woke for the call,
-    // and then nobody reads the sockets until the call returns (every other call, Probe
-    // included, waits behind a mkfs). Elsewhere (tests): on the blocking pool.
+    // Running in place without telling is not safe even while another worker is free:
+    // - the free worker may sleep without the I/O driver, which this one took when it woke
+    //   for the call, and then nobody reads the sockets until the call returns;
+    // - the task this worker queued last (its LIFO slot) cannot be taken by another worker,
+    //   and it may be the connection kubelet sends all its calls on.
+    // Either way every other call, Probe included, would wait behind a mkfs. The price is a
+    // thread wake when the call returns. Elsewhere (tests): on the blocking pool.
     let multi_thread = tokio::runtime::Handle::try_current()
         .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
     let outcome = if multi_thread {
