@@ -6,7 +6,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hyper_util::rt::TokioIo;
+use moor_proto::csi::v1 as csi;
 use tonic::transport::{Channel, Endpoint};
+
+use crate::requests::{unpublish_req, unstage_req};
 
 /// Connects a gRPC channel to a Unix socket.
 pub async fn connect(socket: &Path) -> Result<Channel, tonic::transport::Error> {
@@ -21,6 +24,22 @@ pub async fn connect(socket: &Path) -> Result<Channel, tonic::transport::Error> 
             }
         }))
         .await
+}
+
+/// kubelet's teardown of a mount volume: NodeUnpublishVolume of `target`, then
+/// NodeUnstageVolume of `staging`; panics on an error.
+pub async fn unpublish_and_unstage(
+    node: &mut csi::node_client::NodeClient<Channel>,
+    vol: &str,
+    staging: &Path,
+    target: &Path,
+) {
+    node.node_unpublish_volume(unpublish_req(vol, target))
+        .await
+        .expect("unpublish");
+    node.node_unstage_volume(unstage_req(vol, staging))
+        .await
+        .expect("unstage");
 }
 
 /// A running `moor-node` (killed on drop if still running).

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
-use moor_privileged::client::{Daemon, connect};
-use moor_privileged::requests::{unpublish_req, unstage_req};
+use moor_privileged::client::{Daemon, connect, unpublish_and_unstage};
+use moor_privileged::requests::unstage_req;
 use moor_privileged::{Sandbox, is_mount_point, processes_mentioning};
 use moor_proto::csi::v1 as csi;
 use tonic::Code;
@@ -115,12 +115,7 @@ fn moor_node_serves_a_whole_volume_life_and_stops_cleanly() {
             .await
             .expect_err("empty request");
         assert_eq!(bad.code(), Code::InvalidArgument);
-        node.node_unpublish_volume(unpublish_req("vol-d", &target))
-            .await
-            .expect("unpublish");
-        node.node_unstage_volume(unstage_req("vol-d", &staging))
-            .await
-            .expect("unstage");
+        unpublish_and_unstage(&mut node, "vol-d", &staging, &target).await;
     });
     assert!(!is_mount_point(&staging) && !target.exists());
     drop(rt); // closes the client's connections

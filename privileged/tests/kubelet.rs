@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
-use moor_privileged::client::{Daemon, connect, free_port, http_get};
+use moor_privileged::client::{Daemon, connect, free_port, http_get, unpublish_and_unstage};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, is_block_device, is_mount_point};
 use moor_proto::csi::v1 as csi;
@@ -565,12 +565,7 @@ fn moor_node_health_and_metrics_over_http() {
 
     rt.block_on(async {
         let mut node = NodeClient::new(connect(&socket).await.expect("connect"));
-        node.node_unpublish_volume(unpublish_req("vol-m", &target))
-            .await
-            .expect("unpublish");
-        node.node_unstage_volume(unstage_req("vol-m", &staging))
-            .await
-            .expect("unstage");
+        unpublish_and_unstage(&mut node, "vol-m", &staging, &target).await;
     });
     let m = http_get(&addr, "/metrics").expect("metrics").body;
     assert!(m.lines().any(|l| l == "moor_volumes_staged 0"), "{m}");

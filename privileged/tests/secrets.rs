@@ -14,8 +14,7 @@ use csi::controller_client::ControllerClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use moor_privileged::Sandbox;
-use moor_privileged::client::{binary, connect};
-use moor_privileged::requests::{unpublish_req, unstage_req};
+use moor_privileged::client::{binary, connect, unpublish_and_unstage};
 use moor_proto::csi::v1 as csi;
 
 const MARKER: &str = "zq-secret-marker-5e9b1";
@@ -151,12 +150,7 @@ fn node_logs_never_contain_secrets() {
                 ..Default::default()
             })
             .await;
-        node.node_unpublish_volume(unpublish_req("vol-s", &target))
-            .await
-            .expect("unpublish");
-        node.node_unstage_volume(unstage_req("vol-s", &staging))
-            .await
-            .expect("unstage");
+        unpublish_and_unstage(&mut node, "vol-s", &staging, &target).await;
     });
     drop(rt);
     let log = daemon.stop();
