@@ -427,7 +427,17 @@ impl Attacher for LoopAttacher {
             let Some(fd) = Self::open_existing(&device)? else {
                 continue;
             };
-            if let Some(file) = Self::bound_to(&fd, &device)? {
+            // The path comes from sysfs and the identity from the device: read the path again
+            // after the identity, so that a rebind in between (loop numbers are reused at once)
+            // cannot pair one file's path with another's identity.
+            let Some(file) = Self::bound_to(&fd, &device)? else {
+                continue;
+            };
+            let again = self.sysfs_backing(&name);
+            let same = again
+                .as_deref()
+                .is_some_and(|a| a.strip_suffix(" (deleted)").unwrap_or(a) == backing.as_str());
+            if same {
                 out.push(Attachment {
                     device,
                     backing: PathBuf::from(backing),
