@@ -419,9 +419,9 @@ impl<S: tonic::server::NamedService> tonic::server::NamedService for Metered<S> 
     const NAME: &'static str = S::NAME;
 }
 
-impl<S, B, RB> tower::Service<http::Request<B>> for Metered<S>
+impl<S, B> tower::Service<http::Request<B>> for Metered<S>
 where
-    S: tower::Service<http::Request<B>, Response = http::Response<RB>>,
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
     S::Future: Send + 'static,
 {
     type Response = S::Response;
@@ -439,8 +439,7 @@ where
         let fut = self.inner.call(req);
         Box::pin(async move {
             let r = fut.await;
-            drop(in_flight);
-            if let Ok(resp) = &r {
+            r.map(|resp| {
                 let code = response_code(resp.headers());
                 // An unknown method answers UNIMPLEMENTED: one label for all of them.
                 let method = if code == tonic::Code::Unimplemented {
@@ -449,9 +448,45 @@ where
                     &method
                 };
                 registry().observe_rpc(method, code_name(code), start.elapsed());
-            }
-            r
+                // The call stays in flight until the server has taken its whole answer (a
+                // graceful stop waits for that), not only until the handler returned.
+                resp.map(|body| tonic::body::Body::new(CountedBody::new(body, in_flight)))
+            })
         })
+    }
+}
+
+/// A response body that counts its call as in flight until the server drops it, which it does
+/// once it has sent every frame (or the client reset the stream). An answer without a body (an
+/// error, all in its headers) is taken as the handler returns.
+struct CountedBody {
+    inner: tonic::body::Body,
+    _call: InFlightCall,
+}
+
+impl CountedBody {
+    fn new(inner: tonic::body::Body, call: InFlightCall) -> Self {
+        Self { inner, _call: call }
+    }
+}
+
+impl http_body::Body for CountedBody {
+    type Data = <tonic::body::Body as http_body::Body>::Data;
+    type Error = <tonic::body::Body as http_body::Body>::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -632,6 +667,55 @@ mod tests {
 
     fn lines(text: &str) -> Vec<&str> {
         text.lines().collect()
+    }
+
+    /// A service answering every request with a body of one frame.
+    struct Answer;
+
+    impl tower::Service<http::Request<()>> for Answer {
+        type Response = http::Response<tonic::body::Body>;
+        type Error = std::convert::Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: http::Request<()>) -> Self::Future {
+            let body = tonic::body::Body::new(String::from("answer"));
+            std::future::ready(Ok(http::Response::new(body)))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_is_in_flight_until_the_server_has_taken_its_answer() {
+        use tower::Service as _;
+        // No other test in this binary goes through Metered.
+        let before = calls_in_flight();
+        let mut svc = Metered::new(Answer);
+        let call = svc.call(http::Request::new(()));
+        assert_eq!(calls_in_flight(), before + 1, "counted from the call on");
+        let mut body = call.await.unwrap().into_body();
+        assert_eq!(
+            calls_in_flight(),
+            before + 1,
+            "the handler returned, the answer is unsent"
+        );
+        let mut frames = 0;
+        while let Some(frame) =
+            std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut body), cx)).await
+        {
+            assert!(frame.is_ok());
+            frames += 1;
+        }
+        assert_eq!(frames, 1);
+        assert_eq!(calls_in_flight(), before + 1, "still held by the server");
+        drop(body);
+        assert_eq!(
+            calls_in_flight(),
+            before,
+            "done once the server drops the answer"
+        );
     }
 
     #[test]

@@ -95,8 +95,9 @@ pub async fn serve(
             stopping.notified().await;
             // Clients such as kubelet keep their connections open for good: once no call is in
             // flight there is nothing left to wait for.
-            // A call counts until its handler returns; its answer still has to reach the
-            // socket, so stop only once no call has been in flight for a short linger.
+            // A call counts until the server has taken all of its answer (the response body
+            // is dropped), which then still has to go from the connection's buffer to the
+            // socket: stop only once no call has been in flight for a short linger.
             let deadline = tokio::time::Instant::now() + grace;
             let linger = std::time::Duration::from_millis(100);
             let mut idle_since = None;
