@@ -90,7 +90,15 @@ pub struct StageReport {
     pub mkfs: Option<Duration>,
     /// How long the mount took.
     pub mount: Option<Duration>,
+    /// Whether the filesystem was grown to its device's size (a volume restored or cloned
+    /// into a larger one, or grown on the controller while it was not staged).
+    pub grown: bool,
 }
+
+/// A filesystem at least this much smaller than its device is grown when it is staged. Less is
+/// what a tool leaves by design (resize2fs drops a last block group too small to hold its own
+/// metadata), and growing would change nothing.
+pub const GROW_MIN: u64 = 16 << 20;
 
 /// The node engine.
 #[derive(Debug)]
@@ -416,7 +424,20 @@ impl<O: Os> Engine<O> {
                             }
                         ));
                 if ours && !req.cap.access.is_block() {
-                    // Already staged (a retry, or a crash after the mount): confirm.
+                    // Already staged (a retry, or a crash after the mount): confirm. A crash
+                    // may have come before the filesystem was grown to its device.
+                    let unconfirmed = record
+                        .stage
+                        .as_ref()
+                        .is_some_and(|s| s.phase == Phase::InProgress);
+                    if unconfirmed && !attrs.read_only {
+                        let content = self.probe_device(&device_path, device.size)?;
+                        report.grown = self.grow_to_device(
+                            &content,
+                            (&device_path, device.size),
+                            &req.staging,
+                        )?;
+                    }
                     self.confirm_stage(&mut record, req, (&device_path, device), attrs, access)?;
                     return Ok(report);
                 }
@@ -517,22 +538,30 @@ impl<O: Os> Engine<O> {
         }
         report.mount = Some(start.elapsed());
         fault::point("stage.mounted");
-        let after = (|| -> Result<u64> {
+        let after = (|| -> Result<bool> {
             if let Some(gid) = group
                 && !attrs.read_only
             {
                 self.os.share_with_group(&req.staging, *gid)?;
             }
             match self.os.mount_state(&req.staging)? {
-                MountState::Mounted(mp) => Ok(mp.mount_id),
-                other => Err(Error::FailedPrecondition(format!(
-                    "{} is not a mount after mounting it: {other:?}",
-                    req.staging.display()
-                ))),
+                MountState::Mounted(_) => {}
+                other => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "{} is not a mount after mounting it: {other:?}",
+                        req.staging.display()
+                    )));
+                }
             }
+            if attrs.read_only {
+                return Ok(false);
+            }
+            fault::point("stage.growing");
+            self.grow_to_device(&content, (&device_path, device.size), &req.staging)
         })();
         match after {
-            Ok(_) => {
+            Ok(grown) => {
+                report.grown = grown;
                 self.confirm_stage(&mut record, req, (&device_path, device), attrs, access)?;
                 fault::point("stage.done");
                 Ok(report)
@@ -1005,13 +1034,27 @@ impl<O: Os> Engine<O> {
                 )));
             }
         }
-        let mount_point = stage.path.display().to_string();
-        let (program, args) = match Filesystem::from_name(fs_type) {
-            Some(Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4) => {
-                ("resize2fs", vec![stage.device.display().to_string()])
+        let Some(fs) = Filesystem::from_name(fs_type) else {
+            return Err(Error::FailedPrecondition(format!(
+                "cannot grow {fs_type:?}"
+            )));
+        };
+        fault::point("expand.resizing");
+        self.grow_fs(fs, &stage.device, &stage.path)?;
+        fault::point("expand.resized");
+        Ok(dev.size)
+    }
+
+    /// Grows the filesystem mounted at `mount_point` from `device` to the device's size, online,
+    /// with its own tool.
+    fn grow_fs(&self, fs: Filesystem, device: &Path, mount_point: &Path) -> Result<()> {
+        let mount_point = mount_point.display().to_string();
+        let (program, args) = match fs {
+            Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4 => {
+                ("resize2fs", vec![device.display().to_string()])
             }
-            Some(Filesystem::Xfs) => ("xfs_growfs", vec![mount_point]),
-            Some(Filesystem::Btrfs) => (
+            Filesystem::Xfs => ("xfs_growfs", vec![mount_point]),
+            Filesystem::Btrfs => (
                 "btrfs",
                 vec![
                     "filesystem".into(),
@@ -1020,19 +1063,37 @@ impl<O: Os> Engine<O> {
                     mount_point,
                 ],
             ),
-            None => {
-                return Err(Error::FailedPrecondition(format!(
-                    "cannot grow {fs_type:?}"
-                )));
-            }
         };
-        fault::point("expand.resizing");
         self.os.run_tool(&ToolRun {
             program: program.into(),
             args,
             deadline: self.cfg.resize_deadline,
         })?;
-        fault::point("expand.resized");
-        Ok(dev.size)
+        Ok(())
+    }
+
+    /// Grows the filesystem `content` found on `device` (of `device_size` bytes), mounted at
+    /// `mount_point`, when its superblock gives it [`GROW_MIN`] or more less than the device:
+    /// the spec has a volume made from a smaller snapshot or volume present its full size.
+    /// Whether it grew it.
+    fn grow_to_device(
+        &self,
+        content: &Content,
+        (device, device_size): (&Path, u64),
+        mount_point: &Path,
+    ) -> Result<bool> {
+        let Content::Filesystem {
+            fs,
+            size: Some(size),
+            ..
+        } = content
+        else {
+            return Ok(false);
+        };
+        if device_size < size.saturating_add(GROW_MIN) {
+            return Ok(false);
+        }
+        self.grow_fs(*fs, device, mount_point)?;
+        Ok(true)
     }
 }

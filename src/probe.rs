@@ -106,6 +106,9 @@ pub enum Content {
         uuid: Option<String>,
         /// Its label (bytes up to the first NUL, lossily decoded), or `None` if empty.
         label: Option<String>,
+        /// The size in bytes its superblock gives it, or `None` if the fields are unset or
+        /// out of range.
+        size: Option<u64>,
     },
     /// A partition table, and no other known signature.
     PartitionTable(PartitionTable),
@@ -132,9 +135,9 @@ impl Content {
     pub fn describe(&self) -> String {
         match self {
             Content::Blank => "a blank device (all zeros)".to_owned(),
-            Content::Filesystem { fs, uuid, label } => {
-                describe_fs(*fs, uuid.as_deref(), label.as_deref())
-            }
+            Content::Filesystem {
+                fs, uuid, label, ..
+            } => describe_fs(*fs, uuid.as_deref(), label.as_deref()),
             Content::PartitionTable(PartitionTable::Mbr) => "an MBR partition table".to_owned(),
             Content::PartitionTable(PartitionTable::Gpt) => "a GPT partition table".to_owned(),
             Content::Luks { version } => format!("a LUKS{version} encrypted volume"),
@@ -262,7 +265,17 @@ impl Signature {
     /// The [`Content`] for a device on which this is the only signature.
     fn into_content(self) -> Content {
         match self {
-            Signature::Fs(FsMatch { fs, uuid, label }) => Content::Filesystem { fs, uuid, label },
+            Signature::Fs(FsMatch {
+                fs,
+                uuid,
+                label,
+                size,
+            }) => Content::Filesystem {
+                fs,
+                uuid,
+                label,
+                size,
+            },
             Signature::Luks(version) => Content::Luks { version },
             Signature::Swap => Content::Swap,
             Signature::Table(table) => Content::PartitionTable(table),
@@ -279,6 +292,8 @@ struct FsMatch {
     uuid: Option<String>,
     /// Its label, if set.
     label: Option<String>,
+    /// Its size in bytes, if the superblock gives a sane one.
+    size: Option<u64>,
 }
 
 /// All signatures that live in the head window, in a fixed order.
@@ -396,7 +411,32 @@ fn detect_ext(head: &[u8]) -> Option<FsMatch> {
         fs: ext_flavour(compat, incompat, ro_compat),
         uuid: uuid_at(head, EXT_SB + 0x68),
         label: label_at(head, EXT_SB + 0x78, 16),
+        size: ext_size(head, incompat),
     })
+}
+
+/// incompat: 64BIT (block counts have a high half).
+const EXT_INCOMPAT_64BIT: u32 = 0x80;
+
+/// `s_blocks_count` (its high half at 0x150 with 64BIT) times the block size, 1 KiB shifted
+/// by `s_log_block_size` (at most 64 KiB).
+fn ext_size(head: &[u8], incompat: u32) -> Option<u64> {
+    let low = u64::from(le32(head, EXT_SB + 0x04)?);
+    let high = if incompat & EXT_INCOMPAT_64BIT != 0 {
+        u64::from(le32(head, EXT_SB + 0x150)?)
+    } else {
+        0
+    };
+    let log = le32(head, EXT_SB + 0x18)?;
+    if log > 6 {
+        return None;
+    }
+    sized((high << 32) | low, 1024u64 << log)
+}
+
+/// `blocks * block_size` bytes, or `None` for zero blocks or an overflow.
+fn sized(blocks: u64, block_size: u64) -> Option<u64> {
+    blocks.checked_mul(block_size).filter(|&n| n > 0)
 }
 
 /// ext4 if any feature beyond what ext3 understands is set (EXTENTS, 64BIT, FLEX_BG, MMP,
@@ -420,7 +460,18 @@ fn detect_xfs(head: &[u8]) -> Option<FsMatch> {
         fs: Filesystem::Xfs,
         uuid: uuid_at(head, 32),
         label: label_at(head, 108, 12),
+        size: xfs_size(head),
     })
+}
+
+/// `sb_dblocks` (at 8) times `sb_blocksize` (at 4, a power of two from 512 B to 64 KiB): the
+/// data section, the internal log included.
+fn xfs_size(head: &[u8]) -> Option<u64> {
+    let block = u64::from(be32(head, 4)?);
+    if !block.is_power_of_two() || !(512..=65536).contains(&block) {
+        return None;
+    }
+    sized(be64(head, 8)?, block)
 }
 
 // ----- btrfs --------------------------------------------------------------------------------
@@ -428,12 +479,14 @@ fn detect_xfs(head: &[u8]) -> Option<FsMatch> {
 /// Byte offset of the primary btrfs superblock.
 const BTRFS_SB: usize = 64 * 1024;
 
-/// A btrfs superblock at 64 KiB: magic at 0x40, fsid at 0x20, 256-byte label at 0x12b.
+/// A btrfs superblock at 64 KiB: magic at 0x40, fsid at 0x20, total_bytes at 0x70, 256-byte
+/// label at 0x12b.
 fn detect_btrfs(head: &[u8]) -> Option<FsMatch> {
     has_magic(head, BTRFS_SB + 0x40, b"_BHRfS_M").then(|| FsMatch {
         fs: Filesystem::Btrfs,
         uuid: uuid_at(head, BTRFS_SB + 0x20),
         label: label_at(head, BTRFS_SB + 0x12b, 256),
+        size: le64(head, BTRFS_SB + 0x70).filter(|&n| n > 0),
     })
 }
 
@@ -576,6 +629,21 @@ fn le32(buf: &[u8], off: usize) -> Option<u32> {
     array_at(buf, off).map(u32::from_le_bytes)
 }
 
+/// A big-endian u32 at `off`.
+fn be32(buf: &[u8], off: usize) -> Option<u32> {
+    array_at(buf, off).map(u32::from_be_bytes)
+}
+
+/// A big-endian u64 at `off`.
+fn be64(buf: &[u8], off: usize) -> Option<u64> {
+    array_at(buf, off).map(u64::from_be_bytes)
+}
+
+/// A little-endian u64 at `off`.
+fn le64(buf: &[u8], off: usize) -> Option<u64> {
+    array_at(buf, off).map(u64::from_le_bytes)
+}
+
 /// The 16-byte UUID at `off` as lower-case hyphenated hex, or `None` if all zero or truncated.
 fn uuid_at(buf: &[u8], off: usize) -> Option<String> {
     let raw: [u8; 16] = array_at(buf, off)?;
@@ -690,7 +758,49 @@ mod tests {
             fs,
             uuid: uuid.map(str::to_owned),
             label: label.map(str::to_owned),
+            size: None,
         }
+    }
+
+    /// The size the probe reads from a head window.
+    fn size_of(head: &[u8]) -> Option<u64> {
+        match probe(head, &tail(), SIZE) {
+            Content::Filesystem { size, .. } => size,
+            other => panic!("not a filesystem: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn sizes_from_the_superblocks() {
+        // ext4: 4 KiB blocks (log 2); the high half counts only with 64BIT.
+        let mut h = head();
+        put_ext(&mut h, 0x4, 0x40 | 0x200, 0, b"");
+        put(&mut h, EXT_SB + 0x04, &262_144u32.to_le_bytes());
+        put(&mut h, EXT_SB + 0x18, &2u32.to_le_bytes());
+        put(&mut h, EXT_SB + 0x150, &1u32.to_le_bytes());
+        assert_eq!(size_of(&h), Some(1 << 30));
+        put_ext(&mut h, 0x4, 0x40 | 0x200 | EXT_INCOMPAT_64BIT, 0, b"");
+        assert_eq!(size_of(&h), Some((1 << 30) + (1 << 44)));
+        // A block size past 64 KiB is not a real one.
+        put(&mut h, EXT_SB + 0x18, &7u32.to_le_bytes());
+        assert_eq!(size_of(&h), None);
+        // xfs: dblocks times a power-of-two block size.
+        let mut h = head();
+        put_xfs(&mut h, b"");
+        assert_eq!(size_of(&h), None, "no data blocks");
+        put(&mut h, 8, &131_072u64.to_be_bytes());
+        assert_eq!(size_of(&h), Some(512 << 20));
+        put(&mut h, 4, &3000u32.to_be_bytes());
+        assert_eq!(size_of(&h), None);
+        put(&mut h, 4, &65_536u32.to_be_bytes());
+        put(&mut h, 8, &u64::MAX.to_be_bytes());
+        assert_eq!(size_of(&h), None, "an overflow");
+        // btrfs: total_bytes.
+        let mut h = head();
+        put_btrfs(&mut h, b"");
+        assert_eq!(size_of(&h), None);
+        put(&mut h, BTRFS_SB + 0x70, &(3u64 << 30).to_le_bytes());
+        assert_eq!(size_of(&h), Some(3 << 30));
     }
 
     fn ambiguous(names: &[&str]) -> Content {
@@ -1268,6 +1378,8 @@ mod tests {
                 fs: expected,
                 uuid: Some(UUID.to_owned()),
                 label: Some("moor-test".to_owned()),
+                // Each tool formats the whole image.
+                size: Some(size_mib << 20),
             };
             assert_eq!(probe(&head, &tail, size), want);
             assert_eq!(probe_quick(&head[..QUICK_LEN]), Some(want));

@@ -228,6 +228,9 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
             if report.formatted {
                 info!(volume = req.volume_id, mkfs = ?report.mkfs, "formatted blank device");
             }
+            if report.grown {
+                info!(volume = req.volume_id, "grew the filesystem to its device");
+            }
             Ok(csi::NodeStageVolumeResponse {})
         })
         .await

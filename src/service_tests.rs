@@ -612,6 +612,101 @@ async fn failed_mount_leaves_nothing_behind() {
     assert_eq!(mkfs_calls(&h), 0);
 }
 
+/// Puts on DEV an xfs superblock giving the filesystem `size` bytes (4 KiB blocks).
+fn xfs_of_size(h: &Harness, size: u64) {
+    let mut sb = vec![0u8; 16];
+    sb[..4].copy_from_slice(b"XFSB");
+    sb[4..8].copy_from_slice(&4096u32.to_be_bytes());
+    sb[8..16].copy_from_slice(&(size / 4096).to_be_bytes());
+    h.os.write_device(DEV, 0, &sb);
+}
+
+fn tool_calls(h: &Harness) -> Vec<Call> {
+    h.os.calls()
+        .into_iter()
+        .filter(|c| matches!(c, Call::Tool(..)))
+        .collect()
+}
+
+#[tokio::test]
+async fn stage_grows_a_filesystem_smaller_than_its_device() {
+    // A volume restored from a 512 MiB snapshot into 1 GiB: the spec has it present 1 GiB.
+    let h = harness();
+    xfs_of_size(&h, 512 << 20);
+    let cap = mount_cap("xfs", &[], Mode::SingleNodeWriter);
+    let r = stage_req(cap.clone());
+    h.svc
+        .node_stage_volume(Request::new(r.clone()))
+        .await
+        .expect("stage");
+    assert_eq!(
+        tool_calls(&h),
+        vec![Call::Tool("xfs_growfs".into(), vec![STAGING.into()])]
+    );
+    // The tool grew it: a retry confirms without growing again.
+    xfs_of_size(&h, GIB);
+    h.os.clear_calls();
+    h.svc
+        .node_stage_volume(Request::new(r))
+        .await
+        .expect("stage again");
+    assert_eq!(tool_calls(&h), vec![]);
+}
+
+#[tokio::test]
+async fn stage_leaves_a_filesystem_that_fills_its_device_or_is_read_only() {
+    // What a tool leaves unused at the end (less than GROW_MIN) is not grown into.
+    let h = harness();
+    xfs_of_size(&h, GIB - crate::engine::GROW_MIN + 4096);
+    h.svc
+        .node_stage_volume(Request::new(stage_req(mount_cap(
+            "xfs",
+            &[],
+            Mode::SingleNodeWriter,
+        ))))
+        .await
+        .expect("stage");
+    assert_eq!(tool_calls(&h), vec![]);
+    // A volume staged read-only cannot be written, so it is not grown either.
+    let h = harness();
+    xfs_of_size(&h, 512 << 20);
+    h.svc
+        .node_stage_volume(Request::new(stage_req(mount_cap(
+            "xfs",
+            &[],
+            Mode::MultiNodeReaderOnly,
+        ))))
+        .await
+        .expect("stage read-only");
+    assert_eq!(tool_calls(&h), vec![]);
+}
+
+#[tokio::test]
+async fn stage_whose_growth_fails_leaves_nothing_behind() {
+    let h = harness();
+    // ext4 of 512 MiB (4 KiB blocks) on the 1 GiB device; resize2fs then fails.
+    h.os.write_device(DEV, 1024, &{
+        let mut sb = vec![0u8; 0x68];
+        sb[0x04..0x08].copy_from_slice(&131_072u32.to_le_bytes());
+        sb[0x18..0x1C].copy_from_slice(&2u32.to_le_bytes());
+        sb[0x38..0x3A].copy_from_slice(&0xEF53u16.to_le_bytes());
+        sb[0x5C] = 0x04;
+        sb[0x60] = 0x40;
+        sb
+    });
+    h.os.fail_next("tool", 1);
+    assert_eq!(
+        code(h.svc.node_stage_volume(Request::new(stage_req(ext4())))).await,
+        Code::Internal
+    );
+    assert_eq!(
+        tool_calls(&h),
+        vec![Call::Tool("resize2fs".into(), vec![DEV.into()])]
+    );
+    assert_eq!(h.os.mount_depth(STAGING), 0);
+    assert!(h.engine.journal().get("vol-1").is_none());
+}
+
 #[tokio::test]
 async fn interrupted_mkfs_is_resumed_only_by_moor() {
     let h = harness();

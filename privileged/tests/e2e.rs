@@ -337,8 +337,9 @@ async fn filesystem_life(c: &mut Cluster, sb: &Sandbox) {
     rustix::fs::sync();
 
     let source = c.snapshot(&vol, "e2e-fs-snap").await;
+    // Restored into a larger volume: the pod sees the larger size.
     let restored = c
-        .create("e2e-fs-restored", 512 * MIB, &cap, Some(source))
+        .create("e2e-fs-restored", 768 * MIB, &cap, Some(source))
         .await;
     let mut ctx2 = c.attach(&restored, &cap).await;
     // No path hint at all: the node finds the device by its identity alone.
@@ -350,6 +351,12 @@ async fn filesystem_life(c: &mut Cluster, sb: &Sandbox) {
     assert_eq!(
         std::fs::read(target2.join("data.txt")).expect("read from the restored volume"),
         PATTERN
+    );
+    let restored_fs = rustix::fs::statvfs(target2.as_path()).expect("statvfs");
+    assert!(
+        restored_fs.f_blocks * restored_fs.f_frsize > 700 << 20,
+        "the restored filesystem was not grown to its volume: {} blocks",
+        restored_fs.f_blocks
     );
 
     // xfs grows online (ext4 online growth needs CAP_SYS_RESOURCE, which tests lack).

@@ -528,6 +528,55 @@ fn online_expand_of_ext4_grows_or_says_clearly_why_not() {
     }
 }
 
+/// Stages a `fs` volume on a 512 MiB device and unstages it, grows the device to 1 GiB (as a
+/// restore into a larger volume, or a controller expansion while unstaged, leaves it) and
+/// stages it again: the filesystem's size after that stage, or the stage's error.
+fn grow_at_stage(fs: &str) -> Result<u64, tonic::Status> {
+    let sb = Sandbox::new(&format!("stage-grow-{fs}"));
+    let n = node(&sb);
+    let dev = sb.loop_device("g.img", 512 * MIB);
+    let staging = sb.staging("pv");
+    let c = cap(fs, Mode::SingleNodeWriter);
+    rt().block_on(async {
+        n.stage("vol", &dev, &staging, c.clone())
+            .await
+            .expect("first stage");
+        n.unstage("vol", &staging).await.expect("unstage");
+        sb.grow_loop(&dev, "g.img", 1024 * MIB);
+        let staged = n.stage("vol", &dev, &staging, c.clone()).await;
+        if let Err(e) = staged {
+            assert!(
+                !is_mount_point(&staging),
+                "{fs}: a failed stage leaves no mount"
+            );
+            assert!(
+                n.engine.journal().get("vol").is_none(),
+                "{fs}: nor a record"
+            );
+            return Err(e);
+        }
+        let vfs = rustix::fs::statvfs(staging.as_path()).expect("statvfs");
+        n.unstage("vol", &staging).await.expect("unstage");
+        Ok(vfs.f_blocks * vfs.f_frsize)
+    })
+}
+
+#[test]
+fn a_filesystem_smaller_than_its_device_is_grown_at_stage() {
+    for fs in ["xfs", "btrfs"] {
+        let size = grow_at_stage(fs).unwrap_or_else(|e| panic!("{fs}: {e:?}"));
+        assert!(size > 900 * MIB, "{fs}: {size} bytes after stage");
+    }
+    match grow_at_stage("ext4") {
+        Ok(size) => assert!(size > 900 * MIB, "ext4: {size} bytes after stage"),
+        // Without CAP_SYS_RESOURCE the kernel refuses an online ext4 resize.
+        Err(e) => assert!(
+            e.code() == Code::Internal && e.message().contains("resize2fs"),
+            "{e:?}"
+        ),
+    }
+}
+
 #[test]
 fn two_concurrent_calls_on_one_volume_give_one_aborted() {
     let sb = Sandbox::new("concurrent");
