@@ -37,6 +37,55 @@ pub fn map_problem(map: &HashMap<String, String>) -> Option<String> {
     (bytes > MAX_MAP_BYTES).then(|| format!("larger than {MAX_MAP_BYTES} bytes"))
 }
 
+/// Longest topology segment value: a Kubernetes label value's 63 characters, as the spec has
+/// it.
+pub const MAX_TOPOLOGY_VALUE_LEN: usize = 63;
+
+/// Whether `s` may be a topology segment value: 1 to 63 characters, alphanumerics and `-_.`,
+/// beginning and ending with an alphanumeric.
+#[must_use]
+pub fn is_topology_value(s: &str) -> bool {
+    let edge = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    s.len() <= MAX_TOPOLOGY_VALUE_LEN
+        && edge(s.chars().next())
+        && edge(s.chars().last())
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// This node's topology segment value for `node_id`, which the node and the controller must
+/// compute alike: the id itself when it is a valid value; otherwise (a Kubernetes node name
+/// may be 253 characters long) its start, with characters a value cannot hold made `-`,
+/// followed by a hash of the whole id, so that distinct ids keep distinct values.
+#[must_use]
+pub fn topology_value(node_id: &str) -> String {
+    if is_topology_value(node_id) {
+        return node_id.to_string();
+    }
+    // FNV-1a, 64 bits: stable across builds and platforms.
+    let hash = node_id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let keep = MAX_TOPOLOGY_VALUE_LEN - 17;
+    let start: String = node_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(keep)
+        .collect();
+    let start = start.trim_matches(|c: char| !c.is_ascii_alphanumeric());
+    if start.is_empty() {
+        format!("{hash:016x}")
+    } else {
+        format!("{start}-{hash:016x}")
+    }
+}
+
 /// The start of `s`, at most [`QUOTE_LEN`] bytes cut at a character boundary: user input as
 /// an error quotes it.
 #[must_use]
@@ -51,6 +100,34 @@ pub fn trunc(s: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn topology_values_are_valid_label_values() {
+        for id in ["node-1", "ip-10-0-0-1.ec2.internal", "a", "N_1"] {
+            assert_eq!(topology_value(id), id);
+        }
+        let long = format!("{}.example.com", "n".repeat(200));
+        let other = format!("{}.example.org", "n".repeat(200));
+        for id in [
+            long.as_str(),
+            other.as_str(),
+            "node-",
+            "-node",
+            "é",
+            "a b",
+            "--",
+        ] {
+            let v = topology_value(id);
+            assert!(is_topology_value(&v), "{id:?} -> {v:?}");
+            assert_eq!(v, topology_value(id), "stable");
+        }
+        assert_ne!(topology_value(&long), topology_value(&other));
+        assert!(topology_value(&long).starts_with("nnnn"));
+        assert_eq!(topology_value("a b").len(), "a-b-".len() + 16);
+        assert!(!is_topology_value(""));
+        assert!(!is_topology_value(&"x".repeat(64)));
+        assert!(is_topology_value(&"x".repeat(63)));
+    }
 
     #[test]
     fn ids() {

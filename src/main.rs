@@ -107,8 +107,10 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    if args.node_id.is_empty() {
-        return Err("--node-id must not be empty".into());
+    if let Some(why) =
+        moor_node::limits::id_problem(&args.node_id, moor_node::limits::MAX_NODE_ID_LEN)
+    {
+        return Err(format!("--node-id {why}").into());
     }
     if let Some(point) = moor_node::fault::arm_from_env() {
         warn!(

@@ -133,18 +133,12 @@ async fn traced<T>(
 pub struct IdentityService<O: Os> {
     info: PluginInfo,
     os: Arc<O>,
-    /// Advertise the controller service too (the controller binary sets this).
-    pub controller: bool,
 }
 
 impl<O: Os> IdentityService<O> {
     /// Builds the service.
     pub fn new(info: PluginInfo, os: Arc<O>) -> Self {
-        Self {
-            info,
-            os,
-            controller: false,
-        }
+        Self { info, os }
     }
 }
 
@@ -165,19 +159,8 @@ impl<O: Os> csi::identity_server::Identity for IdentityService<O> {
         &self,
         _: Request<csi::GetPluginCapabilitiesRequest>,
     ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
-        use csi::plugin_capability::{Service, Type, service};
-        let mut types = vec![service::Type::VolumeAccessibilityConstraints];
-        if self.controller {
-            types.push(service::Type::ControllerService);
-        }
-        let capabilities = types
-            .into_iter()
-            .map(|t| csi::PluginCapability {
-                r#type: Some(Type::Service(Service { r#type: t as i32 })),
-            })
-            .collect();
         Ok(Response::new(csi::GetPluginCapabilitiesResponse {
-            capabilities,
+            capabilities: plugin_capabilities(),
         }))
     }
 
@@ -185,14 +168,37 @@ impl<O: Os> csi::identity_server::Identity for IdentityService<O> {
         &self,
         _: Request<csi::ProbeRequest>,
     ) -> Result<Response<csi::ProbeResponse>, Status> {
-        let reason = readiness(self.os.as_ref(), &self.info.state_dir);
-        if let Some(reason) = &reason {
-            warn!(reason, "probe: not ready");
+        // Unhealthy is an error (a missing required dependency: FAILED_PRECONDITION);
+        // `ready: false` is only for a plugin still starting, which this one never is once it
+        // serves.
+        match readiness(self.os.as_ref(), &self.info.state_dir) {
+            None => Ok(Response::new(csi::ProbeResponse { ready: Some(true) })),
+            Some(reason) => {
+                warn!(reason, "probe: not healthy");
+                Err(Status::failed_precondition(reason))
+            }
         }
-        Ok(Response::new(csi::ProbeResponse {
-            ready: Some(reason.is_none()),
-        }))
     }
+}
+
+/// The plugin capabilities: the same from the node and the controller, as the spec has every
+/// instance of a version answer, whichever services it serves. The controller service,
+/// volumes that live on one node (accessibility constraints), and volumes that grow while
+/// in use.
+pub fn plugin_capabilities() -> Vec<csi::PluginCapability> {
+    use csi::plugin_capability::{Service, Type, VolumeExpansion, service, volume_expansion};
+    let service = |t: service::Type| csi::PluginCapability {
+        r#type: Some(Type::Service(Service { r#type: t as i32 })),
+    };
+    vec![
+        service(service::Type::ControllerService),
+        service(service::Type::VolumeAccessibilityConstraints),
+        csi::PluginCapability {
+            r#type: Some(Type::VolumeExpansion(VolumeExpansion {
+                r#type: volume_expansion::Type::Online as i32,
+            })),
+        },
+    ]
 }
 
 /// The Node service.
@@ -373,7 +379,7 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
             accessible_topology: Some(csi::Topology {
                 segments: HashMap::from([(
                     self.info.topology_key.clone(),
-                    self.info.node_id.clone(),
+                    crate::limits::topology_value(&self.info.node_id),
                 )]),
             }),
         }))

@@ -30,27 +30,9 @@ impl<B: Backend> IdentityService<B> {
     }
 }
 
-/// The plugin capabilities the controller advertises.
-pub fn plugin_capabilities() -> Vec<csi::PluginCapability> {
-    use csi::plugin_capability::{Service, Type, VolumeExpansion, service, volume_expansion};
-    vec![
-        csi::PluginCapability {
-            r#type: Some(Type::Service(Service {
-                r#type: service::Type::ControllerService as i32,
-            })),
-        },
-        csi::PluginCapability {
-            r#type: Some(Type::Service(Service {
-                r#type: service::Type::VolumeAccessibilityConstraints as i32,
-            })),
-        },
-        csi::PluginCapability {
-            r#type: Some(Type::VolumeExpansion(VolumeExpansion {
-                r#type: volume_expansion::Type::Online as i32,
-            })),
-        },
-    ]
-}
+/// The plugin capabilities: the node's, as the spec has every instance of a version answer
+/// the same.
+pub use moor_node::service::plugin_capabilities;
 
 #[tonic::async_trait]
 impl<B: Backend> csi::identity_server::Identity for IdentityService<B> {

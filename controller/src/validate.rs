@@ -5,7 +5,7 @@
 //! an INVALID_ARGUMENT naming the field. What the storage accepts (parameters, access modes,
 //! id forms) is the backend's to decide. Secrets are never read and never appear in an error.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use csi::volume_capability::{AccessType as CsiAccessType, access_mode::Mode};
 use moor_node::limits;
@@ -21,8 +21,6 @@ use crate::error::{Error, Result, trunc};
 pub use moor_node::limits::{MAX_MAP_BYTES, MAX_NODE_ID_LEN, MAX_STRING_LEN};
 /// Most capabilities in one request.
 pub const MAX_CAPABILITIES: usize = 32;
-/// Most topology segments in one requirement list.
-pub const MAX_SEGMENTS: usize = 256;
 
 /// Checks an id from a request: set, at most 128 bytes, no control characters.
 pub fn id(field: &'static str, raw: &str) -> Result<String> {
@@ -198,12 +196,8 @@ pub fn topology_requirement(
             "requisite or preferred (or both) must be set",
         ));
     }
-    if req.requisite.len() > MAX_SEGMENTS || req.preferred.len() > MAX_SEGMENTS {
-        return Err(Error::invalid(
-            FIELD,
-            format!("more than {MAX_SEGMENTS} topologies"),
-        ));
-    }
+    // No limit on the number of topologies: the spec sets none, and a CO may send one per
+    // node. The gRPC message size bounds the list, and the checks below are O(n log n).
     let requisite = req
         .requisite
         .iter()
@@ -214,7 +208,8 @@ pub fn topology_requirement(
         .iter()
         .map(|t| segment("accessibility_requirements.preferred", t))
         .collect::<Result<Vec<_>>>()?;
-    if !requisite.is_empty() && preferred.iter().any(|p| !requisite.contains(p)) {
+    let requisite_set: BTreeSet<&Segment> = requisite.iter().collect();
+    if !requisite.is_empty() && preferred.iter().any(|p| !requisite_set.contains(p)) {
         return Err(Error::invalid(
             "accessibility_requirements.preferred",
             "every preferred topology must also be requisite",
@@ -572,6 +567,32 @@ mod tests {
             preferred: vec![],
         };
         assert!(topology_requirement(Some(&empty)).is_err());
+    }
+
+    #[test]
+    fn topology_count_is_unlimited_but_each_map_is_not() {
+        let many: Vec<_> = (0..100_000)
+            .map(|i| csi::Topology {
+                segments: HashMap::from([("k".to_string(), format!("n{i}"))]),
+            })
+            .collect();
+        let req = csi::TopologyRequirement {
+            preferred: many.iter().rev().cloned().collect(),
+            requisite: many,
+        };
+        let checked = topology_requirement(Some(&req)).unwrap().unwrap();
+        assert_eq!(checked.requisite.len(), 100_000);
+        assert_eq!(checked.preferred.len(), 100_000);
+        let big = csi::TopologyRequirement {
+            requisite: vec![csi::Topology {
+                segments: HashMap::from([("k".to_string(), "v".repeat(MAX_MAP_BYTES))]),
+            }],
+            preferred: vec![],
+        };
+        assert_eq!(
+            field_of(topology_requirement(Some(&big)).unwrap_err()),
+            "accessibility_requirements.requisite"
+        );
     }
 
     #[test]

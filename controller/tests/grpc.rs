@@ -290,7 +290,7 @@ fn binary_help_and_version() {
     assert!(version.status.success());
     assert!(String::from_utf8_lossy(&version.stdout).contains(env!("CARGO_PKG_VERSION")));
     let bad = std::process::Command::new(binary())
-        .args(["--node-id", "bad/node", "--endpoint", "unix:///tmp/x.sock"])
+        .args(["--node-id", "bad\nnode", "--endpoint", "unix:///tmp/x.sock"])
         .output()
         .unwrap();
     assert!(!bad.status.success());

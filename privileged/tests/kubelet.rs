@@ -584,12 +584,12 @@ fn moor_node_health_and_metrics_over_http() {
     assert!(sick.body.contains("not writable"), "{}", sick.body);
     rt.block_on(async {
         let mut id = IdentityClient::new(connect(&socket).await.expect("connect"));
-        let probe = id
+        let e = id
             .probe(csi::ProbeRequest {})
             .await
-            .expect("probe")
-            .into_inner();
-        assert_eq!(probe.ready, Some(false), "Probe and /healthz agree");
+            .expect_err("Probe and /healthz agree");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert!(e.message().contains("not writable"), "{}", e.message());
     });
     std::fs::rename(&aside, &sb.state).expect("move the state dir back");
     assert_eq!(http_get(&addr, "/healthz").expect("healthz").status, 200);

@@ -274,7 +274,10 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 .collect(),
         };
         report.set_aside = loaded.set_aside;
-        let segment = Segment::from([(cfg.topology_key, cfg.node_id.clone())]);
+        let segment = Segment::from([(
+            cfg.topology_key,
+            moor_node::limits::topology_value(&cfg.node_id),
+        )]);
         Ok((
             Self {
                 node_id: cfg.node_id,
@@ -975,8 +978,11 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             .map_err(|e| Error::io("statvfs", &self.layout.root, e.into()))?;
         Ok(Capacity {
             available: st.f_bavail.saturating_mul(st.f_frsize),
-            maximum_volume_size: None,
-            minimum_volume_size: None,
+            // choose_size's bounds under POLICY: sizes round up to GRANULARITY, so a limit_bytes
+            // below it fits no volume, and nothing above MAX_SIZE is made. A topology this
+            // backend does not serve returns early above with neither set, as no size fits.
+            maximum_volume_size: Some(POLICY.max),
+            minimum_volume_size: Some(POLICY.granularity),
         })
     }
 

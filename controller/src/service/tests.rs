@@ -416,6 +416,23 @@ async fn create_volume_topology() {
         preferred: vec![topo("node-2")],
     });
     assert!(fx.svc.create_volume(Request::new(r.clone())).await.is_ok());
+    // One requisite topology per node of a large cluster, ours among them.
+    r.name = "pvc-t-many".into();
+    let mut many: Vec<_> = (0..999).map(|i| topo(&format!("node-x{i}"))).collect();
+    many.insert(500, topo(NODE));
+    r.accessibility_requirements = Some(csi::TopologyRequirement {
+        preferred: many.clone(),
+        requisite: many,
+    });
+    let v = fx
+        .svc
+        .create_volume(Request::new(r.clone()))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(v.accessible_topology, vec![topo(NODE)]);
     r.name = "pvc-t3".into();
     r.accessibility_requirements = Some(csi::TopologyRequirement::default());
     assert_invalid(
@@ -1021,6 +1038,29 @@ async fn get_capacity_rows() {
     .unwrap()
     .into_inner();
     assert!(here.available_capacity > 0);
+    assert_eq!(here.maximum_volume_size, Some(1 << 60));
+    assert_eq!(here.minimum_volume_size, Some(MIB));
+    // The advertised bounds are the real ones.
+    for (name, required, limit, ok) in [
+        ("pvc-cap-min", 0, MIB, true),
+        ("pvc-cap-below-min", 0, MIB - 1, false),
+        ("pvc-cap-max-plus", (1 << 60) + 1, 0, false),
+    ] {
+        let mut r = create_req(name, 0);
+        r.capacity_range = Some(csi::CapacityRange {
+            required_bytes: required,
+            limit_bytes: limit,
+        });
+        let got = fx.svc.create_volume(Request::new(r)).await;
+        if ok {
+            assert_eq!(
+                got.unwrap().into_inner().volume.unwrap().capacity_bytes,
+                MIB
+            );
+        } else {
+            assert_code(got, Code::OutOfRange);
+        }
+    }
     for zero in [
         csi::GetCapacityRequest {
             accessible_topology: Some(topo("node-2")),
@@ -1031,7 +1071,10 @@ async fn get_capacity_rows() {
             ..Default::default()
         },
     ] {
-        assert_eq!(get(zero).await.unwrap().into_inner().available_capacity, 0);
+        let none = get(zero).await.unwrap().into_inner();
+        assert_eq!(none.available_capacity, 0);
+        assert_eq!(none.maximum_volume_size, None);
+        assert_eq!(none.minimum_volume_size, None);
     }
     let mut bad = csi::GetCapacityRequest::default();
     bad.parameters.insert("replicas".into(), "3".into());

@@ -83,13 +83,14 @@ pub async fn info(c: &mut Clients, t: Duration) -> Result<Report, CliError> {
         .await
         .map_err(CliError::rpc("GetPluginCapabilities"))?
         .into_inner();
-    let ready = c
-        .identity
-        .probe(req(csi::ProbeRequest {}, t))
-        .await
-        .map_err(CliError::rpc("Probe"))?
-        .into_inner()
-        .ready;
+    // An unhealthy plugin answers Probe with an error: shown as not ready, with the reason.
+    let (ready, not_ready) = match c.identity.probe(req(csi::ProbeRequest {}, t)).await {
+        Ok(r) => (r.into_inner().ready, None),
+        Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+            (Some(false), Some(s.message().to_string()))
+        }
+        Err(s) => return Err(CliError::rpc("Probe")(s)),
+    };
     let plugin_caps: Vec<String> = caps
         .capabilities
         .iter()
@@ -107,7 +108,11 @@ pub async fn info(c: &mut Clients, t: Duration) -> Result<Report, CliError> {
     let mut table = Table::new(&["FIELD", "VALUE"]);
     table.row(vec!["driver".into(), plugin.name.clone()]);
     table.row(vec!["version".into(), plugin.vendor_version.clone()]);
-    table.row(vec!["ready".into(), ready_text(ready).into()]);
+    let ready_cell = match &not_ready {
+        Some(why) => format!("no: {why}"),
+        None => ready_text(ready).into(),
+    };
+    table.row(vec!["ready".into(), ready_cell]);
     table.row(vec!["plugin capabilities".into(), list_text(&plugin_caps)]);
     let mut json = json!({
         "name": plugin.name,
@@ -116,6 +121,9 @@ pub async fn info(c: &mut Clients, t: Duration) -> Result<Report, CliError> {
         "ready": ready,
         "plugin_capabilities": plugin_caps,
     });
+    if let Some(why) = not_ready {
+        json["not_ready"] = json!(why);
+    }
 
     // A node socket serves Node; the controller's serves Controller. Ask both, keep what
     // answers; UNIMPLEMENTED means "not this service".
@@ -169,13 +177,21 @@ pub async fn info(c: &mut Clients, t: Duration) -> Result<Report, CliError> {
         Err(s) if s.code() == tonic::Code::Unimplemented => {}
         Err(s) => return Err(CliError::rpc("NodeGetInfo")(s)),
     }
-    if serves_controller {
-        let caps = c
+    // Every instance advertises the controller service; the node's socket does not serve it.
+    let controller = if serves_controller {
+        match c
             .controller
             .controller_get_capabilities(req(csi::ControllerGetCapabilitiesRequest {}, t))
             .await
-            .map_err(CliError::rpc("ControllerGetCapabilities"))?
-            .into_inner();
+        {
+            Ok(caps) => Some(caps.into_inner()),
+            Err(s) if s.code() == tonic::Code::Unimplemented => None,
+            Err(s) => return Err(CliError::rpc("ControllerGetCapabilities")(s)),
+        }
+    } else {
+        None
+    };
+    if let Some(caps) = controller {
         let names: Vec<String> = caps
             .capabilities
             .iter()
