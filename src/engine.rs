@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tracing::warn;
 
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 
@@ -609,15 +610,19 @@ impl<O: Os> Engine<O> {
     pub fn unstage(&self, req: &validate::Unstage) -> Result<()> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
         let mut record = self.record(&req.volume_id);
-        if let Some(st) = &record.stage
-            && st.path != req.staging
-        {
-            return Err(Error::FailedPrecondition(format!(
-                "volume {:?} is staged at {}, not {}",
-                req.volume_id,
-                st.path.display(),
-                req.staging.display()
-            )));
+        // Not staged at that path: the spec's answer is OK, and nothing is touched. A path
+        // another volume holds is that volume's, whatever the CO names.
+        let elsewhere = match &record.stage {
+            Some(st) => st.path != req.staging,
+            None => self.held_by_another(&req.volume_id, &req.staging),
+        };
+        if elsewhere {
+            warn!(
+                volume = req.volume_id,
+                path = %req.staging.display(),
+                "unstage of a path the volume is not staged at: nothing to do"
+            );
+            return Ok(());
         }
         // Refuse while a publication is really there; forget the ones that are gone.
         let mut still = Vec::new();
@@ -831,6 +836,14 @@ impl<O: Os> Engine<O> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
         let mut record = self.record(&req.volume_id);
         let known = record.publishes.contains_key(&req.target);
+        if !known && self.held_by_another(&req.volume_id, &req.target) {
+            warn!(
+                volume = req.volume_id,
+                path = %req.target.display(),
+                "unpublish of another volume's path: nothing to do"
+            );
+            return Ok(());
+        }
         if known {
             if let Some(p) = record.publishes.get_mut(&req.target) {
                 p.phase = Phase::InProgress;
@@ -850,6 +863,17 @@ impl<O: Os> Engine<O> {
         Ok(())
     }
 
+    /// Whether the journal has a volume other than `volume_id` staged or published at `path`.
+    /// Without a record of its own at a path, a volume's call is taken at the CO's word (the
+    /// journal may be new); this keeps that word from reaching another volume's mounts.
+    fn held_by_another(&self, volume_id: &str, path: &Path) -> bool {
+        self.journal.all().iter().any(|r| {
+            r.volume_id != volume_id
+                && (r.stage.as_ref().is_some_and(|s| s.path == path)
+                    || r.publishes.contains_key(path))
+        })
+    }
+
     /// NodeGetVolumeStats: usage and condition of the volume at `path`.
     pub fn stats(&self, req: &validate::Stats) -> Result<(VolumeStats, Condition)> {
         let record = self.journal.get(&req.volume_id);
@@ -862,6 +886,9 @@ impl<O: Os> Engine<O> {
             volume: req.volume_id.clone(),
             reason: format!("it is not staged or published at {}", req.path.display()),
         };
+        if !known && self.held_by_another(&req.volume_id, &req.path) {
+            return Err(not_found());
+        }
         let abnormal = |message: String| {
             Ok((
                 VolumeStats::Unavailable,
@@ -1013,6 +1040,15 @@ impl<O: Os> Engine<O> {
                 stage.device.display(),
                 dev.size,
                 req.required_bytes
+            )));
+        }
+        // Growing fills the device: past the limit, the volume would be bigger than allowed.
+        if req.limit_bytes > 0 && dev.size > req.limit_bytes {
+            return Err(Error::OutOfRange(format!(
+                "device {} has {} bytes, more than the limit of {}",
+                stage.device.display(),
+                dev.size,
+                req.limit_bytes
             )));
         }
         let AccessRecord::Mount { fs_type, .. } = &stage.access else {

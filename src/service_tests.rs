@@ -29,6 +29,7 @@ pub(crate) struct Harness {
     pub(crate) svc: NodeService<FakeOs>,
     pub(crate) engine: Arc<Engine<FakeOs>>,
     pub(crate) state: PathBuf,
+    pub(crate) info: PluginInfo,
 }
 
 impl Drop for Harness {
@@ -66,12 +67,13 @@ fn harness_with(max_volumes: u64) -> Harness {
         topology_key: "topology.moor.csi.io/node".into(),
         state_dir: state.clone(),
     };
-    let svc = NodeService::new(Arc::clone(&engine), info);
+    let svc = NodeService::new(Arc::clone(&engine), info.clone());
     Harness {
         os,
         svc,
         engine,
         state,
+        info,
     }
 }
 
@@ -1181,6 +1183,24 @@ async fn expand_error_rows() {
 }
 
 #[tokio::test]
+async fn expand_past_limit_bytes_is_out_of_range_and_grows_nothing() {
+    let h = harness();
+    staged(&h).await;
+    h.os.resize_device(DEV, 2 * GIB);
+    h.os.clear_calls();
+    let mut r = expand_req(STAGING, GIB as i64);
+    r.capacity_range = Some(csi::CapacityRange {
+        required_bytes: GIB as i64,
+        limit_bytes: GIB as i64,
+    });
+    assert_eq!(
+        code(h.svc.node_expand_volume(Request::new(r))).await,
+        Code::OutOfRange
+    );
+    assert_eq!(tool_calls(&h), vec![]);
+}
+
+#[tokio::test]
 async fn block_expand_needs_no_tool() {
     let h = harness();
     h.svc
@@ -1195,6 +1215,65 @@ async fn block_expand_needs_no_tool() {
         .expect("expand");
     assert_eq!(r.into_inner().capacity_bytes, 3 * GIB as i64);
     assert_eq!(count(&h.os.calls(), |c| matches!(c, Call::Tool(..))), 0);
+}
+
+// ---- calls naming another volume's path ----
+
+#[tokio::test]
+async fn unstage_at_a_path_the_volume_is_not_staged_at_is_ok_and_touches_nothing() {
+    let h = harness();
+    staged(&h).await;
+    h.os.clear_calls();
+    let mut r = unstage_req();
+    r.staging_target_path = format!("{K}/plugins/kubernetes.io/csi/moor.csi.io/other/globalmount");
+    h.svc
+        .node_unstage_volume(Request::new(r))
+        .await
+        .expect("the spec's answer: OK");
+    assert!(mutating_calls(&h).is_empty(), "{:?}", mutating_calls(&h));
+    assert_eq!(h.os.mount_depth(STAGING), 1);
+    assert!(
+        h.engine
+            .journal()
+            .get("vol-1")
+            .is_some_and(|r| r.stage.is_some())
+    );
+}
+
+#[tokio::test]
+async fn calls_for_another_volume_never_reach_this_ones_mounts() {
+    let h = harness();
+    staged(&h).await;
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
+    h.os.clear_calls();
+    // vol-2 has no record: its calls name vol-1's paths.
+    for p in [TARGET, STAGING] {
+        let mut r = stats_req(p);
+        r.volume_id = "vol-2".into();
+        assert_eq!(
+            code(h.svc.node_get_volume_stats(Request::new(r))).await,
+            Code::NotFound,
+            "{p}"
+        );
+    }
+    let mut r = unpublish_req(TARGET);
+    r.volume_id = "vol-2".into();
+    h.svc
+        .node_unpublish_volume(Request::new(r))
+        .await
+        .expect("nothing of vol-2's there: OK");
+    let mut r = unstage_req();
+    r.volume_id = "vol-2".into();
+    h.svc
+        .node_unstage_volume(Request::new(r))
+        .await
+        .expect("nothing of vol-2's there: OK");
+    assert!(mutating_calls(&h).is_empty(), "{:?}", mutating_calls(&h));
+    assert_eq!(h.os.mount_depth(TARGET), 1);
+    assert_eq!(h.os.mount_depth(STAGING), 1);
 }
 
 // ---- NodeGetCapabilities / NodeGetInfo ----
@@ -1256,6 +1335,34 @@ fn probe_is_not_ready_without_a_required_tool_or_a_usable_state_dir() {
     let reason =
         crate::service::readiness(&os, Path::new("/nonexistent/moor-state")).expect("not ready");
     assert!(reason.contains("state dir"), "{reason}");
+}
+
+#[tokio::test]
+async fn probe_answers_failed_precondition_when_a_required_tool_is_missing() {
+    use csi::identity_server::Identity as _;
+    let h = harness();
+    let identity = crate::service::IdentityService::new(h.info.clone(), Arc::clone(&h.os));
+    let r = identity
+        .probe(Request::new(csi::ProbeRequest {}))
+        .await
+        .expect("healthy");
+    assert_eq!(r.into_inner().ready, Some(true));
+    h.os.remove_program("resize2fs");
+    let e = identity
+        .probe(Request::new(csi::ProbeRequest {}))
+        .await
+        .expect_err("a missing required dependency");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(e.message().contains("resize2fs"), "{}", e.message());
+    // The same capabilities as the controller's, whichever services this instance serves.
+    let caps = identity
+        .get_plugin_capabilities(Request::new(csi::GetPluginCapabilitiesRequest {}))
+        .await
+        .expect("capabilities")
+        .into_inner()
+        .capabilities;
+    assert_eq!(caps, crate::service::plugin_capabilities());
+    assert_eq!(caps.len(), 3);
 }
 
 // ---- Hostile input ----
