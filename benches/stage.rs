@@ -7,7 +7,10 @@
 //! * Group `stage` (issue 7's group 4): an already formatted ext4 and xfs device.
 //!   `raw-<fs>`: mount(2) + umount2; `engine-<fs>`: the engine's stage + unstage in this
 //!   process, without gRPC; `probe-<fs>`: the engine's superblock probe of the device alone
-//!   (part of the floor of a safe stage); `grpc-<fs>`: NodeStageVolume + NodeUnstageVolume.
+//!   (part of the floor of a safe stage); `handoff-<fs>`: mount(2) + umount2, each run by a
+//!   thread of its own and answered to a caller that slept through it (the wake-up a server
+//!   that keeps serving while a mount blocks has to pay, another part of that floor);
+//!   `grpc-<fs>`: NodeStageVolume + NodeUnstageVolume.
 //! * Group `first-stage` (7): the first stage of a blank 10 GiB volume (a fresh sparse file on
 //!   a fresh loop device each iteration, set up and torn down outside the timing).
 //!   `raw-<fs>`: moor's mkfs command + mount(2); `grpc-<fs>`: NodeStageVolume, which probes,
@@ -18,7 +21,9 @@
 //!   written and fdatasync'd in the state dir) and one bare gRPC round trip.
 
 use std::os::unix::fs::FileExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
@@ -57,6 +62,7 @@ fn stage(node: &mut Node, c: &mut Criterion) {
             (dev, staging, vol)
         };
         let raw = formatted("raw");
+        let handoff = formatted("handoff");
         let (engine_dev, engine_staging, engine_vol) = formatted("engine");
         let (dev, staging, vol) = formatted("grpc");
         std::fs::create_dir_all(&raw.1).expect("staging dir");
@@ -73,6 +79,19 @@ fn stage(node: &mut Node, c: &mut Criterion) {
                 rustix::mount::unmount(raw.1.as_path(), UnmountFlags::empty()).expect("umount");
             })
         });
+        // The raw mount as a server that keeps reading its sockets while a mount blocks has to
+        // run it: on a thread that did not take the request's wake-up (here one that polls for
+        // work), with the answer sent by a thread that slept through the mount and must be
+        // woken, once for the mount and once for the umount.
+        std::fs::create_dir_all(&handoff.1).expect("staging dir");
+        let worker = Handoff::start(handoff.0.clone(), handoff.1.clone(), fs);
+        g.bench_function(format!("handoff-{fs}"), |b| {
+            b.iter(|| {
+                worker.run(Handoff::MOUNT);
+                worker.run(Handoff::UNMOUNT);
+            })
+        });
+        drop(worker);
         let stage = validate::stage(
             &stage_req(&engine_vol, &engine_dev, &engine_staging, fs),
             &node.sb.kubelet,
@@ -103,6 +122,79 @@ fn stage(node: &mut Node, c: &mut Criterion) {
         });
     }
     g.finish();
+}
+
+/// A thread of its own that mounts and unmounts one device when told, polling for the order
+/// (so that no wake-up is on the way in) and waking the caller, who sleeps meanwhile, when done.
+struct Handoff {
+    order: Arc<AtomicU8>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Handoff {
+    const IDLE: u8 = 0;
+    const MOUNT: u8 = 1;
+    const UNMOUNT: u8 = 2;
+    const FAILED: u8 = 3;
+    const QUIT: u8 = 4;
+
+    /// Starts the thread; it answers the thread calling this.
+    fn start(dev: PathBuf, dir: PathBuf, fs: &'static str) -> Self {
+        let order = Arc::new(AtomicU8::new(Self::IDLE));
+        let caller = std::thread::current();
+        let shared = Arc::clone(&order);
+        let thread = std::thread::spawn(move || {
+            loop {
+                let done = match shared.load(Ordering::Acquire) {
+                    Self::MOUNT => rustix::mount::mount(
+                        dev.as_path(),
+                        dir.as_path(),
+                        fs,
+                        MountFlags::empty(),
+                        mount_data(fs),
+                    ),
+                    Self::UNMOUNT => rustix::mount::unmount(dir.as_path(), UnmountFlags::empty()),
+                    Self::QUIT => return,
+                    _ => {
+                        std::hint::spin_loop();
+                        continue;
+                    }
+                };
+                let next = if done.is_ok() {
+                    Self::IDLE
+                } else {
+                    Self::FAILED
+                };
+                shared.store(next, Ordering::Release);
+                caller.unpark();
+            }
+        });
+        Self {
+            order,
+            thread: Some(thread),
+        }
+    }
+
+    /// Has the thread carry out `order`, sleeping until it is done.
+    fn run(&self, order: u8) {
+        self.order.store(order, Ordering::Release);
+        loop {
+            match self.order.load(Ordering::Acquire) {
+                Self::IDLE => return,
+                Self::FAILED => panic!("hand-off: order {order} failed"),
+                _ => std::thread::park(),
+            }
+        }
+    }
+}
+
+impl Drop for Handoff {
+    fn drop(&mut self) {
+        self.order.store(Self::QUIT, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// The time `run` reports for each of `iters` fresh blank devices made by `fresh` (made and
