@@ -426,12 +426,9 @@ impl<O: Os> Engine<O> {
                         ));
                 if ours && !req.cap.access.is_block() {
                     // Already staged (a retry, or a crash after the mount): confirm. A crash
-                    // may have come before the filesystem was grown to its device.
-                    let unconfirmed = record
-                        .stage
-                        .as_ref()
-                        .is_some_and(|s| s.phase == Phase::InProgress);
-                    if unconfirmed && !attrs.read_only {
+                    // may have come before the filesystem was grown to its device (and the
+                    // restart's reconciliation confirmed the mount): grow it now.
+                    if !attrs.read_only {
                         let content = self.probe_device(&device_path, device.size)?;
                         report.grown = self.grow_to_device(
                             &content,
@@ -557,7 +554,6 @@ impl<O: Os> Engine<O> {
             if attrs.read_only {
                 return Ok(false);
             }
-            fault::point("stage.growing");
             self.grow_to_device(&content, (&device_path, device.size), &req.staging)
         })();
         match after {
@@ -1129,6 +1125,7 @@ impl<O: Os> Engine<O> {
         if device_size < size.saturating_add(GROW_MIN) {
             return Ok(false);
         }
+        fault::point("stage.growing");
         self.grow_fs(*fs, device, mount_point)?;
         Ok(true)
     }

@@ -19,6 +19,7 @@ pub const POINTS: &[&str] = &[
     "stage.formatted",
     "stage.mounting",
     "stage.mounted",
+    "stage.growing",
     "stage.done",
     "publish.binding",
     "publish.bound",

@@ -117,7 +117,12 @@ impl Node {
             "{} is not built (cargo build --bins)",
             bin.display()
         );
-        let child = Command::new(bin)
+        // Through setpriv, so that the daemon dies with the bench even when the bench is
+        // killed (its cleanup then never runs): the bench's main thread starts it and lives
+        // as long as the run.
+        let child = Command::new("setpriv")
+            .args(["--pdeathsig", "KILL", "--"])
+            .arg(bin)
             .arg("--endpoint")
             .arg(format!("unix://{}", socket.display()))
             .args(["--node-id", "bench", "--shutdown-grace", "2"])
