@@ -325,15 +325,12 @@ fn kills_at_random_instants_lose_nothing() {
                 w.daemon = None;
                 kills += 1;
                 node = w.start(None).await;
-                if first.is_err() {
-                    w.call(&mut node, op)
-                        .await
-                        .unwrap_or_else(|e| panic!("{round_name}: retry: {e:?}"));
-                } else {
-                    // kubelet may retry a call that succeeded but whose answer it lost.
-                    w.call(&mut node, op)
-                        .await
-                        .unwrap_or_else(|e| panic!("{round_name}: repeat: {e:?}"));
+                // kubelet retries a call that failed, and may repeat one that succeeded but
+                // whose answer it lost.
+                let what = if first.is_err() { "retry" } else { "repeat" };
+                if let Err(e) = w.call(&mut node, op).await {
+                    let daemon = w.daemon.as_mut().map(|d| d.child.try_wait());
+                    panic!("{round_name}: {what}: {e:?}; the daemon: {daemon:?}");
                 }
                 if op == Op::Publish && !w.target.join("marker").exists() {
                     panic!("{round_name}: the data is gone");
