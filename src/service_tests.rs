@@ -623,6 +623,14 @@ fn xfs_of_size(h: &Harness, size: u64) {
     h.os.write_device(DEV, 0, &sb);
 }
 
+/// NodeStageVolume of DEV as xfs with `mode`.
+async fn stage_xfs(h: &Harness, mode: Mode) -> Result<(), tonic::Status> {
+    h.svc
+        .node_stage_volume(Request::new(stage_req(mount_cap("xfs", &[], mode))))
+        .await
+        .map(drop)
+}
+
 fn tool_calls(h: &Harness) -> Vec<Call> {
     h.os.calls()
         .into_iter()
@@ -635,12 +643,7 @@ async fn stage_grows_a_filesystem_smaller_than_its_device() {
     // A volume restored from a 512 MiB snapshot into 1 GiB: the spec has it present 1 GiB.
     let h = harness();
     xfs_of_size(&h, 512 << 20);
-    let cap = mount_cap("xfs", &[], Mode::SingleNodeWriter);
-    let r = stage_req(cap.clone());
-    h.svc
-        .node_stage_volume(Request::new(r.clone()))
-        .await
-        .expect("stage");
+    stage_xfs(&h, Mode::SingleNodeWriter).await.expect("stage");
     assert_eq!(
         tool_calls(&h),
         vec![Call::Tool("xfs_growfs".into(), vec![STAGING.into()])]
@@ -648,8 +651,7 @@ async fn stage_grows_a_filesystem_smaller_than_its_device() {
     // The tool grew it: a retry confirms without growing again.
     xfs_of_size(&h, GIB);
     h.os.clear_calls();
-    h.svc
-        .node_stage_volume(Request::new(r))
+    stage_xfs(&h, Mode::SingleNodeWriter)
         .await
         .expect("stage again");
     assert_eq!(tool_calls(&h), vec![]);
@@ -660,24 +662,12 @@ async fn stage_leaves_a_filesystem_that_fills_its_device_or_is_read_only() {
     // What a tool leaves unused at the end (less than GROW_MIN) is not grown into.
     let h = harness();
     xfs_of_size(&h, GIB - crate::engine::GROW_MIN + 4096);
-    h.svc
-        .node_stage_volume(Request::new(stage_req(mount_cap(
-            "xfs",
-            &[],
-            Mode::SingleNodeWriter,
-        ))))
-        .await
-        .expect("stage");
+    stage_xfs(&h, Mode::SingleNodeWriter).await.expect("stage");
     assert_eq!(tool_calls(&h), vec![]);
     // A volume staged read-only cannot be written, so it is not grown either.
     let h = harness();
     xfs_of_size(&h, 512 << 20);
-    h.svc
-        .node_stage_volume(Request::new(stage_req(mount_cap(
-            "xfs",
-            &[],
-            Mode::MultiNodeReaderOnly,
-        ))))
+    stage_xfs(&h, Mode::MultiNodeReaderOnly)
         .await
         .expect("stage read-only");
     assert_eq!(tool_calls(&h), vec![]);
