@@ -8,9 +8,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tracing::warn;
 
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
+use tracing::warn;
 
 use crate::discovery::{DEFAULT_DISCOVERY_DEADLINE, DiscoveryError, Verdict};
 use crate::error::{Error, Result};
@@ -427,7 +427,9 @@ impl<O: Os> Engine<O> {
                 if ours && !req.cap.access.is_block() {
                     // Already staged (a retry, or a crash after the mount): confirm. A crash
                     // may have come before the filesystem was grown to its device (and the
-                    // restart's reconciliation confirmed the mount): grow it now.
+                    // restart's reconciliation confirmed the mount): grow it now. (A mounted
+                    // xfs writes its grown superblock back lazily; the tool then finds
+                    // nothing to do.)
                     if !attrs.read_only {
                         let content = self.probe_device(&device_path, device.size)?;
                         report.grown = self.grow_to_device(
