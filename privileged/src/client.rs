@@ -64,6 +64,14 @@ pub fn binary(name: &str) -> PathBuf {
     }
 }
 
+/// What tells one socket at `path` from another bound there later: its inode and change time.
+fn socket_identity(path: &Path) -> Option<(u64, i64, i64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.ino(), m.ctime(), m.ctime_nsec()))
+}
+
 impl Daemon {
     /// Starts `moor-node` with these args and waits until its socket answers.
     pub async fn start(socket: &Path, args: &[impl AsRef<OsStr>]) -> Self {
@@ -88,6 +96,10 @@ impl Daemon {
             "{} is not built (cargo build --bins)",
             bin.display()
         );
+        // A socket a killed daemon left can still answer for a moment: a child it was starting
+        // when it died holds a copy of its descriptors until that child's exec closes them.
+        // Only a socket bound after this point is the new daemon's.
+        let stale = socket_identity(socket);
         let child = Command::new(bin)
             .arg("--endpoint")
             .arg(format!("unix://{}", socket.display()))
@@ -101,7 +113,9 @@ impl Daemon {
             socket: socket.to_path_buf(),
         };
         let start = Instant::now();
-        while connect(socket).await.is_err() {
+        while (stale.is_some() && socket_identity(socket) == stale)
+            || connect(socket).await.is_err()
+        {
             assert!(
                 start.elapsed() < Duration::from_secs(30),
                 "moor-node did not come up"
