@@ -61,17 +61,10 @@ impl<B: moor_controller::Backend> http::Status for ControllerStatus<B> {
     }
 }
 
-/// Checks a DNS-label-like string: 1 to `max` characters of `[a-z0-9.-]` (upper case too when
-/// `upper`), `_` where `underscore`, beginning and ending with an alphanumeric character.
-fn label_ok(s: &str, max: usize, upper: bool, underscore: bool) -> bool {
-    let ok_char = |c: char| {
-        c.is_ascii_digit()
-            || c.is_ascii_lowercase()
-            || (upper && c.is_ascii_uppercase())
-            || c == '-'
-            || c == '.'
-            || (underscore && c == '_')
-    };
+/// Checks a DNS-label-like string: 1 to `max` characters of `[a-z0-9.-]`, beginning and ending
+/// with an alphanumeric character.
+fn label_ok(s: &str, max: usize) -> bool {
+    let ok_char = |c: char| c.is_ascii_digit() || c.is_ascii_lowercase() || c == '-' || c == '.';
     !s.is_empty()
         && s.len() <= max
         && s.chars().all(ok_char)
@@ -83,7 +76,7 @@ fn label_ok(s: &str, max: usize, upper: bool, underscore: bool) -> bool {
 /// characters, lower case). The node id is the node's (kubelet's node name, up to 253
 /// characters), within the spec's limit for node ids; its topology value is made from it.
 fn check_names(driver: &str, node: &str) -> Result<(), String> {
-    if !label_ok(&format!("topology.{driver}"), 63, false, false) {
+    if !label_ok(&format!("topology.{driver}"), 63) {
         return Err(format!(
             "--driver-name {driver:?}: must be lower-case alphanumerics, '-' and '.', at most 54 \
              characters (it prefixes the topology key)"
