@@ -15,6 +15,8 @@
 //!   a fresh loop device each iteration, set up and torn down outside the timing).
 //!   `raw-<fs>`: moor's mkfs command + mount(2); `grpc-<fs>`: NodeStageVolume, which probes,
 //!   formats and mounts. The unmount (umount2 / NodeUnstageVolume) is not timed.
+//!   `handoff-<fs>`: the raw work run by the hand-off thread, answered to a caller that slept
+//!   through it, as for group 4.
 //!   `floor-<fs>`: what a plugin that never formats a device with data on it must add to the
 //!   raw work, measured on its own: the blank proof (moor's probe of the first and last MiB,
 //!   read past the page cache), the intent to format made durable (a journal-sized record
@@ -22,11 +24,12 @@
 
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, SamplingMode, criterion_group, criterion_main};
 use moor_node::validate;
 use moor_privileged::bench::{
     self, BlankDevice, Budget, GIB, MIB, Node, mkfs_command, mount_data, stage_req, unstage_req,
@@ -84,11 +87,11 @@ fn stage(node: &mut Node, c: &mut Criterion) {
         // work), with the answer sent by a thread that slept through the mount and must be
         // woken, once for the mount and once for the umount.
         std::fs::create_dir_all(&handoff.1).expect("staging dir");
-        let worker = Handoff::start(handoff.0.clone(), handoff.1.clone(), fs);
+        let worker = Handoff::start();
         g.bench_function(format!("handoff-{fs}"), |b| {
             b.iter(|| {
-                worker.run(Handoff::MOUNT);
-                worker.run(Handoff::UNMOUNT);
+                worker.run(mount_job(handoff.0.clone(), handoff.1.clone(), fs));
+                worker.run(unmount_job(handoff.1.clone()));
             })
         });
         drop(worker);
@@ -124,64 +127,77 @@ fn stage(node: &mut Node, c: &mut Criterion) {
     g.finish();
 }
 
-/// A thread of its own that mounts and unmounts one device when told, polling for the order
-/// (so that no wake-up is on the way in) and waking the caller, who sleeps meanwhile, when done.
+/// A job for the hand-off thread: Err says what failed.
+type Job = Box<dyn FnOnce() -> Result<(), String> + Send>;
+
+/// A thread of its own that runs a job when told, polling for the order (so that no wake-up
+/// is on the way in) and waking the caller, who sleeps meanwhile, when done: the raw work as a
+/// server that keeps reading its sockets while the work blocks has to run it.
 struct Handoff {
-    order: Arc<AtomicU8>,
+    state: Arc<AtomicU8>,
+    job: Arc<Mutex<Option<Job>>>,
+    failure: Arc<Mutex<String>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Handoff {
     const IDLE: u8 = 0;
-    const MOUNT: u8 = 1;
-    const UNMOUNT: u8 = 2;
-    const FAILED: u8 = 3;
-    const QUIT: u8 = 4;
+    const WORK: u8 = 1;
+    const FAILED: u8 = 2;
+    const QUIT: u8 = 3;
 
     /// Starts the thread; it answers the thread calling this.
-    fn start(dev: PathBuf, dir: PathBuf, fs: &'static str) -> Self {
-        let order = Arc::new(AtomicU8::new(Self::IDLE));
+    fn start() -> Self {
+        let state = Arc::new(AtomicU8::new(Self::IDLE));
+        let job: Arc<Mutex<Option<Job>>> = Arc::default();
+        let failure: Arc<Mutex<String>> = Arc::default();
         let caller = std::thread::current();
-        let shared = Arc::clone(&order);
+        let (shared, next_job, failed) =
+            (Arc::clone(&state), Arc::clone(&job), Arc::clone(&failure));
         let thread = std::thread::spawn(move || {
             loop {
-                let done = match shared.load(Ordering::Acquire) {
-                    Self::MOUNT => rustix::mount::mount(
-                        dev.as_path(),
-                        dir.as_path(),
-                        fs,
-                        MountFlags::empty(),
-                        mount_data(fs),
-                    ),
-                    Self::UNMOUNT => rustix::mount::unmount(dir.as_path(), UnmountFlags::empty()),
+                match shared.load(Ordering::Acquire) {
+                    Self::WORK => {}
                     Self::QUIT => return,
                     _ => {
                         std::hint::spin_loop();
                         continue;
                     }
-                };
-                let next = if done.is_ok() {
-                    Self::IDLE
-                } else {
-                    Self::FAILED
+                }
+                let taken = next_job.lock().map(|mut j| j.take()).unwrap_or(None);
+                let done = taken.map_or_else(|| Err("no job".to_string()), |job| job());
+                let next = match done {
+                    Ok(()) => Self::IDLE,
+                    Err(why) => {
+                        if let Ok(mut f) = failed.lock() {
+                            *f = why;
+                        }
+                        Self::FAILED
+                    }
                 };
                 shared.store(next, Ordering::Release);
                 caller.unpark();
             }
         });
         Self {
-            order,
+            state,
+            job,
+            failure,
             thread: Some(thread),
         }
     }
 
-    /// Has the thread carry out `order`, sleeping until it is done.
-    fn run(&self, order: u8) {
-        self.order.store(order, Ordering::Release);
+    /// Has the thread run `job`, sleeping until it is done.
+    fn run(&self, job: impl FnOnce() -> Result<(), String> + Send + 'static) {
+        *self.job.lock().expect("job slot") = Some(Box::new(job));
+        self.state.store(Self::WORK, Ordering::Release);
         loop {
-            match self.order.load(Ordering::Acquire) {
+            match self.state.load(Ordering::Acquire) {
                 Self::IDLE => return,
-                Self::FAILED => panic!("hand-off: order {order} failed"),
+                Self::FAILED => panic!(
+                    "hand-off: {}",
+                    self.failure.lock().map(|f| f.clone()).unwrap_or_default()
+                ),
                 _ => std::thread::park(),
             }
         }
@@ -190,26 +206,92 @@ impl Handoff {
 
 impl Drop for Handoff {
     fn drop(&mut self) {
-        self.order.store(Self::QUIT, Ordering::Release);
+        self.state.store(Self::QUIT, Ordering::Release);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
 
-/// The time `run` reports for each of `iters` fresh blank devices made by `fresh` (made and
-/// released outside the timing).
-fn each_fresh(
-    iters: u64,
+/// mount(2) of `dev` with the data moor passes for `fs`, as a hand-off job.
+fn mount_job(dev: PathBuf, dir: PathBuf, fs: &'static str) -> impl FnOnce() -> Result<(), String> {
+    move || {
+        rustix::mount::mount(
+            dev.as_path(),
+            dir.as_path(),
+            fs,
+            MountFlags::empty(),
+            mount_data(fs),
+        )
+        .map_err(|e| format!("mount {}: {e}", dev.display()))
+    }
+}
+
+/// umount2 of `dir`, as a hand-off job.
+fn unmount_job(dir: PathBuf) -> impl FnOnce() -> Result<(), String> {
+    move || {
+        rustix::mount::unmount(dir.as_path(), UnmountFlags::empty())
+            .map_err(|e| format!("umount {}: {e}", dir.display()))
+    }
+}
+
+/// moor's mkfs command for `fs` on `dev`, run to completion.
+fn mkfs(fs: &str, dev: &Path) -> Result<(), String> {
+    let out = mkfs_command(fs, dev)
+        .output()
+        .map_err(|e| format!("mkfs.{fs}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "mkfs.{fs}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// moor's mkfs command for `fs` on `dev`, then mount(2) of it on `dir`, as a job.
+fn mkfs_and_mount(
+    fs: &'static str,
+    dev: &Path,
+    dir: &Path,
+) -> impl FnOnce() -> Result<(), String> + Send + 'static {
+    let (dev, dir) = (dev.to_path_buf(), dir.to_path_buf());
+    move || {
+        mkfs(fs, &dev)?;
+        mount_job(dev, dir, fs)()
+    }
+}
+
+/// How long `mount` takes to mount something on `dir` (made first if need be), which is then
+/// unmounted outside the timing.
+fn timed_mount(dir: &Path, mount: impl FnOnce()) -> Duration {
+    std::fs::create_dir_all(dir).expect("staging dir");
+    let start = Instant::now();
+    mount();
+    let took = start.elapsed();
+    rustix::mount::unmount(dir, UnmountFlags::empty()).expect("umount");
+    took
+}
+
+/// Benchmark `name` in `g`: the time `run` reports for each fresh blank device made by
+/// `fresh` (made and released outside the timing).
+fn bench_fresh(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    name: String,
     fresh: impl Fn() -> BlankDevice,
     mut run: impl FnMut(&Path) -> Duration,
-) -> Duration {
-    (0..iters)
-        .map(|_| {
-            let blank = fresh();
-            run(&blank.dev)
+) {
+    g.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            (0..iters)
+                .map(|_| {
+                    let blank = fresh();
+                    run(&blank.dev)
+                })
+                .sum()
         })
-        .sum()
+    });
 }
 
 /// Group 7: the first stage of a blank 10 GiB device.
@@ -228,71 +310,56 @@ fn first_stage(node: &mut Node, c: &mut Criterion) {
     for fs in FILESYSTEMS {
         let staging = node.sb.staging(&format!("pv-first-{fs}"));
         let vol = format!("vol-first-{fs}");
-        g.bench_function(format!("raw-{fs}"), |b| {
-            b.iter_custom(|iters| {
-                each_fresh(
-                    iters,
-                    || fresh(fs),
-                    |dev| {
-                        std::fs::create_dir_all(&staging).expect("staging dir");
-                        let start = Instant::now();
-                        let out = mkfs_command(fs, dev).output().expect("mkfs");
-                        assert!(
-                            out.status.success(),
-                            "mkfs.{fs}: {}",
-                            String::from_utf8_lossy(&out.stderr)
-                        );
-                        rustix::mount::mount(
-                            dev,
-                            staging.as_path(),
-                            fs,
-                            MountFlags::empty(),
-                            mount_data(fs),
-                        )
-                        .expect("mount");
-                        let took = start.elapsed();
-                        rustix::mount::unmount(staging.as_path(), UnmountFlags::empty())
-                            .expect("umount");
-                        took
-                    },
-                )
-            })
-        });
-        g.bench_function(format!("floor-{fs}"), |b| {
-            b.iter_custom(|iters| {
-                each_fresh(
-                    iters,
-                    || fresh(fs),
-                    |dev| {
-                        let start = Instant::now();
-                        let content = engine
-                            .probe_device(dev, 10 * GIB)
-                            .expect("probe the blank device");
-                        intent.write_all_at(&[0x5a; 450], 0).expect("write intent");
-                        intent.sync_data().expect("fdatasync intent");
-                        node.null_calls(1);
-                        let took = start.elapsed();
-                        assert!(content.is_blank(), "{content:?}");
-                        took
-                    },
-                )
-            })
-        });
-        g.bench_function(format!("grpc-{fs}"), |b| {
-            b.iter_custom(|iters| {
-                each_fresh(
-                    iters,
-                    || fresh(fs),
-                    |dev| {
-                        let start = Instant::now();
-                        node.stage(&vol, dev, &staging, fs);
-                        let took = start.elapsed();
-                        node.unstage(&vol, &staging);
-                        took
-                    },
-                )
-            })
-        });
+        bench_fresh(
+            &mut g,
+            format!("raw-{fs}"),
+            || fresh(fs),
+            |dev| {
+                let job = mkfs_and_mount(fs, dev, &staging);
+                timed_mount(&staging, || job().expect("mkfs + mount"))
+            },
+        );
+        // The same on the hand-off thread, answered to this one, which slept through it.
+        let worker = Handoff::start();
+        bench_fresh(
+            &mut g,
+            format!("handoff-{fs}"),
+            || fresh(fs),
+            |dev| {
+                let job = mkfs_and_mount(fs, dev, &staging);
+                timed_mount(&staging, || worker.run(job))
+            },
+        );
+        drop(worker);
+        bench_fresh(
+            &mut g,
+            format!("floor-{fs}"),
+            || fresh(fs),
+            |dev| {
+                let start = Instant::now();
+                let content = engine
+                    .probe_device(dev, 10 * GIB)
+                    .expect("probe the blank device");
+                intent.write_all_at(&[0x5a; 450], 0).expect("write intent");
+                intent.sync_data().expect("fdatasync intent");
+                node.null_calls(1);
+                let took = start.elapsed();
+                assert!(content.is_blank(), "{content:?}");
+                took
+            },
+        );
+        bench_fresh(
+            &mut g,
+            format!("grpc-{fs}"),
+            || fresh(fs),
+            |dev| {
+                let start = Instant::now();
+                node.stage(&vol, dev, &staging, fs);
+                let took = start.elapsed();
+                node.unstage(&vol, &staging);
+                took
+            },
+        );
     }
     g.finish();
 }
