@@ -75,8 +75,13 @@ impl Fx {
     }
 
     async fn create(&self, name: &str, bytes: i64) -> csi::Volume {
+        self.created(create_req(name, bytes)).await
+    }
+
+    /// The volume CreateVolume answers `r` with; panics on an error.
+    async fn created(&self, r: csi::CreateVolumeRequest) -> csi::Volume {
         self.svc
-            .create_volume(Request::new(create_req(name, bytes)))
+            .create_volume(Request::new(r))
             .await
             .unwrap()
             .into_inner()
@@ -255,28 +260,14 @@ async fn create_volume_parameters() {
         ("csi.storage.k8s.io/pvc/name", "claim"),
         ("csi.storage.k8s.io/pvc/namespace", "default"),
     ]);
-    let v = fx
-        .svc
-        .create_volume(Request::new(ok))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v = fx.created(ok).await;
     assert_eq!(
         v.volume_context.get("fsType").map(String::as_str),
         Some("xfs")
     );
     // The same volume, asked for with the other spelling of the same parameter.
     let again = with(&[("fsType", "xfs")]);
-    let v2 = fx
-        .svc
-        .create_volume(Request::new(again))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v2 = fx.created(again).await;
     assert_eq!(v2.volume_id, v.volume_id);
     // A capability for another filesystem than the parameter names.
     let mut clash = with(&[("fsType", "xfs")]);
@@ -313,14 +304,7 @@ async fn create_volume_sizes() {
         });
         r
     };
-    let v = fx
-        .svc
-        .create_volume(Request::new(range(0, 10 * MIB)))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v = fx.created(range(0, 10 * MIB)).await;
     assert_eq!(v.capacity_bytes, 10 * MIB);
     for (req, lim) in [(0, 1000), (2 * MIB, MIB), (1000, 1000), (i64::MAX, 0)] {
         let mut r = range(req, lim);
@@ -400,14 +384,7 @@ async fn create_volume_topology() {
         requisite: vec![topo("node-2"), topo(NODE)],
         preferred: vec![topo("node-2")],
     });
-    let v = fx
-        .svc
-        .create_volume(Request::new(r.clone()))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v = fx.created(r.clone()).await;
     assert_eq!(v.accessible_topology, vec![topo(NODE)]);
     // Preferred alone binds nothing.
     r.name = "pvc-t2".into();
@@ -424,14 +401,7 @@ async fn create_volume_topology() {
         preferred: many.clone(),
         requisite: many,
     });
-    let v = fx
-        .svc
-        .create_volume(Request::new(r.clone()))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v = fx.created(r.clone()).await;
     assert_eq!(v.accessible_topology, vec![topo(NODE)]);
     r.name = "pvc-t3".into();
     r.accessibility_requirements = Some(csi::TopologyRequirement::default());
@@ -472,31 +442,13 @@ async fn create_volume_from_sources() {
     };
     // Smaller than the source: the source's size. Larger: grown.
     let restored = fx
-        .svc
-        .create_volume(Request::new(from(
-            "pvc-r",
-            snap_src(&snap.snapshot_id),
-            MIB,
-        )))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+        .created(from("pvc-r", snap_src(&snap.snapshot_id), MIB))
+        .await;
     assert_eq!(restored.capacity_bytes, 4 * MIB);
     assert!(restored.content_source.is_some());
     let clone = fx
-        .svc
-        .create_volume(Request::new(from(
-            "pvc-c",
-            vol_src(&src.volume_id),
-            8 * MIB,
-        )))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+        .created(from("pvc-c", vol_src(&src.volume_id), 8 * MIB))
+        .await;
     assert_eq!(clone.capacity_bytes, 8 * MIB);
     for id in [&restored.volume_id, &clone.volume_id] {
         let f = std::fs::File::open(fx.volume_path(id)).unwrap();
@@ -676,14 +628,7 @@ async fn publish_rows() {
     // A volume_context that contradicts the volume's own.
     let mut r = create_req("pvc-ctx", MIB);
     r.parameters.insert("fsType".into(), "ext4".into());
-    let with_ctx = fx
-        .svc
-        .create_volume(Request::new(r))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let with_ctx = fx.created(r).await;
     let mut bad_ctx = publish_req(&with_ctx.volume_id, NODE);
     bad_ctx.volume_context.insert("fsType".into(), "xfs".into());
     assert_invalid(
@@ -835,14 +780,7 @@ async fn validate_capabilities_rows() {
     let fx = Fx::new("svc-validate");
     let mut r = create_req("pvc-v", MIB);
     r.parameters.insert("fsType".into(), "ext4".into());
-    let v = fx
-        .svc
-        .create_volume(Request::new(r))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v = fx.created(r).await;
     let req = |id: &str, caps: Vec<csi::VolumeCapability>| csi::ValidateVolumeCapabilitiesRequest {
         volume_id: id.into(),
         volume_capabilities: caps,
