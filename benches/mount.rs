@@ -9,8 +9,12 @@
 //! * `engine`: the engine's publish + unpublish of a staged ext4 volume, without gRPC (2);
 //! * `grpc-null`: two NodeGetCapabilities calls on the real daemon: the gRPC round trips of a
 //!   pair with no work behind them;
+//! * `bare`: NodePublishVolume + NodeUnpublishVolume through gRPC on `bare-node`, a server that
+//!   does nothing but the mkdir, bind, umount2 and rmdir: what any plugin that speaks gRPC
+//!   pays for a pair, group 3's floor;
 //! * `grpc`: NodePublishVolume + NodeUnpublishVolume through gRPC on the real daemon (3).
 
+use std::path::Path;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
@@ -77,6 +81,12 @@ fn publish(c: &mut Criterion) {
     engine.unstage(&st2).expect("engine unstage");
 
     g.bench_function("grpc-null", |b| b.iter(|| node.null_calls(2)));
+    let mut bare = node.start_bare(Path::new(env!("CARGO_BIN_EXE_bare-node")));
+    let bare_target = node.sb.target("pod-bare", "vol-pub");
+    g.bench_function("bare", |b| {
+        b.iter(|| bare.publish_unpublish("vol-pub", &staging, &bare_target))
+    });
+    drop(bare);
     g.bench_function("grpc", |b| {
         b.iter(|| node.publish_unpublish("vol-pub", &staging, &target))
     });

@@ -83,107 +83,92 @@ pub async fn node_client(socket: &Path) -> NodeClient<Channel> {
     NodeClient::new(connect(socket).await.expect("connect to moor-node"))
 }
 
-/// A real `moor-node` in its own sandbox (private mount namespace of the calling thread, which
-/// the daemon shares), with a client on a current-thread runtime.
-///
-/// Dropping it stops the daemon (SIGTERM, then waits), then the sandbox detaches every mount
-/// below it and releases its loop devices.
+/// A CSI node plugin process serving on a Unix socket, with a client on a current-thread
+/// runtime: moor-node in a [`Node`], or `bare-node` (the benches' floor) started by
+/// [`Node::start_bare`]. Dropping it stops the process (SIGTERM, then waits).
 #[derive(Debug)]
-pub struct Node {
+pub struct Plugin {
     /// A client on `rt`.
     pub client: NodeClient<Channel>,
-    /// The daemon process.
+    /// The plugin's process.
     pub daemon: Daemon,
     /// The runtime `client` lives on.
     pub rt: tokio::runtime::Runtime,
-    /// The sandbox: kubelet dir, state dir, loop devices.
-    pub sb: Sandbox,
 }
 
-impl Node {
-    /// Enters a sandbox named `name` and starts `moor-node` in it, its log in
-    /// `<sandbox>/moor-node.log` (at its default level, so the daemon does its usual work).
-    pub fn start(name: &str) -> Self {
-        let sb = Sandbox::new(name);
+impl Plugin {
+    /// Starts `program` with `args` (the socket's `--endpoint` is added), its stderr in `log`,
+    /// and connects to `socket` once it answers. The process shares the calling thread's mount
+    /// namespace.
+    fn start(program: &Path, socket: PathBuf, args: &[&std::ffi::OsStr], log: &Path) -> Self {
+        assert!(
+            program.exists(),
+            "{} is not built (cargo build --bins)",
+            program.display()
+        );
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .expect("tokio runtime");
-        let socket = sb.root.join("csi.sock");
-        let log = sb.root.join("moor-node.log");
-        let bin = binary("moor-node");
-        assert!(
-            bin.exists(),
-            "{} is not built (cargo build --bins)",
-            bin.display()
-        );
-        // Through setpriv, so that the daemon dies with the bench even when the bench is
+        // Through setpriv, so that the plugin dies with the bench even when the bench is
         // killed (its cleanup then never runs): the bench's main thread starts it and lives
         // as long as the run.
         let child = Command::new("setpriv")
             .args(["--pdeathsig", "KILL", "--"])
-            .arg(bin)
+            .arg(program)
             .arg("--endpoint")
             .arg(format!("unix://{}", socket.display()))
-            .args(["--node-id", "bench", "--shutdown-grace", "2"])
-            .arg("--state-dir")
-            .arg(&sb.state)
-            .arg("--kubelet-dir")
-            .arg(&sb.kubelet)
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(File::create(&log).expect("daemon log"))
+            .stderr(File::create(log).expect("plugin log"))
             .spawn()
-            .expect("spawn moor-node");
-        let mut daemon = Daemon {
-            child,
-            socket: socket.clone(),
-        };
+            .expect("spawn the plugin");
+        let mut daemon = Daemon { child, socket };
         let client = rt.block_on(async {
             let start = Instant::now();
             loop {
-                if let Ok(ch) = connect(&socket).await {
+                if let Ok(ch) = connect(&daemon.socket).await {
                     break NodeClient::new(ch);
                 }
                 if let Ok(Some(status)) = daemon.child.try_wait() {
                     panic!(
-                        "moor-node exited ({status}): {}",
-                        std::fs::read_to_string(&log).unwrap_or_default()
+                        "{} exited ({status}): {}",
+                        program.display(),
+                        std::fs::read_to_string(log).unwrap_or_default()
                     );
                 }
                 assert!(
                     start.elapsed() < Duration::from_secs(30),
-                    "moor-node did not come up"
+                    "{} did not come up",
+                    program.display()
                 );
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         });
-        Self {
-            client,
-            daemon,
-            rt,
-            sb,
-        }
+        Self { client, daemon, rt }
     }
 
-    /// The daemon's process id.
+    /// The plugin's process id.
     pub fn pid(&self) -> u32 {
         self.daemon.child.id()
     }
 
-    /// The daemon's socket.
+    /// The plugin's socket.
     pub fn socket(&self) -> &Path {
         &self.daemon.socket
     }
 
-    /// NodeStageVolume; panics on error.
-    pub fn stage(&mut self, vol: &str, dev: &Path, staging: &Path, fs: &str) {
+    /// NodeStageVolume of `req`; panics on error.
+    pub fn stage_request(&mut self, req: csi::NodeStageVolumeRequest) {
         self.rt
-            .block_on(
-                self.client
-                    .node_stage_volume(stage_req(vol, dev, staging, fs)),
-            )
+            .block_on(self.client.node_stage_volume(req))
             .expect("NodeStageVolume");
+    }
+
+    /// NodeStageVolume of `dev` as `fs` on `staging`; panics on error.
+    pub fn stage(&mut self, vol: &str, dev: &Path, staging: &Path, fs: &str) {
+        self.stage_request(stage_req(vol, dev, staging, fs));
     }
 
     /// NodeUnstageVolume; panics on error.
@@ -209,7 +194,7 @@ impl Node {
     }
 
     /// `n` NodeGetCapabilities calls: the gRPC round trips of `n` CSI calls with no work
-    /// behind them, the floor the daemon's own work adds to.
+    /// behind them.
     pub fn null_calls(&mut self, n: usize) {
         let client = &mut self.client;
         self.rt.block_on(async {
@@ -221,6 +206,77 @@ impl Node {
             }
         });
     }
+}
+
+impl Drop for Plugin {
+    fn drop(&mut self) {
+        if let Some(pid) = rustix::process::Pid::from_raw(self.daemon.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+        let _ = self.daemon.child.wait();
+    }
+}
+
+/// A real `moor-node` in its own sandbox (private mount namespace of the calling thread, which
+/// the daemon shares), with a client: a [`Plugin`], which it derefs to.
+///
+/// Dropping it stops the daemon, then the sandbox detaches every mount below it and releases
+/// its loop devices.
+#[derive(Debug)]
+pub struct Node {
+    /// The daemon and its client.
+    pub plugin: Plugin,
+    /// The sandbox: kubelet dir, state dir, loop devices.
+    pub sb: Sandbox,
+}
+
+impl std::ops::Deref for Node {
+    type Target = Plugin;
+    fn deref(&self) -> &Plugin {
+        &self.plugin
+    }
+}
+
+impl std::ops::DerefMut for Node {
+    fn deref_mut(&mut self) -> &mut Plugin {
+        &mut self.plugin
+    }
+}
+
+impl Node {
+    /// Enters a sandbox named `name` and starts `moor-node` in it, its log in
+    /// `<sandbox>/moor-node.log` (at its default level, so the daemon does its usual work).
+    pub fn start(name: &str) -> Self {
+        let sb = Sandbox::new(name);
+        let args = [
+            "--node-id".as_ref(),
+            "bench".as_ref(),
+            "--shutdown-grace".as_ref(),
+            "2".as_ref(),
+            "--state-dir".as_ref(),
+            sb.state.as_os_str(),
+            "--kubelet-dir".as_ref(),
+            sb.kubelet.as_os_str(),
+        ];
+        let plugin = Plugin::start(
+            &binary("moor-node"),
+            sb.root.join("csi.sock"),
+            &args,
+            &sb.root.join("moor-node.log"),
+        );
+        Self { plugin, sb }
+    }
+
+    /// Starts `program`, the `bare-node` binary (the bench's `CARGO_BIN_EXE_bare-node`), in
+    /// this sandbox on a socket of its own: the least a plugin that speaks gRPC can be.
+    pub fn start_bare(&self, program: &Path) -> Plugin {
+        Plugin::start(
+            program,
+            self.sb.root.join("bare.sock"),
+            &[],
+            &self.sb.root.join("bare-node.log"),
+        )
+    }
 
     /// A staged ext4 volume `vol` on a fresh loop device of `size` bytes (formatted by the
     /// daemon, as a blank device is), and a publish target for it. Returns (staging, target).
@@ -230,15 +286,6 @@ impl Node {
         let target = self.sb.target(&format!("pod-{vol}"), vol);
         self.stage(vol, &dev, &staging, "ext4");
         (staging, target)
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        if let Some(pid) = rustix::process::Pid::from_raw(self.daemon.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let _ = self.daemon.child.wait();
     }
 }
 
