@@ -13,6 +13,9 @@
 //!   does nothing but the mkdir, bind, umount2 and rmdir: what any plugin that speaks gRPC
 //!   pays for a pair, group 3's floor;
 //! * `grpc`: NodePublishVolume + NodeUnpublishVolume through gRPC on the real daemon (3).
+//!
+//! Group `publish-paired`: the ratios the targets are held to, each measured turn by turn with
+//! `raw` in the same sample ([`bench::Paired`]): `grpc` and `bare` against `raw`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -20,7 +23,7 @@ use std::time::Duration;
 use criterion::{Criterion, criterion_group, criterion_main};
 use moor_node::validate;
 use moor_privileged::bench::{
-    self, Budget, MIB, Node, publish_req, stage_req, unpublish_req, unstage_req,
+    self, Budget, MIB, Node, paired, publish_req, stage_req, timed, unpublish_req, unstage_req,
 };
 
 fn publish(c: &mut Criterion) {
@@ -37,13 +40,12 @@ fn publish(c: &mut Criterion) {
     let raw_dst = node.sb.root.join("raw-dst");
     std::fs::create_dir_all(&raw_src).expect("dir");
     std::fs::create_dir_all(&raw_dst).expect("dir");
-    g.bench_function("raw", |b| {
-        b.iter(|| {
-            rustix::mount::mount_bind(raw_src.as_path(), raw_dst.as_path()).expect("bind");
-            rustix::mount::unmount(raw_dst.as_path(), rustix::mount::UnmountFlags::empty())
-                .expect("umount");
-        })
-    });
+    let raw = || {
+        rustix::mount::mount_bind(raw_src.as_path(), raw_dst.as_path()).expect("bind");
+        rustix::mount::unmount(raw_dst.as_path(), rustix::mount::UnmountFlags::empty())
+            .expect("umount");
+    };
+    g.bench_function("raw", |b| b.iter(raw));
 
     // The same, with the target made before and removed after, as the spec has the plugin do
     // (mkdir + bind + umount2 + rmdir): the kernel's share of a publish+unpublish pair.
@@ -86,11 +88,34 @@ fn publish(c: &mut Criterion) {
     g.bench_function("bare", |b| {
         b.iter(|| bare.publish_unpublish("vol-pub", &staging, &bare_target))
     });
-    drop(bare);
     g.bench_function("grpc", |b| {
         b.iter(|| node.publish_unpublish("vol-pub", &staging, &target))
     });
     g.finish();
+
+    // The ratios the targets are held to, each side run in turn with the raw reference.
+    let mut pc = bench::paired_criterion();
+    let mut pg = bench::paired_group(&mut pc, "publish-paired", budget);
+    pg.bench_function("grpc", |b| {
+        b.iter_custom(|iters| {
+            paired(
+                iters,
+                || timed(raw),
+                || timed(|| node.publish_unpublish("vol-pub", &staging, &target)),
+            )
+        })
+    });
+    pg.bench_function("bare", |b| {
+        b.iter_custom(|iters| {
+            paired(
+                iters,
+                || timed(raw),
+                || timed(|| bare.publish_unpublish("vol-pub", &staging, &bare_target)),
+            )
+        })
+    });
+    pg.finish();
+    drop(bare);
     node.unstage("vol-pub", &staging);
 }
 

@@ -20,6 +20,11 @@
 //!   its own: the blank proof (moor's probe of the first and last MiB, read past the page
 //!   cache) and the intent to format made durable (a journal-sized record written and
 //!   fdatasync'd in the state dir).
+//! * Groups `stage-paired` and `first-stage-paired`: the ratios the targets are held to, each
+//!   measured turn by turn with `raw-<fs>` in the same sample ([`bench::Paired`]), so that a
+//!   machine whose speed drifts between benches cannot tilt them: `grpc-<fs>` (moor's pair or
+//!   first stage) and `floor-<fs>` (`bare-<fs>` with the probe, or with the blank proof and
+//!   the durable intent) against `raw-<fs>`.
 
 use std::os::unix::fs::FileExt as _;
 use std::path::Path;
@@ -29,21 +34,22 @@ use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, SamplingMode, criterion_group, criterion_main};
 use moor_node::validate;
 use moor_privileged::bench::{
-    self, BlankDevice, Budget, GIB, MIB, Node, Plugin, mkfs_command, mount_data, stage_req,
-    unstage_req,
+    self, BlankDevice, Budget, GIB, MIB, Node, Paired, Plugin, mkfs_command, mount_data, paired,
+    stage_req, timed, unstage_req,
 };
 use rustix::mount::{MountFlags, UnmountFlags};
 
 const FILESYSTEMS: [&str; 2] = ["ext4", "xfs"];
 
 /// Group 4: stage and unstage of a formatted device.
-fn stage(node: &mut Node, bare: &mut Plugin, c: &mut Criterion) {
+fn stage(node: &mut Node, bare: &mut Plugin, c: &mut Criterion, pc: &mut Criterion<Paired>) {
     let budget = Budget::new(30, Duration::from_secs(1), Duration::from_secs(5));
     let mut g = c.benchmark_group("stage");
     g.sample_size(budget.samples)
         .warm_up_time(budget.warm_up)
         .measurement_time(budget.measurement)
         .sampling_mode(SamplingMode::Flat);
+    let mut pg = bench::paired_group(pc, "stage-paired", budget);
     // The engine alone, in this process, on its own state dir.
     let engine = bench::engine(&node.sb, "state-engine");
     for fs in FILESYSTEMS {
@@ -69,27 +75,25 @@ fn stage(node: &mut Node, bare: &mut Plugin, c: &mut Criterion) {
         let bare_device = formatted("bare");
         let (engine_dev, engine_staging, engine_vol) = formatted("engine");
         let (dev, staging, vol) = formatted("grpc");
-        g.bench_function(format!("raw-{fs}"), |b| {
-            b.iter(|| {
-                rustix::mount::mount(
-                    raw.0.as_path(),
-                    raw.1.as_path(),
-                    fs,
-                    MountFlags::empty(),
-                    mount_data(fs),
-                )
-                .expect("mount");
-                rustix::mount::unmount(raw.1.as_path(), UnmountFlags::empty()).expect("umount");
-            })
-        });
+        let raw_pair = || {
+            rustix::mount::mount(
+                raw.0.as_path(),
+                raw.1.as_path(),
+                fs,
+                MountFlags::empty(),
+                mount_data(fs),
+            )
+            .expect("mount");
+            rustix::mount::unmount(raw.1.as_path(), UnmountFlags::empty()).expect("umount");
+        };
+        g.bench_function(format!("raw-{fs}"), |b| b.iter(raw_pair));
         // The least a plugin that speaks gRPC can do for the pair: the same syscalls, served.
         let (bare_dev, bare_staging, bare_vol) = bare_device;
-        g.bench_function(format!("bare-{fs}"), |b| {
-            b.iter(|| {
-                bare.stage(&bare_vol, &bare_dev, &bare_staging, fs);
-                bare.unstage(&bare_vol, &bare_staging);
-            })
-        });
+        let mut bare_pair = || {
+            bare.stage(&bare_vol, &bare_dev, &bare_staging, fs);
+            bare.unstage(&bare_vol, &bare_staging);
+        };
+        g.bench_function(format!("bare-{fs}"), |b| b.iter(&mut bare_pair));
         let stage = validate::stage(
             &stage_req(&engine_vol, &engine_dev, &engine_staging, fs),
             &node.sb.kubelet,
@@ -112,14 +116,33 @@ fn stage(node: &mut Node, bare: &mut Plugin, c: &mut Criterion) {
                 assert!(!content.is_blank(), "{content:?}");
             })
         });
-        g.bench_function(format!("grpc-{fs}"), |b| {
-            b.iter(|| {
-                node.stage(&vol, &dev, &staging, fs);
-                node.unstage(&vol, &staging);
+        let mut grpc_pair = || {
+            node.stage(&vol, &dev, &staging, fs);
+            node.unstage(&vol, &staging);
+        };
+        g.bench_function(format!("grpc-{fs}"), |b| b.iter(&mut grpc_pair));
+        // The ratios the targets are held to, each side run in turn with the raw pair.
+        pg.bench_function(format!("grpc-{fs}"), |b| {
+            b.iter_custom(|iters| paired(iters, || timed(raw_pair), || timed(&mut grpc_pair)))
+        });
+        pg.bench_function(format!("floor-{fs}"), |b| {
+            b.iter_custom(|iters| {
+                paired(
+                    iters,
+                    || timed(raw_pair),
+                    || {
+                        timed(|| {
+                            let content = engine.probe_device(&bare_dev, 512 * MIB).expect("probe");
+                            assert!(!content.is_blank(), "{content:?}");
+                            bare_pair();
+                        })
+                    },
+                )
             })
         });
     }
     g.finish();
+    pg.finish();
 }
 
 /// Mounts and unmounts the formatted `dev` on `dir` until its mount time has stopped drifting:
@@ -163,108 +186,110 @@ fn timed_mount(dir: &Path, mount: impl FnOnce()) -> Duration {
     took
 }
 
-/// Benchmark `name` in `g`: the time `run` reports for each fresh blank device made by
-/// `fresh` (made and released outside the timing).
+/// Benchmark `name` in `g`: the time `run` reports for a fresh blank device (made and
+/// released outside the timing).
 fn bench_fresh(
     g: &mut BenchmarkGroup<'_, WallTime>,
     name: String,
-    fresh: impl Fn() -> BlankDevice,
+    (data, fs): (&Path, &str),
     mut run: impl FnMut(&Path) -> Duration,
 ) {
     g.bench_function(name, |b| {
-        b.iter_custom(|iters| {
-            (0..iters)
-                .map(|_| {
-                    let blank = fresh();
-                    run(&blank.dev)
-                })
-                .sum()
-        })
+        b.iter_custom(|iters| (0..iters).map(|_| on_fresh(data, fs, &mut run)).sum())
     });
 }
 
+/// The time `run` reports for a fresh blank 10 GiB device for `fs` (a sparse file in `data`
+/// on a loop device of its own), made and released outside the timing.
+fn on_fresh(data: &Path, fs: &str, run: &mut impl FnMut(&Path) -> Duration) -> Duration {
+    let blank = BlankDevice::new(data.join(format!("first-{fs}.img")), 10 * GIB);
+    run(&blank.dev)
+}
+
 /// Group 7: the first stage of a blank 10 GiB device.
-fn first_stage(node: &mut Node, bare: &mut Plugin, c: &mut Criterion) {
+fn first_stage(node: &mut Node, bare: &mut Plugin, c: &mut Criterion, pc: &mut Criterion<Paired>) {
     let budget = Budget::new(10, Duration::from_secs(1), Duration::from_secs(6));
     let mut g = c.benchmark_group("first-stage");
     g.sample_size(budget.samples)
         .warm_up_time(budget.warm_up)
         .measurement_time(budget.measurement)
         .sampling_mode(SamplingMode::Flat);
+    let mut pg = bench::paired_group(pc, "first-stage-paired", budget);
     let data = node.sb.data.clone();
     let engine = bench::engine(&node.sb, "state-floor");
     // A stand-in for the journal, on the same filesystem as the daemon's.
     let intent = std::fs::File::create(node.sb.state.join("floor-intent")).expect("intent file");
-    let fresh = move |fs: &str| BlankDevice::new(data.join(format!("first-{fs}.img")), 10 * GIB);
     for fs in FILESYSTEMS {
         let staging = node.sb.staging(&format!("pv-first-{fs}"));
         let vol = format!("vol-first-{fs}");
-        bench_fresh(
-            &mut g,
-            format!("raw-{fs}"),
-            || fresh(fs),
-            |dev| {
-                timed_mount(&staging, || {
-                    mkfs(fs, dev).expect("mkfs");
-                    rustix::mount::mount(
-                        dev,
-                        staging.as_path(),
-                        fs,
-                        MountFlags::empty(),
-                        mount_data(fs),
-                    )
-                    .expect("mount");
-                })
-            },
-        );
-        bench_fresh(
-            &mut g,
-            format!("bare-{fs}"),
-            || fresh(fs),
-            |dev| {
-                let mut req = stage_req(&vol, dev, &staging, fs);
-                req.volume_context.insert("mkfs".into(), "true".into());
-                timed_mount(&staging, || bare.stage_request(req))
-            },
-        );
-        bench_fresh(
-            &mut g,
-            format!("proof-{fs}"),
-            || fresh(fs),
-            |dev| {
-                let start = Instant::now();
-                let content = engine
-                    .probe_device(dev, 10 * GIB)
-                    .expect("probe the blank device");
-                intent.write_all_at(&[0x5a; 450], 0).expect("write intent");
-                intent.sync_data().expect("fdatasync intent");
-                let took = start.elapsed();
-                assert!(content.is_blank(), "{content:?}");
-                took
-            },
-        );
-        bench_fresh(
-            &mut g,
-            format!("grpc-{fs}"),
-            || fresh(fs),
-            |dev| {
-                let start = Instant::now();
-                node.stage(&vol, dev, &staging, fs);
-                let took = start.elapsed();
-                node.unstage(&vol, &staging);
-                took
-            },
-        );
+        let mut raw = |dev: &Path| {
+            timed_mount(&staging, || {
+                mkfs(fs, dev).expect("mkfs");
+                rustix::mount::mount(
+                    dev,
+                    staging.as_path(),
+                    fs,
+                    MountFlags::empty(),
+                    mount_data(fs),
+                )
+                .expect("mount");
+            })
+        };
+        let mut bare_stage = |dev: &Path| {
+            let mut req = stage_req(&vol, dev, &staging, fs);
+            req.volume_context.insert("mkfs".into(), "true".into());
+            timed_mount(&staging, || bare.stage_request(req))
+        };
+        let proof = |dev: &Path| {
+            let start = Instant::now();
+            let content = engine
+                .probe_device(dev, 10 * GIB)
+                .expect("probe the blank device");
+            intent.write_all_at(&[0x5a; 450], 0).expect("write intent");
+            intent.sync_data().expect("fdatasync intent");
+            let took = start.elapsed();
+            assert!(content.is_blank(), "{content:?}");
+            took
+        };
+        let mut grpc = |dev: &Path| {
+            let took = timed(|| node.stage(&vol, dev, &staging, fs));
+            node.unstage(&vol, &staging);
+            took
+        };
+        bench_fresh(&mut g, format!("raw-{fs}"), (&data, fs), &mut raw);
+        bench_fresh(&mut g, format!("bare-{fs}"), (&data, fs), &mut bare_stage);
+        bench_fresh(&mut g, format!("proof-{fs}"), (&data, fs), proof);
+        bench_fresh(&mut g, format!("grpc-{fs}"), (&data, fs), &mut grpc);
+        pg.bench_function(format!("grpc-{fs}"), |b| {
+            b.iter_custom(|iters| {
+                paired(
+                    iters,
+                    || on_fresh(&data, fs, &mut raw),
+                    || on_fresh(&data, fs, &mut grpc),
+                )
+            })
+        });
+        pg.bench_function(format!("floor-{fs}"), |b| {
+            b.iter_custom(|iters| {
+                paired(
+                    iters,
+                    || on_fresh(&data, fs, &mut raw),
+                    || on_fresh(&data, fs, &mut |dev| proof(dev) + bare_stage(dev)),
+                )
+            })
+        });
     }
     g.finish();
+    pg.finish();
 }
 
 fn benches(c: &mut Criterion) {
     let mut node = Node::start("bench-stage");
     node.sb.data_in_memory();
     let mut bare = node.start_bare(Path::new(env!("CARGO_BIN_EXE_bare-node")));
-    stage(&mut node, &mut bare, c);
-    first_stage(&mut node, &mut bare, c);
+    let mut pc = bench::paired_criterion();
+    stage(&mut node, &mut bare, c, &mut pc);
+    first_stage(&mut node, &mut bare, c, &mut pc);
 }
 
 criterion_group!(group, benches);

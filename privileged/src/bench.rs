@@ -500,3 +500,111 @@ pub fn mkfs_command(fs: &str, dev: &Path) -> Command {
 pub fn mount_data(fs: &str) -> Option<&'static std::ffi::CStr> {
     (fs == "xfs").then_some(c"nouuid")
 }
+
+/// A criterion measurement whose value is a ratio of times: a subject against its reference,
+/// run interleaved in the same sample (see [`paired`]). On a machine whose speed drifts from
+/// one minute to the next, two benches run one after the other can each see another machine;
+/// a pair measured turn by turn sees the same one.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Paired;
+
+impl criterion::measurement::Measurement for Paired {
+    type Intermediate = ();
+    type Value = f64;
+
+    fn start(&self) {}
+
+    fn end(&self, (): ()) -> f64 {
+        // Only `iter_custom` with [`paired`] gives a meaningful value.
+        0.0
+    }
+
+    fn add(&self, v1: &f64, v2: &f64) -> f64 {
+        v1 + v2
+    }
+
+    fn zero(&self) -> f64 {
+        0.0
+    }
+
+    fn to_f64(&self, value: &f64) -> f64 {
+        *value
+    }
+
+    fn formatter(&self) -> &dyn criterion::measurement::ValueFormatter {
+        &RatioFormat
+    }
+}
+
+/// Prints a [`Paired`] value as a ratio.
+#[derive(Debug)]
+struct RatioFormat;
+
+impl criterion::measurement::ValueFormatter for RatioFormat {
+    fn scale_values(&self, _typical: f64, _values: &mut [f64]) -> &'static str {
+        "×"
+    }
+
+    fn scale_throughputs(
+        &self,
+        _typical: f64,
+        _throughput: &criterion::Throughput,
+        _values: &mut [f64],
+    ) -> &'static str {
+        "×"
+    }
+
+    fn scale_for_machines(&self, _values: &mut [f64]) -> &'static str {
+        "ratio"
+    }
+}
+
+/// A criterion group for [`Paired`] benches, named `name`, with `budget`.
+pub fn paired_group<'a>(
+    c: &'a mut criterion::Criterion<Paired>,
+    name: &str,
+    budget: Budget,
+) -> criterion::BenchmarkGroup<'a, Paired> {
+    let mut g = c.benchmark_group(name);
+    g.sample_size(budget.samples)
+        .warm_up_time(budget.warm_up)
+        .measurement_time(budget.measurement)
+        .sampling_mode(criterion::SamplingMode::Flat);
+    g
+}
+
+/// The value of `iters` rounds of a [`Paired`] bench: each round runs `reference` and `subject`
+/// once, in turn (which goes first alternates), each returning the time its timed part took;
+/// the value is the subject's total over the reference's, times `iters` (criterion divides
+/// by the rounds, so each sample reads as the ratio over its rounds).
+pub fn paired(
+    iters: u64,
+    mut reference: impl FnMut() -> Duration,
+    mut subject: impl FnMut() -> Duration,
+) -> f64 {
+    let (mut r, mut s) = (Duration::ZERO, Duration::ZERO);
+    for i in 0..iters {
+        if i % 2 == 0 {
+            r += reference();
+            s += subject();
+        } else {
+            s += subject();
+            r += reference();
+        }
+    }
+    s.as_secs_f64() / r.as_secs_f64().max(1e-12) * iters as f64
+}
+
+/// How long `f` takes.
+pub fn timed(f: impl FnOnce()) -> Duration {
+    let start = Instant::now();
+    f();
+    start.elapsed()
+}
+
+/// A [`Paired`] criterion, configured from the bench's command line as criterion's own is.
+pub fn paired_criterion() -> criterion::Criterion<Paired> {
+    criterion::Criterion::default()
+        .with_measurement(Paired)
+        .configure_from_args()
+}

@@ -68,6 +68,21 @@ struct Row {
     kind: Kind,
     target: Target,
     bench: &'static str,
+    /// Where the ratio comes from.
+    ratio: Ratio,
+}
+
+/// Where a row's ratio comes from.
+#[derive(Debug, Clone, Copy)]
+enum Ratio {
+    /// The row's median over its reference's, each from a bench of its own.
+    Medians,
+    /// The median of a paired bench (`<group>-paired/<name>`), which ran the row's subject
+    /// and its raw reference turn by turn in each sample.
+    Paired(&'static str),
+    /// One paired ratio over another with the same raw reference: the row's subject against a
+    /// floor that was paired with that reference too.
+    PairedOver(&'static str, &'static str),
 }
 
 const fn row(
@@ -87,10 +102,17 @@ const fn row(
         kind,
         target,
         bench,
+        ratio: Ratio::Medians,
     }
 }
 
+/// A row whose ratio is `ratio` (paired), not its median over its reference's.
+const fn paired(r: Row, ratio: Ratio) -> Row {
+    Row { ratio, ..r }
+}
+
 use Kind::{Ops, Scaling, Time};
+use Ratio::{Paired, PairedOver};
 use Target::{AtLeast, AtMost, Unset as NoTarget};
 
 #[rustfmt::skip]
@@ -100,21 +122,21 @@ const ROWS: &[Row] = &[
     row("2", "engine publish+unpublish, no gRPC", "publish/engine", Some("publish/raw"), Time, NoTarget, "mount"),
     row("2", "engine publish+unpublish against raw with mkdir+rmdir", "publish/engine", Some("publish/raw-dir"), Time, NoTarget, "mount"),
     row("3", "gRPC round trips alone: two NodeGetCapabilities", "publish/grpc-null", Some("publish/raw"), Time, NoTarget, "mount"),
-    row("3", "gRPC NodePublish+NodeUnpublish, real daemon", "publish/grpc", Some("publish/raw"), Time, AtMost(3.0), "mount"),
-    row("3", "its floor: the same pair on bare-node, a gRPC server that only makes the dir, binds, unmounts and removes it", "publish/bare", Some("publish/raw"), Time, AtMost(3.0), "mount"),
-    row("3", "gRPC NodePublish+NodeUnpublish against that floor", "publish/grpc", Some("publish/bare"), Time, NoTarget, "mount"),
+    paired(row("3", "gRPC NodePublish+NodeUnpublish, real daemon", "publish/grpc", Some("publish/raw"), Time, AtMost(3.0), "mount"), Paired("publish-paired/grpc")),
+    paired(row("3", "its floor: the same pair on bare-node, a gRPC server that only makes the dir, binds, unmounts and removes it", "publish/bare", Some("publish/raw"), Time, AtMost(3.0), "mount"), Paired("publish-paired/bare")),
+    paired(row("3", "gRPC NodePublish+NodeUnpublish against that floor", "publish/grpc", Some("publish/bare"), Time, NoTarget, "mount"), PairedOver("publish-paired/grpc", "publish-paired/bare")),
     row("4", "raw mount(2)+umount2, formatted ext4 loop device", "stage/raw-ext4", None, Time, NoTarget, "stage"),
     row("4", "engine stage+unstage, formatted ext4, no gRPC", "stage/engine-ext4", Some("stage/raw-ext4"), Time, NoTarget, "stage"),
     row("4", "NodeStage+NodeUnstage on bare-node (only the mount(2) and umount2, served over gRPC)", "stage/bare-ext4", Some("stage/raw-ext4"), Time, NoTarget, "stage"),
-    row("4", "gRPC NodeStage+NodeUnstage, formatted ext4", "stage/grpc-ext4", Some("stage/raw-ext4"), Time, AtMost(1.2), "stage"),
-    row("4", "its floor: bare-node's pair plus the superblock probe", "stage/bare-ext4+stage/probe-ext4", Some("stage/raw-ext4"), Time, AtMost(1.2), "stage"),
-    row("4", "gRPC NodeStage+NodeUnstage, ext4, against that floor", "stage/grpc-ext4", Some("stage/bare-ext4+stage/probe-ext4"), Time, NoTarget, "stage"),
+    paired(row("4", "gRPC NodeStage+NodeUnstage, formatted ext4", "stage/grpc-ext4", Some("stage/raw-ext4"), Time, AtMost(1.2), "stage"), Paired("stage-paired/grpc-ext4")),
+    paired(row("4", "its floor: bare-node's pair plus the superblock probe", "stage/bare-ext4+stage/probe-ext4", Some("stage/raw-ext4"), Time, AtMost(1.2), "stage"), Paired("stage-paired/floor-ext4")),
+    paired(row("4", "gRPC NodeStage+NodeUnstage, ext4, against that floor", "stage/grpc-ext4", Some("stage/bare-ext4+stage/probe-ext4"), Time, NoTarget, "stage"), PairedOver("stage-paired/grpc-ext4", "stage-paired/floor-ext4")),
     row("4", "raw mount(2)+umount2, formatted xfs loop device", "stage/raw-xfs", None, Time, NoTarget, "stage"),
     row("4", "engine stage+unstage, formatted xfs, no gRPC", "stage/engine-xfs", Some("stage/raw-xfs"), Time, NoTarget, "stage"),
     row("4", "NodeStage+NodeUnstage on bare-node (only the mount(2) and umount2, served over gRPC)", "stage/bare-xfs", Some("stage/raw-xfs"), Time, NoTarget, "stage"),
-    row("4", "gRPC NodeStage+NodeUnstage, formatted xfs", "stage/grpc-xfs", Some("stage/raw-xfs"), Time, AtMost(1.2), "stage"),
-    row("4", "its floor: bare-node's pair plus the superblock probe", "stage/bare-xfs+stage/probe-xfs", Some("stage/raw-xfs"), Time, AtMost(1.2), "stage"),
-    row("4", "gRPC NodeStage+NodeUnstage, xfs, against that floor", "stage/grpc-xfs", Some("stage/bare-xfs+stage/probe-xfs"), Time, NoTarget, "stage"),
+    paired(row("4", "gRPC NodeStage+NodeUnstage, formatted xfs", "stage/grpc-xfs", Some("stage/raw-xfs"), Time, AtMost(1.2), "stage"), Paired("stage-paired/grpc-xfs")),
+    paired(row("4", "its floor: bare-node's pair plus the superblock probe", "stage/bare-xfs+stage/probe-xfs", Some("stage/raw-xfs"), Time, AtMost(1.2), "stage"), Paired("stage-paired/floor-xfs")),
+    paired(row("4", "gRPC NodeStage+NodeUnstage, xfs, against that floor", "stage/grpc-xfs", Some("stage/bare-xfs+stage/probe-xfs"), Time, NoTarget, "stage"), PairedOver("stage-paired/grpc-xfs", "stage-paired/floor-xfs")),
     row("5", "raw bind+umount2, 100 other mounts", "scale/raw/100", None, Time, NoTarget, "scale"),
     row("5", "gRPC publish+unpublish, 100 other mounts", "scale/grpc/100", Some("scale/raw/100"), Time, NoTarget, "scale"),
     row("5", "raw bind+umount2, 1,000 other mounts", "scale/raw/1000", None, Time, NoTarget, "scale"),
@@ -131,14 +153,14 @@ const ROWS: &[Row] = &[
     row("6", "gRPC throughput, 8 clients against 1", "concurrency/grpc/8", Some("concurrency/grpc/1"), Scaling(8, 1), AtLeast(1.5), "concurrency"),
     row("7", "mkfs + mount(2), blank 10 GiB ext4", "first-stage/raw-ext4", None, Time, NoTarget, "stage"),
     row("7", "NodeStage on bare-node (the same mkfs + mount(2), served over gRPC)", "first-stage/bare-ext4", Some("first-stage/raw-ext4"), Time, NoTarget, "stage"),
-    row("7", "gRPC NodeStage, blank 10 GiB ext4", "first-stage/grpc-ext4", Some("first-stage/raw-ext4"), Time, AtMost(1.1), "stage"),
-    row("7", "its floor: bare-node's stage plus the blank proof and the durable intent", "first-stage/bare-ext4+first-stage/proof-ext4", Some("first-stage/raw-ext4"), Time, AtMost(1.1), "stage"),
-    row("7", "gRPC NodeStage, ext4, against that floor", "first-stage/grpc-ext4", Some("first-stage/bare-ext4+first-stage/proof-ext4"), Time, NoTarget, "stage"),
+    paired(row("7", "gRPC NodeStage, blank 10 GiB ext4", "first-stage/grpc-ext4", Some("first-stage/raw-ext4"), Time, AtMost(1.1), "stage"), Paired("first-stage-paired/grpc-ext4")),
+    paired(row("7", "its floor: bare-node's stage plus the blank proof and the durable intent", "first-stage/bare-ext4+first-stage/proof-ext4", Some("first-stage/raw-ext4"), Time, AtMost(1.1), "stage"), Paired("first-stage-paired/floor-ext4")),
+    paired(row("7", "gRPC NodeStage, ext4, against that floor", "first-stage/grpc-ext4", Some("first-stage/bare-ext4+first-stage/proof-ext4"), Time, NoTarget, "stage"), PairedOver("first-stage-paired/grpc-ext4", "first-stage-paired/floor-ext4")),
     row("7", "mkfs + mount(2), blank 10 GiB xfs", "first-stage/raw-xfs", None, Time, NoTarget, "stage"),
     row("7", "NodeStage on bare-node (the same mkfs + mount(2), served over gRPC)", "first-stage/bare-xfs", Some("first-stage/raw-xfs"), Time, NoTarget, "stage"),
-    row("7", "gRPC NodeStage, blank 10 GiB xfs", "first-stage/grpc-xfs", Some("first-stage/raw-xfs"), Time, AtMost(1.1), "stage"),
-    row("7", "its floor: bare-node's stage plus the blank proof and the durable intent", "first-stage/bare-xfs+first-stage/proof-xfs", Some("first-stage/raw-xfs"), Time, AtMost(1.1), "stage"),
-    row("7", "gRPC NodeStage, xfs, against that floor", "first-stage/grpc-xfs", Some("first-stage/bare-xfs+first-stage/proof-xfs"), Time, NoTarget, "stage"),
+    paired(row("7", "gRPC NodeStage, blank 10 GiB xfs", "first-stage/grpc-xfs", Some("first-stage/raw-xfs"), Time, AtMost(1.1), "stage"), Paired("first-stage-paired/grpc-xfs")),
+    paired(row("7", "its floor: bare-node's stage plus the blank proof and the durable intent", "first-stage/bare-xfs+first-stage/proof-xfs", Some("first-stage/raw-xfs"), Time, AtMost(1.1), "stage"), Paired("first-stage-paired/floor-xfs")),
+    paired(row("7", "gRPC NodeStage, xfs, against that floor", "first-stage/grpc-xfs", Some("first-stage/bare-xfs+first-stage/proof-xfs"), Time, NoTarget, "stage"), PairedOver("first-stage-paired/grpc-xfs", "first-stage-paired/floor-xfs")),
 ];
 
 /// The median, in nanoseconds, from a criterion `estimates.json`.
@@ -221,28 +243,18 @@ fn memory_kib(text: &str, key: &str) -> Option<u64> {
 }
 
 /// The command that runs a row's benchmark, and its reference if it has one (a regex with
-/// `[^/]+` where the two ids differ: no `|`, which a markdown table cell cannot hold).
+/// `[^/]+` where the two ids differ: no `|`, which a markdown table cell cannot hold); for a
+/// paired ratio, the row's whole group and its paired group.
 fn reproduce(r: &Row) -> String {
+    if !matches!(r.ratio, Ratio::Medians) {
+        // The row's group and its paired group.
+        return format!(
+            "cargo bench --bench {} -- '^{}(-paired)?/'",
+            r.bench,
+            group_of(r.id)
+        );
+    }
     match r.reference {
-        Some(reference) if r.id.contains('+') || reference.contains('+') => {
-            // The row's whole group; a part from another group, by its own bench.
-            let group = group_of(r.id);
-            let mut commands = vec![format!("cargo bench --bench {} -- '^{group}/'", r.bench)];
-            let mut others: Vec<&str> = Vec::new();
-            for part in r.id.split('+').chain(reference.split('+')) {
-                if group_of(part) != group && !others.contains(&part) {
-                    others.push(part);
-                }
-            }
-            for part in others {
-                let bench = ROWS
-                    .iter()
-                    .find(|row| group_of(row.id) == group_of(part))
-                    .map_or(r.bench, |row| row.bench);
-                commands.push(format!("cargo bench --bench {bench} -- --exact {part}"));
-            }
-            commands.join(" && ")
-        }
         Some(reference) => {
             let pattern: Vec<&str> =
                 r.id.split('/')
@@ -277,23 +289,26 @@ fn table(dir: &Path, note: Option<&str>) -> String {
         let this = median(dir, r.id);
         let reference = r.reference.map(|id| (id, median(dir, id)));
         let median_text = this.map_or("not run".into(), |ns| value(r.kind, ns));
-        let (ref_text, ratio_text, holds) = match (this, reference) {
-            (_, None) => ("—".to_string(), "1×".to_string(), ""),
-            (None, Some(_)) => ("—".to_string(), "—".to_string(), ""),
-            (Some(ns), Some((_, Some(ref_ns)))) => {
-                let x = ratio(r.kind, ns, ref_ns);
-                (
-                    reference_value(r.kind, ref_ns),
-                    format!("{}×", sig3(x)),
-                    r.target.holds(x),
-                )
-            }
-            (_, Some((id, _))) => (format!("`{id}` not run"), "—".into(), ""),
+        let ref_text = match reference {
+            None => "—".to_string(),
+            Some((_, Some(ref_ns))) => reference_value(r.kind, ref_ns),
+            Some((id, None)) => format!("`{id}` not run"),
         };
-        let ratio_text = if r.reference.is_none() {
-            "reference".to_string()
-        } else {
-            ratio_text
+        let measured = match (r.ratio, this, reference) {
+            (_, _, None) => None,
+            (Ratio::Medians, Some(ns), Some((_, Some(ref_ns)))) => {
+                Some((ratio(r.kind, ns, ref_ns), ""))
+            }
+            (Ratio::Medians, _, _) => None,
+            (Paired(id), _, _) => median(dir, id).map(|x| (x, " (paired)")),
+            (PairedOver(a, b), _, _) => median(dir, a)
+                .zip(median(dir, b))
+                .map(|(a, b)| (a / b, " (paired)")),
+        };
+        let (ratio_text, holds) = match (r.reference, measured) {
+            (None, _) => ("reference".to_string(), ""),
+            (Some(_), Some((x, how))) => (format!("{}×{how}", sig3(x)), r.target.holds(x)),
+            (Some(_), None) => ("—".to_string(), ""),
         };
         let _ = writeln!(
             out,
@@ -431,47 +446,72 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_sum_reference_adds_medians_and_runs_the_group() {
-        let dir = std::env::temp_dir().join(format!("bench-report-sum-{}", std::process::id()));
-        for (id, ns) in [("g/a", "100.0"), ("g/b", "250.5")] {
+    /// Writes criterion estimates with these medians under a fresh dir.
+    fn estimates(name: &str, medians: &[(&str, f64)]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("bench-report-{name}-{}", std::process::id()));
+        for (id, ns) in medians {
             let d = dir.join(id).join("new");
             std::fs::create_dir_all(&d).expect("dir");
             let json = format!(r#"{{"median":{{"point_estimate":{ns}}}}}"#);
             std::fs::write(d.join("estimates.json"), json).expect("write");
         }
+        dir
+    }
+
+    #[test]
+    fn a_sum_id_adds_medians() {
+        let dir = estimates("sum", &[("g/a", 100.0), ("g/b", 250.5)]);
         let sum = median(&dir, "g/a+g/b");
         let missing = median(&dir, "g/a+g/c");
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(sum, Some(350.5));
         assert_eq!(missing, None);
-        let r = ROWS
-            .iter()
-            .find(|r| r.reference.is_some_and(|id| id.contains('+')))
-            .expect("a floor row");
-        assert_eq!(r.id, "stage/grpc-ext4");
-        assert_eq!(reproduce(r), "cargo bench --bench stage -- '^stage/'");
-        // A floor with a part from another bench runs that part too, once.
-        let r = row(
-            "4",
-            "a floor across benches",
-            "stage/bare-xfs+publish/grpc-null",
-            Some("stage/raw-xfs"),
-            Time,
-            AtMost(1.2),
-            "stage",
+    }
+
+    #[test]
+    fn a_target_is_held_to_the_paired_ratio_not_the_medians() {
+        // Medians 3.0 ms against 1.0 ms would say 3×; the paired benches say 1.1× and 1.05×.
+        let dir = estimates(
+            "paired",
+            &[
+                ("stage/raw-xfs", 1e6),
+                ("stage/grpc-xfs", 3e6),
+                ("stage/bare-xfs", 2e6),
+                ("stage/probe-xfs", 5e4),
+                ("stage-paired/grpc-xfs", 1.1),
+                ("stage-paired/floor-xfs", 1.05),
+            ],
         );
-        assert_eq!(
-            reproduce(&r),
-            "cargo bench --bench stage -- '^stage/' && cargo bench --bench mount -- --exact publish/grpc-null"
+        let text = table(&dir, None);
+        let _ = std::fs::remove_dir_all(&dir);
+        let line = |label: &str| {
+            text.lines()
+                .find(|l| l.contains(label))
+                .unwrap_or_else(|| panic!("no row {label:?} in\n{text}"))
+                .to_string()
+        };
+        let moor = line("| gRPC NodeStage+NodeUnstage, formatted xfs |");
+        assert!(
+            moor.contains("| 3.00 ms | 1.00 ms | 1.10× (paired) | ≤ 1.2× | yes |"),
+            "{moor}"
         );
-        // A floor held against the target: its parts summed, in the row's own group.
-        let r = ROWS
-            .iter()
-            .find(|r| r.id.contains('+') && r.reference == Some("stage/raw-xfs"))
-            .expect("the xfs stage floor against raw");
-        assert_eq!(r.id, "stage/bare-xfs+stage/probe-xfs");
-        assert_eq!(reproduce(r), "cargo bench --bench stage -- '^stage/'");
+        let floor = line("| 4 | its floor: bare-node's pair plus the superblock probe | 2.05 ms");
+        assert!(
+            floor.contains("| 1.05× (paired) | ≤ 1.2× | yes |"),
+            "{floor}"
+        );
+        let over = line("| gRPC NodeStage+NodeUnstage, xfs, against that floor |");
+        assert!(over.contains("| 1.05× (paired) |"), "{over}");
+        assert!(
+            over.ends_with("| `cargo bench --bench stage -- '^stage(-paired)?/'` |"),
+            "{over}"
+        );
+        // Not run: no ratio, no verdict.
+        let ext4 = line("| gRPC NodeStage+NodeUnstage, formatted ext4 |");
+        assert!(
+            ext4.contains("| not run | `stage/raw-ext4` not run | — | ≤ 1.2× |  |"),
+            "{ext4}"
+        );
     }
 
     #[test]
