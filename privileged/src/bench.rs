@@ -574,25 +574,39 @@ pub fn paired_group<'a>(
 }
 
 /// The value of `iters` rounds of a [`Paired`] bench: each round runs `reference` and `subject`
-/// once, in turn (which goes first alternates), each returning the time its timed part took;
-/// the value is the subject's total over the reference's, times `iters` (criterion divides
-/// by the rounds, so each sample reads as the ratio over its rounds).
+/// once, in turn (which goes first alternates), each returning the time its timed part took.
+/// The value is the median of the rounds' ratios (subject over reference), times `iters`:
+/// criterion divides by the rounds, so each sample reads as its median ratio. A stall of the
+/// machine (a vCPU the host takes away for a while) hits a round or two of a sample, whose
+/// ratios the median then leaves out, where a ratio of sums would carry it.
 pub fn paired(
     iters: u64,
     mut reference: impl FnMut() -> Duration,
     mut subject: impl FnMut() -> Duration,
 ) -> f64 {
-    let (mut r, mut s) = (Duration::ZERO, Duration::ZERO);
-    for i in 0..iters {
-        if i % 2 == 0 {
-            r += reference();
-            s += subject();
-        } else {
-            s += subject();
-            r += reference();
-        }
+    let mut ratios: Vec<f64> = (0..iters)
+        .map(|i| {
+            let (r, s) = if i % 2 == 0 {
+                let r = reference();
+                (r, subject())
+            } else {
+                let s = subject();
+                (reference(), s)
+            };
+            s.as_secs_f64() / r.as_secs_f64().max(1e-12)
+        })
+        .collect();
+    median(&mut ratios) * iters as f64
+}
+
+/// The median of `values` (the mean of the middle two for an even count; 0 for none).
+pub fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
     }
-    s.as_secs_f64() / r.as_secs_f64().max(1e-12) * iters as f64
 }
 
 /// How long `f` takes.
@@ -607,4 +621,31 @@ pub fn paired_criterion() -> criterion::Criterion<Paired> {
     criterion::Criterion::default()
         .with_measurement(Paired)
         .configure_from_args()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_takes_the_middle() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(&mut []), 0.0);
+    }
+
+    #[test]
+    fn a_paired_value_is_the_median_round_ratio_times_the_rounds() {
+        // The subject takes twice the reference, except in one round the machine stalled.
+        let mut round = 0;
+        let value = paired(
+            5,
+            || Duration::from_micros(100),
+            || {
+                round += 1;
+                Duration::from_micros(if round == 3 { 50_000 } else { 200 })
+            },
+        );
+        assert!((value / 5.0 - 2.0).abs() < 1e-9, "{value}");
+    }
 }
