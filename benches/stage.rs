@@ -34,8 +34,8 @@ use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, SamplingMode, criterion_group, criterion_main};
 use moor_node::validate;
 use moor_privileged::bench::{
-    self, BlankDevice, Budget, GIB, MIB, Node, Paired, Plugin, mkfs_command, mount_data, paired,
-    stage_req, timed, unstage_req,
+    self, BlankDevice, Budget, GIB, MIB, Node, Paired, Plugin, mkfs, mount_data, paired, stage_req,
+    timed, unstage_req,
 };
 use rustix::mount::{MountFlags, UnmountFlags};
 
@@ -157,21 +157,6 @@ fn season(dev: &Path, dir: &Path, fs: &str) {
     for _ in 0..cycles {
         rustix::mount::mount(dev, dir, fs, MountFlags::empty(), mount_data(fs)).expect("mount");
         rustix::mount::unmount(dir, UnmountFlags::empty()).expect("umount");
-    }
-}
-
-/// moor's mkfs command for `fs` on `dev`, run to completion.
-fn mkfs(fs: &str, dev: &Path) -> Result<(), String> {
-    let out = mkfs_command(fs, dev)
-        .output()
-        .map_err(|e| format!("mkfs.{fs}: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "mkfs.{fs}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ))
     }
 }
 

@@ -496,6 +496,22 @@ pub fn mkfs_command(fs: &str, dev: &Path) -> Command {
     cmd
 }
 
+/// Runs moor's mkfs command for `fs` on `dev` to completion; Err says why it failed.
+pub fn mkfs(fs: &str, dev: &Path) -> Result<(), String> {
+    let out = mkfs_command(fs, dev)
+        .output()
+        .map_err(|e| format!("mkfs.{fs}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "mkfs.{fs} {}: {}",
+            dev.display(),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
 /// The mount data moor always passes for `fs` (xfs gets `nouuid`).
 pub fn mount_data(fs: &str) -> Option<&'static std::ffi::CStr> {
     (fs == "xfs").then_some(c"nouuid")

@@ -22,7 +22,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use moor_privileged::bench::{mkfs_command, mount_data};
+use moor_privileged::bench::{mkfs, mount_data};
 use moor_proto::csi::v1 as csi;
 use rustix::mount::{MountFlags, UnmountFlags};
 use tokio_stream::wrappers::UnixListenerStream;
@@ -51,20 +51,6 @@ fn unmount(dir: &str) -> Result<(), String> {
     rustix::mount::unmount(dir, UnmountFlags::empty()).map_err(|e| format!("umount {dir}: {e}"))
 }
 
-fn mkfs(fs: &str, dev: &str) -> Result<(), String> {
-    let out = mkfs_command(fs, dev.as_ref())
-        .output()
-        .map_err(|e| format!("mkfs.{fs}: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "mkfs.{fs} {dev}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
-
 /// The fs type of a mount capability ("" without one).
 fn fs_type(cap: Option<&csi::VolumeCapability>) -> String {
     match cap.and_then(|c| c.access_type.as_ref()) {
@@ -89,7 +75,7 @@ impl csi::node_server::Node for Bare {
         let format = r.volume_context.get("mkfs").is_some_and(|v| v == "true");
         blocking(|| {
             if format {
-                mkfs(&fs, &dev)?;
+                mkfs(&fs, dev.as_ref())?;
             }
             mount(&dev, &r.staging_target_path, &fs)
         })?;
