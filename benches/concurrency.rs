@@ -15,12 +15,10 @@ use std::path::PathBuf;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use criterion::{
-    BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
-};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use moor_privileged::bench::{
-    Budget, MIB, Memory, Node, memory, node_client, publish_req, report_memory, reset_peak,
-    unpublish_req,
+    Budget, MIB, Memory, Node, flat_group, memory, node_client, publish_req, report_memory,
+    reset_peak, unpublish_req,
 };
 use tokio::task::JoinSet;
 
@@ -80,11 +78,7 @@ fn concurrency(c: &mut Criterion) {
     });
 
     let budget = Budget::new(20, Duration::from_secs(1), Duration::from_secs(4));
-    let mut g = c.benchmark_group("concurrency");
-    g.sample_size(budget.samples)
-        .warm_up_time(budget.warm_up)
-        .measurement_time(budget.measurement)
-        .sampling_mode(SamplingMode::Flat);
+    let mut g = flat_group(c, "concurrency", budget);
     let mut peak: Option<Memory> = None;
     for n in CLIENTS {
         g.throughput(Throughput::Elements(n as u64));

@@ -95,7 +95,7 @@ fn publish(c: &mut Criterion) {
 
     // The ratios the targets are held to, each side run in turn with the raw reference.
     let mut pc = bench::paired_criterion();
-    let mut pg = bench::paired_group(&mut pc, "publish-paired", budget);
+    let mut pg = bench::flat_group(&mut pc, "publish-paired", budget);
     pg.bench_function("grpc", |b| {
         b.iter_custom(|iters| {
             paired(

@@ -31,7 +31,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
-use criterion::{BenchmarkGroup, Criterion, SamplingMode, criterion_group, criterion_main};
+use criterion::{BenchmarkGroup, Criterion, criterion_group, criterion_main};
 use moor_node::validate;
 use moor_privileged::bench::{
     self, BlankDevice, Budget, GIB, MIB, Node, Paired, Plugin, mkfs, mount_data, paired, stage_req,
@@ -44,12 +44,8 @@ const FILESYSTEMS: [&str; 2] = ["ext4", "xfs"];
 /// Group 4: stage and unstage of a formatted device.
 fn stage(node: &mut Node, bare: &mut Plugin, c: &mut Criterion, pc: &mut Criterion<Paired>) {
     let budget = Budget::new(30, Duration::from_secs(1), Duration::from_secs(5));
-    let mut g = c.benchmark_group("stage");
-    g.sample_size(budget.samples)
-        .warm_up_time(budget.warm_up)
-        .measurement_time(budget.measurement)
-        .sampling_mode(SamplingMode::Flat);
-    let mut pg = bench::paired_group(pc, "stage-paired", budget);
+    let mut g = bench::flat_group(c, "stage", budget);
+    let mut pg = bench::flat_group(pc, "stage-paired", budget);
     // The engine alone, in this process, on its own state dir.
     let engine = bench::engine(&node.sb, "state-engine");
     for fs in FILESYSTEMS {
@@ -194,15 +190,11 @@ fn on_fresh(data: &Path, fs: &str, run: &mut impl FnMut(&Path) -> Duration) -> D
 /// Group 7: the first stage of a blank 10 GiB device.
 fn first_stage(node: &mut Node, bare: &mut Plugin, c: &mut Criterion, pc: &mut Criterion<Paired>) {
     let budget = Budget::new(10, Duration::from_secs(1), Duration::from_secs(6));
-    let mut g = c.benchmark_group("first-stage");
-    g.sample_size(budget.samples)
-        .warm_up_time(budget.warm_up)
-        .measurement_time(budget.measurement)
-        .sampling_mode(SamplingMode::Flat);
+    let mut g = bench::flat_group(c, "first-stage", budget);
     // A paired round is two first stages: more samples than the unpaired benches, so that the
     // median of the ratios is known to within a few percent.
     let paired_budget = Budget::new(30, Duration::from_secs(1), Duration::from_secs(12));
-    let mut pg = bench::paired_group(pc, "first-stage-paired", paired_budget);
+    let mut pg = bench::flat_group(pc, "first-stage-paired", paired_budget);
     let data = node.sb.data.clone();
     let engine = bench::engine(&node.sb, "state-floor");
     // A stand-in for the journal, on the same filesystem as the daemon's.

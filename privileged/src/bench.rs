@@ -575,12 +575,14 @@ impl criterion::measurement::ValueFormatter for RatioFormat {
     }
 }
 
-/// A criterion group for [`Paired`] benches, named `name`, with `budget`.
-pub fn paired_group<'a>(
-    c: &'a mut criterion::Criterion<Paired>,
+/// A criterion group named `name` with `budget`, sampled flat (every sample runs the same
+/// number of iterations: right for benches whose iterations take milliseconds, and for
+/// [`Paired`] ones, whose value is already a per-round ratio).
+pub fn flat_group<'a, M: criterion::measurement::Measurement>(
+    c: &'a mut criterion::Criterion<M>,
     name: &str,
     budget: Budget,
-) -> criterion::BenchmarkGroup<'a, Paired> {
+) -> criterion::BenchmarkGroup<'a, M> {
     let mut g = c.benchmark_group(name);
     g.sample_size(budget.samples)
         .warm_up_time(budget.warm_up)

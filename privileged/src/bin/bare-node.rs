@@ -39,11 +39,7 @@ fn blocking(f: impl FnOnce() -> Result<(), String>) -> Result<(), Status> {
 }
 
 fn mount(dev: &str, dir: &str, fs: &str) -> Result<(), String> {
-    let fs_data = match fs {
-        "xfs" => mount_data("xfs"),
-        _ => None,
-    };
-    rustix::mount::mount(dev, dir, fs, MountFlags::empty(), fs_data)
+    rustix::mount::mount(dev, dir, fs, MountFlags::empty(), mount_data(fs))
         .map_err(|e| format!("mount {dev} on {dir}: {e}"))
 }
 
