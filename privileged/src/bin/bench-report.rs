@@ -161,6 +161,8 @@ const ROWS: &[Row] = &[
     paired(row("7", "gRPC NodeStage, blank 10 GiB xfs", "first-stage/grpc-xfs", Some("first-stage/raw-xfs"), Time, AtMost(1.1), "stage"), Paired("first-stage-paired/grpc-xfs")),
     paired(row("7", "its floor: bare-node's stage plus the blank proof and the durable intent", "first-stage/bare-xfs+first-stage/proof-xfs", Some("first-stage/raw-xfs"), Time, AtMost(1.1), "stage"), Paired("first-stage-paired/floor-xfs")),
     paired(row("7", "gRPC NodeStage, xfs, against that floor", "first-stage/grpc-xfs", Some("first-stage/bare-xfs+first-stage/proof-xfs"), Time, NoTarget, "stage"), PairedOver("first-stage-paired/grpc-xfs", "first-stage-paired/floor-xfs")),
+    row("m", "the machine: a blocked thread run after a send, sent at once", "wake/busy", None, Time, NoTarget, "wake"),
+    row("m", "the machine: the same after both threads slept 3 ms, as a plugin's do through a mount", "wake/slept-3ms", Some("wake/busy"), Time, NoTarget, "wake"),
 ];
 
 /// The median, in nanoseconds, from a criterion `estimates.json`.
