@@ -95,7 +95,8 @@ impl BufPool {
     }
 
     /// How many buffers wait for reuse.
-    pub fn idle(&self) -> usize {
+    #[cfg(test)]
+    fn idle(&self) -> usize {
         self.lock().len()
     }
 
