@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::discovery::{DEFAULT_DISCOVERY_DEADLINE, DiscoveryError, Verdict};
 use crate::error::{Error, Result};
@@ -22,11 +22,16 @@ use crate::journal::{
 use crate::mount_options::Filesystem;
 use crate::probe::{self, Content};
 use crate::sys::{
-    BindMount, BlockDevice, BufPool, FsMount, FsUsage, MountAttrs, MountPoint, MountState, Os,
-    SysError, ToolRun, is_corruption_errno,
+    self, BindMount, BlockDevice, BufPool, FsMount, FsUsage, HeldDevice, MountAttrs, MountPoint,
+    MountState, Os, Presence, SysError, ToolError, ToolRun, is_corruption_errno, is_gone_errno,
 };
 use crate::validate::{self, Access, Capability};
 
+/// e2fsck's exit code bits: errors corrected; corrected, and a reboot would be due (for the
+/// root filesystem); errors left uncorrected.
+const FSCK_CORRECTED: i32 = 1;
+const FSCK_CORRECTED_REBOOT: i32 = 2;
+const FSCK_UNCORRECTED: i32 = 4;
 /// How many stacked mounts an unmount peels off before giving up.
 const MAX_STACKED: usize = 16;
 /// Retries of an unmount that fails with EBUSY (2 ms doubling: about half a second in all).
@@ -113,10 +118,22 @@ pub struct Engine<O: Os> {
 }
 
 fn sys_not_found(e: &SysError) -> bool {
-    matches!(
-        e.errno(),
-        Some(libc::ENOENT) | Some(libc::ENXIO) | Some(libc::ENODEV)
-    )
+    e.errno().is_some_and(is_gone_errno)
+}
+
+/// The error of a failed open of a volume's device: gone is NOT_FOUND, not a block device is
+/// FAILED_PRECONDITION, anything else the OS's error.
+fn device_error(volume_id: &str, device: &Path, e: SysError) -> Error {
+    if sys_not_found(&e) {
+        Error::VolumeNotFound {
+            volume: volume_id.to_string(),
+            reason: format!("device {} is not present on this node", device.display()),
+        }
+    } else if e.errno() == Some(libc::ENOTBLK) {
+        Error::FailedPrecondition(format!("{} is not a block device", device.display()))
+    } else {
+        Error::Sys(e)
+    }
 }
 
 fn access_record(access: &Access) -> AccessRecord {
@@ -175,18 +192,15 @@ impl<O: Os> Engine<O> {
     }
 
     fn open_device(&self, volume_id: &str, device: &Path) -> Result<BlockDevice> {
-        self.os.block_device(device).map_err(|e| {
-            if sys_not_found(&e) {
-                Error::VolumeNotFound {
-                    volume: volume_id.to_string(),
-                    reason: format!("device {} is not present on this node", device.display()),
-                }
-            } else if e.errno() == Some(libc::ENOTBLK) {
-                Error::FailedPrecondition(format!("{} is not a block device", device.display()))
-            } else {
-                Error::Sys(e)
-            }
-        })
+        self.os
+            .block_device(device)
+            .map_err(|e| device_error(volume_id, device, e))
+    }
+
+    fn hold_device(&self, volume_id: &str, device: &Path) -> Result<HeldDevice> {
+        self.os
+            .hold_device(device)
+            .map_err(|e| device_error(volume_id, device, e))
     }
 
     /// Finds the volume's device for NodeStageVolume and checks its identity before use.
@@ -195,7 +209,7 @@ impl<O: Os> Engine<O> {
     /// device is searched for by identity, waiting for it to appear up to the discovery
     /// deadline. A hint that is another volume's device (a reused loop number, a stale link)
     /// is refused unless the volume's own device is attached elsewhere right now.
-    fn resolve_device(&self, req: &validate::Stage) -> Result<(PathBuf, BlockDevice)> {
+    fn resolve_device(&self, req: &validate::Stage) -> Result<(PathBuf, HeldDevice)> {
         let want = &req.identity;
         let hint = req.device.as_deref();
         if want.is_empty() {
@@ -203,11 +217,11 @@ impl<O: Os> Engine<O> {
             let path = hint.ok_or_else(|| {
                 Error::invalid("publish_context", "names neither a device nor its identity")
             })?;
-            return Ok((path.to_path_buf(), self.open_device(&req.volume_id, path)?));
+            return Ok((path.to_path_buf(), self.hold_device(&req.volume_id, path)?));
         }
         let mut conflict = None;
         if let Some(path) = hint {
-            match self.os.block_device(path) {
+            match self.os.hold_device(path) {
                 Ok(dev) => match self.os.identify(dev.rdev, want) {
                     Verdict::Match => return Ok((path.to_path_buf(), dev)),
                     Verdict::Other(got) => conflict = Some(format!("{} is {got}", path.display())),
@@ -215,9 +229,7 @@ impl<O: Os> Engine<O> {
                 },
                 Err(e) if sys_not_found(&e) => {}
                 // Not a block device, or the OS refused: report it as opening it does.
-                Err(_) => {
-                    self.open_device(&req.volume_id, path)?;
-                }
+                Err(e) => return Err(device_error(&req.volume_id, path, e)),
             }
         }
         // With a conflicting hint, only a device attached now may stand in for it.
@@ -236,8 +248,9 @@ impl<O: Os> Engine<O> {
             }
             (Err(e), _) => return Err(e.into()),
         };
-        // Identity before use: the device may have changed since it was seen.
-        let dev = self.open_device(&req.volume_id, &found.path)?;
+        // Identity before use, on the descriptor that is used from here on: the device may
+        // have changed since it was seen, and cannot change while it is held.
+        let dev = self.hold_device(&req.volume_id, &found.path)?;
         match self.os.identify(dev.rdev, want) {
             Verdict::Match => Ok((found.path, dev)),
             Verdict::Other(got) => Err(Error::FailedPrecondition(format!(
@@ -329,22 +342,42 @@ impl<O: Os> Engine<O> {
         ))
     }
 
-    fn mkfs(&self, fs: Filesystem, device: &Path, force: bool) -> Result<Duration> {
-        let dev = device.display().to_string();
+    /// Makes a filesystem `fs` with UUID `uuid` on `device` (a held device's handle). `force`
+    /// only for a device moor itself was formatting when it was interrupted.
+    fn mkfs(&self, fs: Filesystem, device: &Path, uuid: &str, force: bool) -> Result<Duration> {
         let (program, mut args): (String, Vec<String>) = match fs {
+            // ext4's journal is checksummed with a seed from the filesystem's UUID (a fresh
+            // one, chosen here), so blocks an earlier filesystem left where the journal goes
+            // can never be replayed: it need not be zeroed. ext3's journal has no checksums:
+            // zero it. (The README's durability section has the measurements.)
             Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4 => (
                 format!("mkfs.{}", fs.name()),
                 vec![
                     "-q".into(),
+                    "-U".into(),
+                    uuid.into(),
                     "-E".into(),
-                    "lazy_itable_init=1,lazy_journal_init=1,nodiscard".into(),
+                    format!(
+                        "lazy_itable_init=1,lazy_journal_init={},nodiscard",
+                        u8::from(fs != Filesystem::Ext3)
+                    ),
                 ],
             ),
-            Filesystem::Xfs => ("mkfs.xfs".into(), vec!["-q".into(), "-K".into()]),
-            Filesystem::Btrfs => ("mkfs.btrfs".into(), vec!["-q".into(), "-K".into()]),
+            Filesystem::Xfs => (
+                "mkfs.xfs".into(),
+                vec![
+                    "-q".into(),
+                    "-K".into(),
+                    "-m".into(),
+                    format!("uuid={uuid}"),
+                ],
+            ),
+            Filesystem::Btrfs => (
+                "mkfs.btrfs".into(),
+                vec!["-q".into(), "-K".into(), "-U".into(), uuid.into()],
+            ),
         };
         if force {
-            // Only for a device moor itself was formatting when it was interrupted.
             args.push(
                 if program.starts_with("mkfs.ext") {
                     "-F"
@@ -354,7 +387,7 @@ impl<O: Os> Engine<O> {
                 .into(),
             );
         }
-        args.push(dev);
+        args.push(device.display().to_string());
         let start = Instant::now();
         self.os.run_tool(&ToolRun {
             program,
@@ -362,6 +395,67 @@ impl<O: Os> Engine<O> {
             deadline: self.cfg.mkfs_deadline,
         })?;
         Ok(start.elapsed())
+    }
+
+    /// Checks an existing filesystem before it is mounted read-write, as `fsck -a` before a
+    /// mount does in the field: ext2/3/4 with e2fsck in preen mode (it repairs what is safe to
+    /// repair unattended and stops at anything else). xfs and btrfs are never repaired
+    /// unattended (xfs replays its log at mount; btrfs checks itself), so they are not
+    /// checked here. Exit 0 is clean, 1 and 2 repaired; errors left (bit 4) refuse the mount
+    /// with e2fsck's words; the check itself failing (not installed, an operational error) is
+    /// logged and the mount goes on, as it would without a check.
+    fn check_fs(&self, volume_id: &str, fs: Filesystem, dev: &HeldDevice) -> Result<()> {
+        if !matches!(fs, Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4) {
+            return Ok(());
+        }
+        let run = ToolRun {
+            program: "e2fsck".into(),
+            args: vec!["-p".into(), dev.handle.display().to_string()],
+            deadline: self.cfg.mkfs_deadline,
+        };
+        let count = |outcome| crate::metrics::registry().fsck_outcome(fs.name(), outcome);
+        match self.os.run_tool(&run) {
+            Ok(()) => {
+                count("clean");
+                Ok(())
+            }
+            Err(ToolError::Failed {
+                code: Some(code),
+                stderr,
+                ..
+            }) if code & FSCK_UNCORRECTED != 0 => {
+                count("refused");
+                warn!(volume = volume_id, device = %dev.node.display(), code, output = %stderr,
+                    "the filesystem has errors e2fsck cannot repair unattended; not mounting it");
+                Err(Error::FailedPrecondition(format!(
+                    "volume {volume_id:?}: the {} filesystem on {} has errors that e2fsck \
+                     cannot repair unattended (exit {code}): {stderr}; repair it by hand \
+                     (e2fsck -f) before the volume can be staged",
+                    fs.name(),
+                    dev.node.display()
+                )))
+            }
+            Err(ToolError::Failed {
+                code: Some(code @ (FSCK_CORRECTED | FSCK_CORRECTED_REBOOT)),
+                stderr,
+                ..
+            }) => {
+                count("corrected");
+                info!(volume = volume_id, device = %dev.node.display(), code, output = %stderr,
+                    "e2fsck repaired the filesystem before mounting it");
+                Ok(())
+            }
+            Err(e @ ToolError::Timeout { .. }) => {
+                count("failed");
+                Err(e.into())
+            }
+            Err(e) => {
+                count("failed");
+                warn!(volume = volume_id, device = %dev.node.display(), error = %e,
+                    "could not check the filesystem; mounting it unchecked");
+                Ok(())
+            }
+        }
     }
 
     /// NodeStageVolume.
@@ -372,7 +466,6 @@ impl<O: Os> Engine<O> {
         let access = access_record(&req.cap.access);
         let attrs = self.stage_attrs(&req.cap);
 
-        let mut resume_format = false;
         if let Some(st) = &record.stage {
             if st.path != req.staging {
                 return Err(Error::FailedPrecondition(format!(
@@ -392,14 +485,13 @@ impl<O: Os> Engine<O> {
                     reason: "the volume capability differs from the one it was staged with".into(),
                 });
             }
-            resume_format = st.phase == Phase::Formatting;
         } else if self.cfg.max_volumes > 0 && self.journal.staged_count() >= self.cfg.max_volumes {
             return Err(Error::TooManyVolumes(self.cfg.max_volumes));
         }
 
-        let (device_path, device) = self.resolve_device(req)?;
+        let (device_path, dev) = self.resolve_device(req)?;
         if let Some(st) = &record.stage
-            && st.rdev != device.rdev
+            && st.rdev != dev.rdev
             && st.phase == Phase::Done
         {
             return Err(Error::FailedPrecondition(format!(
@@ -408,8 +500,31 @@ impl<O: Os> Engine<O> {
                 st.rdev.0,
                 st.rdev.1,
                 device_path.display(),
-                device.rdev.0,
-                device.rdev.1
+                dev.rdev.0,
+                dev.rdev.1
+            )));
+        }
+        // moor's own mkfs that a crash cut short, on this very device: an identity the request
+        // carries proves it (resolve_device checked it); without one, only the same device
+        // number does, and a number alone cannot tell a reused loop device from this one.
+        let interrupted = record
+            .stage
+            .clone()
+            .filter(|s| s.phase == Phase::Formatting);
+        if let Some(st) = &interrupted
+            && req.identity.is_empty()
+            && st.rdev != dev.rdev
+        {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?}: moor was formatting device {}:{} ({}) when it was interrupted, \
+                 but {} is now {}:{}; refusing to use it",
+                req.volume_id,
+                st.rdev.0,
+                st.rdev.1,
+                st.device.display(),
+                device_path.display(),
+                dev.rdev.0,
+                dev.rdev.1
             )));
         }
 
@@ -420,7 +535,7 @@ impl<O: Os> Engine<O> {
                     .stage
                     .as_ref()
                     .is_some_and(|s| s.phase != Phase::Formatting)
-                    && (mp.dev == device.rdev
+                    && (mp.dev == dev.rdev
                         || matches!(
                             req.cap.access,
                             Access::Mount {
@@ -435,14 +550,12 @@ impl<O: Os> Engine<O> {
                     // xfs writes its grown superblock back lazily; the tool then finds
                     // nothing to do.)
                     if !attrs.read_only {
-                        let content = self.probe_device(&device_path, device.size)?;
-                        report.grown = self.grow_to_device(
-                            &content,
-                            (&device_path, device.size),
-                            &req.staging,
-                        )?;
+                        let content = self.probe_device(&dev.handle, dev.size)?;
+                        report.grown =
+                            self.grow_to_device(&content, (&dev.handle, dev.size), &req.staging)?;
                     }
-                    self.confirm_stage(&mut record, req, (&device_path, device), attrs, access)?;
+                    let fs_uuid = record.stage.as_ref().and_then(|s| s.fs_uuid.clone());
+                    self.confirm_stage(&mut record, req, (&device_path, &dev), fs_uuid)?;
                     return Ok(report);
                 }
                 return Err(Error::Incompatible {
@@ -464,48 +577,105 @@ impl<O: Os> Engine<O> {
 
         let Access::Mount { fs, options, group } = &req.cap.access else {
             // Block: the device is verified; nothing is mounted at stage.
-            self.confirm_stage(&mut record, req, (&device_path, device), attrs, access)?;
+            self.confirm_stage(&mut record, req, (&device_path, &dev), None)?;
             return Ok(report);
         };
 
-        let mut content = self.probe_device(&device_path, device.size)?;
-        // Format a blank device; and resume moor's own mkfs that a crash cut short (the journal
-        // says it was formatting this device), over its partial work only.
+        let mut content = self.probe_device(&dev.handle, dev.size)?;
+        // Only a blank device is formatted, and a device moor was formatting when a crash cut
+        // its mkfs short (its partial work reads as unknown data: mkfs writes the superblock
+        // that makes a filesystem whole last). A whole filesystem is never formatted, whatever
+        // the journal says: the device, not a journal that may lag it, has the last word.
         let format = match &content {
             c if c.is_blank() => true,
-            Content::Unknown { .. } => resume_format,
-            Content::Filesystem { fs: f, .. } => resume_format && compatible(*f, *fs),
+            Content::Unknown { .. } if interrupted.is_some() => {
+                if req.identity.is_empty() {
+                    return Err(Error::FailedPrecondition(format!(
+                        "volume {:?}: moor's mkfs on {} was interrupted, and the request names \
+                         the device by path only, which does not prove the unknown data on it \
+                         is that mkfs's; refusing to format it (wipe the device by hand if it \
+                         is this volume's)",
+                        req.volume_id,
+                        device_path.display()
+                    )));
+                }
+                true
+            }
             _ => false,
         };
+        // The recorded UUID stays only while the device shows it.
+        let mut fs_uuid = match (&record.stage, &content) {
+            (Some(s), Content::Filesystem { uuid: Some(u), .. })
+                if s.fs_uuid.as_deref() == Some(u.as_str()) =>
+            {
+                Some(u.clone())
+            }
+            _ => None,
+        };
         if format {
+            // A reader promises not to write; several readers may share the device.
+            if attrs.read_only {
+                return Err(Error::FailedPrecondition(format!(
+                    "volume {:?}: device {} is blank and the volume is staged read-only ({}); \
+                     a read-only stage never formats: stage it once read-write to create its \
+                     filesystem",
+                    req.volume_id,
+                    device_path.display(),
+                    if req.cap.is_reader_only() {
+                        req.cap.mode.as_str_name()
+                    } else {
+                        "ro mount flag"
+                    }
+                )));
+            }
+            // Mounted or claimed anywhere (another mkfs, a mount this node does not know):
+            // never formatted.
+            self.os.check_unclaimed(&dev).map_err(|e| {
+                if e.errno() == Some(libc::EBUSY) {
+                    Error::FailedPrecondition(format!(
+                        "volume {:?}: device {} is in use (mounted or claimed); refusing to \
+                         format it",
+                        req.volume_id,
+                        device_path.display()
+                    ))
+                } else {
+                    Error::Sys(e)
+                }
+            })?;
+            let uuid = sys::random_uuid().map_err(Error::Sys)?;
+            // Durable before mkfs: only this record lets a later call format a device that
+            // is no longer blank (mkfs's partial work), and only with this UUID's mkfs
+            // unfinished.
             record.stage = Some(StageRecord {
                 path: req.staging.clone(),
                 device: device_path.clone(),
-                rdev: device.rdev,
+                rdev: dev.rdev,
                 access: access.clone(),
                 attrs,
                 access_mode: req.cap.mode as i32,
                 phase: Phase::Formatting,
+                fs_uuid: Some(uuid.clone()),
             });
             self.journal.put(&record, Durability::Power)?;
             fault::point("stage.formatting");
-            report.mkfs = Some(self.mkfs(*fs, &device_path, resume_format)?);
+            report.mkfs = Some(self.mkfs(*fs, &dev.handle, &uuid, interrupted.is_some())?);
             fault::point("stage.formatted");
             report.formatted = true;
-            content = self.probe_device(&device_path, device.size)?;
+            fs_uuid = Some(uuid);
+            content = self.probe_device(&dev.handle, dev.size)?;
         }
         match &content {
             Content::Filesystem { fs: found, .. } if compatible(*found, *fs) => {}
             other => {
-                if report.formatted || resume_format {
-                    self.journal.put(
-                        &{
-                            let mut r = record.clone();
-                            r.stage = None;
-                            r
-                        },
-                        Durability::Power,
-                    )?;
+                if record
+                    .stage
+                    .as_ref()
+                    .is_some_and(|s| s.phase == Phase::Formatting)
+                {
+                    // Not what moor's mkfs should have left: never format it again.
+                    let mut r = record.clone();
+                    r.stage = None;
+                    self.journal.put(&r, Durability::Power)?;
                 }
                 return Err(Error::DeviceNotBlank {
                     device: device_path.display().to_string(),
@@ -514,21 +684,33 @@ impl<O: Os> Engine<O> {
                 });
             }
         }
+        if !report.formatted && !attrs.read_only {
+            self.check_fs(&req.volume_id, *fs, &dev)?;
+        }
 
         record.stage = Some(StageRecord {
             path: req.staging.clone(),
             device: device_path.clone(),
-            rdev: device.rdev,
+            rdev: dev.rdev,
             access: access.clone(),
             attrs,
             access_mode: req.cap.mode as i32,
             phase: Phase::InProgress,
+            fs_uuid: fs_uuid.clone(),
         });
-        self.journal.put(&record, Durability::Process)?;
+        // After a mkfs, durable before the first mount: from the mount on the device holds
+        // data, and the record that let mkfs run must never be the newest one a power cut
+        // leaves.
+        let durability = if report.formatted {
+            Durability::Power
+        } else {
+            Durability::Process
+        };
+        self.journal.put(&record, durability)?;
         fault::point("stage.mounting");
         let start = Instant::now();
         let mounted = self.os.mount_fs(&FsMount {
-            device: device_path.clone(),
+            device: dev.node.clone(),
             target: req.staging.clone(),
             fs_type: fs.name().to_string(),
             attrs,
@@ -543,29 +725,32 @@ impl<O: Os> Engine<O> {
         report.mount = Some(start.elapsed());
         fault::point("stage.mounted");
         let after = (|| -> Result<bool> {
+            match self.os.mount_state(&req.staging)? {
+                // btrfs gives its mounts an anonymous device number: nothing to compare.
+                MountState::Mounted(mp) if mp.dev == dev.rdev || *fs == Filesystem::Btrfs => {}
+                other => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "{} is not a mount of device {}:{} after mounting it: {other:?}",
+                        req.staging.display(),
+                        dev.rdev.0,
+                        dev.rdev.1
+                    )));
+                }
+            }
             if let Some(gid) = group
                 && !attrs.read_only
             {
                 self.os.share_with_group(&req.staging, *gid)?;
             }
-            match self.os.mount_state(&req.staging)? {
-                MountState::Mounted(_) => {}
-                other => {
-                    return Err(Error::FailedPrecondition(format!(
-                        "{} is not a mount after mounting it: {other:?}",
-                        req.staging.display()
-                    )));
-                }
-            }
             if attrs.read_only {
                 return Ok(false);
             }
-            self.grow_to_device(&content, (&device_path, device.size), &req.staging)
+            self.grow_to_device(&content, (&dev.handle, dev.size), &req.staging)
         })();
         match after {
             Ok(grown) => {
                 report.grown = grown;
-                self.confirm_stage(&mut record, req, (&device_path, device), attrs, access)?;
+                self.confirm_stage(&mut record, req, (&device_path, &dev), fs_uuid)?;
                 fault::point("stage.done");
                 Ok(report)
             }
@@ -591,18 +776,18 @@ impl<O: Os> Engine<O> {
         &self,
         record: &mut VolumeRecord,
         req: &validate::Stage,
-        (device_path, device): (&Path, BlockDevice),
-        attrs: MountAttrs,
-        access: AccessRecord,
+        (device_path, dev): (&Path, &HeldDevice),
+        fs_uuid: Option<String>,
     ) -> Result<()> {
         record.stage = Some(StageRecord {
             path: req.staging.clone(),
             device: device_path.to_path_buf(),
-            rdev: device.rdev,
-            access,
-            attrs,
+            rdev: dev.rdev,
+            access: access_record(&req.cap.access),
+            attrs: self.stage_attrs(&req.cap),
             access_mode: req.cap.mode as i32,
             phase: Phase::Done,
+            fs_uuid,
         });
         self.journal.put(record, Durability::Process)?;
         Ok(())
@@ -738,18 +923,30 @@ impl<O: Os> Engine<O> {
             }
         };
 
-        // The spec's table: a volume that is not multi-node or single-node-multi-writer may be
-        // published at one target only.
-        let single_target = matches!(
-            req.cap.mode,
-            Mode::SingleNodeWriter | Mode::SingleNodeSingleWriter | Mode::SingleNodeReaderOnly
-        );
-        if single_target && let Some(other) = record.publishes.keys().find(|t| **t != req.target) {
+        // The spec's table: SINGLE_NODE_WRITER is published once read-write (read-only
+        // publications beside it are fine); SINGLE_NODE_SINGLE_WRITER and
+        // SINGLE_NODE_READER_ONLY once; the multi-writer and multi-node modes any number of
+        // times.
+        let conflicting = |p: &PublishRecord| match req.cap.mode {
+            Mode::SingleNodeWriter => !attrs.read_only && !p.attrs.read_only,
+            Mode::SingleNodeSingleWriter | Mode::SingleNodeReaderOnly => true,
+            _ => false,
+        };
+        if let Some((other, _)) = record
+            .publishes
+            .iter()
+            .find(|(t, p)| **t != req.target && conflicting(p))
+        {
             return Err(Error::FailedPrecondition(format!(
-                "volume {:?} is already published at {} and its access mode {} allows one target",
+                "volume {:?} is already published at {} and its access mode {} allows one {}target",
                 req.volume_id,
                 other.display(),
-                req.cap.mode.as_str_name()
+                req.cap.mode.as_str_name(),
+                if req.cap.mode == Mode::SingleNodeWriter {
+                    "read-write "
+                } else {
+                    ""
+                }
             )));
         }
         if let Some(existing) = record.publishes.get(&req.target)
@@ -931,15 +1128,15 @@ impl<O: Os> Engine<O> {
                     }
                     Err(e) => return Err(e.into()),
                 };
-                let condition = match stage.map(|s| (s, self.os.block_device(&s.device))) {
-                    Some((s, Err(_))) => Condition {
+                let condition = match stage.map(|s| (s, self.presence(s))) {
+                    Some((s, Presence::Gone(why))) => Condition {
                         abnormal: true,
-                        message: format!("device {} is gone", s.device.display()),
+                        message: format!("device {} is gone: {why}", s.device.display()),
                     },
-                    Some((s, Ok(d))) if d.rdev != s.rdev => Condition {
+                    Some((s, Presence::Unknown(why))) => Condition {
                         abnormal: true,
                         message: format!(
-                            "device {} now belongs to another volume",
+                            "device {} cannot be checked right now: {why}",
                             s.device.display()
                         ),
                     },
@@ -967,32 +1164,41 @@ impl<O: Os> Engine<O> {
                 },
             ));
         };
-        match self.os.block_device(&s.device) {
-            Ok(d) if d.rdev == s.rdev && mounted_rdev.is_none_or(|r| r == d.rdev) => Ok((
+        let unavailable = |message: String| {
+            Ok((
+                VolumeStats::Unavailable,
+                Condition {
+                    abnormal: true,
+                    message,
+                },
+            ))
+        };
+        match self.presence(s) {
+            Presence::Present(d) if mounted_rdev.is_none_or(|r| r == d.rdev) => Ok((
                 VolumeStats::Block(d.size),
                 Condition {
                     abnormal: false,
                     message: "block device is present".into(),
                 },
             )),
-            Ok(_) => Ok((
-                VolumeStats::Unavailable,
-                Condition {
-                    abnormal: true,
-                    message: format!(
-                        "device {} now belongs to another volume",
-                        s.device.display()
-                    ),
-                },
+            Presence::Present(_) => unavailable(format!(
+                "the device mounted for {} is not {} any more",
+                s.path.display(),
+                s.device.display()
             )),
-            Err(e) => Ok((
-                VolumeStats::Unavailable,
-                Condition {
-                    abnormal: true,
-                    message: format!("device {} is gone: {e}", s.device.display()),
-                },
+            Presence::Gone(why) => {
+                unavailable(format!("device {} is gone: {why}", s.device.display()))
+            }
+            Presence::Unknown(why) => unavailable(format!(
+                "device {} cannot be checked right now: {why}",
+                s.device.display()
             )),
         }
+    }
+
+    /// Whether a staged volume's device is there (see [`sys::device_presence`]).
+    pub fn presence(&self, stage: &StageRecord) -> Presence {
+        sys::device_presence(self.os.as_ref(), &stage.device, stage.rdev)
     }
 
     /// NodeExpandVolume: grows the filesystem to the device's size; returns the capacity.

@@ -114,6 +114,11 @@ pub struct StageRecord {
     pub access_mode: i32,
     /// Phase.
     pub phase: Phase,
+    /// The UUID moor gave the filesystem it made on the device (recorded durably before mkfs
+    /// starts): a filesystem with this UUID on the device is moor's own, finished mkfs, never
+    /// to be formatted again. None for a filesystem moor did not make.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fs_uuid: Option<String>,
 }
 
 /// A published volume at one target.
@@ -545,6 +550,7 @@ mod tests {
             attrs: MountAttrs::default(),
             access_mode: 7,
             phase: Phase::Done,
+            fs_uuid: None,
         });
         r.publishes.insert(
             "/k/pods/t".into(),

@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 
 use crate::journal::Journal;
 use crate::sys::{
-    BindMount, BlockDevice, FsMount, FsUsage, MountState, Os, SysResult, ToolError, ToolRun,
+    BindMount, BlockDevice, FsMount, FsUsage, HeldDevice, MountState, Os, SysResult, ToolError,
+    ToolRun,
 };
 
 /// Upper bounds (seconds) of the latency buckets, shared by every histogram: from a
@@ -218,6 +219,7 @@ pub struct Registry {
     mkfs_duration: Family<Histogram>,
     resize_duration: Family<Histogram>,
     reconcile_actions: Family<AtomicU64>,
+    fsck_checks: Family<AtomicU64>,
 }
 
 impl Default for Registry {
@@ -265,6 +267,11 @@ impl Registry {
                 "Actions the node's reconciliation of its journal with the mounts took.",
                 &["action"],
             ),
+            fsck_checks: Family::new(
+                "moor_fsck_total",
+                "Filesystem checks before a read-write mount, by filesystem and outcome (clean, corrected, refused: errors left that need a person, failed: the check itself did not run through).",
+                &["fs_type", "outcome"],
+            ),
         }
     }
 
@@ -272,6 +279,11 @@ impl Registry {
     pub fn observe_rpc(&self, method: &str, code: &str, d: Duration) {
         self.grpc_requests.inc(&[method, code]);
         self.grpc_duration.observe(&[method, code], d);
+    }
+
+    /// Counts one filesystem check and its outcome.
+    pub fn fsck_outcome(&self, fs_type: &str, outcome: &str) {
+        self.fsck_checks.inc(&[fs_type, outcome]);
     }
 
     /// Counts one reconcile action.
@@ -293,6 +305,7 @@ impl Registry {
         self.mkfs_duration.render(out);
         self.resize_duration.render(out);
         self.reconcile_actions.render(out);
+        self.fsck_checks.render(out);
         render_gauge(
             out,
             "moor_volumes_staged",
@@ -612,6 +625,14 @@ impl<O: Os> Os for MeteredOs<O> {
 
     fn block_device(&self, path: &Path) -> SysResult<BlockDevice> {
         self.inner.block_device(path)
+    }
+
+    fn hold_device(&self, path: &Path) -> SysResult<HeldDevice> {
+        self.inner.hold_device(path)
+    }
+
+    fn check_unclaimed(&self, dev: &HeldDevice) -> SysResult<()> {
+        self.inner.check_unclaimed(dev)
     }
 
     fn read_device(&self, path: &Path, offset: u64, buf: &mut [u8]) -> SysResult<usize> {

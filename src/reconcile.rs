@@ -23,13 +23,13 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::engine::{ADOPTED_MODE, Engine};
 use crate::error::Error;
 use crate::journal::{AccessRecord, Durability, Phase, PublishRecord, StageRecord, VolumeRecord};
 use crate::sys::mount_table::MountEntry;
-use crate::sys::{MountAttrs, MountPoint, MountState, Os};
+use crate::sys::{MountAttrs, MountPoint, MountState, Os, Presence};
 
 /// What a pass found or did.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -357,11 +357,6 @@ impl<O: Os> Reconciler<O> {
         }
     }
 
-    fn device_present(&self, stage: &StageRecord) -> bool {
-        matches!(self.engine.os().block_device(&stage.device),
-            Ok(d) if d.rdev == stage.rdev && d.size > 0)
-    }
-
     fn volume(&self, mut record: VolumeRecord, index: &Index<'_>, actions: &mut Vec<Action>) {
         let os = self.engine.os();
         let volume = record.volume_id.clone();
@@ -383,7 +378,10 @@ impl<O: Os> Reconciler<O> {
         let stage_is_ours = |mp: &MountPoint| mp.dev == stage_dev || source_matches(&stage.path);
 
         // The device: gone means every mount of the volume is dead weight.
-        if stage.phase == Phase::Done && !self.device_present(&stage) {
+        if stage.phase == Phase::Done
+            && let Presence::Gone(why) = self.engine.presence(&stage)
+        {
+            debug!(volume, device = %stage.device.display(), why, "reconcile: device gone");
             let mut targets: Vec<PathBuf> = record.publishes.keys().cloned().collect();
             if !block {
                 targets.push(stage.path.clone());
@@ -417,7 +415,8 @@ impl<O: Os> Reconciler<O> {
         let mut staged_dev = None;
         if block {
             if stage.phase == Phase::InProgress {
-                if self.device_present(&stage) {
+                // Unknown is not gone: confirm, and let stats report what is wrong.
+                if !matches!(self.engine.presence(&stage), Presence::Gone(_)) {
                     stage.phase = Phase::Done;
                     actions.push(Action::Confirmed {
                         volume: volume.clone(),
@@ -595,6 +594,7 @@ impl<O: Os> Reconciler<O> {
             attrs: MountAttrs::default(),
             access_mode: ADOPTED_MODE,
             phase: Phase::Done,
+            fs_uuid: None,
         };
         match kind {
             KubeletPath::Staging => {

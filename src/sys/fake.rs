@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use super::mount_table::MountEntry;
 use super::{
-    BindMount, BlockDevice, FsMount, FsUsage, MountPoint, MountState, Os, SysError, SysResult,
-    ToolError, ToolRun,
+    BindMount, BlockDevice, FsMount, FsUsage, HeldDevice, MountPoint, MountState, Os, SysError,
+    SysResult, ToolError, ToolRun,
 };
 use crate::discovery::{
     self, BackingFile, DeviceFacts, DeviceIdentity, DiscoveryError, EventSource, FoundDevice,
@@ -74,6 +74,7 @@ struct State {
     mounts: HashMap<PathBuf, Vec<FakeMount>>,
     corrupted: HashMap<PathBuf, i32>,
     failures: HashMap<&'static str, i32>,
+    tool_failures: HashMap<String, i32>,
     missing_programs: BTreeSet<String>,
     backing: HashMap<(u32, u32), PathBuf>,
     deleted_backing: BTreeSet<(u32, u32)>,
@@ -155,6 +156,11 @@ impl FakeOs {
     /// ...) fail with `errno`.
     pub fn fail_next(&self, op: &'static str, errno: i32) {
         self.lock().failures.insert(op, errno);
+    }
+
+    /// Makes the next run of `program` exit with `code`.
+    pub fn fail_tool(&self, program: &str, code: i32) {
+        self.lock().tool_failures.insert(program.to_owned(), code);
     }
 
     /// Makes the device `rdev` a loop device backed by `file`.
@@ -453,6 +459,30 @@ impl Os for FakeOs {
         })
     }
 
+    fn hold_device(&self, path: &Path) -> SysResult<HeldDevice> {
+        let dev = self.block_device(path)?;
+        Ok(HeldDevice::new(
+            dev,
+            path.to_path_buf(),
+            path.to_path_buf(),
+            None,
+        ))
+    }
+
+    fn check_unclaimed(&self, dev: &HeldDevice) -> SysResult<()> {
+        let mut st = self.lock();
+        Self::take_failure(&mut st, "claim", &dev.handle)?;
+        let mounted = st
+            .mounts
+            .values()
+            .flatten()
+            .any(|m| m.rdev.is_none() && m.dev == dev.rdev);
+        if mounted {
+            return Err(err("open device exclusively", &dev.handle, libc::EBUSY));
+        }
+        Ok(())
+    }
+
     fn read_device(&self, path: &Path, offset: u64, buf: &mut [u8]) -> SysResult<usize> {
         let st = self.lock();
         let d = st
@@ -515,10 +545,15 @@ impl Os for FakeOs {
         let mut st = self.lock();
         st.calls
             .push(Call::Tool(run.program.clone(), run.args.clone()));
-        if let Some(errno) = st.failures.remove("tool") {
+        let failure = match st.tool_failures.remove(&run.program) {
+            Some(code) => Some(code),
+            None => st.failures.remove("tool"),
+        };
+        if let Some(code) = failure {
             return Err(ToolError::Failed {
                 program: run.program.clone(),
-                status: format!("exit status: {errno}"),
+                code: Some(code),
+                status: format!("exit status: {code}"),
                 stderr: "injected failure".into(),
             });
         }
@@ -529,11 +564,13 @@ impl Os for FakeOs {
             let Some(d) = st.devices.get_mut(&device) else {
                 return Err(ToolError::Failed {
                     program: run.program.clone(),
+                    code: Some(1),
                     status: "exit status: 1".into(),
                     stderr: format!("{}: no such device", device.display()),
                 });
             };
-            for (offset, bytes) in superblock(fs) {
+            let uuid = mkfs_uuid(&run.args);
+            for (offset, bytes) in superblock_with_uuid(fs, uuid.as_deref()) {
                 d.data.insert(offset, bytes);
             }
         }
@@ -590,6 +627,46 @@ impl Os for FakeOs {
             source_kind: EventSource::Kernel,
         })
     }
+}
+
+/// The UUID an mkfs command line asks for (`-U <uuid>`, or xfs's `-m uuid=<uuid>`).
+fn mkfs_uuid(args: &[String]) -> Option<String> {
+    args.windows(2)
+        .find_map(|w| match (w[0].as_str(), w[1].as_str()) {
+            ("-U", u) => Some(u.to_owned()),
+            ("-m", m) => m.strip_prefix("uuid=").map(str::to_owned),
+            _ => None,
+        })
+}
+
+/// The signature bytes a real mkfs would leave, with the filesystem's UUID (hyphenated hex)
+/// where its superblock keeps it.
+pub fn superblock_with_uuid(fs: &str, uuid: Option<&str>) -> Vec<(u64, Vec<u8>)> {
+    let mut blocks = superblock(fs);
+    let Some(bytes) = uuid.and_then(uuid_bytes) else {
+        return blocks;
+    };
+    let at = match fs {
+        "xfs" => 32,
+        "btrfs" => 65536 + 0x20,
+        "ext2" | "ext3" | "ext4" => 1024 + 0x68,
+        _ => return blocks,
+    };
+    blocks.push((at, bytes.to_vec()));
+    blocks
+}
+
+/// The 16 bytes of a hyphenated UUID.
+fn uuid_bytes(text: &str) -> Option<[u8; 16]> {
+    let hex: Vec<u8> = text.bytes().filter(|&b| b != b'-').collect();
+    let mut out = [0u8; 16];
+    if hex.len() != 32 {
+        return None;
+    }
+    for (i, pair) in hex.chunks(2).enumerate() {
+        out[i] = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(out)
 }
 
 /// The signature bytes a real mkfs would leave, enough for the probe.

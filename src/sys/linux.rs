@@ -6,7 +6,7 @@
 //! dir can never redirect a mount, a mkdir or a removal elsewhere.
 
 use std::ffi::OsStr;
-use std::os::fd::{AsFd as _, OwnedFd};
+use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -24,8 +24,8 @@ use super::mount_table::{self, MountEntry};
 use super::raw::{self, MountAttr};
 use super::spawn;
 use super::{
-    Atime, BindMount, BlockDevice, DIRECT_ALIGN, FsMount, FsUsage, MountAttrs, MountPoint,
-    MountState, Os, SysError, SysResult, ToolError, ToolRun, is_corruption_errno,
+    Atime, BindMount, BlockDevice, DIRECT_ALIGN, FsMount, FsUsage, HeldDevice, MountAttrs,
+    MountPoint, MountState, Os, SysError, SysResult, ToolError, ToolRun, is_corruption_errno,
 };
 use crate::discovery::{self, DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
 
@@ -369,19 +369,28 @@ impl Os for Linux {
     }
 
     fn block_device(&self, path: &Path) -> SysResult<BlockDevice> {
-        let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
-            .map_err(|e| SysError::new("open device", path, e))?;
-        let st = rustix::fs::fstat(&fd).map_err(|e| SysError::new("stat device", path, e))?;
-        if FileType::from_raw_mode(st.st_mode) != FileType::BlockDevice {
-            return Err(SysError::new("open device", path, Errno::NOTBLK));
-        }
-        let size = rustix::fs::seek(&fd, rustix::fs::SeekFrom::End(0))
-            .map_err(|e| SysError::new("size of device", path, e))?;
-        let rdev = st.st_rdev;
-        Ok(BlockDevice {
-            rdev: (rustix::fs::major(rdev), rustix::fs::minor(rdev)),
-            size,
-        })
+        open_block(path).map(|(_, dev)| dev)
+    }
+
+    fn hold_device(&self, path: &Path) -> SysResult<HeldDevice> {
+        let (fd, dev) = open_block(path)?;
+        let handle = PathBuf::from(format!(
+            "/proc/{}/fd/{}",
+            rustix::process::getpid().as_raw_nonzero(),
+            fd.as_raw_fd()
+        ));
+        let node = kernel_node(dev.rdev).unwrap_or_else(|| handle.clone());
+        Ok(HeldDevice::new(dev, handle, node, Some(fd)))
+    }
+
+    fn check_unclaimed(&self, dev: &HeldDevice) -> SysResult<()> {
+        rustix::fs::open(
+            &dev.handle,
+            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::EXCL,
+            Mode::empty(),
+        )
+        .map(drop)
+        .map_err(|e| SysError::new("open device exclusively", &dev.handle, e))
     }
 
     fn read_device(&self, path: &Path, offset: u64, buf: &mut [u8]) -> SysResult<usize> {
@@ -445,6 +454,39 @@ impl Os for Linux {
     ) -> Result<FoundDevice, DiscoveryError> {
         discovery::find_with_udev(want, wait)
     }
+}
+
+/// Opens the block device at `path`: the descriptor, its number and size.
+fn open_block(path: &Path) -> SysResult<(OwnedFd, BlockDevice)> {
+    let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+        .map_err(|e| SysError::new("open device", path, e))?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| SysError::new("stat device", path, e))?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::BlockDevice {
+        return Err(SysError::new("open device", path, Errno::NOTBLK));
+    }
+    let size = rustix::fs::seek(&fd, rustix::fs::SeekFrom::End(0))
+        .map_err(|e| SysError::new("size of device", path, e))?;
+    let rdev = st.st_rdev;
+    let dev = BlockDevice {
+        rdev: (rustix::fs::major(rdev), rustix::fs::minor(rdev)),
+        size,
+    };
+    Ok((fd, dev))
+}
+
+/// The kernel's node of device `rdev`, `/dev/<DEVNAME>` as its uevent names it, when that node
+/// is this device.
+fn kernel_node((major, minor): (u32, u32)) -> Option<PathBuf> {
+    let uevent = std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/uevent")).ok()?;
+    let name = uevent.lines().find_map(|l| l.strip_prefix("DEVNAME="))?;
+    if name.is_empty() || name.split('/').any(|c| c.is_empty() || c == "..") {
+        return None;
+    }
+    let node = Path::new("/dev").join(name);
+    let st = rustix::fs::stat(&node).ok()?;
+    let same = FileType::from_raw_mode(st.st_mode) == FileType::BlockDevice
+        && (rustix::fs::major(st.st_rdev), rustix::fs::minor(st.st_rdev)) == (major, minor);
+    same.then_some(node)
 }
 
 /// Opens the device at `path` with `extra` flags and reads `buf` at `offset`, up to its end.
@@ -523,7 +565,7 @@ impl ToolStderr {
     }
 }
 
-/// Runs a tool, collecting its stderr, and kills it at the deadline. Waiting is done on a
+/// Runs a tool, collecting what it prints (stdout and stderr), and kills it at the deadline. Waiting is done on a
 /// pidfd with poll(2): no sleeps, no busy loop.
 fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
     let program = run.program.clone();
@@ -544,7 +586,7 @@ fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
         &exe,
         &run.args,
         &tool_env(),
-        [null.as_fd(), null.as_fd(), stderr_w.as_fd()],
+        [null.as_fd(), stderr_w.as_fd(), stderr_w.as_fd()],
     )
     .map_err(spawn_err)?;
     drop(stderr_w);
@@ -619,6 +661,7 @@ fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
     }
     Err(ToolError::Failed {
         program,
+        code: status.exit_status(),
         status: spawn::describe(&status),
         stderr: String::from_utf8_lossy(&stderr).trim().to_string(),
     })

@@ -285,6 +285,54 @@ pub struct BlockDevice {
     pub size: u64,
 }
 
+/// A block device held open from the check of its identity until the engine is done with it,
+/// so that the device it reads, formats and mounts is the one it checked.
+///
+/// While the descriptor is open the kernel keeps the device as it is: a loop device asked to
+/// detach is only detached when its last opener closes it, so it cannot be bound to another
+/// file in between. [`HeldDevice::handle`] names this open descriptor (`/proc/<pid>/fd/<n>`),
+/// not whatever the device's path names by then; tools and reads go through it.
+#[derive(Debug)]
+pub struct HeldDevice {
+    /// Its device number (major, minor).
+    pub rdev: (u32, u32),
+    /// Size in bytes.
+    pub size: u64,
+    /// A path that names the held descriptor itself (for reads and tools).
+    pub handle: PathBuf,
+    /// The kernel's own node of the device (`/dev/<name>`, whose number is fixed by the
+    /// kernel): what a mount names as its source, so the mount table shows a device path.
+    pub node: PathBuf,
+    /// The descriptor (none in the fake).
+    _fd: Option<std::os::fd::OwnedFd>,
+}
+
+impl HeldDevice {
+    /// A held device: `fd` is the open descriptor behind `handle`.
+    pub fn new(
+        dev: BlockDevice,
+        handle: PathBuf,
+        node: PathBuf,
+        fd: Option<std::os::fd::OwnedFd>,
+    ) -> Self {
+        Self {
+            rdev: dev.rdev,
+            size: dev.size,
+            handle,
+            node,
+            _fd: fd,
+        }
+    }
+
+    /// Its number and size.
+    pub fn block(&self) -> BlockDevice {
+        BlockDevice {
+            rdev: self.rdev,
+            size: self.size,
+        }
+    }
+}
+
 /// Usage of a mounted filesystem.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FsUsage {
@@ -338,9 +386,11 @@ pub enum ToolError {
     Failed {
         /// The program.
         program: String,
+        /// Its exit code, when it exited (not killed by a signal).
+        code: Option<i32>,
         /// Exit status as text.
         status: String,
-        /// What it printed on stderr (trimmed).
+        /// What it printed on stdout and stderr (trimmed).
         stderr: String,
     },
     /// Waiting for it failed.
@@ -377,6 +427,11 @@ pub trait Os: Send + Sync + 'static {
     fn remove(&self, path: &Path) -> SysResult<()>;
     /// Opens a block device and reports its number and size.
     fn block_device(&self, path: &Path) -> SysResult<BlockDevice>;
+    /// Opens a block device and keeps it open (see [`HeldDevice`]).
+    fn hold_device(&self, path: &Path) -> SysResult<HeldDevice>;
+    /// Proves that nothing holds the device exclusively (a mount, another mkfs, a
+    /// device-mapper table): opens it with O_EXCL and closes it again. EBUSY: in use.
+    fn check_unclaimed(&self, dev: &HeldDevice) -> SysResult<()>;
     /// Reads from a block device at `offset`; returns how many bytes were read (fewer only at
     /// the device's end). When `buf`, its length and `offset` are all multiples of
     /// [`DIRECT_ALIGN`] the read may bypass the page cache (O_DIRECT).
@@ -399,6 +454,70 @@ pub trait Os: Send + Sync + 'static {
         want: &DeviceIdentity,
         wait: Duration,
     ) -> Result<FoundDevice, DiscoveryError>;
+}
+
+/// A random (version 4) UUID, hyphenated, from the kernel's random source.
+pub fn random_uuid() -> SysResult<String> {
+    let mut b = [0u8; 16];
+    let mut filled = 0;
+    while filled < b.len() {
+        let rest = b.get_mut(filled..).unwrap_or_default();
+        match rustix::rand::getrandom(rest, rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(SysError::new("getrandom", Path::new(""), e)),
+        }
+    }
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    Ok(format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    ))
+}
+
+/// What opening a volume's recorded device says about it.
+#[derive(Debug)]
+pub enum Presence {
+    /// The device is there, with the recorded number.
+    Present(BlockDevice),
+    /// The device is gone: its path names nothing (ENOENT, ENXIO, ENODEV), or names another
+    /// device now.
+    Gone(String),
+    /// It could not be told (any other error, or a size of 0): the device may be fine. Reported
+    /// abnormal, tried again later, never acted on.
+    Unknown(String),
+}
+
+/// Whether errno `e` from opening a device means the device is not there.
+pub fn is_gone_errno(e: i32) -> bool {
+    matches!(e, libc::ENOENT | libc::ENXIO | libc::ENODEV)
+}
+
+/// The one answer to "is this volume's device gone": the engine, reconciliation and
+/// `moorctl status` all ask here. Only a device that the kernel says is not there, or whose
+/// path now names another device number, is gone; a transient error (EMFILE, EIO, ENOMEM,
+/// EINTR, ...) or a size of 0 is unknown.
+pub fn device_presence<O: Os + ?Sized>(os: &O, path: &Path, rdev: (u32, u32)) -> Presence {
+    match os.block_device(path) {
+        Ok(d) if d.rdev != rdev => Presence::Gone(format!(
+            "{} is now device {}:{}, not {}:{}",
+            path.display(),
+            d.rdev.0,
+            d.rdev.1,
+            rdev.0,
+            rdev.1
+        )),
+        Ok(d) if d.size == 0 => Presence::Unknown(format!("{} reads as 0 bytes", path.display())),
+        Ok(d) => Presence::Present(d),
+        Err(e) if e.errno().is_some_and(is_gone_errno) => Presence::Gone(e.to_string()),
+        Err(e) => Presence::Unknown(e.to_string()),
+    }
 }
 
 /// Errnos that mean "a mount is there but broken".
