@@ -1,16 +1,20 @@
 //! Crash points for the crash-safety tests.
 //!
-//! When `moor-node` starts with `MOOR_TEST_CRASH_AT=<point>` in its environment, it kills
-//! itself with SIGKILL the first time it reaches `<point>`: the test harness uses this to cut
-//! every operation at every step, then restarts the daemon and replays kubelet's retry. Only
-//! the binary reads the variable ([`arm_from_env`]); the library alone never crashes. An
-//! unarmed point costs one atomic load.
+//! Built with the `crash-points` cargo feature (the tests' build; never a release), a
+//! `moor-node` started with `MOOR_TEST_CRASH_AT=<point>` in its environment kills itself with
+//! SIGKILL the first time it reaches `<point>`: the test harness uses this to cut every
+//! operation at every step, then restarts the daemon and replays kubelet's retry. Only the
+//! binary reads the variable ([`arm_from_env`]); the library alone never crashes. Without the
+//! feature a point is nothing and the variable is ignored; with it, an unarmed point costs
+//! one atomic load.
 
+#[cfg(feature = "crash-points")]
 use std::sync::OnceLock;
 
 /// The environment variable naming the point to crash at.
 pub const ENV: &str = "MOOR_TEST_CRASH_AT";
 
+#[cfg(feature = "crash-points")]
 static ARMED: OnceLock<String> = OnceLock::new();
 
 /// Every crash point, in the order the operations reach them.
@@ -36,15 +40,28 @@ pub const POINTS: &[&str] = &[
 ];
 
 /// Arms the point named by [`ENV`], if set. Returns it.
+#[cfg(feature = "crash-points")]
 pub fn arm_from_env() -> Option<&'static str> {
     let point = std::env::var(ENV).ok().filter(|p| !p.is_empty())?;
     Some(ARMED.get_or_init(|| point).as_str())
 }
 
+/// Without the `crash-points` feature nothing is armed, whatever the environment says.
+#[cfg(not(feature = "crash-points"))]
+pub fn arm_from_env() -> Option<&'static str> {
+    None
+}
+
 /// A crash point: dies here if armed for `name`.
+#[cfg(feature = "crash-points")]
 pub fn point(name: &str) {
     if ARMED.get().is_some_and(|p| p == name) {
         let _ =
             rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
     }
 }
+
+/// A crash point: nothing, without the `crash-points` feature.
+#[cfg(not(feature = "crash-points"))]
+#[inline(always)]
+pub fn point(_name: &str) {}

@@ -358,6 +358,8 @@ struct State {
     log: File,
     /// Bytes of the log known to be whole lines.
     len: u64,
+    /// Bytes of the log known to be on disk (up to the last sync).
+    synced: u64,
     /// Lines in the log.
     lines: usize,
 }
@@ -422,6 +424,7 @@ impl Journal {
                     records,
                     log,
                     len,
+                    synced: len,
                     lines,
                 }),
             },
@@ -452,18 +455,23 @@ impl Journal {
             .count() as u64
     }
 
+    /// How many bytes at the start of `journal.log` are known to be on disk: what a power cut
+    /// cannot take (the lines after them may reach the disk, in order, or not). For the
+    /// power-cut model of the tests.
+    pub fn durable_len(&self) -> u64 {
+        self.lock().synced
+    }
+
     /// Records a volume's new state (an empty record forgets the volume), durably as asked,
     /// then updates memory. On failure nothing changes, on disk or in memory.
     pub fn put(&self, record: &VolumeRecord, durability: Durability) -> Result<(), JournalError> {
         let line = encode(record);
         let mut st = self.lock();
-        let written = st.log.write_all(&line).and_then(|()| {
-            if self.fsync_all || durability == Durability::Power {
-                st.log.sync_data()
-            } else {
-                Ok(())
-            }
-        });
+        let sync = self.fsync_all || durability == Durability::Power;
+        let written = st
+            .log
+            .write_all(&line)
+            .and_then(|()| if sync { st.log.sync_data() } else { Ok(()) });
         if let Err(source) = written {
             // Cut a partial line off so the next append starts on a line of its own.
             let len = st.len;
@@ -475,6 +483,9 @@ impl Journal {
         }
         st.len += line.len() as u64;
         st.lines += 1;
+        if sync {
+            st.synced = st.len;
+        }
         if record.is_empty() {
             st.records.remove(&record.volume_id);
         } else {
@@ -487,6 +498,9 @@ impl Journal {
                 st.log = log;
                 st.len = len;
                 st.lines = lines;
+                // Unsynced, the new log may reach the disk empty, or with any prefix of its
+                // lines.
+                st.synced = if durable { len } else { 0 };
             }
         }
         Ok(())

@@ -23,6 +23,9 @@ const REPEATS: usize = 12;
 /// Rounds per crash point of a first stage (each needs a fresh blank device).
 const FORMAT_REPEATS: usize = 4;
 const MARKER: &[u8] = b"written before any crash";
+/// The test build of moor-node, with the `crash-points` feature (`.ci/test` builds it:
+/// `cargo build -p moor-node --bin moor-node --features crash-points`, copied to this name).
+const CRASH_NODE: &str = "moor-node-crash-points";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Op {
@@ -97,7 +100,7 @@ impl World {
         }
         let env: Vec<(&str, &str)> = crash_at.map(|p| (fault::ENV, p)).into_iter().collect();
         let d = Daemon::start_program_env(
-            "moor-node",
+            CRASH_NODE,
             &self.socket,
             &self.sb.node_args("crash-node", &["--log-format", "json"]),
             &env,
@@ -339,6 +342,32 @@ fn kills_at_random_instants_lose_nothing() {
             }
         }
         eprintln!("random kills survived: {kills}");
+    });
+    assert!(w.sb.mounts().is_empty(), "{:?}", w.sb.mounts());
+}
+
+#[test]
+fn the_release_build_ignores_crash_points() {
+    // moor-node as built for a release has no crash points: the variable does nothing.
+    let mut w = World::new("crash-release");
+    let rt = runtime();
+    rt.block_on(async {
+        let d = Daemon::start_program_env(
+            "moor-node",
+            &w.socket,
+            &w.sb.node_args("release-node", &["--log-format", "json"]),
+            &[(fault::ENV, "stage.formatting")],
+        )
+        .await;
+        w.daemon = Some(d);
+        let mut node = NodeClient::new(connect(&w.socket).await.expect("connect"));
+        w.call(&mut node, Op::Stage).await.expect("stage");
+        let alive = w.daemon.as_mut().map(|d| d.child.try_wait());
+        assert!(
+            matches!(alive, Some(Ok(None))),
+            "the daemon must live: {alive:?}"
+        );
+        w.call(&mut node, Op::Unstage).await.expect("unstage");
     });
     assert!(w.sb.mounts().is_empty(), "{:?}", w.sb.mounts());
 }

@@ -133,6 +133,15 @@ impl FakeOs {
         }
     }
 
+    /// What has been written to a fake device: (offset, bytes) extents.
+    pub fn device_data(&self, path: impl AsRef<Path>) -> Vec<(u64, Vec<u8>)> {
+        self.lock()
+            .devices
+            .get(path.as_ref())
+            .map(|d| d.data.iter().map(|(o, b)| (*o, b.clone())).collect())
+            .unwrap_or_default()
+    }
+
     /// Resizes a fake device.
     pub fn resize_device(&self, path: impl AsRef<Path>, size: u64) {
         if let Some(d) = self.lock().devices.get_mut(path.as_ref()) {
