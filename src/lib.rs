@@ -34,6 +34,8 @@ pub mod sys;
 pub mod validate;
 
 #[cfg(test)]
+mod fault_injection_tests;
+#[cfg(test)]
 mod power_cut_tests;
 #[cfg(test)]
 mod reconcile_tests;
