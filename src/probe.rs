@@ -456,9 +456,14 @@ fn ext_flavour(compat: u32, incompat: u32, ro_compat: u32) -> Filesystem {
 
 // ----- xfs ----------------------------------------------------------------------------------
 
-/// An XFS superblock at 0: magic "XFSB", uuid at 32, 12-byte label at 108.
+/// `sb_inprogress`: set by mkfs.xfs while it writes the filesystem, cleared last.
+const XFS_INPROGRESS: usize = 126;
+
+/// An XFS superblock at 0: magic "XFSB", uuid at 32, 12-byte label at 108. One that mkfs has
+/// not finished (`sb_inprogress` set) is not a filesystem: its bytes are unknown data.
 fn detect_xfs(head: &[u8]) -> Option<FsMatch> {
-    has_magic(head, 0, b"XFSB").then(|| FsMatch {
+    let finished = head.get(XFS_INPROGRESS).is_some_and(|&b| b == 0);
+    (has_magic(head, 0, b"XFSB") && finished).then(|| FsMatch {
         fs: Filesystem::Xfs,
         uuid: uuid_at(head, 32),
         label: label_at(head, 108, 12),
@@ -1422,6 +1427,38 @@ mod tests {
             let uuid = format!("uuid={UUID}");
             let args = ["-q", "-f", "-L", "moor-test", "-m", &uuid];
             check("mkfs.xfs", 300, &args, Filesystem::Xfs);
+        }
+
+        #[test]
+        fn an_xfs_whose_mkfs_has_not_finished_is_unknown_data() {
+            let Some(mkfs) = tool("mkfs.xfs") else {
+                return;
+            };
+            let image = TempImage::new("xfs-inprogress", 300 << 20);
+            let st = Command::new(&mkfs)
+                .args(["-q", "-f"])
+                .arg(&image.0)
+                .status()
+                .expect("mkfs.xfs");
+            assert!(st.success());
+            let (head, tail, size) = windows(&image.0);
+            assert!(matches!(
+                probe(&head, &tail, size),
+                Content::Filesystem {
+                    fs: Filesystem::Xfs,
+                    ..
+                }
+            ));
+            // mkfs.xfs sets sb_inprogress first and clears it last.
+            let st = Command::new("xfs_db")
+                .args(["-x", "-c", "sb 0", "-c", "write inprogress 1"])
+                .arg(&image.0)
+                .output()
+                .expect("xfs_db");
+            assert!(st.status.success());
+            let (head, tail, size) = windows(&image.0);
+            assert_eq!(probe(&head, &tail, size), Content::Unknown { offset: 0 });
+            assert_eq!(probe_quick(&head), None);
         }
 
         #[test]
