@@ -352,3 +352,66 @@ fn a_daemon_out_of_file_descriptors_keeps_every_mount() {
     });
     assert!(sb.mounts().is_empty(), "{:?}", sb.mounts());
 }
+
+#[test]
+fn a_held_device_stays_the_device_that_was_checked() {
+    use moor_node::sys::Os as _;
+    let sb = Sandbox::new("held");
+    let dev = sb.loop_device("first.img", 16 * MIB);
+    moor_privileged::write_at(&dev, MIB, b"the volume's own bytes");
+    let os = Linux::new(&sb.kubelet).expect("os");
+    let held = os.hold_device(&dev).expect("hold");
+    assert_eq!(held.node, dev, "the kernel's node of the device");
+    // The loop device is asked to let go of its file and take another: while moor holds it,
+    // the kernel keeps it bound to the first.
+    let other = sb.data.join("second.img");
+    std::fs::File::create(&other)
+        .and_then(|f| f.set_len(16 * MIB))
+        .expect("second file");
+    let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+    let rebound = Command::new("losetup")
+        .arg(&dev)
+        .arg(&other)
+        .output()
+        .expect("losetup");
+    assert!(
+        !rebound.status.success(),
+        "a held loop device must not take another file"
+    );
+    let mut buf = vec![0u8; 4096];
+    let n = os
+        .read_device(&held.handle, MIB, &mut buf)
+        .expect("read through the handle");
+    assert_eq!(&buf[..22.min(n)], b"the volume's own bytes");
+}
+
+#[test]
+fn a_blank_device_another_holder_claims_is_not_formatted() {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let sb = Sandbox::new("claimed");
+    let dev = sb.loop_device("vol.img", 64 * MIB);
+    let staging = sb.staging("pv");
+    // Someone else holds the device exclusively (a mkfs of its own, a device-mapper table).
+    let claim = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL)
+        .open(&dev)
+        .expect("exclusive open");
+    let (svc, engine) = node(&sb, &sb.state);
+    rt().block_on(async {
+        let s = svc
+            .node_stage_volume(Request::new(stage_req(
+                &dev,
+                &staging,
+                "ext4",
+                Mode::SingleNodeWriter,
+            )))
+            .await
+            .expect_err("in use");
+        assert_eq!(s.code(), Code::FailedPrecondition, "{}", s.message());
+        assert!(s.message().contains("in use"), "{}", s.message());
+        assert!(engine.journal().get("vol").is_none());
+    });
+    drop(claim);
+    assert!(all_zero(&dev));
+}
