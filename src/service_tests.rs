@@ -1439,6 +1439,84 @@ async fn block_expand_needs_no_tool() {
     assert_eq!(count(&h.os.calls(), |c| matches!(c, Call::Tool(..))), 0);
 }
 
+#[tokio::test]
+async fn stats_and_expand_at_a_path_no_volume_can_be_at_are_not_found() {
+    let h = harness();
+    staged(&h).await;
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
+    h.os.clear_calls();
+    // Relative (csi-sanity's "some/path"), not clean, or outside the kubelet dir: the volume
+    // cannot be there, whether or not it exists elsewhere on the node.
+    let nowhere = [
+        "some/path".to_string(),
+        "pods/p1/volumes/kubernetes.io~csi/pv1/mount".to_string(),
+        format!("{TARGET}/."),
+        format!("{K}/pods/../pods/p1/volumes/kubernetes.io~csi/pv1/mount"),
+        format!("{K}//pods/p1"),
+        "/tmp/x".to_string(),
+        "/".to_string(),
+        K.to_string(),
+    ];
+    for volume in ["vol-1", "vol-unknown"] {
+        for p in &nowhere {
+            let mut r = stats_req(p);
+            r.volume_id = volume.into();
+            let e = h
+                .svc
+                .node_get_volume_stats(Request::new(r))
+                .await
+                .expect_err("nowhere");
+            assert_eq!(e.code(), Code::NotFound, "stats {volume} {p:?}: {e:?}");
+            assert!(e.message().contains("volume_path"), "{}", e.message());
+            let mut r = expand_req(p, 0);
+            r.volume_id = volume.into();
+            let e = h
+                .svc
+                .node_expand_volume(Request::new(r))
+                .await
+                .expect_err("nowhere");
+            assert_eq!(e.code(), Code::NotFound, "expand {volume} {p:?}: {e:?}");
+            assert!(e.message().contains("volume_path"), "{}", e.message());
+        }
+    }
+    assert!(mutating_calls(&h).is_empty(), "{:?}", mutating_calls(&h));
+    // A missing or malformed field stays INVALID_ARGUMENT, also beside such a path.
+    for p in ["", "a\0b"] {
+        assert_eq!(
+            code(h.svc.node_get_volume_stats(Request::new(stats_req(p)))).await,
+            Code::InvalidArgument,
+            "{p:?}"
+        );
+        assert_eq!(
+            code(h.svc.node_expand_volume(Request::new(expand_req(p, 0)))).await,
+            Code::InvalidArgument,
+            "{p:?}"
+        );
+    }
+    let mut r = stats_req("some/path");
+    r.volume_id = String::new();
+    assert_eq!(
+        code(h.svc.node_get_volume_stats(Request::new(r))).await,
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(
+            h.svc
+                .node_expand_volume(Request::new(expand_req("some/path", -1)))
+        )
+        .await,
+        Code::InvalidArgument
+    );
+    // The volume is still where it is, and answers there.
+    h.svc
+        .node_get_volume_stats(Request::new(stats_req(TARGET)))
+        .await
+        .expect("stats at the real path");
+}
+
 // ---- calls naming another volume's path ----
 
 #[tokio::test]
@@ -1753,18 +1831,25 @@ async fn path_escapes_are_refused_before_the_os_is_touched() {
             .await
             .expect_err("escape");
         assert_eq!(e.code(), Code::InvalidArgument, "{p:?}");
+        // No volume can be staged or published at such a path: NOT_FOUND, unless the string
+        // cannot be a path at all.
+        let want = if p.contains('\0') || p.len() > 4096 {
+            Code::InvalidArgument
+        } else {
+            Code::NotFound
+        };
         let e = h
             .svc
             .node_get_volume_stats(Request::new(stats_req(p)))
             .await
             .expect_err("escape");
-        assert_eq!(e.code(), Code::InvalidArgument, "{p:?}");
+        assert_eq!(e.code(), want, "{p:?}");
         let e = h
             .svc
             .node_expand_volume(Request::new(expand_req(p, 0)))
             .await
             .expect_err("escape");
-        assert_eq!(e.code(), Code::InvalidArgument, "{p:?}");
+        assert_eq!(e.code(), want, "{p:?}");
     }
     assert!(mutating_calls(&h).is_empty(), "{:?}", mutating_calls(&h));
 }

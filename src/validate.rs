@@ -190,18 +190,7 @@ pub fn path_under(field: &'static str, raw: &str, root: &Path) -> Result<PathBuf
 
 /// Checks that `raw` is an absolute path with no empty, `.` or `..` components.
 pub fn clean_absolute(field: &'static str, raw: &str) -> Result<PathBuf> {
-    if raw.is_empty() {
-        return Err(Error::invalid(field, "must be set"));
-    }
-    if raw.len() > MAX_PATH_LEN {
-        return Err(Error::invalid(
-            field,
-            format!("longer than {MAX_PATH_LEN} bytes"),
-        ));
-    }
-    if raw.contains('\0') {
-        return Err(Error::invalid(field, "contains a NUL byte"));
-    }
+    path_string(field, raw)?;
     let Some(rest) = raw.strip_prefix('/') else {
         return Err(Error::invalid(field, "must be an absolute path"));
     };
@@ -214,6 +203,42 @@ pub fn clean_absolute(field: &'static str, raw: &str) -> Result<PathBuf> {
         }
     }
     Ok(PathBuf::from(raw))
+}
+
+/// Checks that `raw` is set and could be a path at all: not longer than PATH_MAX, no NUL.
+fn path_string(field: &'static str, raw: &str) -> Result<()> {
+    if raw.is_empty() {
+        return Err(Error::invalid(field, "must be set"));
+    }
+    if raw.len() > MAX_PATH_LEN {
+        return Err(Error::invalid(
+            field,
+            format!("longer than {MAX_PATH_LEN} bytes"),
+        ));
+    }
+    if raw.contains('\0') {
+        return Err(Error::invalid(field, "contains a NUL byte"));
+    }
+    Ok(())
+}
+
+/// Checks NodeGetVolumeStats' and NodeExpandVolume's volume_path, which names where the volume
+/// is staged or published. A missing or malformed string is INVALID_ARGUMENT; a path that
+/// moor can never have staged or published a volume at (relative, not clean, not below the
+/// kubelet dir) is the spec's "volume does not exist on volume_path": NOT_FOUND, decided
+/// without touching the path.
+fn volume_path(volume_id: &str, raw: &str, kubelet_dir: &Path) -> Result<PathBuf> {
+    path_string("volume_path", raw)?;
+    path_under("volume_path", raw, kubelet_dir).map_err(|e| match e {
+        Error::InvalidArgument { reason, .. } => Error::VolumeNotFound {
+            volume: volume_id.to_string(),
+            reason: format!(
+                "volume_path {:?} is not a path a volume can be staged or published at ({reason})",
+                trunc(raw)
+            ),
+        },
+        e => e,
+    })
 }
 
 /// Checks a map's total size; its contents are never quoted (it may hold secrets).
@@ -424,16 +449,15 @@ pub fn unpublish(req: &csi::NodeUnpublishVolumeRequest, kubelet_dir: &Path) -> R
 
 /// Validates NodeGetVolumeStats.
 pub fn stats(req: &csi::NodeGetVolumeStatsRequest, kubelet_dir: &Path) -> Result<Stats> {
-    Ok(Stats {
-        volume_id: volume_id("volume_id", &req.volume_id)?,
-        path: path_under("volume_path", &req.volume_path, kubelet_dir)?,
-    })
+    let volume_id = volume_id("volume_id", &req.volume_id)?;
+    let path = volume_path(&volume_id, &req.volume_path, kubelet_dir)?;
+    Ok(Stats { volume_id, path })
 }
 
 /// Validates NodeExpandVolume.
 pub fn expand(req: &csi::NodeExpandVolumeRequest, kubelet_dir: &Path) -> Result<Expand> {
     let volume_id = volume_id("volume_id", &req.volume_id)?;
-    let path = path_under("volume_path", &req.volume_path, kubelet_dir)?;
+    path_string("volume_path", &req.volume_path)?;
     map_size("secrets", &req.secrets)?;
     let staging = if req.staging_target_path.is_empty() {
         None
@@ -466,6 +490,8 @@ pub fn expand(req: &csi::NodeExpandVolumeRequest, kubelet_dir: &Path) -> Result<
         None => None,
         Some(c) => Some(capability(Some(c))?),
     };
+    // Last: a malformed field is INVALID_ARGUMENT even when the volume is not there.
+    let path = volume_path(&volume_id, &req.volume_path, kubelet_dir)?;
     Ok(Expand {
         volume_id,
         path,

@@ -3,6 +3,7 @@
 //! - [`yaml`]: a strict YAML loader (no duplicate keys, no YAML 1.1/1.2 ambiguities);
 //! - [`schema`]: validation of every object against the Kubernetes OpenAPI schemas;
 //! - [`kustomize`]: the few kustomize features the overlays use (resources, JSON 6902 patches);
+//! - [`openapi`]: the Kubernetes OpenAPI documents kept in `deploy/openapi/`, and their trimming;
 //! - [`flags`]: the command-line flags of moor's binaries, read from their clap sources;
 //! - [`checks`]: cross-object checks (socket paths, mounts, RBAC, probes, flags);
 //! - [`containerfile`]: what the container build file installs and builds.
@@ -11,6 +12,7 @@ pub mod checks;
 pub mod containerfile;
 pub mod flags;
 pub mod kustomize;
+pub mod openapi;
 pub mod schema;
 pub mod yaml;
 
@@ -28,41 +30,10 @@ pub fn deploy_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Environment variable naming the OpenAPI schema directory when `shared/` is elsewhere.
-pub const OPENAPI_ENV: &str = "MOOR_K8S_OPENAPI";
-
-/// Where the Kubernetes OpenAPI documents are: `shared/k8s-openapi` beside the repository,
-/// else the directory named by [`OPENAPI_ENV`].
-///
-/// # Errors
-/// When neither exists: the manifests cannot be validated, and the caller must fail.
-pub fn openapi_dir() -> Result<PathBuf, String> {
-    find_openapi(
-        Path::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../shared/k8s-openapi"
-        )),
-        std::env::var_os(OPENAPI_ENV),
-    )
-}
-
-fn find_openapi(beside: &Path, env: Option<std::ffi::OsString>) -> Result<PathBuf, String> {
-    if beside.is_dir() {
-        return Ok(beside.to_path_buf());
-    }
-    match env {
-        Some(dir) if Path::new(&dir).is_dir() => Ok(PathBuf::from(dir)),
-        Some(dir) => Err(format!(
-            "{OPENAPI_ENV}={} is not a directory; the Kubernetes OpenAPI schemas are needed to \
-             validate deploy/",
-            Path::new(&dir).display()
-        )),
-        None => Err(format!(
-            "the Kubernetes OpenAPI schemas are not at {} and {OPENAPI_ENV} is not set: point it \
-             at a directory of OpenAPI v3 documents (shared/k8s-openapi) to validate deploy/",
-            beside.display()
-        )),
-    }
+/// Where the Kubernetes OpenAPI documents the manifests are checked against are: kept in the
+/// repository ([`openapi::kept_dir`], `deploy/openapi/`).
+pub fn openapi_dir() -> PathBuf {
+    openapi::kept_dir()
 }
 
 /// The image the manifests must run moor's binaries from: `moor:<workspace version>`.
@@ -97,7 +68,7 @@ pub fn volume_snapshot_class_schema() -> serde_json::Value {
 /// # Errors
 /// When the schemas cannot be found or read.
 pub fn load_schemas() -> Result<schema::Schemas, String> {
-    let mut s = schema::Schemas::load(&openapi_dir()?)?;
+    let mut s = schema::Schemas::load(&openapi_dir())?;
     s.add(
         "io.k8s.storage.snapshot.v1.VolumeSnapshotClass",
         volume_snapshot_class_schema(),
@@ -200,21 +171,4 @@ pub fn overlays() -> Result<Vec<PathBuf>, String> {
         .collect();
     out.sort();
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn openapi_dir_beside_the_repo_then_the_env_var_else_a_clear_error() {
-        let here = deploy_dir();
-        let missing = here.join("no-such-dir");
-        assert_eq!(find_openapi(&here, None), Ok(here.clone()));
-        assert_eq!(find_openapi(&missing, Some(here.clone().into())), Ok(here));
-        let e = find_openapi(&missing, None).unwrap_err();
-        assert!(e.contains("MOOR_K8S_OPENAPI is not set"), "{e}");
-        let e = find_openapi(&missing, Some(missing.clone().into())).unwrap_err();
-        assert!(e.contains("is not a directory"), "{e}");
-    }
 }

@@ -265,6 +265,13 @@ fn node_refuses_hostile_requests_and_leaves_nothing_behind() {
 
         for p in &bad_paths {
             let what = format!("path {:?}", p.get(..60).unwrap_or(p));
+            // Stats and expand name where the volume is: a well-formed path no volume can be
+            // at is the spec's "volume not found"; a string that is no path is INVALID_ARGUMENT.
+            let nowhere = if p.is_empty() || p.contains('\0') || p.len() > 4096 {
+                inv
+            } else {
+                Code::NotFound
+            };
             let mut r = good_stage.clone();
             r.staging_target_path = p.clone();
             refused!(&sb, format!("stage {what}"), inv, node.node_stage_volume(r));
@@ -307,7 +314,7 @@ fn node_refuses_hostile_requests_and_leaves_nothing_behind() {
             refused!(
                 &sb,
                 format!("stats {what}"),
-                inv,
+                nowhere,
                 node.node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
                     volume_id: "vol-h".into(),
                     volume_path: p.clone(),
@@ -317,7 +324,7 @@ fn node_refuses_hostile_requests_and_leaves_nothing_behind() {
             refused!(
                 &sb,
                 format!("expand {what}"),
-                inv,
+                nowhere,
                 node.node_expand_volume(csi::NodeExpandVolumeRequest {
                     volume_id: "vol-h".into(),
                     volume_path: p.clone(),
