@@ -26,6 +26,7 @@ use crate::sys::{
     SysError, ToolRun, is_corruption_errno,
 };
 use crate::validate::{self, Access, Capability};
+use crate::{fsgroup, selinux};
 
 /// How many stacked mounts an unmount peels off before giving up.
 const MAX_STACKED: usize = 16;
@@ -367,6 +368,7 @@ impl<O: Os> Engine<O> {
     /// NodeStageVolume.
     pub fn stage(&self, req: &validate::Stage) -> Result<StageReport> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
+        selinux::require_support(&*self.os, &req.cap.access)?;
         let mut record = self.record(&req.volume_id);
         let mut report = StageReport::default();
         let access = access_record(&req.cap.access);
@@ -441,6 +443,13 @@ impl<O: Os> Engine<O> {
                             (&device_path, device.size),
                             &req.staging,
                         )?;
+                        // ... or before the volume was given to its group.
+                        if let Access::Mount {
+                            group: Some(gid), ..
+                        } = &req.cap.access
+                        {
+                            fsgroup::apply(self, &req.volume_id, &req.staging, *gid)?;
+                        }
                     }
                     self.confirm_stage(&mut record, req, (&device_path, device), attrs, access)?;
                     return Ok(report);
@@ -546,7 +555,7 @@ impl<O: Os> Engine<O> {
             if let Some(gid) = group
                 && !attrs.read_only
             {
-                self.os.share_with_group(&req.staging, *gid)?;
+                fsgroup::apply(self, &req.volume_id, &req.staging, *gid)?;
             }
             match self.os.mount_state(&req.staging)? {
                 MountState::Mounted(_) => {}
@@ -695,6 +704,9 @@ impl<O: Os> Engine<O> {
                 if block { "filesystem" } else { "block" }
             )));
         }
+        selinux::require_support(&*self.os, &req.cap.access)?;
+        let here = record.publishes.contains_key(&req.target);
+        selinux::check_publish(&req.volume_id, &req.cap.access, &stage, here)?;
         let mut attrs = match &req.cap.access {
             Access::Mount { options, .. } => options.attrs,
             Access::Block { .. } => MountAttrs::default(),
@@ -807,6 +819,13 @@ impl<O: Os> Engine<O> {
             MountState::NotMounted { .. } => {}
         }
 
+        if let Access::Mount {
+            group: Some(gid), ..
+        } = &req.cap.access
+            && !attrs.read_only
+        {
+            fsgroup::apply(self, &req.volume_id, &stage.path, *gid)?;
+        }
         record.publishes.insert(
             req.target.clone(),
             PublishRecord {

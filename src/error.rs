@@ -8,7 +8,7 @@ use tonic::{Code, Status};
 use crate::discovery::DiscoveryError;
 use crate::journal::JournalError;
 use crate::mount_options::OptionError;
-use crate::sys::{SysError, ToolError};
+use crate::sys::{OwnershipError, SysError, ToolError};
 
 /// Everything a Node or Identity RPC can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +79,9 @@ pub enum Error {
     /// The node's own records could not be written.
     #[error("node journal: {0}")]
     Journal(#[from] JournalError),
+    /// The volume could not be given to the pod's group (volume_mount_group).
+    #[error(transparent)]
+    Ownership(#[from] OwnershipError),
     /// The volume's device could not be found by its identity.
     #[error(transparent)]
     Discovery(#[from] DiscoveryError),
@@ -120,6 +123,11 @@ impl Error {
                 Code::FailedPrecondition
             }
             Error::Sys(_) | Error::Tool(_) | Error::Journal(_) => Code::Internal,
+            Error::Ownership(e) => match e {
+                OwnershipError::Deadline { .. } => Code::DeadlineExceeded,
+                OwnershipError::TooDeep { .. } => Code::FailedPrecondition,
+                OwnershipError::Sys(_) => Code::Internal,
+            },
             Error::Discovery(e) => match e {
                 DiscoveryError::Deadline { .. } => Code::DeadlineExceeded,
                 DiscoveryError::NoEventSource { .. } | DiscoveryError::Enumerate(_) => {
