@@ -94,7 +94,7 @@ fn super_options(path: &Path) -> String {
         .lines()
         .filter(|l| l.split(' ').nth(4) == Some(&path.display().to_string()))
         .filter_map(|l| l.rsplit(' ').next())
-        .last()
+        .next_back()
         .unwrap_or_default()
         .to_string()
 }
