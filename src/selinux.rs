@@ -19,8 +19,7 @@ pub fn require_support<O: Os + ?Sized>(os: &O, access: &Access) -> Result<()> {
     };
     match options.selinux().first() {
         Some(label) if !os.selinux() => Err(Error::FailedPrecondition(format!(
-            "mount option {label:?} needs SELinux, and this node's kernel has none: run the \
-             pod on a node with SELinux, or leave seLinuxMount unset on the CSIDriver"
+            "mount option {label:?} needs SELinux, and this node's kernel has none"
         ))),
         _ => Ok(()),
     }
