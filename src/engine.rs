@@ -26,6 +26,7 @@ use crate::sys::{
     MountState, Os, Presence, SysError, ToolError, ToolRun, is_corruption_errno, is_gone_errno,
 };
 use crate::validate::{self, Access, Capability};
+use crate::{fsgroup, selinux};
 
 /// e2fsck's exit code bits: errors corrected; corrected, and a reboot would be due (for the
 /// root filesystem); errors left uncorrected.
@@ -461,6 +462,7 @@ impl<O: Os> Engine<O> {
     /// NodeStageVolume.
     pub fn stage(&self, req: &validate::Stage) -> Result<StageReport> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
+        selinux::require_support(&*self.os, &req.cap.access)?;
         let mut record = self.record(&req.volume_id);
         let mut report = StageReport::default();
         let access = access_record(&req.cap.access);
@@ -553,6 +555,13 @@ impl<O: Os> Engine<O> {
                         let content = self.probe_device(&dev.handle, dev.size)?;
                         report.grown =
                             self.grow_to_device(&content, (&dev.handle, dev.size), &req.staging)?;
+                        // ... or before the volume was given to its group.
+                        if let Access::Mount {
+                            group: Some(gid), ..
+                        } = &req.cap.access
+                        {
+                            fsgroup::apply(self, &req.volume_id, &req.staging, *gid)?;
+                        }
                     }
                     let fs_uuid = record.stage.as_ref().and_then(|s| s.fs_uuid.clone());
                     self.confirm_stage(&mut record, req, (&device_path, &dev), fs_uuid)?;
@@ -740,7 +749,7 @@ impl<O: Os> Engine<O> {
             if let Some(gid) = group
                 && !attrs.read_only
             {
-                self.os.share_with_group(&req.staging, *gid)?;
+                fsgroup::apply(self, &req.volume_id, &req.staging, *gid)?;
             }
             if attrs.read_only {
                 return Ok(false);
@@ -880,6 +889,9 @@ impl<O: Os> Engine<O> {
                 if block { "filesystem" } else { "block" }
             )));
         }
+        selinux::require_support(&*self.os, &req.cap.access)?;
+        let here = record.publishes.contains_key(&req.target);
+        selinux::check_publish(&req.volume_id, &req.cap.access, &stage, here)?;
         let mut attrs = match &req.cap.access {
             Access::Mount { options, .. } => options.attrs,
             Access::Block { .. } => MountAttrs::default(),
@@ -1004,6 +1016,13 @@ impl<O: Os> Engine<O> {
             MountState::NotMounted { .. } => {}
         }
 
+        if let Access::Mount {
+            group: Some(gid), ..
+        } = &req.cap.access
+            && !attrs.read_only
+        {
+            fsgroup::apply(self, &req.volume_id, &stage.path, *gid)?;
+        }
         record.publishes.insert(
             req.target.clone(),
             PublishRecord {

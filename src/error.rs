@@ -8,7 +8,7 @@ use tonic::{Code, Status};
 use crate::discovery::DiscoveryError;
 use crate::journal::JournalError;
 use crate::mount_options::OptionError;
-use crate::sys::{SysError, ToolError};
+use crate::sys::{OwnershipError, SysError, ToolError};
 
 /// Everything a Node or Identity RPC can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +79,10 @@ pub enum Error {
     /// The node's own records could not be written.
     #[error("node journal: {0}")]
     Journal(#[from] JournalError),
+    /// Giving the volume to the pod's group (volume_mount_group) ran past its deadline, or met
+    /// a tree it cannot walk. (Its OS failures are [`Error::Sys`].)
+    #[error(transparent)]
+    Ownership(OwnershipError),
     /// The volume's device could not be found by its identity.
     #[error(transparent)]
     Discovery(#[from] DiscoveryError),
@@ -89,6 +93,15 @@ impl From<ToolError> for Error {
         match e {
             ToolError::Timeout { .. } => Error::ToolTimeout(e),
             e => Error::Tool(e),
+        }
+    }
+}
+
+impl From<OwnershipError> for Error {
+    fn from(e: OwnershipError) -> Self {
+        match e {
+            OwnershipError::Sys(e) => Error::Sys(e),
+            e => Error::Ownership(e),
         }
     }
 }
@@ -120,6 +133,11 @@ impl Error {
                 Code::FailedPrecondition
             }
             Error::Sys(_) | Error::Tool(_) | Error::Journal(_) => Code::Internal,
+            Error::Ownership(e) => match e {
+                OwnershipError::Deadline { .. } => Code::DeadlineExceeded,
+                OwnershipError::TooDeep { .. } => Code::FailedPrecondition,
+                OwnershipError::Sys(_) => Code::Internal,
+            },
             Error::Discovery(e) => match e {
                 DiscoveryError::Deadline { .. } => Code::DeadlineExceeded,
                 DiscoveryError::NoEventSource { .. } | DiscoveryError::Enumerate(_) => {
@@ -160,5 +178,31 @@ mod tests {
         .into();
         assert_eq!(s.code(), Code::AlreadyExists);
         assert!(s.message().contains("read-only differs"));
+    }
+
+    #[test]
+    fn a_group_walk_maps_like_the_rest() {
+        let deadline: Error = OwnershipError::Deadline {
+            path: "/k/v".into(),
+            gid: 5,
+            deadline: std::time::Duration::from_secs(1),
+            entries: 3,
+        }
+        .into();
+        assert_eq!(deadline.code(), Code::DeadlineExceeded);
+        let deep: Error = OwnershipError::TooDeep {
+            path: "/k/v".into(),
+        }
+        .into();
+        assert_eq!(deep.code(), Code::FailedPrecondition);
+        // An OS failure is one like any other: a symlink in the path is the node's state.
+        let sys = SysError::new(
+            "open",
+            std::path::Path::new("/k/v"),
+            std::io::Error::from_raw_os_error(libc::ELOOP),
+        );
+        let e: Error = OwnershipError::Sys(sys).into();
+        assert!(matches!(e, Error::Sys(_)));
+        assert_eq!(e.code(), Code::FailedPrecondition);
     }
 }

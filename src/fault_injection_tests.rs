@@ -23,8 +23,8 @@ use crate::service_tests::{DEV, K, STAGING, TARGET, ext4, publish_req, stage_req
 use crate::sys::fake::FakeOs;
 use crate::sys::mount_table::MountEntry;
 use crate::sys::{
-    BindMount, BlockDevice, FsMount, FsUsage, HeldDevice, MountState, Os, SysError, SysResult,
-    ToolError, ToolRun,
+    BindMount, BlockDevice, FsMount, FsUsage, GroupReport, HeldDevice, MountState, Os,
+    OwnershipError, SysError, SysResult, ToolError, ToolRun,
 };
 
 const ERRNOS: [i32; 8] = [
@@ -127,9 +127,17 @@ impl Os for Faulty {
         self.tick("fs_usage", path)?;
         self.inner.fs_usage(path)
     }
-    fn share_with_group(&self, path: &Path, gid: u32) -> SysResult<()> {
+    fn share_with_group(
+        &self,
+        path: &Path,
+        gid: u32,
+        deadline: Duration,
+    ) -> Result<GroupReport, OwnershipError> {
         self.tick("share_with_group", path)?;
-        self.inner.share_with_group(path, gid)
+        self.inner.share_with_group(path, gid, deadline)
+    }
+    fn selinux(&self) -> bool {
+        self.inner.selinux()
     }
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {
         self.tick("run_tool", Path::new(&run.program))

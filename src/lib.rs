@@ -7,7 +7,8 @@
 //!   journal ([`journal`]), one operation per volume at a time ([`guard`]);
 //! * [`discovery`] finds a volume's block device by identity, through udev;
 //! * [`probe`] reads superblocks to tell a blank device from one that holds data;
-//! * [`mount_options`] decides which mount flags reach the kernel;
+//! * [`mount_options`] decides which mount flags reach the kernel; [`selinux`] checks the
+//!   SELinux labels among them, and [`fsgroup`] gives a volume to its pod's group;
 //! * [`mountinfo`] parses the mount table where statx/statmount cannot answer;
 //! * [`service`] and [`server`] serve it all over gRPC on a Unix socket;
 //! * [`registration`] registers the plugin with kubelet, [`http`] serves `/healthz` and
@@ -18,6 +19,7 @@ pub mod discovery;
 pub mod engine;
 pub mod error;
 pub mod fault;
+pub mod fsgroup;
 pub mod guard;
 pub mod http;
 pub mod journal;
@@ -28,6 +30,7 @@ pub mod mountinfo;
 pub mod probe;
 pub mod reconcile;
 pub mod registration;
+pub mod selinux;
 pub mod server;
 pub mod service;
 pub mod sys;
@@ -36,8 +39,12 @@ pub mod validate;
 #[cfg(test)]
 mod fault_injection_tests;
 #[cfg(test)]
+mod fsgroup_tests;
+#[cfg(test)]
 mod power_cut_tests;
 #[cfg(test)]
 mod reconcile_tests;
+#[cfg(test)]
+mod selinux_tests;
 #[cfg(test)]
 mod service_tests;

@@ -643,8 +643,17 @@ impl<O: Os> Os for MeteredOs<O> {
         self.inner.fs_usage(path)
     }
 
-    fn share_with_group(&self, path: &Path, gid: u32) -> SysResult<()> {
-        self.inner.share_with_group(path, gid)
+    fn share_with_group(
+        &self,
+        path: &Path,
+        gid: u32,
+        deadline: std::time::Duration,
+    ) -> Result<crate::sys::GroupReport, crate::sys::OwnershipError> {
+        self.inner.share_with_group(path, gid, deadline)
+    }
+
+    fn selinux(&self) -> bool {
+        self.inner.selinux()
     }
 
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {

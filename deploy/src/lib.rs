@@ -63,12 +63,16 @@ pub fn volume_snapshot_class_schema() -> serde_json::Value {
     })
 }
 
-/// The Kubernetes schemas ([`openapi_dir`]) plus the hand-written VolumeSnapshotClass.
+/// The Kubernetes schemas ([`openapi_dir`]) plus the hand-written VolumeSnapshotClass and the
+/// fields of later releases the manifests use ([`schema::LATER_FIELDS`]).
 ///
 /// # Errors
 /// When the schemas cannot be found or read.
 pub fn load_schemas() -> Result<schema::Schemas, String> {
     let mut s = schema::Schemas::load(&openapi_dir())?;
+    for (name, property, release, type_name) in schema::LATER_FIELDS {
+        s.add_field(name, property, release, type_name)?;
+    }
     s.add(
         "io.k8s.storage.snapshot.v1.VolumeSnapshotClass",
         volume_snapshot_class_schema(),

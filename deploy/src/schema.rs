@@ -155,6 +155,16 @@ pub const EXTRA_ENUMS: &[(&str, &str, &[&str])] = &[
     ),
 ];
 
+/// Fields Kubernetes added after the v1.24 documents that the manifests use, each with the
+/// release that added it: `(schema, property, release, property type)`. [`Schemas::add_field`]
+/// puts them in; anything else newer stays an unknown field.
+pub const LATER_FIELDS: &[(&str, &str, &str, &str)] = &[(
+    "io.k8s.api.storage.v1.CSIDriverSpec",
+    "seLinuxMount",
+    "v1.25",
+    "boolean",
+)];
+
 /// Schema keywords the validator understands. Anything else is reported.
 const KEYWORDS: &[&str] = &[
     "description",
@@ -263,6 +273,34 @@ impl Schemas {
             }
         }
         self.defs.insert(name.to_owned(), schema);
+        Ok(())
+    }
+
+    /// Adds `property` of type `type_name` to the object schema `schema`, as a field a later
+    /// Kubernetes release (`release`) added. A property the documents already have is left as
+    /// they give it.
+    ///
+    /// # Errors
+    /// When `schema` is not a known object schema.
+    pub fn add_field(
+        &mut self,
+        schema: &str,
+        property: &str,
+        release: &str,
+        type_name: &str,
+    ) -> Result<(), String> {
+        let props = self
+            .defs
+            .get_mut(schema)
+            .and_then(|s| s.get_mut("properties"))
+            .and_then(Value::as_object_mut)
+            .ok_or_else(|| format!("schema {schema} has no properties to add {property} to"))?;
+        props.entry(property).or_insert_with(|| {
+            serde_json::json!({
+                "description": format!("added in Kubernetes {release}"),
+                "type": type_name,
+            })
+        });
         Ok(())
     }
 

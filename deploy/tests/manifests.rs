@@ -76,7 +76,16 @@ fn base_and_every_overlay_render_validate_and_check() {
     let mut dirs = vec![deploy_dir().join("base")];
     dirs.extend(moor_deploy::overlays().unwrap());
     let names: Vec<_> = dirs.iter().filter_map(|d| d.file_name()).collect();
-    assert_eq!(names, ["base", "builtin-registration", "registrar", "xfs"]);
+    assert_eq!(
+        names,
+        [
+            "base",
+            "builtin-registration",
+            "registrar",
+            "selinux",
+            "xfs"
+        ]
+    );
     for dir in dirs {
         let res = render(&dir);
         assert!(res.len() >= 14, "{}: {} objects", dir.display(), res.len());
@@ -321,6 +330,11 @@ fn overlays_change_only_what_they_say() {
     let docs = |r: &[Resource]| r.iter().map(|r| r.doc.clone()).collect::<Vec<_>>();
     assert_eq!(docs(&builtin), docs(&want));
 
+    let selinux = render(&deploy_dir().join("overlays/selinux"));
+    let mut want = base.clone();
+    find_mut(&mut want, "CSIDriver", "moor.csi.io")["spec"]["seLinuxMount"] = json!(true);
+    assert_eq!(docs(&selinux), docs(&want));
+
     let xfs = render(&deploy_dir().join("overlays/xfs"));
     let mut want = base;
     find_mut(&mut want, "StorageClass", "moor")["parameters"]["csi.storage.k8s.io/fstype"] =
@@ -387,6 +401,41 @@ fn validator_rejects_unknown_fields() {
         assert!(p.contains(want), "{want:?} not in:\n{p}");
     }
     assert_eq!(p.lines().count(), 4, "{p}");
+}
+
+#[test]
+fn later_fields_are_typed_and_only_where_listed() {
+    let driver = |spec: Value| {
+        json!({
+            "apiVersion": "storage.k8s.io/v1",
+            "kind": "CSIDriver",
+            "metadata": {"name": "x"},
+            "spec": spec
+        })
+    };
+    assert_eq!(
+        validate(&driver(json!({"seLinuxMount": true}))),
+        Vec::<String>::new()
+    );
+    let p = validate(&driver(json!({"seLinuxMount": "true"}))).join("\n");
+    assert!(
+        p.contains("spec.seLinuxMount: expected boolean, found string"),
+        "{p}"
+    );
+    // Another field of a later release is still unknown.
+    let p = validate(&driver(json!({"nodeAllocatableUpdatePeriodSeconds": 60}))).join("\n");
+    assert!(p.contains("unknown field"), "{p}");
+    // A listed field on a schema without properties is an error, not a silent no-op.
+    let mut s = moor_deploy::load_schemas().unwrap();
+    let e = s
+        .add_field(
+            "io.k8s.apimachinery.pkg.api.resource.Quantity",
+            "x",
+            "v1.99",
+            "boolean",
+        )
+        .unwrap_err();
+    assert!(e.contains("has no properties"), "{e}");
 }
 
 #[test]

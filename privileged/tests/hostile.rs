@@ -398,7 +398,9 @@ fn node_refuses_hostile_requests_and_leaves_nothing_behind() {
             vec!["errors=panic"],
             vec!["noatime,bind"],
             vec!["data=journal\0"],
-            vec!["context=\"system_u:object_r:etc_t:s0\""],
+            // An SELinux label with its closing quote missing, or a quote in its key.
+            vec!["context=\"system_u:object_r:etc_t:s0,bind"],
+            vec!["\"context\"=system_u:object_r:etc_t:s0"],
             vec!["x-unknown"],
             vec!["ro", "rw"],
             many,

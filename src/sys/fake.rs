@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use super::mount_table::MountEntry;
 use super::{
-    BindMount, BlockDevice, FsMount, FsUsage, HeldDevice, MountPoint, MountState, Os, SysError,
-    SysResult, ToolError, ToolRun,
+    BindMount, BlockDevice, FsMount, FsUsage, GroupReport, HeldDevice, MountPoint, MountState, Os,
+    OwnershipError, SysError, SysResult, ToolError, ToolRun,
 };
 use crate::discovery::{
     self, BackingFile, DeviceFacts, DeviceIdentity, DiscoveryError, EventSource, FoundDevice,
@@ -33,7 +33,7 @@ pub enum Call {
     Remove(PathBuf),
     /// `run_tool`: program and arguments.
     Tool(String, Vec<String>),
-    /// `share_with_group`.
+    /// `share_with_group(path, gid)`.
     ShareWithGroup(PathBuf, u32),
     /// `find_device(identity, wait)`.
     FindDevice(DeviceIdentity, Duration),
@@ -80,6 +80,7 @@ struct State {
     deleted_backing: BTreeSet<(u32, u32)>,
     serials: HashMap<(u32, u32), String>,
     arrivals: Vec<Arrival>,
+    selinux: bool,
     next_mount_id: u64,
     calls: Vec<Call>,
 }
@@ -162,7 +163,8 @@ impl FakeOs {
     }
 
     /// Makes the next call of operation `op` ("mount_fs", "bind", "unmount", "mkdir", "tool",
-    /// ...) fail with `errno`.
+    /// "share", ...) fail with `errno`; "share_deadline" makes the next `share_with_group` run
+    /// past its deadline.
     pub fn fail_next(&self, op: &'static str, errno: i32) {
         self.lock().failures.insert(op, errno);
     }
@@ -228,6 +230,11 @@ impl FakeOs {
                 }
             })
         })
+    }
+
+    /// Says whether the kernel has SELinux (a new fake has not).
+    pub fn set_selinux(&self, present: bool) {
+        self.lock().selinux = present;
     }
 
     /// Pretends a program is not installed.
@@ -544,10 +551,28 @@ impl Os for FakeOs {
         })
     }
 
-    fn share_with_group(&self, path: &Path, gid: u32) -> SysResult<()> {
+    fn share_with_group(
+        &self,
+        path: &Path,
+        gid: u32,
+        deadline: Duration,
+    ) -> Result<GroupReport, OwnershipError> {
         let mut st = self.lock();
         st.calls.push(Call::ShareWithGroup(path.to_path_buf(), gid));
-        Self::take_failure(&mut st, "share", path)
+        Self::take_failure(&mut st, "share", path)?;
+        if st.failures.remove("share_deadline").is_some() {
+            return Err(OwnershipError::Deadline {
+                path: path.to_path_buf(),
+                gid,
+                deadline,
+                entries: 0,
+            });
+        }
+        Ok(GroupReport::default())
+    }
+
+    fn selinux(&self) -> bool {
+        self.lock().selinux
     }
 
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {

@@ -21,12 +21,13 @@ use rustix::mount::{
 };
 
 use super::mount_table::{self, MountEntry};
+use super::ownership::{self, GroupReport, OwnershipError};
 use super::raw::{self, MountAttr};
-use super::spawn;
 use super::{
     Atime, BindMount, BlockDevice, DIRECT_ALIGN, FsMount, FsUsage, HeldDevice, MountAttrs,
     MountPoint, MountState, Os, SysError, SysResult, ToolError, ToolRun, is_corruption_errno,
 };
+use super::{selinux, spawn};
 use crate::discovery::{self, DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
 
 /// `STATX_MNT_ID_UNIQUE` (Linux 6.8): a mount id that is never reused.
@@ -425,14 +426,18 @@ impl Os for Linux {
         })
     }
 
-    fn share_with_group(&self, path: &Path, gid: u32) -> SysResult<()> {
+    fn share_with_group(
+        &self,
+        path: &Path,
+        gid: u32,
+        deadline: Duration,
+    ) -> Result<GroupReport, OwnershipError> {
         let fd = self.open_beneath("open", path, OFlags::RDONLY | OFlags::DIRECTORY)?;
-        let group = rustix::fs::Gid::from_raw(gid);
-        rustix::fs::fchown(&fd, None, Some(group)).map_err(|e| SysError::new("chown", path, e))?;
-        let st = rustix::fs::fstat(&fd).map_err(|e| SysError::new("stat", path, e))?;
-        let mode = (st.st_mode & 0o7777) | 0o2070;
-        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))
-            .map_err(|e| SysError::new("chmod", path, e))
+        ownership::share(fd, path, gid, deadline)
+    }
+
+    fn selinux(&self) -> bool {
+        selinux::in_kernel()
     }
 
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {

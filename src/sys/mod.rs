@@ -10,13 +10,16 @@ pub mod fake;
 pub mod linux;
 pub mod loopinfo;
 pub mod mount_table;
+pub mod ownership;
 pub mod raw;
+pub mod selinux;
 pub mod spawn;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::discovery::{DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
+pub use ownership::{GroupReport, OwnershipError};
 
 /// The alignment (buffer address, length, offset) that lets a device read use O_DIRECT.
 pub const DIRECT_ALIGN: usize = 4096;
@@ -438,8 +441,17 @@ pub trait Os: Send + Sync + 'static {
     fn read_device(&self, path: &Path, offset: u64, buf: &mut [u8]) -> SysResult<usize>;
     /// Usage of the filesystem mounted at `path`.
     fn fs_usage(&self, path: &Path) -> SysResult<FsUsage>;
-    /// Gives a directory to a group: chown to `gid`, group rwx and setgid.
-    fn share_with_group(&self, path: &Path, gid: u32) -> SysResult<()>;
+    /// Gives the filesystem mounted at `path` to group `gid` as kubelet gives a volume to a
+    /// pod's fsGroup (see [`ownership`]), unless its root already has the group and setgid;
+    /// stops at `deadline`.
+    fn share_with_group(
+        &self,
+        path: &Path,
+        gid: u32,
+        deadline: Duration,
+    ) -> Result<GroupReport, OwnershipError>;
+    /// Whether the kernel has SELinux, which the `context=` mount options need.
+    fn selinux(&self) -> bool;
     /// Runs a tool to completion within its deadline.
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError>;
     /// Whether a program is on the PATH.

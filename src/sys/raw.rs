@@ -6,6 +6,8 @@
 //!   writable.
 //! * `listmount(2)` and `statmount(2)` (Linux 6.8): the mount table by mount id, without
 //!   formatting and parsing `/proc/self/mountinfo`.
+//! * `fchmodat2(2)` (Linux 6.6) with `AT_EMPTY_PATH`: changes the mode of the inode an `O_PATH`
+//!   descriptor holds, which `fchmod(2)` refuses.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
@@ -124,6 +126,29 @@ pub fn statmount(mnt_id: u64, mask: u64, buf: &mut [u8]) -> io::Result<()> {
             buf.as_mut_ptr(),
             buf.len(),
             0 as libc::c_uint,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// `fchmodat2(fd, "", mode, AT_EMPTY_PATH)`: sets the mode of what `fd` refers to (an `O_PATH`
+/// descriptor too). The kernel refuses a symlink (EOPNOTSUPP).
+pub fn fchmodat2_empty(fd: impl AsFd, mode: u32) -> io::Result<()> {
+    let empty = c"";
+    // SAFETY: `fd` is a live descriptor borrowed for the call; `empty` is a NUL-terminated
+    // string that outlives the call and that the kernel only reads; the mode and flags are
+    // plain integers.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_fchmodat2,
+            fd.as_fd().as_raw_fd(),
+            empty.as_ptr(),
+            mode as libc::c_uint,
+            libc::AT_EMPTY_PATH as libc::c_uint,
         )
     };
     if rc == 0 {
