@@ -370,7 +370,7 @@ impl Os for Linux {
     }
 
     fn block_device(&self, path: &Path) -> SysResult<BlockDevice> {
-        open_block(path).map(|(_, dev)| dev)
+        block_device(path)
     }
 
     fn hold_device(&self, path: &Path) -> SysResult<HeldDevice> {
@@ -459,6 +459,11 @@ impl Os for Linux {
     ) -> Result<FoundDevice, DiscoveryError> {
         discovery::find_with_udev(want, wait)
     }
+}
+
+/// Opens the block device at `path` and reports its number and size.
+pub fn block_device(path: &Path) -> SysResult<BlockDevice> {
+    open_block(path).map(|(_, dev)| dev)
 }
 
 /// Opens the block device at `path`: the descriptor, its number and size.

@@ -516,7 +516,13 @@ pub fn is_gone_errno(e: i32) -> bool {
 /// path now names another device number, is gone; a transient error (EMFILE, EIO, ENOMEM,
 /// EINTR, ...) or a size of 0 is unknown.
 pub fn device_presence<O: Os + ?Sized>(os: &O, path: &Path, rdev: (u32, u32)) -> Presence {
-    match os.block_device(path) {
+    presence_of(path, rdev, os.block_device(path))
+}
+
+/// [`device_presence`] from what opening the device at `path` gave (for a caller without an
+/// [`Os`], such as `moorctl status`, which opens it with [`linux::block_device`]).
+pub fn presence_of(path: &Path, rdev: (u32, u32), opened: SysResult<BlockDevice>) -> Presence {
+    match opened {
         Ok(d) if d.rdev != rdev => Presence::Gone(format!(
             "{} is now device {}:{}, not {}:{}",
             path.display(),
