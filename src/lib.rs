@@ -13,6 +13,7 @@
 //! * [`registration`] registers the plugin with kubelet, [`http`] serves `/healthz` and
 //!   `/metrics`, and [`metrics`] keeps the Prometheus metrics.
 
+pub mod authority;
 pub mod daemon;
 pub mod discovery;
 pub mod engine;

@@ -5,7 +5,10 @@ use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
 use tokio::net::UnixListener;
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::authority::AuthorityFix;
 
 /// Endpoint and socket errors.
 #[derive(Debug, thiserror::Error)]
@@ -88,7 +91,10 @@ pub async fn serve(
         shutdown.await;
         notify.notify_one();
     };
-    let serving = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), signal);
+    // Every connection through AuthorityFix: clients such as kubelet's plugin watcher send an
+    // :authority the HTTP/2 server would refuse (see crate::authority).
+    let incoming = UnixListenerStream::new(listener).map(|c| c.map(AuthorityFix::new));
+    let serving = router.serve_with_incoming_shutdown(incoming, signal);
     let result = tokio::select! {
         r = serving => r.map_err(ServeError::from),
         drained = async {

@@ -17,15 +17,32 @@ use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
 use moor_privileged::client::{Daemon, connect, free_port, http_get, unpublish_and_unstage};
+use moor_privileged::pathgrpc::{CallError, PathClient};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, is_block_device, is_mount_point};
 use moor_proto::csi::v1 as csi;
 use moor_proto::registration::v1 as reg;
-use reg::registration_client::RegistrationClient;
 use tonic::transport::Channel;
 
 const MIB: u64 = 1 << 20;
 const DRIVER: &str = "moor.csi.io";
+const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
+const NOTIFY: &str = "/pluginregistration.Registration/NotifyRegistrationStatus";
+
+/// kubelet's NotifyRegistrationStatus, on the connection GetInfo went over.
+fn notify(
+    client: &mut PathClient,
+    registered: bool,
+    error: &str,
+) -> Result<reg::RegistrationStatusResponse, CallError> {
+    client.unary(
+        NOTIFY,
+        &reg::RegistrationStatus {
+            plugin_registered: registered,
+            error: error.into(),
+        },
+    )
+}
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -90,21 +107,27 @@ impl<'a> Kubelet<'a> {
     }
 
     /// The plugin watcher: waits for a registration socket that answers, asks GetInfo, and
-    /// returns what it says with the still-unanswered client (the caller notifies).
-    async fn discover(&self) -> (PathBuf, RegistrationClient<Channel>, reg::PluginInfo) {
+    /// returns what it says with the still-unanswered connection (the caller notifies). It
+    /// dials as kubelet's does: grpc-go with the bare socket path as its target, so the path
+    /// is the HTTP/2 `:authority`.
+    async fn discover(&self) -> (PathBuf, PathClient, reg::PluginInfo) {
         let start = Instant::now();
+        let mut last = String::from("no socket yet");
         loop {
             for sock in self.reg_sockets() {
-                if let Ok(ch) = connect(&sock).await {
-                    let mut client = RegistrationClient::new(ch);
-                    if let Ok(info) = client.get_info(reg::InfoRequest {}).await {
-                        return (sock, client, info.into_inner());
+                match PathClient::dial(&sock) {
+                    Ok(mut client) => {
+                        match client.unary::<_, reg::PluginInfo>(GET_INFO, &reg::InfoRequest {}) {
+                            Ok(info) => return (sock, client, info),
+                            Err(e) => last = format!("GetInfo: {e}"),
+                        }
                     }
+                    Err(e) => last = format!("dial: {e}"),
                 }
             }
             assert!(
                 start.elapsed() < Duration::from_secs(30),
-                "no registration socket answered in {}",
+                "no registration socket answered in {} ({last})",
                 self.registry.display()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -138,13 +161,7 @@ impl<'a> Kubelet<'a> {
             .expect("NodeGetInfo")
             .into_inner();
         assert_eq!(ni.node_id, "node-k");
-        client
-            .notify_registration_status(reg::RegistrationStatus {
-                plugin_registered: true,
-                error: String::new(),
-            })
-            .await
-            .expect("notify");
+        notify(&mut client, true, "").expect("notify");
         Registered { info, node }
     }
 
@@ -463,12 +480,7 @@ fn a_refused_registration_stops_moor_node_with_a_failure() {
     rt.block_on(async {
         let (_, mut client, info) = k.discover().await;
         assert_eq!(info.endpoint, host_path);
-        client
-            .notify_registration_status(reg::RegistrationStatus {
-                plugin_registered: false,
-                error: "plugin version not supported".into(),
-            })
-            .await
+        notify(&mut client, false, "plugin version not supported")
             .expect("the notification is answered before moor-node stops");
     });
     drop(rt);
