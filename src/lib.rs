@@ -21,6 +21,7 @@ pub mod error;
 pub mod fault;
 pub mod guard;
 pub mod http;
+pub mod instance;
 pub mod journal;
 pub mod limits;
 pub mod metrics;

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
-use moor_privileged::client::{Daemon, connect, free_port, http_get, unpublish_and_unstage};
+use moor_privileged::client::{
+    Daemon, connect, free_port, http_get, unpublish_and_unstage, wait_for_log,
+};
 use moor_privileged::pathgrpc::{CallError, PathClient};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, is_block_device, is_mount_point};
@@ -613,6 +615,61 @@ fn moor_node_health_and_metrics_over_http() {
         "the HTTP endpoint stops with the gRPC server"
     );
     assert!(sb.mounts().is_empty());
+}
+
+/// Until kubelet registers the plugin, moor-node says it waits: `moor_registration_registered`
+/// is 0, and past --registration-timeout /healthz is not ready and the log says why. Once
+/// kubelet has registered it (over a connection that sends the socket path as :authority, as
+/// kubelet's does), both are well.
+#[test]
+fn registration_not_done_in_time_is_reported() {
+    let sb = Sandbox::new("kubelet-late");
+    let k = Kubelet::new(&sb);
+    let socket = k.csi_socket();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let args = node_args(
+        &sb,
+        &k,
+        &["--http-endpoint", &addr, "--registration-timeout", "1"],
+    );
+    let log = sb.root.join("node.log");
+    let mut daemon = Daemon::spawn_logged("moor-node", &socket, &args, &log);
+    let rt = runtime();
+    rt.block_on(daemon.wait_answering());
+    wait_http(&addr);
+    let gauge = |addr: &str| {
+        let m = http_get(addr, "/metrics").expect("metrics").body;
+        metric_line(&m, "moor_registration_registered ")
+            .unwrap_or_else(|| panic!("no registration gauge in:\n{m}"))
+            .to_string()
+    };
+    assert_eq!(gauge(&addr), "moor_registration_registered 0");
+
+    let text = wait_for_log(&log, "not registered with kubelet after 1 s", &mut daemon);
+    assert!(
+        text.contains("kubelet has not called GetInfo on the registration socket"),
+        "{text}"
+    );
+    assert!(text.contains("/healthz reports not ready"), "{text}");
+    let sick = http_get(&addr, "/healthz").expect("healthz");
+    assert_eq!(sick.status, 503, "{}", sick.body);
+    assert!(
+        sick.body
+            .contains("not registered with kubelet after 1 s: kubelet has not called GetInfo"),
+        "{}",
+        sick.body
+    );
+    assert_eq!(gauge(&addr), "moor_registration_registered 0");
+
+    rt.block_on(async {
+        k.register().await;
+    });
+    wait_for_log(&log, "registered with kubelet", &mut daemon);
+    assert_eq!(gauge(&addr), "moor_registration_registered 1");
+    let well = http_get(&addr, "/healthz").expect("healthz");
+    assert_eq!((well.status, well.body.as_str()), (200, "ok\n"));
+    drop(rt);
+    assert!(daemon.terminate().success());
 }
 
 #[test]
