@@ -14,6 +14,7 @@
 //! * [`registration`] registers the plugin with kubelet, [`http`] serves `/healthz` and
 //!   `/metrics`, and [`metrics`] keeps the Prometheus metrics.
 
+pub mod authority;
 pub mod daemon;
 pub mod discovery;
 pub mod engine;
@@ -22,6 +23,7 @@ pub mod fault;
 pub mod fsgroup;
 pub mod guard;
 pub mod http;
+pub mod instance;
 pub mod journal;
 pub mod limits;
 pub mod metrics;

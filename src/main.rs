@@ -10,11 +10,11 @@ use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::Journal;
 use moor_node::metrics::{Metered, MeteredOs};
 use moor_node::reconcile::Reconciler;
-use moor_node::registration::{self, RegistrationService};
+use moor_node::registration::{self, Progress, RegistrationService};
 use moor_node::service::{IdentityService, NodeService, OPTIONAL_TOOLS, PluginInfo, readiness};
 use moor_node::sys::Os;
 use moor_node::sys::linux::Linux;
-use moor_node::{daemon, http, server};
+use moor_node::{daemon, http, instance, server};
 use moor_proto::csi::v1::{identity_server::IdentityServer, node_server::NodeServer};
 use moor_proto::registration::v1::registration_server::RegistrationServer;
 use tokio::sync::watch;
@@ -34,9 +34,13 @@ struct Args {
     /// CSI driver name.
     #[arg(long, default_value = "moor.csi.io")]
     driver_name: String,
-    /// Where moor keeps its own records (the node journal).
+    /// Where moor keeps its own records (the node journal). One moor-node per state dir.
     #[arg(long, default_value = "/var/lib/moor")]
     state_dir: PathBuf,
+    /// While another moor-node holds the state dir, how long to wait for it to exit before
+    /// giving up, in seconds (a hand-over in a rolling update).
+    #[arg(long, default_value_t = 30)]
+    instance_wait: u64,
     /// kubelet's root dir: every staging and target path must lie under it.
     #[arg(long, default_value = "/var/lib/kubelet")]
     kubelet_dir: PathBuf,
@@ -68,6 +72,11 @@ struct Args {
     /// node-driver-registrar sidecar).
     #[arg(long)]
     registration_dir: Option<PathBuf>,
+    /// With --registration-dir: once this many seconds have passed without kubelet
+    /// registering the plugin, /healthz reports not ready (so the liveness probe restarts
+    /// it). 0: never.
+    #[arg(long, default_value_t = 120)]
+    registration_timeout: u64,
     /// The CSI socket's path on the host, as kubelet must dial it, when it differs from the
     /// --endpoint path this container sees (default: the --endpoint path).
     #[arg(long)]
@@ -83,15 +92,22 @@ struct NodeStatus<O: Os> {
     os: Arc<O>,
     state_dir: PathBuf,
     journal: Arc<Journal>,
+    /// With built-in registration: how far kubelet got.
+    registration: Option<Arc<Progress>>,
 }
 
 impl<O: Os> http::Status for NodeStatus<O> {
     fn health(&self) -> Result<(), String> {
-        readiness(self.os.as_ref(), &self.state_dir).map_or(Ok(()), Err)
+        readiness(self.os.as_ref(), &self.state_dir).map_or(Ok(()), Err)?;
+        self.registration.as_ref().map_or(Ok(()), |r| r.health())
     }
 
     fn metrics(&self) -> String {
-        moor_node::metrics::render_node(&self.journal)
+        let mut out = moor_node::metrics::render_node(&self.journal);
+        if let Some(r) = &self.registration {
+            moor_node::metrics::render_registration(&mut out, r.registered());
+        }
+        out
     }
 }
 
@@ -119,8 +135,17 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     let socket = server::parse_endpoint(&args.endpoint)?;
-    std::fs::create_dir_all(&args.state_dir)
+    let state_dir = std::path::absolute(&args.state_dir)
         .map_err(|e| format!("state dir {}: {e}", args.state_dir.display()))?;
+    std::fs::create_dir_all(&state_dir)
+        .map_err(|e| format!("state dir {}: {e}", state_dir.display()))?;
+    // Before anything else touches the state dir or a socket: one moor-node per state dir.
+    let instance = instance::acquire(
+        &state_dir,
+        "moor-node",
+        Duration::from_secs(args.instance_wait),
+    )
+    .await?;
     let registration = match &args.registration_dir {
         Some(dir) => {
             let reg_socket = registration::socket_path(dir, &args.driver_name)?;
@@ -135,17 +160,12 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         None => None,
     };
     let os = Arc::new(MeteredOs::new(Linux::new(&args.kubelet_dir)?));
-    let (journal, problems) = Journal::open(&args.state_dir, args.journal_fsync)?;
+    let (journal, problems) = Journal::open(&state_dir, args.journal_fsync)?;
     for p in &problems {
         warn!(file = %p.path.display(), line = p.line, error = %p.error,
             "journal line unreadable; log kept as journal.log.corrupt, rebuilding from the mount table");
     }
     let journal = Arc::new(journal);
-    let status = NodeStatus {
-        os: Arc::clone(&os),
-        state_dir: args.state_dir.clone(),
-        journal: Arc::clone(&journal),
-    };
     for tool in OPTIONAL_TOOLS {
         if !os.has_program(tool) {
             warn!(
@@ -154,7 +174,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             );
         }
     }
-    if let Some(reason) = readiness(os.as_ref(), &args.state_dir) {
+    if let Some(reason) = readiness(os.as_ref(), &state_dir) {
         warn!(reason, "not ready");
     }
     let info = PluginInfo {
@@ -162,7 +182,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         node_id: args.node_id.clone(),
         max_volumes: args.max_volumes,
         topology_key: format!("topology.{}/node", args.driver_name),
-        state_dir: args.state_dir.clone(),
+        state_dir: state_dir.clone(),
     };
     let cfg = EngineConfig {
         kubelet_dir: args.kubelet_dir.clone(),
@@ -171,7 +191,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         resize_deadline: Duration::from_secs(args.tool_timeout),
         discovery_deadline: Duration::from_secs(args.device_wait),
     };
-    let engine = Arc::new(Engine::new(Arc::clone(&os), journal, cfg));
+    let engine = Arc::new(Engine::new(Arc::clone(&os), Arc::clone(&journal), cfg));
     // Before serving: finish or roll back what a crash cut short, clean what is corrupted.
     let reconciler = Arc::new(Reconciler::new(Arc::clone(&engine), &args.driver_name));
     reconciler.pass(true).await;
@@ -212,22 +232,38 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         });
     }
     // The registration socket comes last: kubelet may dial the CSI socket as soon as it sees it.
+    let mut progress = None;
     let reg = match registration {
         Some((reg_socket, kubelet_path)) => {
+            let deadline = (args.registration_timeout > 0)
+                .then(|| Duration::from_secs(args.registration_timeout));
+            let p = Arc::new(Progress::new(deadline));
             let service = RegistrationService::new(
                 args.driver_name.clone(),
                 kubelet_path.display().to_string(),
                 failed_tx.clone(),
+                Arc::clone(&p),
             );
             let reg_listener = server::bind_unix(&reg_socket).inspect_err(|_| {
                 let _ = std::fs::remove_file(&socket);
             })?;
             info!(socket = %reg_socket.display(), csi_endpoint = %kubelet_path.display(), "serving kubelet plugin registration");
+            tokio::spawn(registration::log_while_waiting(
+                Arc::clone(&p),
+                reg_socket.clone(),
+            ));
+            progress = Some(p);
             let router = tonic::transport::Server::builder()
                 .add_service(Metered::new(RegistrationServer::new(service)));
             Some((router, reg_listener, reg_socket))
         }
         None => None,
+    };
+    let status = NodeStatus {
+        os: Arc::clone(&os),
+        state_dir: state_dir.clone(),
+        journal,
+        registration: progress,
     };
     let grace = Duration::from_secs(args.shutdown_grace);
     let grpc = async {
@@ -268,6 +304,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     grpc?;
     reg?;
     info!("moor-node stopped cleanly");
+    drop(instance);
     Ok(())
 }
 
@@ -278,6 +315,7 @@ mod tests {
     #[test]
     fn registration_and_http_are_off_by_default() {
         let a = Args::try_parse_from(["moor-node", "--node-id", "n"]).unwrap();
+        assert_eq!((a.instance_wait, a.registration_timeout), (30, 120));
         assert_eq!(
             (
                 a.registration_dir,

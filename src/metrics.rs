@@ -360,6 +360,16 @@ pub fn render_node(journal: &Journal) -> String {
     out
 }
 
+/// The built-in registration's gauge: 1 once kubelet has confirmed the registration.
+pub fn render_registration(out: &mut String, registered: bool) {
+    render_gauge(
+        out,
+        "moor_registration_registered",
+        "1 once kubelet has registered the plugin (built-in registration), 0 until then.",
+        u64::from(registered),
+    );
+}
+
 /// The controller's scrape: the gRPC families of the process registry.
 pub fn render_grpc() -> String {
     let mut out = String::new();
@@ -697,6 +707,24 @@ mod tests {
 
     fn lines(text: &str) -> Vec<&str> {
         text.lines().collect()
+    }
+
+    #[test]
+    fn the_registration_gauge() {
+        let mut out = String::new();
+        render_registration(&mut out, false);
+        assert_eq!(
+            lines(&out),
+            [
+                "# HELP moor_registration_registered 1 once kubelet has registered the plugin \
+                 (built-in registration), 0 until then.",
+                "# TYPE moor_registration_registered gauge",
+                "moor_registration_registered 0",
+            ]
+        );
+        out.clear();
+        render_registration(&mut out, true);
+        assert_eq!(lines(&out)[2], "moor_registration_registered 1");
     }
 
     /// A service answering every request with a body of one frame.

@@ -7,13 +7,22 @@
 //! reports a failed registration, moor-node logs it and stops with a failure exit code, so the
 //! pod restarts and registration is tried afresh. Removing the socket (on shutdown) makes
 //! kubelet deregister the plugin.
+//!
+//! Until kubelet has confirmed the registration, [`Progress`] says how far it got: moor-node
+//! logs that it waits (ever less often, see [`log_while_waiting`]), `/metrics` has
+//! `moor_registration_registered 0`, and once the deadline has passed `/healthz` reports not
+//! ready, so a node plugin kubelet never registers is restarted rather than left serving
+//! nobody.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use moor_proto::registration::v1 as reg;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// The plugin type kubelet's CSI plugin handler registers.
 pub const PLUGIN_TYPE: &str = "CSIPlugin";
@@ -41,26 +50,131 @@ pub fn socket_path(dir: &Path, driver_name: &str) -> Result<PathBuf, Registratio
     Ok(dir.join(format!("{driver_name}-reg.sock")))
 }
 
+/// How far kubelet got with registering the plugin.
+#[derive(Debug)]
+pub struct Progress {
+    started: Instant,
+    deadline: Option<Duration>,
+    asked: AtomicBool,
+    registered: AtomicBool,
+}
+
+impl Progress {
+    /// Nothing yet, counting from now; past `deadline` (None: never) an unregistered plugin is
+    /// not healthy.
+    pub fn new(deadline: Option<Duration>) -> Self {
+        Self {
+            started: Instant::now(),
+            deadline,
+            asked: AtomicBool::new(false),
+            registered: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether kubelet has confirmed the registration (NotifyRegistrationStatus, registered).
+    pub fn registered(&self) -> bool {
+        self.registered.load(Ordering::Relaxed)
+    }
+
+    /// Whether kubelet has asked GetInfo.
+    pub fn asked(&self) -> bool {
+        self.asked.load(Ordering::Relaxed)
+    }
+
+    /// What is still missing, or None once registered.
+    pub fn missing(&self) -> Option<&'static str> {
+        if self.registered() {
+            None
+        } else if self.asked() {
+            Some("kubelet called GetInfo but has not confirmed the registration")
+        } else {
+            Some("kubelet has not called GetInfo on the registration socket")
+        }
+    }
+
+    /// Why the plugin is not healthy at `now`: not registered past the deadline.
+    pub fn overdue_at(&self, now: Instant) -> Option<String> {
+        let deadline = self.deadline?;
+        let missing = self.missing()?;
+        (now.saturating_duration_since(self.started) >= deadline).then(|| {
+            format!(
+                "not registered with kubelet after {} s: {missing}",
+                deadline.as_secs()
+            )
+        })
+    }
+
+    /// Ok unless not registered past the deadline.
+    pub fn health(&self) -> Result<(), String> {
+        self.overdue_at(Instant::now()).map_or(Ok(()), Err)
+    }
+}
+
+/// How long after the `n`th waiting log line (0: the start) the next comes: 15 s, doubling up
+/// to 5 min; never later than the deadline, which is logged when it passes.
+pub fn next_log_after(n: u32, waited: Duration, deadline: Option<Duration>) -> Duration {
+    let step = Duration::from_secs(15)
+        .saturating_mul(1 << n.min(5))
+        .min(Duration::from_secs(300));
+    match deadline {
+        Some(d) if waited < d => step.min(d - waited),
+        _ => step,
+    }
+}
+
+/// Logs, ever less often, that the plugin waits for kubelet to register it, naming the
+/// registration socket and what kubelet has done so far; says so when the deadline passes.
+/// Returns once registered.
+pub async fn log_while_waiting(progress: Arc<Progress>, socket: PathBuf) {
+    let mut n = 0;
+    let mut deadline_told = false;
+    loop {
+        let wait = next_log_after(n, progress.started.elapsed(), progress.deadline);
+        tokio::time::sleep(wait).await;
+        n += 1;
+        let Some(missing) = progress.missing() else {
+            return;
+        };
+        let waited_s = progress.started.elapsed().as_secs();
+        match progress.overdue_at(Instant::now()) {
+            Some(why) if !deadline_told => {
+                deadline_told = true;
+                error!(socket = %socket.display(), waited_s, "{why}; /healthz reports not ready");
+            }
+            _ => warn!(
+                socket = %socket.display(),
+                waited_s,
+                "waiting for kubelet to register the plugin: {missing} (is --registration-dir \
+                 kubelet's plugins_registry?)"
+            ),
+        }
+    }
+}
+
 /// The Registration service.
 #[derive(Debug)]
 pub struct RegistrationService {
     driver_name: String,
     endpoint: String,
     failed: watch::Sender<Option<String>>,
+    progress: Arc<Progress>,
 }
 
 impl RegistrationService {
     /// The service for `driver_name`, announcing `endpoint` (the CSI socket's path as kubelet
-    /// sees it). A failed registration is published on `failed`.
+    /// sees it). A failed registration is published on `failed`; how far kubelet got, on
+    /// `progress`.
     pub fn new(
         driver_name: impl Into<String>,
         endpoint: impl Into<String>,
         failed: watch::Sender<Option<String>>,
+        progress: Arc<Progress>,
     ) -> Self {
         Self {
             driver_name: driver_name.into(),
             endpoint: endpoint.into(),
             failed,
+            progress,
         }
     }
 }
@@ -71,6 +185,13 @@ impl reg::registration_server::Registration for RegistrationService {
         &self,
         _: Request<reg::InfoRequest>,
     ) -> Result<Response<reg::PluginInfo>, Status> {
+        if !self.progress.asked.swap(true, Ordering::Relaxed) {
+            info!(
+                driver = self.driver_name,
+                endpoint = self.endpoint,
+                "kubelet asked for the plugin's info (GetInfo)"
+            );
+        }
         Ok(Response::new(reg::PluginInfo {
             r#type: PLUGIN_TYPE.to_string(),
             name: self.driver_name.clone(),
@@ -88,6 +209,7 @@ impl reg::registration_server::Registration for RegistrationService {
     ) -> Result<Response<reg::RegistrationStatusResponse>, Status> {
         let status = request.into_inner();
         if status.plugin_registered {
+            self.progress.registered.store(true, Ordering::Relaxed);
             info!(
                 driver = self.driver_name,
                 endpoint = self.endpoint,
@@ -118,7 +240,14 @@ mod tests {
     #[tokio::test]
     async fn get_info_names_the_driver_socket_and_versions() {
         let (tx, _rx) = watch::channel(None);
-        let s = RegistrationService::new("moor.csi.io", "/var/lib/kubelet/plugins/m/csi.sock", tx);
+        let progress = Arc::new(Progress::new(None));
+        let s = RegistrationService::new(
+            "moor.csi.io",
+            "/var/lib/kubelet/plugins/m/csi.sock",
+            tx,
+            Arc::clone(&progress),
+        );
+        assert!(!progress.asked());
         let info = s
             .get_info(Request::new(reg::InfoRequest {}))
             .await
@@ -128,12 +257,14 @@ mod tests {
         assert_eq!(info.name, "moor.csi.io");
         assert_eq!(info.endpoint, "/var/lib/kubelet/plugins/m/csi.sock");
         assert_eq!(info.supported_versions, vec!["1.0.0".to_string()]);
+        assert!(progress.asked() && !progress.registered());
     }
 
     #[tokio::test]
     async fn a_refused_registration_is_reported_and_a_success_is_not() {
         let (tx, rx) = watch::channel(None);
-        let s = RegistrationService::new("moor.csi.io", "/csi.sock", tx);
+        let progress = Arc::new(Progress::new(None));
+        let s = RegistrationService::new("moor.csi.io", "/csi.sock", tx, Arc::clone(&progress));
         s.notify_registration_status(Request::new(reg::RegistrationStatus {
             plugin_registered: true,
             error: String::new(),
@@ -141,6 +272,7 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(*rx.borrow(), None);
+        assert!(progress.registered());
         s.notify_registration_status(Request::new(reg::RegistrationStatus {
             plugin_registered: false,
             error: "version 0.9 not supported".into(),
@@ -155,6 +287,57 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(rx.borrow().as_deref(), Some("kubelet gave no reason"));
+    }
+
+    #[tokio::test]
+    async fn unregistered_past_the_deadline_is_not_healthy() {
+        let (tx, _rx) = watch::channel(None);
+        let progress = Arc::new(Progress::new(Some(Duration::from_secs(120))));
+        let s = RegistrationService::new("moor.csi.io", "/csi.sock", tx, Arc::clone(&progress));
+        let start = progress.started;
+        let later = start + Duration::from_secs(120);
+        assert_eq!(progress.overdue_at(start + Duration::from_secs(119)), None);
+        let why = progress.overdue_at(later).expect("overdue");
+        assert!(why.contains("after 120 s"), "{why}");
+        assert!(why.contains("has not called GetInfo"), "{why}");
+        s.get_info(Request::new(reg::InfoRequest {})).await.unwrap();
+        let why = progress.overdue_at(later).expect("still overdue");
+        assert!(
+            why.contains("called GetInfo but has not confirmed"),
+            "{why}"
+        );
+        // A refusal does not register.
+        s.notify_registration_status(Request::new(reg::RegistrationStatus {
+            plugin_registered: false,
+            error: "no".into(),
+        }))
+        .await
+        .unwrap();
+        assert!(progress.overdue_at(later).is_some());
+        s.notify_registration_status(Request::new(reg::RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        }))
+        .await
+        .unwrap();
+        assert_eq!(progress.overdue_at(later), None);
+        assert_eq!(progress.missing(), None);
+        // No deadline: never unhealthy.
+        let never = Progress::new(None);
+        assert_eq!(never.overdue_at(later + Duration::from_secs(1 << 20)), None);
+    }
+
+    #[test]
+    fn waiting_is_logged_ever_less_often_and_when_the_deadline_passes() {
+        let s = Duration::from_secs;
+        let none: Vec<u64> = (0..8)
+            .map(|n| next_log_after(n, s(0), None).as_secs())
+            .collect();
+        assert_eq!(none, [15, 30, 60, 120, 240, 300, 300, 300]);
+        // Never past the deadline: the line that says it passed comes on time.
+        assert_eq!(next_log_after(2, s(100), Some(s(120))), s(20));
+        assert_eq!(next_log_after(0, s(0), Some(s(1))), s(1));
+        assert_eq!(next_log_after(3, s(130), Some(s(120))), s(120));
     }
 
     #[test]

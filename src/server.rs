@@ -5,7 +5,10 @@ use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
 use tokio::net::UnixListener;
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::authority::AuthorityFix;
 
 /// Endpoint and socket errors.
 #[derive(Debug, thiserror::Error)]
@@ -16,6 +19,9 @@ pub enum ServeError {
     /// Something that is not a socket is in the way.
     #[error("{0} exists and is not a socket; refusing to replace it")]
     NotASocket(PathBuf),
+    /// A live socket is in the way: another process serves there.
+    #[error("another process serves on {0}; refusing to replace its socket")]
+    InUse(PathBuf),
     /// A socket step failed.
     #[error("{step} {path}: {source}")]
     Socket {
@@ -44,7 +50,29 @@ pub fn parse_endpoint(endpoint: &str) -> Result<PathBuf, ServeError> {
     Ok(PathBuf::from(path))
 }
 
-/// Binds a Unix socket at `path`: a stale socket is replaced, the mode is 0660.
+/// Whether something accepts connections on the socket at `path` (without waiting: a full
+/// backlog counts as live).
+fn answers(path: &Path) -> bool {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let Ok(addr) = SocketAddrUnix::new(path) else {
+        return false;
+    };
+    let Ok(sock) = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+        None,
+    ) else {
+        return false;
+    };
+    match rustix::net::connect(&sock, &addr) {
+        Ok(()) => true,
+        Err(e) => e == rustix::io::Errno::AGAIN || e == rustix::io::Errno::INPROGRESS,
+    }
+}
+
+/// Binds a Unix socket at `path`: a stale socket (one nothing accepts on) is replaced, a live
+/// one is not; the mode is 0660.
 pub fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
     let sock_err = |step, source| ServeError::Socket {
         step,
@@ -53,6 +81,9 @@ pub fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
     };
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
+            if answers(path) {
+                return Err(ServeError::InUse(path.to_path_buf()));
+            }
             std::fs::remove_file(path).map_err(|e| sock_err("remove stale socket", e))?;
         }
         Ok(_) => return Err(ServeError::NotASocket(path.to_path_buf())),
@@ -88,7 +119,10 @@ pub async fn serve(
         shutdown.await;
         notify.notify_one();
     };
-    let serving = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), signal);
+    // Every connection through AuthorityFix: clients such as kubelet's plugin watcher send an
+    // :authority the HTTP/2 server would refuse (see crate::authority).
+    let incoming = UnixListenerStream::new(listener).map(|c| c.map(AuthorityFix::new));
+    let serving = router.serve_with_incoming_shutdown(incoming, signal);
     let result = tokio::select! {
         r = serving => r.map_err(ServeError::from),
         drained = async {
@@ -165,5 +199,34 @@ mod tests {
         );
         assert!(parse_endpoint("tcp://0.0.0.0:10000").is_err());
         assert!(parse_endpoint("unix://relative").is_err());
+    }
+
+    #[tokio::test]
+    async fn a_stale_socket_is_replaced_and_a_live_one_is_not() {
+        let dir = std::env::temp_dir().join(format!("moor-bind-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.sock");
+        // Bound, then closed: nothing accepts there any more.
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert!(!answers(&path));
+        let live = bind_unix(&path).expect("the stale socket is replaced");
+        assert!(answers(&path));
+        match bind_unix(&path) {
+            Err(ServeError::InUse(p)) => assert_eq!(p, path),
+            other => panic!("a live socket must not be replaced: {other:?}"),
+        }
+        // The first listener still has its socket.
+        let client = tokio::net::UnixStream::connect(&path)
+            .await
+            .expect("still served");
+        let (_accepted, _) = live.accept().await.expect("accepted by the first");
+        drop(client);
+        std::fs::write(dir.join("file"), b"").unwrap();
+        assert!(matches!(
+            bind_unix(&dir.join("file")),
+            Err(ServeError::NotASocket(_))
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -36,6 +36,10 @@ pub struct PluginInfo {
     pub state_dir: PathBuf,
 }
 
+/// The GetPluginInfo manifest key naming the node's state dir (where `moorctl status` finds
+/// the journal).
+pub const MANIFEST_STATE_DIR: &str = "state_dir";
+
 /// Tools the node needs for its default filesystem; Probe is not ready without them.
 pub const REQUIRED_TOOLS: [&str; 2] = ["mkfs.ext4", "resize2fs"];
 /// Tools for the other filesystems; their absence is logged.
@@ -151,7 +155,13 @@ impl<O: Os> csi::identity_server::Identity for IdentityService<O> {
         Ok(Response::new(csi::GetPluginInfoResponse {
             name: self.info.driver_name.clone(),
             vendor_version: env!("CARGO_PKG_VERSION").to_string(),
-            manifest: HashMap::from([("component".to_string(), "node".to_string())]),
+            manifest: HashMap::from([
+                ("component".to_string(), "node".to_string()),
+                (
+                    MANIFEST_STATE_DIR.to_string(),
+                    self.info.state_dir.display().to_string(),
+                ),
+            ]),
         }))
     }
 

@@ -1665,6 +1665,29 @@ async fn probe_answers_failed_precondition_when_a_required_tool_is_missing() {
     assert_eq!(caps.len(), 3);
 }
 
+#[tokio::test]
+async fn plugin_info_names_the_node_and_its_state_dir() {
+    use csi::identity_server::Identity as _;
+    let h = harness();
+    let identity = crate::service::IdentityService::new(h.info.clone(), Arc::clone(&h.os));
+    let info = identity
+        .get_plugin_info(Request::new(csi::GetPluginInfoRequest {}))
+        .await
+        .expect("info")
+        .into_inner();
+    assert_eq!(info.name, h.info.driver_name);
+    assert_eq!(
+        info.manifest,
+        HashMap::from([
+            ("component".to_string(), "node".to_string()),
+            (
+                "state_dir".to_string(),
+                h.info.state_dir.display().to_string()
+            ),
+        ])
+    );
+}
+
 // ---- Hostile input ----
 
 /// A secret value no log line, error or metric may contain.

@@ -11,7 +11,7 @@ use moor_controller::embedded::{Config, EmbeddedBackend};
 use moor_controller::identity::IdentityService;
 use moor_controller::service::ControllerService;
 use moor_node::metrics::Metered;
-use moor_node::{daemon, http, server};
+use moor_node::{daemon, http, instance, server};
 use moor_proto::csi::v1::controller_server::ControllerServer;
 use moor_proto::csi::v1::identity_server::IdentityServer;
 use tracing::{info, warn};
@@ -31,9 +31,14 @@ struct Args {
     /// The node the embedded backend attaches volumes to (this host's node id).
     #[arg(long, env = "NODE_ID")]
     node_id: String,
-    /// Where the embedded backend keeps volumes, snapshots and its records.
+    /// Where the embedded backend keeps volumes, snapshots and its records. One
+    /// moor-controller per data dir.
     #[arg(long, default_value = "/var/lib/moor/controller")]
     data_dir: PathBuf,
+    /// While another moor-controller holds the data dir, how long to wait for it to exit
+    /// before giving up, in seconds (a hand-over in a rolling update).
+    #[arg(long, default_value_t = 30)]
+    instance_wait: u64,
     /// Log format.
     #[arg(long, value_enum, default_value_t = daemon::LogFormat::Text)]
     log_format: daemon::LogFormat,
@@ -97,6 +102,17 @@ fn main() -> ExitCode {
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     check_names(&args.driver_name, &args.node_id)?;
     let socket = server::parse_endpoint(&args.endpoint)?;
+    // Before anything else touches the data dir or a socket: one moor-controller per data dir.
+    std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+        .create(&args.data_dir)
+        .map_err(|e| format!("data dir {}: {e}", args.data_dir.display()))?;
+    moor_controller::backend::check_data_dir(&args.data_dir)?;
+    let instance = instance::acquire(
+        &args.data_dir,
+        "moor-controller",
+        Duration::from_secs(args.instance_wait),
+    )
+    .await?;
     let config = Config {
         data_dir: args.data_dir.clone(),
         node_id: args.node_id.clone(),
@@ -169,6 +185,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let (grpc, ()) = tokio::join!(grpc, web);
     grpc?;
     info!("moor-controller stopped cleanly");
+    drop(instance);
     Ok(())
 }
 
@@ -207,6 +224,7 @@ mod tests {
         assert_eq!(a.driver_name, "moor.csi.io");
         assert_eq!(a.node_id, "n1");
         assert_eq!(a.http_endpoint, None, "off by default");
+        assert_eq!(a.instance_wait, 30);
         let a = Args::try_parse_from([
             "moor-controller",
             "--node-id",

@@ -125,6 +125,50 @@ impl Daemon {
         d
     }
 
+    /// Starts `program` with `--endpoint` at `socket` and `args`, its stderr in `log`, and
+    /// returns at once: it may not serve yet (see [`Daemon::wait_answering`]).
+    pub fn spawn_logged(
+        program: &str,
+        socket: &Path,
+        args: &[impl AsRef<OsStr>],
+        log: &Path,
+    ) -> Self {
+        let bin = binary(program);
+        assert!(
+            bin.exists(),
+            "{} is not built (cargo build --bins)",
+            bin.display()
+        );
+        let child = Command::new(bin)
+            .arg("--endpoint")
+            .arg(format!("unix://{}", socket.display()))
+            .args(args)
+            .stdin(Stdio::null())
+            .stderr(std::fs::File::create(log).expect("log file"))
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+        Self {
+            child,
+            socket: socket.to_path_buf(),
+        }
+    }
+
+    /// Waits until the socket answers; panics if the process exits first (or after 30 s).
+    pub async fn wait_answering(&mut self) {
+        let start = Instant::now();
+        while connect(&self.socket).await.is_err() {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("exited before it served: {status}");
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "{} never answered",
+                self.socket.display()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Sends SIGTERM and waits for the exit status.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
@@ -140,6 +184,26 @@ impl Drop for Daemon {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+    }
+}
+
+/// Waits until `log` has a line containing `needle`; panics if `daemon` exits first (or after
+/// 30 s).
+pub fn wait_for_log(log: &Path, needle: &str, daemon: &mut Daemon) -> String {
+    let start = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.contains(needle) {
+            return text;
+        }
+        if let Ok(Some(status)) = daemon.child.try_wait() {
+            panic!("exited ({status}) before logging {needle:?}: {text}");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no {needle:?} in: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 pub mod bench;
 pub mod client;
+pub mod pathgrpc;
 pub mod requests;
 pub mod sys;
 

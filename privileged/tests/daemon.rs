@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
-use moor_privileged::client::{Daemon, connect, unpublish_and_unstage};
+use moor_privileged::client::{Daemon, connect, unpublish_and_unstage, wait_for_log};
 use moor_privileged::requests::unstage_req;
 use moor_privileged::{Sandbox, is_mount_point, processes_mentioning};
 use moor_proto::csi::v1 as csi;
@@ -313,4 +313,136 @@ fn stages_stuck_in_mkfs_leave_the_server_answering() {
         assert!(daemon.terminate().success());
     });
     assert!(processes_mentioning(&mkfs.display().to_string()).is_empty());
+}
+
+/// What tells one socket from another bound at the same path later.
+fn inode(path: &std::path::Path) -> u64 {
+    std::os::unix::fs::MetadataExt::ino(&std::fs::symlink_metadata(path).expect("socket"))
+}
+
+/// A second moor-node on the same state dir (a rolling update that starts the new pod first)
+/// neither serves nor touches the journal while the first lives; once the first exits it takes
+/// over and serves, with the first's records.
+#[test]
+fn a_second_moor_node_on_the_state_dir_waits_and_takes_over() {
+    let sb = Sandbox::new("instance-takeover");
+    let dev = sb.loop_device("t.img", 64 * MIB);
+    let first_socket = sb.root.join("first.sock");
+    let second_socket = sb.root.join("second.sock");
+    let staging = sb.staging("pv");
+    let rt = moor_privileged::runtime();
+    let mut first = rt.block_on(Daemon::start(&first_socket, &sb.node_args("node-a", &[])));
+    let stage = moor_privileged::bench::stage_req("vol-t", &dev, &staging, "ext4");
+    rt.block_on(async {
+        let mut node = NodeClient::new(connect(&first_socket).await.expect("connect"));
+        node.node_stage_volume(stage.clone()).await.expect("stage");
+    });
+    let journal = sb.state.join("journal.log");
+    let journal_before = std::fs::read(&journal).expect("journal");
+    let lock = sb.state.join("instance.lock");
+    assert_eq!(
+        std::fs::read_to_string(&lock).expect("lock file").trim(),
+        first.child.id().to_string()
+    );
+
+    let log = sb.root.join("second.log");
+    let mut second = Daemon::spawn_logged(
+        "moor-node",
+        &second_socket,
+        &sb.node_args("node-a", &["--instance-wait", "600"]),
+        &log,
+    );
+    let text = wait_for_log(&log, "holds this dir; waiting for it to exit", &mut second);
+    assert!(text.contains(&first.child.id().to_string()), "{text}");
+    // Waiting: no socket, no journal write, no reconciliation; the first serves on.
+    assert!(!second_socket.exists(), "{text}");
+    assert!(!text.contains("reconciled"), "{text}");
+    assert_eq!(std::fs::read(&journal).expect("journal"), journal_before);
+    rt.block_on(async {
+        let mut id = IdentityClient::new(connect(&first_socket).await.expect("connect"));
+        id.probe(csi::ProbeRequest {})
+            .await
+            .expect("the first serves");
+    });
+
+    assert!(first.terminate().success());
+    rt.block_on(async {
+        second.wait_answering().await;
+        let mut node = NodeClient::new(connect(&second_socket).await.expect("connect"));
+        // The first's records are the second's: a retried stage is a no-op, unstage works.
+        node.node_stage_volume(stage).await.expect("stage retry");
+        assert_eq!(sb.mounts().iter().filter(|m| **m == staging).count(), 1);
+        node.node_unstage_volume(unstage_req("vol-t", &staging))
+            .await
+            .expect("unstage");
+    });
+    assert_eq!(
+        std::fs::read_to_string(&lock).expect("lock file").trim(),
+        second.child.id().to_string()
+    );
+    drop(rt);
+    assert!(second.terminate().success());
+    assert!(sb.mounts().is_empty());
+}
+
+/// Past --instance-wait a second instance gives up with an error naming the dir and the
+/// holder, and leaves the first's socket alone; moor-controller alike on its data dir.
+#[test]
+fn a_second_instance_that_waits_too_long_exits_naming_the_holder() {
+    let sb = Sandbox::new("instance-refused");
+    let socket = sb.root.join("csi.sock");
+    let rt = moor_privileged::runtime();
+    let mut first = rt.block_on(Daemon::start(&socket, &sb.node_args("node-a", &[])));
+    let before = inode(&socket);
+    let log = sb.root.join("second.log");
+    let mut second = Daemon::spawn_logged(
+        "moor-node",
+        &socket,
+        &sb.node_args("node-a", &["--instance-wait", "0"]),
+        &log,
+    );
+    let status = second.child.wait().expect("wait");
+    let text = std::fs::read_to_string(&log).expect("log");
+    assert!(
+        !status.success() && status.code().is_some(),
+        "{status:?}: {text}"
+    );
+    let want = format!(
+        "another moor-node (pid {}) holds {}",
+        first.child.id(),
+        sb.state.display()
+    );
+    assert!(text.contains(&want), "{want:?} not in: {text}");
+    assert_eq!(inode(&socket), before, "the first's socket is left alone");
+    rt.block_on(async {
+        let mut id = IdentityClient::new(connect(&socket).await.expect("connect"));
+        id.probe(csi::ProbeRequest {})
+            .await
+            .expect("the first serves");
+    });
+    assert!(first.terminate().success());
+
+    let data = sb.data.join("controller").display().to_string();
+    let csocket = sb.root.join("controller.sock");
+    let args = ["--node-id", "node-c", "--data-dir", data.as_str()];
+    let mut controller = rt.block_on(Daemon::start_program("moor-controller", &csocket, &args));
+    let before = inode(&csocket);
+    let log = sb.root.join("controller2.log");
+    let mut args2 = args.to_vec();
+    args2.extend(["--instance-wait", "0"]);
+    let mut second = Daemon::spawn_logged("moor-controller", &csocket, &args2, &log);
+    let status = second.child.wait().expect("wait");
+    let text = std::fs::read_to_string(&log).expect("log");
+    assert!(
+        !status.success() && status.code().is_some(),
+        "{status:?}: {text}"
+    );
+    let want = format!(
+        "another moor-controller (pid {}) holds {data}",
+        controller.child.id()
+    );
+    assert!(text.contains(&want), "{want:?} not in: {text}");
+    assert_eq!(inode(&csocket), before);
+    drop(rt);
+    assert!(controller.terminate().success());
 }

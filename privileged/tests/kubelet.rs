@@ -16,16 +16,35 @@ use std::time::{Duration, Instant};
 use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
-use moor_privileged::client::{Daemon, connect, free_port, http_get, unpublish_and_unstage};
+use moor_privileged::client::{
+    Daemon, connect, free_port, http_get, unpublish_and_unstage, wait_for_log,
+};
+use moor_privileged::pathgrpc::{CallError, PathClient};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, is_block_device, is_mount_point};
 use moor_proto::csi::v1 as csi;
 use moor_proto::registration::v1 as reg;
-use reg::registration_client::RegistrationClient;
 use tonic::transport::Channel;
 
 const MIB: u64 = 1 << 20;
 const DRIVER: &str = "moor.csi.io";
+const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
+const NOTIFY: &str = "/pluginregistration.Registration/NotifyRegistrationStatus";
+
+/// kubelet's NotifyRegistrationStatus, on the connection GetInfo went over.
+fn notify(
+    client: &mut PathClient,
+    registered: bool,
+    error: &str,
+) -> Result<reg::RegistrationStatusResponse, CallError> {
+    client.unary(
+        NOTIFY,
+        &reg::RegistrationStatus {
+            plugin_registered: registered,
+            error: error.into(),
+        },
+    )
+}
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -90,21 +109,27 @@ impl<'a> Kubelet<'a> {
     }
 
     /// The plugin watcher: waits for a registration socket that answers, asks GetInfo, and
-    /// returns what it says with the still-unanswered client (the caller notifies).
-    async fn discover(&self) -> (PathBuf, RegistrationClient<Channel>, reg::PluginInfo) {
+    /// returns what it says with the still-unanswered connection (the caller notifies). It
+    /// dials as kubelet's does: grpc-go with the bare socket path as its target, so the path
+    /// is the HTTP/2 `:authority`.
+    async fn discover(&self) -> (PathBuf, PathClient, reg::PluginInfo) {
         let start = Instant::now();
+        let mut last = String::from("no socket yet");
         loop {
             for sock in self.reg_sockets() {
-                if let Ok(ch) = connect(&sock).await {
-                    let mut client = RegistrationClient::new(ch);
-                    if let Ok(info) = client.get_info(reg::InfoRequest {}).await {
-                        return (sock, client, info.into_inner());
+                match PathClient::dial(&sock) {
+                    Ok(mut client) => {
+                        match client.unary::<_, reg::PluginInfo>(GET_INFO, &reg::InfoRequest {}) {
+                            Ok(info) => return (sock, client, info),
+                            Err(e) => last = format!("GetInfo: {e}"),
+                        }
                     }
+                    Err(e) => last = format!("dial: {e}"),
                 }
             }
             assert!(
                 start.elapsed() < Duration::from_secs(30),
-                "no registration socket answered in {}",
+                "no registration socket answered in {} ({last})",
                 self.registry.display()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -138,13 +163,7 @@ impl<'a> Kubelet<'a> {
             .expect("NodeGetInfo")
             .into_inner();
         assert_eq!(ni.node_id, "node-k");
-        client
-            .notify_registration_status(reg::RegistrationStatus {
-                plugin_registered: true,
-                error: String::new(),
-            })
-            .await
-            .expect("notify");
+        notify(&mut client, true, "").expect("notify");
         Registered { info, node }
     }
 
@@ -463,12 +482,7 @@ fn a_refused_registration_stops_moor_node_with_a_failure() {
     rt.block_on(async {
         let (_, mut client, info) = k.discover().await;
         assert_eq!(info.endpoint, host_path);
-        client
-            .notify_registration_status(reg::RegistrationStatus {
-                plugin_registered: false,
-                error: "plugin version not supported".into(),
-            })
-            .await
+        notify(&mut client, false, "plugin version not supported")
             .expect("the notification is answered before moor-node stops");
     });
     drop(rt);
@@ -601,6 +615,61 @@ fn moor_node_health_and_metrics_over_http() {
         "the HTTP endpoint stops with the gRPC server"
     );
     assert!(sb.mounts().is_empty());
+}
+
+/// Until kubelet registers the plugin, moor-node says it waits: `moor_registration_registered`
+/// is 0, and past --registration-timeout /healthz is not ready and the log says why. Once
+/// kubelet has registered it (over a connection that sends the socket path as :authority, as
+/// kubelet's does), both are well.
+#[test]
+fn registration_not_done_in_time_is_reported() {
+    let sb = Sandbox::new("kubelet-late");
+    let k = Kubelet::new(&sb);
+    let socket = k.csi_socket();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let args = node_args(
+        &sb,
+        &k,
+        &["--http-endpoint", &addr, "--registration-timeout", "1"],
+    );
+    let log = sb.root.join("node.log");
+    let mut daemon = Daemon::spawn_logged("moor-node", &socket, &args, &log);
+    let rt = runtime();
+    rt.block_on(daemon.wait_answering());
+    wait_http(&addr);
+    let gauge = |addr: &str| {
+        let m = http_get(addr, "/metrics").expect("metrics").body;
+        metric_line(&m, "moor_registration_registered ")
+            .unwrap_or_else(|| panic!("no registration gauge in:\n{m}"))
+            .to_string()
+    };
+    assert_eq!(gauge(&addr), "moor_registration_registered 0");
+
+    let text = wait_for_log(&log, "not registered with kubelet after 1 s", &mut daemon);
+    assert!(
+        text.contains("kubelet has not called GetInfo on the registration socket"),
+        "{text}"
+    );
+    assert!(text.contains("/healthz reports not ready"), "{text}");
+    let sick = http_get(&addr, "/healthz").expect("healthz");
+    assert_eq!(sick.status, 503, "{}", sick.body);
+    assert!(
+        sick.body
+            .contains("not registered with kubelet after 1 s: kubelet has not called GetInfo"),
+        "{}",
+        sick.body
+    );
+    assert_eq!(gauge(&addr), "moor_registration_registered 0");
+
+    rt.block_on(async {
+        k.register().await;
+    });
+    wait_for_log(&log, "registered with kubelet", &mut daemon);
+    assert_eq!(gauge(&addr), "moor_registration_registered 1");
+    let well = http_get(&addr, "/healthz").expect("healthz");
+    assert_eq!((well.status, well.body.as_str()), (200, "ok\n"));
+    drop(rt);
+    assert!(daemon.terminate().success());
 }
 
 #[test]

@@ -293,6 +293,19 @@ fn moorctl_drives_a_whole_volume_life_against_real_daemons() {
     assert_eq!(code, Some(0), "{table}");
     assert_eq!(verdict_of(&status, &id), "healthy");
     assert!(table.contains("healthy") && table.contains(&tg), "{table}");
+    // The node's endpoint alone finds its records: moor-node names its state dir.
+    let by_endpoint = json(&strs(&w.node(&["status"])));
+    assert_eq!(by_endpoint["state_dir"], w.sb.state.display().to_string());
+    assert_eq!(by_endpoint["volumes"], status["volumes"]);
+    // The controller's endpoint names none: a usage error that says so.
+    let out = moorctl(&strs(&w.ctl(&["status"])));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr)
+            .contains("does not name a node's state dir (GetPluginInfo: component \"controller\")"),
+        "{}",
+        text(&out.stderr)
+    );
 
     // Snapshots and expansion.
     let snap = json(&strs(&w.ctl(&[

@@ -333,12 +333,16 @@ pub struct StatsArgs {
     pub staging: Option<PathBuf>,
 }
 
+/// moor-node's default --state-dir.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/moor";
+
 /// `status`.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// moor-node's --state-dir.
-    #[arg(long, default_value = "/var/lib/moor")]
-    pub state_dir: PathBuf,
+    /// moor-node's --state-dir. Default: the one the moor-node at --endpoint reports, or
+    /// /var/lib/moor when --endpoint is not given and nothing answers on the default one.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
 }
 
 /// `demo`.

@@ -45,6 +45,17 @@ pub enum CliError {
         /// Why.
         reason: String,
     },
+    /// The endpoint answered, but not as a moor-node that names its state dir.
+    #[error(
+        "{endpoint} does not name a node's state dir (GetPluginInfo: component {component}): \
+         give a moor-node's --endpoint, or --state-dir"
+    )]
+    NotANode {
+        /// The endpoint.
+        endpoint: String,
+        /// The component its manifest names.
+        component: String,
+    },
     /// `status` found volumes that are not healthy.
     #[error("{0}")]
     Unhealthy(String),
@@ -69,7 +80,7 @@ impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
             Self::Rpc { .. } | Self::Incomplete { .. } => 1,
-            Self::Endpoint(_) => 2,
+            Self::Endpoint(_) | Self::NotANode { .. } => 2,
             Self::Connect { .. } => 3,
             Self::Unhealthy(_) => 4,
             Self::Journal(_)

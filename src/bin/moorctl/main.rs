@@ -11,18 +11,23 @@ mod output;
 mod status;
 mod sys;
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{CommandFactory as _, Parser as _};
+use clap::parser::ValueSource;
+use clap::{CommandFactory as _, FromArgMatches as _};
 
-use crate::cli::{Cli, Command};
+use crate::cli::{Cli, Command, DEFAULT_STATE_DIR};
 use crate::commands::Clients;
 use crate::error::CliError;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    match run(&cli) {
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // Whether --endpoint (or CSI_ENDPOINT) was given, rather than its default taken.
+    let endpoint_given = matches.value_source("endpoint") != Some(ValueSource::DefaultValue);
+    match run(&cli, endpoint_given) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("moorctl: {e}");
@@ -38,7 +43,36 @@ fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
         .map_err(|e| CliError::Local(format!("cannot start the async runtime: {e}")))
 }
 
-fn run(cli: &Cli) -> Result<(), CliError> {
+/// The state dir `status` reads: `--state-dir`, else the one the moor-node at the endpoint
+/// reports. When the endpoint was not given and nothing answers on the default one, the
+/// default state dir.
+fn status_dir(
+    cli: &Cli,
+    given: Option<&PathBuf>,
+    endpoint_given: bool,
+    timeout: Duration,
+) -> Result<PathBuf, CliError> {
+    if let Some(dir) = given {
+        return Ok(dir.clone());
+    }
+    match runtime()?.block_on(status::state_dir_of(&cli.endpoint, timeout)) {
+        Ok(dir) => Ok(dir),
+        Err(CliError::Connect { .. }) if !endpoint_given => {
+            eprintln!(
+                "moorctl: no moor-node answers on {}; reading {DEFAULT_STATE_DIR}",
+                cli.endpoint
+            );
+            Ok(PathBuf::from(DEFAULT_STATE_DIR))
+        }
+        Err(CliError::Connect { endpoint, reason }) => Err(CliError::Connect {
+            endpoint,
+            reason: format!("{reason} (--state-dir reads a stopped node's journal)"),
+        }),
+        Err(e) => Err(e),
+    }
+}
+
+fn run(cli: &Cli, endpoint_given: bool) -> Result<(), CliError> {
     let timeout = Duration::from_secs(cli.timeout.max(1));
     match &cli.command {
         Command::Completion(a) => {
@@ -47,7 +81,8 @@ fn run(cli: &Cli) -> Result<(), CliError> {
             Ok(())
         }
         Command::Status(a) => {
-            let (report, unhealthy) = status::status(&a.state_dir, None)?;
+            let state_dir = status_dir(cli, a.state_dir.as_ref(), endpoint_given, timeout)?;
+            let (report, unhealthy) = status::status(&state_dir, None)?;
             report.print(cli.output)?;
             match unhealthy {
                 Some(summary) => Err(CliError::Unhealthy(summary)),

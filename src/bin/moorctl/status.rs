@@ -7,9 +7,12 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use moor_node::journal::{AccessRecord, Phase, VolumeRecord};
 use moor_node::mountinfo::MountInfo;
+use moor_proto::csi::v1 as csi;
+use moor_proto::csi::v1::identity_client::IdentityClient;
 use rustix::fs::{AtFlags, FileType, StatxAttributes, StatxFlags};
 use serde::Serialize;
 use serde_json::json;
@@ -594,6 +597,35 @@ pub fn render(
     (report, (!healthy).then_some(summary))
 }
 
+/// The state dir a GetPluginInfo manifest names (a moor-node's), or why there is none.
+pub fn state_dir_in(
+    manifest: &HashMap<String, String>,
+    endpoint: &str,
+) -> Result<PathBuf, CliError> {
+    match manifest.get(moor_node::service::MANIFEST_STATE_DIR) {
+        Some(dir) if dir.starts_with('/') => Ok(PathBuf::from(dir)),
+        _ => Err(CliError::NotANode {
+            endpoint: endpoint.to_string(),
+            component: manifest
+                .get("component")
+                .map_or_else(|| "unknown".to_string(), |c| format!("{c:?}")),
+        }),
+    }
+}
+
+/// The state dir of the moor-node at `endpoint`, as its GetPluginInfo says.
+pub async fn state_dir_of(endpoint: &str, timeout: Duration) -> Result<PathBuf, CliError> {
+    let channel = crate::client::connect(endpoint, timeout).await?;
+    let mut request = tonic::Request::new(csi::GetPluginInfoRequest {});
+    request.set_timeout(timeout);
+    let info = IdentityClient::new(channel)
+        .get_plugin_info(request)
+        .await
+        .map_err(CliError::rpc("GetPluginInfo"))?
+        .into_inner();
+    state_dir_in(&info.manifest, endpoint)
+}
+
 /// `moorctl status`: reads the journal and the mount table once, checks every volume. With
 /// `shown_below`, paths under that dir are printed relative to it.
 pub fn status(
@@ -747,6 +779,29 @@ mod tests {
             why.as_deref(),
             Some("/dev/loop3 is now device 7:9, not the recorded 7:3")
         );
+    }
+
+    #[test]
+    fn the_state_dir_comes_from_a_node_manifest() {
+        let node = HashMap::from([
+            ("component".to_string(), "node".to_string()),
+            ("state_dir".to_string(), "/var/lib/moor-a".to_string()),
+        ]);
+        assert_eq!(
+            state_dir_in(&node, "unix:///csi/csi.sock").unwrap(),
+            PathBuf::from("/var/lib/moor-a")
+        );
+        let controller = HashMap::from([("component".to_string(), "controller".to_string())]);
+        let e = state_dir_in(&controller, "/ctl.sock").expect_err("no state dir");
+        assert_eq!(e.exit_code(), 2);
+        assert_eq!(
+            e.to_string(),
+            "/ctl.sock does not name a node's state dir (GetPluginInfo: component \"controller\"): \
+             give a moor-node's --endpoint, or --state-dir"
+        );
+        let relative = HashMap::from([("state_dir".to_string(), "moor".to_string())]);
+        assert!(state_dir_in(&relative, "/x.sock").is_err());
+        assert!(state_dir_in(&HashMap::new(), "/x.sock").is_err());
     }
 
     #[test]
