@@ -86,10 +86,12 @@ pub enum Command {
     ///
     /// Reads moor-node's journal (without changing it) and compares each staged or published
     /// path with the live mount table and the recorded device. Verdicts: healthy, drifted
-    /// (a recorded mount is missing or from another device, or an operation never finished),
-    /// corrupted (the mount fails with ENOTCONN, ESTALE, EIO...), device-gone (the device
-    /// node is missing, another device, or a detached loop device). Run it on the node, as
-    /// root. Exits 4 when any volume is not healthy.
+    /// (a recorded mount is missing or from another device, an operation never finished, or a
+    /// loop device's file was deleted), unknown (the device cannot be checked: an error other
+    /// than "not there", or it reads as 0 bytes, as a detached loop device does), corrupted
+    /// (the mount fails with ENOTCONN, ESTALE, EIO...), device-gone (the device node is
+    /// missing or another device: moor-node's own rule). Run it on the node, as root. Exits 4
+    /// when any volume is not healthy.
     #[command(after_help = EXIT_CODES)]
     Status(StatusArgs),
     /// Runs moor-controller and moor-node in a temp dir and walks a whole volume life.

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use moor_node::journal::{AccessRecord, Phase, VolumeRecord};
 use moor_node::mountinfo::MountInfo;
+use moor_node::sys::Presence;
 use moor_proto::csi::v1 as csi;
 use moor_proto::csi::v1::identity_client::IdentityClient;
 use rustix::fs::{AtFlags, FileType, StatxAttributes, StatxFlags};
@@ -32,6 +33,9 @@ pub enum Verdict {
     /// They disagree: a recorded mount is missing or from another device, or a phase is still
     /// in progress.
     Drifted,
+    /// The recorded device could not be checked (an error that does not say it is gone, or a
+    /// size of 0, as a detached loop device reads): moor reports it and never acts on it.
+    Unknown,
     /// A recorded path fails with an error that means a broken mount (ENOTCONN, ESTALE, EIO...).
     Corrupted,
     /// The recorded device is gone, detached, or now another device.
@@ -44,6 +48,7 @@ impl Verdict {
         match self {
             Self::Healthy => "healthy",
             Self::Drifted => "drifted",
+            Self::Unknown => "unknown",
             Self::Corrupted => "corrupted",
             Self::DeviceGone => "device-gone",
         }
@@ -282,26 +287,26 @@ pub fn judge_device(
             )),
         ),
         LiveDevice::NotBlock => (
-            Verdict::DeviceGone,
+            Verdict::Unknown,
             "not a block device".into(),
             Some(format!("{dev} is no longer a block device")),
         ),
         LiveDevice::Detached => (
-            Verdict::DeviceGone,
+            Verdict::Unknown,
             "detached".into(),
             Some(format!(
                 "loop device {dev} has been detached: no backing file"
             )),
         ),
         LiveDevice::BackingDeleted(b) => (
-            Verdict::DeviceGone,
+            Verdict::Drifted,
             format!("backed by {b}"),
             Some(format!("the backing file of {dev} has been deleted")),
         ),
         LiveDevice::Unreadable(e) => (
-            Verdict::DeviceGone,
+            Verdict::Unknown,
             "unreadable".into(),
-            Some(format!("cannot look at {dev}: {e}")),
+            Some(format!("{dev} cannot be checked: {e}")),
         ),
     }
 }
@@ -371,35 +376,38 @@ pub fn look_at_path(path: &Path, table: &MountTable) -> LivePath {
     }
 }
 
-/// Looks at the recorded device node.
+/// Looks at the recorded device node, gone or not as moor-node decides it
+/// ([`moor_node::sys::presence_of`]), with what a loop device says of its file.
 pub fn look_at_device(device: &Path, rdev: (u32, u32)) -> LiveDevice {
-    let st = match rustix::fs::stat(device) {
-        Ok(s) => s,
-        Err(rustix::io::Errno::NOENT) => return LiveDevice::Missing,
-        Err(e) => return LiveDevice::Unreadable(std::io::Error::from(e).to_string()),
-    };
-    if FileType::from_raw_mode(st.st_mode) != FileType::BlockDevice {
-        return LiveDevice::NotBlock;
-    }
-    let now = (rustix::fs::major(st.st_rdev), rustix::fs::minor(st.st_rdev));
-    if now != rdev {
-        return LiveDevice::Other(now);
-    }
-    if rdev.0 != LOOP_MAJOR {
-        return LiveDevice::Present { backing: None };
-    }
-    let sys = format!("/sys/dev/block/{}:{}/loop/backing_file", rdev.0, rdev.1);
-    match std::fs::read_to_string(&sys) {
-        Ok(b) => {
-            let b = b.trim_end_matches('\n').to_string();
-            if b.ends_with(" (deleted)") {
-                LiveDevice::BackingDeleted(b)
-            } else {
-                LiveDevice::Present { backing: Some(b) }
-            }
+    let opened = moor_node::sys::linux::block_device(device);
+    let now = opened.as_ref().ok().map(|d| d.rdev);
+    let not_block = opened
+        .as_ref()
+        .is_err_and(|e| e.errno() == Some(libc::ENOTBLK));
+    let loop_file = || {
+        let sys = format!("/sys/dev/block/{}:{}/loop/backing_file", rdev.0, rdev.1);
+        match std::fs::read_to_string(&sys) {
+            Ok(b) => Ok(b.trim_end_matches('\n').to_string()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(LiveDevice::Detached),
+            Err(e) => Err(LiveDevice::Unreadable(e.to_string())),
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => LiveDevice::Detached,
-        Err(e) => LiveDevice::Unreadable(e.to_string()),
+    };
+    match moor_node::sys::presence_of(device, rdev, opened) {
+        Presence::Gone(_) => match now {
+            Some(other) => LiveDevice::Other(other),
+            None => LiveDevice::Missing,
+        },
+        Presence::Unknown(_) if not_block => LiveDevice::NotBlock,
+        Presence::Unknown(why) => match (rdev.0 == LOOP_MAJOR).then(loop_file) {
+            Some(Err(detail)) => detail,
+            _ => LiveDevice::Unreadable(why),
+        },
+        Presence::Present(_) if rdev.0 != LOOP_MAJOR => LiveDevice::Present { backing: None },
+        Presence::Present(_) => match loop_file() {
+            Ok(b) if b.ends_with(" (deleted)") => LiveDevice::BackingDeleted(b),
+            Ok(b) => LiveDevice::Present { backing: Some(b) },
+            Err(detail) => detail,
+        },
     }
 }
 
@@ -550,6 +558,7 @@ pub fn render(
     for verdict in [
         Verdict::Healthy,
         Verdict::Drifted,
+        Verdict::Unknown,
         Verdict::Corrupted,
         Verdict::DeviceGone,
     ] {
@@ -764,8 +773,9 @@ mod tests {
             judge_device(p, DEV, &LiveDevice::Present { backing: None }).0,
             Verdict::Healthy
         );
+        // A detached loop device opens and reads as 0 bytes: not gone, unknown.
         let (v, live, why) = judge_device(p, DEV, &LiveDevice::Detached);
-        assert_eq!((v, live.as_str()), (Verdict::DeviceGone, "detached"));
+        assert_eq!((v, live.as_str()), (Verdict::Unknown, "detached"));
         assert_eq!(
             why.as_deref(),
             Some("loop device /dev/loop3 has been detached: no backing file")
