@@ -7,7 +7,8 @@
 //! * Group `stage` (issue 7's group 4): an already formatted ext4 and xfs device.
 //!   `raw-<fs>`: mount(2) + umount2; `engine-<fs>`: the engine's stage + unstage in this
 //!   process, without gRPC; `probe-<fs>`: the engine's superblock probe of the device alone
-//!   (what a stage that mounts only what it can identify adds); `bare-<fs>`: NodeStageVolume +
+//!   (what a stage that mounts only what it can identify adds); `fsck-ext4`: e2fsck in preen
+//!   mode on the clean ext4 (what the check before a read-write mount adds); `bare-<fs>`: NodeStageVolume +
 //!   NodeUnstageVolume on `bare-node`, a gRPC server that does nothing but the mount(2) and
 //!   umount2 (what any plugin that speaks gRPC pays, wake-ups included); `grpc-<fs>`:
 //!   NodeStageVolume + NodeUnstageVolume on moor-node.
@@ -112,6 +113,21 @@ fn stage(node: &mut Node, bare: &mut Plugin, c: &mut Criterion, pc: &mut Criteri
                 assert!(!content.is_blank(), "{content:?}");
             })
         });
+        // What checking the filesystem before a read-write mount adds: e2fsck in preen mode
+        // on a clean ext4 (xfs and btrfs are not checked).
+        if fs == "ext4" {
+            g.bench_function(format!("fsck-{fs}"), |b| {
+                b.iter(|| {
+                    let st = std::process::Command::new("e2fsck")
+                        .arg("-p")
+                        .arg(&dev)
+                        .stdout(std::process::Stdio::null())
+                        .status()
+                        .expect("e2fsck");
+                    assert!(st.success(), "e2fsck -p: {st}");
+                })
+            });
+        }
         let mut grpc_pair = || {
             node.stage(&vol, &dev, &staging, fs);
             node.unstage(&vol, &staging);
