@@ -114,8 +114,8 @@ pub fn binaries(coming: bool) -> Result<(flags::Cli, flags::Cli, Vec<String>), S
             Err(errors.join("\n"))
         }
     };
-    let node = read("moor-node", "src/main.rs")?;
-    let controller = read("moor-controller", "controller/src/main.rs")?;
+    let node = read("moor-node", "src/args.rs")?;
+    let controller = read("moor-controller", "controller/src/args.rs")?;
     Ok((node, controller, notes))
 }
 
