@@ -2,7 +2,9 @@
 //!
 //! - [`yaml`]: a strict YAML loader (no duplicate keys, no YAML 1.1/1.2 ambiguities);
 //! - [`schema`]: validation of every object against the Kubernetes OpenAPI schemas;
-//! - [`kustomize`]: the few kustomize features the overlays use (resources, JSON 6902 patches);
+//! - [`kubectl`]: rendering with `kubectl kustomize` when kubectl is there, else with
+//!   [`kustomize`], deploy's own renderer of the few kustomize features the overlays use
+//!   (resources, JSON 6902 patches), held to kubectl's output by a test;
 //! - [`openapi`]: the Kubernetes OpenAPI documents kept in `deploy/openapi/`, and their trimming;
 //! - [`flags`]: the command-line flags of moor's binaries, read from their clap commands;
 //! - [`checks`]: cross-object checks (socket paths, mounts, RBAC, probes, flags);
@@ -11,6 +13,7 @@
 pub mod checks;
 pub mod containerfile;
 pub mod flags;
+pub mod kubectl;
 pub mod kustomize;
 pub mod openapi;
 pub mod schema;

@@ -1,8 +1,10 @@
-//! Every manifest under deploy/, rendered as kustomize would, validated strictly against the
-//! Kubernetes API schemas and checked across objects; and the validator's own negative cases.
+//! Every manifest under deploy/, rendered by `kubectl kustomize` (by deploy's own renderer
+//! without kubectl), validated strictly against the Kubernetes API schemas and checked across
+//! objects; and the validator's own negative cases.
 
-use std::path::Path;
-use std::sync::OnceLock;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 use moor_deploy::checks::{self, Context};
 use moor_deploy::kustomize::{self, Resource, meta};
@@ -27,10 +29,18 @@ fn ctx() -> &'static Context {
     })
 }
 
+/// The kustomization in `dir`, rendered once per test process (kubectl is slow to start).
 fn render(dir: &Path) -> Vec<Resource> {
-    kustomize::build(dir).unwrap_or_else(|errors| {
-        panic!("{} does not render:\n{}", dir.display(), errors.join("\n"))
-    })
+    static RENDERED: Mutex<BTreeMap<PathBuf, Vec<Resource>>> = Mutex::new(BTreeMap::new());
+    let mut rendered = RENDERED.lock().unwrap_or_else(PoisonError::into_inner);
+    rendered
+        .entry(dir.to_owned())
+        .or_insert_with(|| {
+            moor_deploy::kubectl::render(dir).unwrap_or_else(|errors| {
+                panic!("{} does not render:\n{}", dir.display(), errors.join("\n"))
+            })
+        })
+        .clone()
 }
 
 fn problems(res: &[Resource], ctx: &Context) -> Vec<String> {
@@ -86,6 +96,7 @@ fn base_and_every_overlay_render_validate_and_check() {
             "xfs"
         ]
     );
+    eprintln!("rendered by {:?}", moor_deploy::kubectl::renderer());
     for dir in dirs {
         let res = render(&dir);
         assert!(res.len() >= 14, "{}: {} objects", dir.display(), res.len());
@@ -151,22 +162,24 @@ fn base_kustomization_lists_every_manifest() {
 #[test]
 fn base_objects_are_as_specified() {
     let res = base();
-    let ids: Vec<String> = res.iter().map(Resource::id).collect();
+    // In any order: kubectl sorts them its way, deploy's renderer keeps the files' order.
+    let mut ids: Vec<String> = res.iter().map(Resource::id).collect();
+    ids.sort();
     assert_eq!(
         ids,
         [
-            "Namespace/moor-system",
             "CSIDriver/moor.csi.io",
-            "ServiceAccount/moor-system/moor-node",
-            "ClusterRole/moor-node",
-            "ClusterRoleBinding/moor-node",
-            "ServiceAccount/moor-system/moor-controller",
             "ClusterRole/moor-controller",
+            "ClusterRole/moor-node",
             "ClusterRoleBinding/moor-controller",
-            "Role/moor-system/moor-controller-leader-election",
-            "RoleBinding/moor-system/moor-controller-leader-election",
+            "ClusterRoleBinding/moor-node",
             "DaemonSet/moor-system/moor-node",
             "Deployment/moor-system/moor-controller",
+            "Namespace/moor-system",
+            "Role/moor-system/moor-controller-leader-election",
+            "RoleBinding/moor-system/moor-controller-leader-election",
+            "ServiceAccount/moor-system/moor-controller",
+            "ServiceAccount/moor-system/moor-node",
             "StorageClass/moor",
             "VolumeSnapshotClass/moor",
         ]
