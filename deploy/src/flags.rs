@@ -301,24 +301,12 @@ fn value_kind(arg: &clap::Arg) -> ValueKind {
         );
     }
     let ty = arg.get_value_parser().type_id();
-    let is = |ids: &[TypeId]| ids.iter().any(|id| ty == *id);
-    if is(&[
-        TypeId::of::<u8>(),
-        TypeId::of::<u16>(),
-        TypeId::of::<u32>(),
-        TypeId::of::<u64>(),
-        TypeId::of::<u128>(),
-        TypeId::of::<usize>(),
-    ]) {
+    macro_rules! one_of {
+        ($($t:ty),+) => { false $(|| ty == TypeId::of::<$t>())+ };
+    }
+    if one_of!(u8, u16, u32, u64, u128, usize) {
         ValueKind::Unsigned
-    } else if is(&[
-        TypeId::of::<i8>(),
-        TypeId::of::<i16>(),
-        TypeId::of::<i32>(),
-        TypeId::of::<i64>(),
-        TypeId::of::<i128>(),
-        TypeId::of::<isize>(),
-    ]) {
+    } else if one_of!(i8, i16, i32, i64, i128, isize) {
         ValueKind::Signed
     } else {
         ValueKind::Any
