@@ -1,6 +1,7 @@
 //! moor-node: the CSI node plugin's library.
 //!
 //! The daemon is a thin shell (`main.rs`) around these modules:
+//! * [`args`] is its command line;
 //! * [`validate`] turns CSI requests into typed, checked requests, within the spec's
 //!   [`limits`] (shared with the controller);
 //! * [`engine`] carries out the Node RPCs' semantics over the OS ([`sys`]) and the node
@@ -14,6 +15,7 @@
 //! * [`registration`] registers the plugin with kubelet, [`http`] serves `/healthz` and
 //!   `/metrics`, and [`metrics`] keeps the Prometheus metrics.
 
+pub mod args;
 pub mod authority;
 pub mod daemon;
 pub mod discovery;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use moor_node::args::Args;
 use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::Journal;
 use moor_node::metrics::{Metered, MeteredOs};
@@ -19,73 +20,6 @@ use moor_proto::csi::v1::{identity_server::IdentityServer, node_server::NodeServ
 use moor_proto::registration::v1::registration_server::RegistrationServer;
 use tokio::sync::watch;
 use tracing::{info, warn};
-
-/// moor-node: the CSI node plugin. Serves the CSI Identity and Node services to kubelet on a
-/// Unix socket, and stages and publishes volumes by direct mount syscalls.
-#[derive(Debug, Parser)]
-#[command(name = "moor-node", version, about, long_about = None)]
-struct Args {
-    /// gRPC endpoint kubelet connects to.
-    #[arg(long, default_value = "unix:///csi/csi.sock", env = "CSI_ENDPOINT")]
-    endpoint: String,
-    /// This node's id, as the controller knows it (usually the Kubernetes node name).
-    #[arg(long, env = "NODE_ID")]
-    node_id: String,
-    /// CSI driver name.
-    #[arg(long, default_value = "moor.csi.io")]
-    driver_name: String,
-    /// Where moor keeps its own records (the node journal). One moor-node per state dir.
-    #[arg(long, default_value = "/var/lib/moor")]
-    state_dir: PathBuf,
-    /// While another moor-node holds the state dir, how long to wait for it to exit before
-    /// giving up, in seconds (a hand-over in a rolling update).
-    #[arg(long, default_value_t = 30)]
-    instance_wait: u64,
-    /// kubelet's root dir: every staging and target path must lie under it.
-    #[arg(long, default_value = "/var/lib/kubelet")]
-    kubelet_dir: PathBuf,
-    /// Most volumes this node takes (reported as max_volumes_per_node; 0: no limit).
-    #[arg(long, default_value_t = 0)]
-    max_volumes: u64,
-    /// Log format.
-    #[arg(long, value_enum, default_value_t = daemon::LogFormat::Text)]
-    log_format: daemon::LogFormat,
-    /// fsync every journal write (default: only those that must outlive a power loss).
-    #[arg(long)]
-    journal_fsync: bool,
-    /// Deadline for mkfs and resize tools, in seconds.
-    #[arg(long, default_value_t = 600)]
-    tool_timeout: u64,
-    /// On SIGTERM, how long in-flight calls may take to finish, in seconds.
-    #[arg(long, default_value_t = 20)]
-    shutdown_grace: u64,
-    /// Seconds between reconciliation passes (the journal against the live mount table); one
-    /// pass always runs at start. 0: only at start.
-    #[arg(long, default_value_t = 60)]
-    reconcile_interval: u64,
-    /// How long NodeStageVolume waits, in seconds, for a volume's device to appear (found by
-    /// its identity through udev) before answering DEADLINE_EXCEEDED.
-    #[arg(long, env = "MOOR_DEVICE_WAIT", default_value_t = 60)]
-    device_wait: u64,
-    /// kubelet's plugin registration dir (e.g. /var/lib/kubelet/plugins_registry): serve
-    /// kubelet's registration API on <driver-name>-reg.sock there. Default: off (use the
-    /// node-driver-registrar sidecar).
-    #[arg(long)]
-    registration_dir: Option<PathBuf>,
-    /// With --registration-dir: once this many seconds have passed without kubelet
-    /// registering the plugin, /healthz reports not ready (so the liveness probe restarts
-    /// it). 0: never.
-    #[arg(long, default_value_t = 120)]
-    registration_timeout: u64,
-    /// The CSI socket's path on the host, as kubelet must dial it, when it differs from the
-    /// --endpoint path this container sees (default: the --endpoint path).
-    #[arg(long)]
-    kubelet_registration_path: Option<String>,
-    /// Serve /healthz and /metrics over HTTP on host:port (":port" binds 127.0.0.1).
-    /// Default: off.
-    #[arg(long)]
-    http_endpoint: Option<String>,
-}
 
 /// What the HTTP endpoint reports for the node.
 struct NodeStatus<O: Os> {
@@ -306,44 +240,4 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     info!("moor-node stopped cleanly");
     drop(instance);
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn registration_and_http_are_off_by_default() {
-        let a = Args::try_parse_from(["moor-node", "--node-id", "n"]).unwrap();
-        assert_eq!((a.instance_wait, a.registration_timeout), (30, 120));
-        assert_eq!(
-            (
-                a.registration_dir,
-                a.kubelet_registration_path,
-                a.http_endpoint
-            ),
-            (None, None, None)
-        );
-        let a = Args::try_parse_from([
-            "moor-node",
-            "--node-id",
-            "n",
-            "--registration-dir",
-            "/var/lib/kubelet/plugins_registry",
-            "--kubelet-registration-path",
-            "/var/lib/kubelet/plugins/moor.csi.io/csi.sock",
-            "--http-endpoint",
-            ":9809",
-        ])
-        .unwrap();
-        assert_eq!(
-            a.registration_dir.as_deref(),
-            Some(std::path::Path::new("/var/lib/kubelet/plugins_registry"))
-        );
-        assert_eq!(
-            a.kubelet_registration_path.as_deref(),
-            Some("/var/lib/kubelet/plugins/moor.csi.io/csi.sock")
-        );
-        assert_eq!(a.http_endpoint.as_deref(), Some(":9809"));
-    }
 }

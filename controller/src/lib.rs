@@ -1,6 +1,7 @@
 //! moor-controller: the CSI controller plugin's library.
 //!
 //! The daemon (`main.rs`) is a thin shell around these modules:
+//! * [`args`] is its command line;
 //! * [`validate`] turns CSI requests into the typed requests of [`backend`], or an
 //!   INVALID_ARGUMENT naming the field;
 //! * [`backend`] is the [`backend::Backend`] trait the gRPC layer talks to, with the
@@ -12,6 +13,7 @@
 //! * [`service`] and [`identity`] serve the CSI Controller and Identity services;
 //! * [`error`] maps every failure to the gRPC code the CSI spec names for it.
 
+pub mod args;
 pub mod backend;
 pub mod embedded;
 pub mod error;

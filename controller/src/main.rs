@@ -1,11 +1,11 @@
 //! `moor-controller`: the moor CSI controller plugin daemon.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use moor_controller::args::Args;
 use moor_controller::embedded::attach::LoopAttacher;
 use moor_controller::embedded::{Config, EmbeddedBackend};
 use moor_controller::identity::IdentityService;
@@ -15,41 +15,6 @@ use moor_node::{daemon, http, instance, server};
 use moor_proto::csi::v1::controller_server::ControllerServer;
 use moor_proto::csi::v1::identity_server::IdentityServer;
 use tracing::{info, warn};
-
-/// moor-controller: the CSI controller plugin. Serves the CSI Identity and Controller services
-/// on a Unix socket; its embedded backend keeps volumes as sparse files under --data-dir and
-/// attaches them to this host as loop devices.
-#[derive(Debug, Parser)]
-#[command(name = "moor-controller", version, about, long_about = None)]
-struct Args {
-    /// gRPC endpoint the CO's sidecars connect to.
-    #[arg(long, default_value = "unix:///csi/csi.sock", env = "CSI_ENDPOINT")]
-    endpoint: String,
-    /// CSI driver name.
-    #[arg(long, default_value = "moor.csi.io")]
-    driver_name: String,
-    /// The node the embedded backend attaches volumes to (this host's node id).
-    #[arg(long, env = "NODE_ID")]
-    node_id: String,
-    /// Where the embedded backend keeps volumes, snapshots and its records. One
-    /// moor-controller per data dir.
-    #[arg(long, default_value = "/var/lib/moor/controller")]
-    data_dir: PathBuf,
-    /// While another moor-controller holds the data dir, how long to wait for it to exit
-    /// before giving up, in seconds (a hand-over in a rolling update).
-    #[arg(long, default_value_t = 30)]
-    instance_wait: u64,
-    /// Log format.
-    #[arg(long, value_enum, default_value_t = daemon::LogFormat::Text)]
-    log_format: daemon::LogFormat,
-    /// On SIGTERM or SIGINT, how long in-flight calls may take to finish, in seconds.
-    #[arg(long, default_value_t = 20)]
-    shutdown_grace: u64,
-    /// Serve /healthz and /metrics over HTTP on host:port (":port" binds 127.0.0.1).
-    /// Default: off.
-    #[arg(long)]
-    http_endpoint: Option<String>,
-}
 
 /// What the HTTP endpoint reports for the controller.
 struct ControllerStatus<B: moor_controller::Backend> {
@@ -205,35 +170,5 @@ mod tests {
         assert!(check_names("moor.csi.io", &"n".repeat(192)).is_ok());
         assert!(check_names("moor.csi.io", &"n".repeat(193)).is_err());
         assert!(check_names("moor.csi.io", "a\nb").is_err());
-    }
-
-    #[test]
-    fn args_parse() {
-        let a = Args::try_parse_from([
-            "moor-controller",
-            "--endpoint",
-            "unix:///tmp/x.sock",
-            "--node-id",
-            "n1",
-            "--data-dir",
-            "/tmp/d",
-            "--log-format",
-            "json",
-        ])
-        .unwrap();
-        assert_eq!(a.driver_name, "moor.csi.io");
-        assert_eq!(a.node_id, "n1");
-        assert_eq!(a.http_endpoint, None, "off by default");
-        assert_eq!(a.instance_wait, 30);
-        let a = Args::try_parse_from([
-            "moor-controller",
-            "--node-id",
-            "n1",
-            "--http-endpoint",
-            "0.0.0.0:9809",
-        ])
-        .unwrap();
-        assert_eq!(a.http_endpoint.as_deref(), Some("0.0.0.0:9809"));
-        assert!(Args::try_parse_from(["moor-controller", "--log-format", "xml"]).is_err());
     }
 }

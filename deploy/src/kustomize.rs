@@ -1,4 +1,6 @@
-//! The few kustomize features deploy/ uses, enough to render its overlays offline:
+//! deploy's own kustomize renderer: the few features deploy/ uses, enough to render its
+//! overlays where there is no kubectl ([`crate::kubectl::render`] uses kubectl when it is
+//! there, and a test holds this renderer to kubectl's output):
 //!
 //! - `resources`: YAML files, and directories holding a `kustomization.yaml`;
 //! - `patches` with a `target` (group, version, kind, name, namespace) and a JSON 6902 patch,
@@ -8,7 +10,7 @@
 //! label selectors, remote resources, ...) is an error naming the feature, so an overlay never
 //! renders differently here than with `kubectl kustomize`. Like kustomize, two resources with
 //! the same group, kind, namespace and name are an error; unlike it, a patch whose target
-//! matches nothing is an error too.
+//! matches nothing is an error too. Objects come in the order of the files, not kustomize's.
 
 use std::path::{Path, PathBuf};
 
@@ -182,7 +184,7 @@ fn list<'a>(
 }
 
 /// What makes a resource unique: group, kind, namespace, name.
-fn identity(doc: &Value) -> (String, String, String, String) {
+pub fn identity(doc: &Value) -> (String, String, String, String) {
     let g = Gvk::of(doc).map(|g| g.group).unwrap_or_default();
     let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
     let ns = meta(doc, "namespace").unwrap_or_default();

@@ -2,15 +2,18 @@
 //!
 //! - [`yaml`]: a strict YAML loader (no duplicate keys, no YAML 1.1/1.2 ambiguities);
 //! - [`schema`]: validation of every object against the Kubernetes OpenAPI schemas;
-//! - [`kustomize`]: the few kustomize features the overlays use (resources, JSON 6902 patches);
+//! - [`kubectl`]: rendering with `kubectl kustomize` when kubectl is there, else with
+//!   [`kustomize`], deploy's own renderer of the few kustomize features the overlays use
+//!   (resources, JSON 6902 patches), held to kubectl's output by a test;
 //! - [`openapi`]: the Kubernetes OpenAPI documents kept in `deploy/openapi/`, and their trimming;
-//! - [`flags`]: the command-line flags of moor's binaries, read from their clap sources;
+//! - [`flags`]: the command-line flags of moor's binaries, read from their clap commands;
 //! - [`checks`]: cross-object checks (socket paths, mounts, RBAC, probes, flags);
 //! - [`containerfile`]: what the container build file installs and builds.
 
 pub mod checks;
 pub mod containerfile;
 pub mod flags;
+pub mod kubectl;
 pub mod kustomize;
 pub mod openapi;
 pub mod schema;
@@ -89,20 +92,20 @@ pub fn read_repo_file(rel: &str) -> Result<String, String> {
     std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// The command lines of moor-node (`src/main.rs`) and moor-controller
-/// (`controller/src/main.rs`, both with the value enums of `src/daemon.rs`), with the [`flags::COMING_FLAGS`] when `coming`.
+/// The command lines of moor-node and moor-controller, read from their clap commands
+/// ([`moor_node::args::Args`], [`moor_controller::args::Args`]), with the
+/// [`flags::COMING_FLAGS`] when `coming`.
 ///
 /// Returns them and the notes about coming flags that have landed.
 ///
 /// # Errors
-/// When a source cannot be read or parsed, or a coming flag landed with another arity.
+/// When a command has what [`flags::from_command`] refuses, or a coming flag landed with
+/// another arity.
 pub fn binaries(coming: bool) -> Result<(flags::Cli, flags::Cli, Vec<String>), String> {
+    use clap::CommandFactory;
     let mut notes = Vec::new();
-    // The value enums both daemons share (their log format) live in `src/daemon.rs`.
-    let shared = read_repo_file("src/daemon.rs")?;
-    let mut read = |binary: &str, rel: &str| -> Result<flags::Cli, String> {
-        let source = format!("{}\n{shared}", read_repo_file(rel)?);
-        let cli = flags::parse_clap_source(binary, &source)?;
+    let mut read = |cmd: clap::Command| -> Result<flags::Cli, String> {
+        let cli = flags::from_command(&cmd)?;
         if !coming {
             return Ok(cli);
         }
@@ -114,8 +117,8 @@ pub fn binaries(coming: bool) -> Result<(flags::Cli, flags::Cli, Vec<String>), S
             Err(errors.join("\n"))
         }
     };
-    let node = read("moor-node", "src/main.rs")?;
-    let controller = read("moor-controller", "controller/src/main.rs")?;
+    let node = read(moor_node::args::Args::command())?;
+    let controller = read(moor_controller::args::Args::command())?;
     Ok((node, controller, notes))
 }
 

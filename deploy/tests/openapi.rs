@@ -5,9 +5,9 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
+use moor_deploy::deploy_dir;
 use moor_deploy::openapi::{self, KINDS};
 use moor_deploy::schema::Gvk;
-use moor_deploy::{deploy_dir, kustomize};
 use serde_json::{Value, json};
 
 fn kept_files() -> Vec<PathBuf> {
@@ -113,7 +113,7 @@ fn the_kinds_kept_are_the_kinds_the_manifests_use() {
     dirs.extend(moor_deploy::overlays().expect("overlays"));
     let mut used = BTreeSet::new();
     for dir in dirs {
-        let res = kustomize::build(&dir)
+        let res = moor_deploy::kubectl::render(&dir)
             .unwrap_or_else(|e| panic!("{}: {}", dir.display(), e.join("\n")));
         for r in res {
             let gvk = Gvk::of(&r.doc).unwrap_or_else(|| panic!("{}", r.id()));

@@ -1,12 +1,12 @@
-//! What the manifests rely on in the rest of the repository: the binaries' flags (read from
-//! their sources) and the container build file.
+//! What the manifests rely on in the rest of the repository: the binaries' flags (from their
+//! clap commands) and the container build file.
 
 use moor_deploy::containerfile::{self, Stage};
 use moor_deploy::flags::{Arity, COMING_FLAGS, ValueKind};
 use moor_deploy::read_repo_file;
 
 #[test]
-fn flags_are_read_from_the_binaries_sources() {
+fn flags_are_read_from_the_binaries_commands() {
     let (node, controller, _) = moor_deploy::binaries(false).unwrap();
     let names = |cli: &moor_deploy::flags::Cli| cli.flags.keys().cloned().collect::<Vec<_>>();
     let node_names = names(&node);

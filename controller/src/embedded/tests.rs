@@ -11,7 +11,7 @@ use super::reconcile::Report;
 use super::records::{Publication, RecordStore};
 use super::testdir::TestDir;
 use super::*;
-use crate::backend::{AccessMode, AccessType, Backend as _};
+use crate::backend::{AccessMode, AccessType, Backend as _, Capability, NewSnapshot};
 
 const MIB: u64 = 1 << 20;
 const NODE: &str = "node-1";

@@ -1,0 +1,76 @@
+//! moor-controller's command line.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use moor_node::daemon;
+
+/// moor-controller: the CSI controller plugin. Serves the CSI Identity and Controller services
+/// on a Unix socket; its embedded backend keeps volumes as sparse files under --data-dir and
+/// attaches them to this host as loop devices.
+#[derive(Debug, Parser)]
+#[command(name = "moor-controller", version, about, long_about = None)]
+pub struct Args {
+    /// gRPC endpoint the CO's sidecars connect to.
+    #[arg(long, default_value = "unix:///csi/csi.sock", env = "CSI_ENDPOINT")]
+    pub endpoint: String,
+    /// CSI driver name.
+    #[arg(long, default_value = "moor.csi.io")]
+    pub driver_name: String,
+    /// The node the embedded backend attaches volumes to (this host's node id).
+    #[arg(long, env = "NODE_ID")]
+    pub node_id: String,
+    /// Where the embedded backend keeps volumes, snapshots and its records. One
+    /// moor-controller per data dir.
+    #[arg(long, default_value = "/var/lib/moor/controller")]
+    pub data_dir: PathBuf,
+    /// While another moor-controller holds the data dir, how long to wait for it to exit
+    /// before giving up, in seconds (a hand-over in a rolling update).
+    #[arg(long, default_value_t = 30)]
+    pub instance_wait: u64,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = daemon::LogFormat::Text)]
+    pub log_format: daemon::LogFormat,
+    /// On SIGTERM or SIGINT, how long in-flight calls may take to finish, in seconds.
+    #[arg(long, default_value_t = 20)]
+    pub shutdown_grace: u64,
+    /// Serve /healthz and /metrics over HTTP on host:port (":port" binds 127.0.0.1).
+    /// Default: off.
+    #[arg(long)]
+    pub http_endpoint: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_parse() {
+        let a = Args::try_parse_from([
+            "moor-controller",
+            "--endpoint",
+            "unix:///tmp/x.sock",
+            "--node-id",
+            "n1",
+            "--data-dir",
+            "/tmp/d",
+            "--log-format",
+            "json",
+        ])
+        .unwrap();
+        assert_eq!(a.driver_name, "moor.csi.io");
+        assert_eq!(a.node_id, "n1");
+        assert_eq!(a.http_endpoint, None, "off by default");
+        assert_eq!(a.instance_wait, 30);
+        let a = Args::try_parse_from([
+            "moor-controller",
+            "--node-id",
+            "n1",
+            "--http-endpoint",
+            "0.0.0.0:9809",
+        ])
+        .unwrap();
+        assert_eq!(a.http_endpoint.as_deref(), Some("0.0.0.0:9809"));
+        assert!(Args::try_parse_from(["moor-controller", "--log-format", "xml"]).is_err());
+    }
+}

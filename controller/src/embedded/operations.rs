@@ -1,0 +1,497 @@
+//! The embedded backend's [`Backend`] operations: volumes, publications, snapshots.
+
+use std::fs::{self, File, OpenOptions};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::SystemTime;
+
+use tracing::{info, warn};
+
+use super::attach::{AttachError, Attacher, Detach, FileId};
+use super::ids::{SnapshotId, VolumeId};
+use super::records::{Publication, SnapshotRecord, VolumeRecord};
+use super::{
+    EmbeddedBackend, K8S_PREFIX, POLICY, check_capability, copy, parse_parameters, records,
+    size_error, snapshot_key, volume_key,
+};
+use crate::backend::{
+    self, Backend, Capability, Capacity, CapacityQuery, ExpandRequest, NewSnapshot, NewVolume,
+    Page, PageRequest, Parameters, PublishContext, PublishRequest, SizePolicy, Snapshot,
+    SnapshotFilter, Volume, VolumeStatus,
+};
+use crate::error::{Error, Result, trunc};
+
+impl<A: Attacher> Backend for EmbeddedBackend<A> {
+    fn parse_parameters(&self, raw: &Parameters) -> Result<Parameters> {
+        parse_parameters(raw)
+    }
+
+    fn check_capability(&self, cap: &Capability, parameters: &Parameters) -> Result<(), String> {
+        check_capability(cap, parameters)
+    }
+
+    fn probe(&self) -> Result<()> {
+        static PROBES: AtomicU64 = AtomicU64::new(0);
+        let probe = self
+            .layout
+            .tmp
+            .join(format!(".probe-{}", PROBES.fetch_add(1, Ordering::Relaxed)));
+        fs::write(&probe, b"ok")
+            .and_then(|()| fs::remove_file(&probe))
+            .map_err(|e| {
+                Error::NotReady(format!(
+                    "data dir {} is not writable: {e}",
+                    self.layout.root.display()
+                ))
+            })?;
+        self.attacher
+            .check()
+            .map_err(|e| Error::NotReady(format!("loop devices are not usable: {e}")))
+    }
+
+    fn create_volume(&self, req: &NewVolume) -> Result<Volume> {
+        let params = parse_parameters(&req.parameters)?;
+        for cap in &req.capabilities {
+            check_capability(cap, &params).map_err(|r| Error::invalid("volume_capabilities", r))?;
+        }
+        let name_key = format!("volume-name:{}", req.name);
+        let _claim = self.inflight.claim(&[&name_key], &[])?;
+        let existing = self
+            .state()
+            .volumes
+            .values()
+            .find(|v| v.name == req.name)
+            .cloned();
+        if let Some(existing) = existing {
+            self.check_same_volume(&existing, req, &params)?;
+            return Ok(self.volume_of(&existing));
+        }
+        if let Some(acc) = &req.accessibility
+            && !backend::topology_allows(acc, &self.segment)
+        {
+            return Err(Error::TopologyUnsatisfiable(format!(
+                "volumes are accessible from {:?} only, and no requisite topology includes it",
+                self.segment
+            )));
+        }
+        let (_source_claim, source) = match &req.source {
+            Some(src) => {
+                let (c, s) = self.resolve_source(src)?;
+                (Some(c), Some(s))
+            }
+            None => (None, None),
+        };
+        let floor = source.as_ref().map_or(0, |s| s.size);
+        let size = backend::choose_size(req.capacity.as_ref(), &POLICY, floor)?;
+        let id = self.new_volume_id()?;
+        let target = self.layout.volume_file(&id);
+        self.write_data_file(&id.data_file(), &target, |file| match &source {
+            None => file.set_len(size).map_err(|e| size_error(&target, size, e)),
+            Some(src) => {
+                if let Some(dev) = &src.device {
+                    self.flush_device(dev, &src.path)?;
+                }
+                let from =
+                    File::open(&src.path).map_err(|e| Error::io("open source", &src.path, e))?;
+                let method = copy::copy_sparse(&from, file, size)?;
+                info!(volume = %id, source = %src.path.display(), ?method, "copied");
+                Ok(())
+            }
+        })?;
+        let rec = VolumeRecord {
+            version: records::FORMAT_VERSION,
+            id: id.to_string(),
+            name: req.name.clone(),
+            capacity_bytes: size,
+            created_bytes: size,
+            parameters: params.clone(),
+            context: params,
+            source: req.source.clone(),
+            publication: None,
+        };
+        if let Err(e) = self.save_volume(&rec) {
+            let _ = Self::remove_data_file(&target);
+            return Err(e);
+        }
+        info!(volume = %id, name = %req.name, size, "created");
+        Ok(self.volume_of(&rec))
+    }
+
+    fn delete_volume(&self, volume_id: &str) -> Result<()> {
+        let Some(id) = VolumeId::parse(volume_id) else {
+            return Ok(());
+        };
+        let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
+        let rec = self.volume_record(&id);
+        if let Some(p) = rec.as_ref().and_then(|r| r.publication.as_ref()) {
+            return Err(Error::VolumeInUse {
+                volume: id.to_string(),
+                reason: format!(
+                    "it is published at node {:?}{}; ControllerUnpublishVolume it first",
+                    p.node_id,
+                    p.device
+                        .as_ref()
+                        .map(|d| format!(" as {d}"))
+                        .unwrap_or_default()
+                ),
+            });
+        }
+        let path = self.layout.volume_file(&id);
+        if let Ok(file) = FileId::of_path(&path)
+            && let Some(a) = self.attacher.list()?.into_iter().find(|a| a.file == file)
+        {
+            return Err(Error::VolumeInUse {
+                volume: id.to_string(),
+                reason: format!(
+                    "loop device {} is still bound to it (held open by someone)",
+                    a.device.display()
+                ),
+            });
+        }
+        if rec.is_some() {
+            self.store.remove_volume(&id)?;
+            self.state().volumes.remove(id.as_str());
+        }
+        self.state().protected.remove(id.as_str());
+        Self::remove_data_file(&path)?;
+        info!(volume = %id, "deleted");
+        Ok(())
+    }
+
+    fn publish_volume(&self, req: &PublishRequest) -> Result<PublishContext> {
+        let not_found = || Error::VolumeNotFound(trunc(&req.volume_id).to_string());
+        let id = VolumeId::parse(&req.volume_id).ok_or_else(not_found)?;
+        if req.node_id != self.node_id {
+            return Err(Error::NodeNotFound {
+                node: trunc(&req.node_id).to_string(),
+                serves: self.node_id.clone(),
+            });
+        }
+        let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
+        let rec = self.volume_record(&id).ok_or_else(not_found)?;
+        check_capability(&req.capability, &rec.parameters)
+            .map_err(|r| Error::invalid("volume_capability", r))?;
+        for (k, v) in &req.context {
+            if rec.context.get(k).is_some_and(|mine| mine != v) {
+                return Err(Error::invalid(
+                    "volume_context",
+                    format!("{k:?} does not match the volume's context"),
+                ));
+            }
+        }
+        let path = self.layout.volume_file(&id);
+        let file = FileId::of_path(&path).map_err(|e| Error::io("stat backing file", &path, e))?;
+        if let Some(p) = &rec.publication {
+            if p.node_id != req.node_id {
+                return Err(Error::PublishedElsewhere {
+                    volume: id.to_string(),
+                    node: p.node_id.clone(),
+                });
+            }
+            if p.readonly != req.readonly {
+                return Err(Error::PublishedIncompatible {
+                    volume: id.to_string(),
+                    node: p.node_id.clone(),
+                    reason: format!("it is published with readonly={}", p.readonly),
+                });
+            }
+            if let Some(dev) = &p.device {
+                if self.attacher.backing_of(Path::new(dev))? == Some(file) {
+                    return Ok(Self::publish_context(dev, &path));
+                }
+                warn!(volume = %id, device = %dev, "recorded device no longer backs the volume; attaching again");
+            }
+            let mut cleared = rec.clone();
+            cleared.publication = None;
+            return self.attach_and_record(&cleared, req, &path);
+        }
+        self.attach_and_record(&rec, req, &path)
+    }
+
+    fn unpublish_volume(&self, volume_id: &str, node_id: Option<&str>) -> Result<()> {
+        let Some(id) = VolumeId::parse(volume_id) else {
+            return Ok(());
+        };
+        let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
+        let Some(rec) = self.volume_record(&id) else {
+            return Ok(());
+        };
+        let Some(p) = &rec.publication else {
+            return Ok(());
+        };
+        if node_id.is_some_and(|n| n != p.node_id) {
+            return Ok(());
+        }
+        let path = self.layout.volume_file(&id);
+        match (&p.device, FileId::of_path(&path)) {
+            (Some(dev), Ok(file)) => {
+                let r = self.attacher.detach(Path::new(dev), file)?;
+                match r {
+                    Detach::Done | Detach::AlreadyGone => {}
+                    Detach::Deferred => warn!(
+                        volume = %id, device = %dev,
+                        "device still open elsewhere; the kernel detaches it on last close"
+                    ),
+                    Detach::NotOurs => warn!(
+                        volume = %id, device = %dev,
+                        "device now backs another file; left alone"
+                    ),
+                }
+                info!(volume = %id, device = %dev, result = ?r, "detached");
+            }
+            (None, Ok(_)) => self.detach_all(&path)?,
+            (_, Err(e)) => {
+                warn!(volume = %id, error = %e, "backing file missing; nothing to detach")
+            }
+        }
+        let mut done = rec.clone();
+        done.publication = None;
+        self.save_volume(&done)
+    }
+
+    fn get_volume(&self, volume_id: &str) -> Result<VolumeStatus> {
+        let not_found = || Error::VolumeNotFound(trunc(volume_id).to_string());
+        let id = VolumeId::parse(volume_id).ok_or_else(not_found)?;
+        let rec = self.volume_record(&id).ok_or_else(not_found)?;
+        Ok(self.status_of(&id, &rec))
+    }
+
+    fn list_volumes(&self, page: &PageRequest) -> Result<Page<VolumeStatus>> {
+        if let Some(t) = &page.starting_token
+            && VolumeId::parse(t).is_none()
+        {
+            return Err(Error::InvalidToken {
+                token: trunc(t).to_string(),
+                reason: "not a token this controller hands out".into(),
+            });
+        }
+        let page = {
+            let st = self.state();
+            backend::page_after(
+                &st.volumes,
+                page.starting_token.as_deref(),
+                page.max_entries,
+            )
+        };
+        let entries = page
+            .entries
+            .iter()
+            .filter_map(|rec| VolumeId::parse(&rec.id).map(|id| self.status_of(&id, rec)))
+            .collect();
+        Ok(Page {
+            entries,
+            next_token: page.next_token,
+        })
+    }
+
+    fn capacity(&self, query: &CapacityQuery) -> Result<Capacity> {
+        if let Some(t) = &query.topology
+            && !backend::segment_within(t, &self.segment)
+        {
+            return Ok(Capacity::default());
+        }
+        let st = rustix::fs::statvfs(&self.layout.root)
+            .map_err(|e| Error::io("statvfs", &self.layout.root, e.into()))?;
+        Ok(Capacity {
+            available: st.f_bavail.saturating_mul(st.f_frsize),
+            // choose_size's bounds under POLICY: sizes round up to GRANULARITY, so a limit_bytes
+            // below it fits no volume, and nothing above MAX_SIZE is made. A topology this
+            // backend does not serve returns early above with neither set, as no size fits.
+            maximum_volume_size: Some(POLICY.max),
+            minimum_volume_size: Some(POLICY.granularity),
+        })
+    }
+
+    fn expand_volume(&self, req: &ExpandRequest) -> Result<u64> {
+        let not_found = || Error::VolumeNotFound(trunc(&req.volume_id).to_string());
+        let id = VolumeId::parse(&req.volume_id).ok_or_else(not_found)?;
+        let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
+        let rec = self.volume_record(&id).ok_or_else(not_found)?;
+        if let Some(cap) = &req.capability {
+            check_capability(cap, &rec.parameters)
+                .map_err(|r| Error::invalid("volume_capability", r))?;
+        }
+        let r = req.capacity;
+        if r.limit > 0 && r.required > r.limit {
+            return Err(Error::OutOfRange(format!(
+                "required_bytes {} is larger than limit_bytes {}",
+                r.required, r.limit
+            )));
+        }
+        let path = self.layout.volume_file(&id);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io("open", &path, e))?;
+        let current = file
+            .metadata()
+            .map_err(|e| Error::io("stat", &path, e))?
+            .len();
+        let size = if r.required <= current {
+            if r.limit > 0 && current > r.limit {
+                return Err(Error::OutOfRange(format!(
+                    "the volume holds {current} bytes, more than limit_bytes {}; volumes never shrink",
+                    r.limit
+                )));
+            }
+            current
+        } else {
+            let size = backend::choose_size(
+                Some(&r),
+                &SizePolicy {
+                    default: current,
+                    ..POLICY
+                },
+                current,
+            )?;
+            file.set_len(size).map_err(|e| size_error(&path, size, e))?;
+            file.sync_all().map_err(|e| Error::io("fsync", &path, e))?;
+            size
+        };
+        if let Some(Publication {
+            device: Some(dev), ..
+        }) = &rec.publication
+        {
+            let fid = FileId::of(&file).map_err(|e| Error::io("stat", &path, e))?;
+            match self.attacher.refresh_size(Path::new(dev), fid) {
+                Ok(()) => {}
+                Err(AttachError::NotOurs(_)) => {
+                    warn!(volume = %id, device = %dev, "device no longer backs the volume; not resized");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if rec.capacity_bytes != size {
+            let mut grown = rec.clone();
+            grown.capacity_bytes = size;
+            self.save_volume(&grown)?;
+            info!(volume = %id, from = rec.capacity_bytes, to = size, "expanded");
+        }
+        Ok(size)
+    }
+
+    fn create_snapshot(&self, req: &NewSnapshot) -> Result<Snapshot> {
+        if let Some(key) = req.parameters.keys().find(|k| !k.starts_with(K8S_PREFIX)) {
+            return Err(Error::invalid(
+                "parameters",
+                format!(
+                    "unknown key {:?}: moor takes no snapshot parameters",
+                    trunc(key)
+                ),
+            ));
+        }
+        let name_key = format!("snapshot-name:{}", req.name);
+        let _claim = self.inflight.claim(&[&name_key], &[])?;
+        let existing = self
+            .state()
+            .snapshots
+            .values()
+            .find(|s| s.name == req.name)
+            .cloned();
+        if let Some(existing) = existing {
+            if existing.source_volume_id != req.source_volume_id {
+                return Err(Error::SnapshotExists {
+                    name: req.name.clone(),
+                    id: existing.id.clone(),
+                    reason: format!("it was cut from volume {}", existing.source_volume_id),
+                });
+            }
+            return Ok(Self::snapshot_of(&existing));
+        }
+        let not_found = || Error::VolumeNotFound(trunc(&req.source_volume_id).to_string());
+        let vid = VolumeId::parse(&req.source_volume_id).ok_or_else(not_found)?;
+        let _source = self.inflight.claim(&[], &[&volume_key(&vid)])?;
+        let vrec = self.volume_record(&vid).ok_or_else(not_found)?;
+        let src_path = self.layout.volume_file(&vid);
+        if let Some(dev) = vrec.publication.as_ref().and_then(|p| p.device.as_ref()) {
+            self.flush_device(Path::new(dev), &src_path)?;
+        }
+        let src = File::open(&src_path).map_err(|e| Error::io("open", &src_path, e))?;
+        let size = src
+            .metadata()
+            .map_err(|e| Error::io("stat", &src_path, e))?
+            .len();
+        let sid = self.new_snapshot_id()?;
+        let target = self.layout.snapshot_file(&sid);
+        let created = SystemTime::now();
+        self.write_data_file(&sid.data_file(), &target, |dst| {
+            let method = copy::copy_sparse(&src, dst, size)?;
+            info!(snapshot = %sid, volume = %vid, ?method, "copied");
+            Ok(())
+        })?;
+        let (created_secs, created_nanos) = SnapshotRecord::time_fields(created);
+        let rec = SnapshotRecord {
+            version: records::FORMAT_VERSION,
+            id: sid.to_string(),
+            name: req.name.clone(),
+            source_volume_id: vid.to_string(),
+            size_bytes: size,
+            created_secs,
+            created_nanos,
+        };
+        if let Err(e) = self.store.put_snapshot(&rec) {
+            let _ = Self::remove_data_file(&target);
+            return Err(e.into());
+        }
+        self.state().snapshots.insert(rec.id.clone(), rec.clone());
+        info!(snapshot = %sid, volume = %vid, size, "snapshot cut");
+        Ok(Self::snapshot_of(&rec))
+    }
+
+    fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
+        let Some(id) = SnapshotId::parse(snapshot_id) else {
+            return Ok(());
+        };
+        let _claim = self.inflight.claim(&[&snapshot_key(&id)], &[])?;
+        let known = self.state().snapshots.contains_key(id.as_str());
+        if known {
+            self.store.remove_snapshot(&id)?;
+            self.state().snapshots.remove(id.as_str());
+        }
+        self.state().protected.remove(id.as_str());
+        Self::remove_data_file(&self.layout.snapshot_file(&id))?;
+        if known {
+            info!(snapshot = %id, "deleted");
+        }
+        Ok(())
+    }
+
+    fn get_snapshot(&self, snapshot_id: &str) -> Result<Snapshot> {
+        let not_found = || Error::SnapshotNotFound(trunc(snapshot_id).to_string());
+        let id = SnapshotId::parse(snapshot_id).ok_or_else(not_found)?;
+        let st = self.state();
+        st.snapshots
+            .get(id.as_str())
+            .map(Self::snapshot_of)
+            .ok_or_else(not_found)
+    }
+
+    fn list_snapshots(
+        &self,
+        filter: &SnapshotFilter,
+        page: &PageRequest,
+    ) -> Result<Page<Snapshot>> {
+        if let Some(t) = &page.starting_token
+            && SnapshotId::parse(t).is_none()
+        {
+            return Err(Error::InvalidToken {
+                token: trunc(t).to_string(),
+                reason: "not a token this controller hands out".into(),
+            });
+        }
+        let st = self.state();
+        let matching = st.snapshots.iter().filter(|(id, rec)| {
+            filter.snapshot_id.as_ref().is_none_or(|s| s == *id)
+                && filter
+                    .source_volume_id
+                    .as_ref()
+                    .is_none_or(|v| *v == rec.source_volume_id)
+        });
+        let page = backend::page_after(matching, page.starting_token.as_deref(), page.max_entries);
+        Ok(Page {
+            entries: page.entries.iter().map(Self::snapshot_of).collect(),
+            next_token: page.next_token,
+        })
+    }
+}

@@ -1,0 +1,305 @@
+//! CreateVolume.
+
+use super::*;
+
+#[tokio::test]
+async fn create_volume_required_fields() {
+    let fx = Fx::new("svc-create-fields");
+    let mut r = create_req("", GIB);
+    assert_invalid(fx.svc.create_volume(Request::new(r.clone())).await, "name");
+    r.name = "pvc-a".into();
+    r.volume_capabilities.clear();
+    assert_invalid(
+        fx.svc.create_volume(Request::new(r.clone())).await,
+        "volume_capabilities",
+    );
+    r.volume_capabilities = vec![csi::VolumeCapability {
+        access_mode: None,
+        access_type: Some(AccessType::Block(BlockVolume {})),
+    }];
+    assert_invalid(
+        fx.svc.create_volume(Request::new(r.clone())).await,
+        "volume_capabilities",
+    );
+    r.volume_capabilities = vec![cap(Mode::MultiNodeMultiWriter, true)];
+    assert_invalid(
+        fx.svc.create_volume(Request::new(r.clone())).await,
+        "volume_capabilities",
+    );
+    r.volume_capabilities = vec![fs_cap("ntfs")];
+    assert_invalid(
+        fx.svc.create_volume(Request::new(r.clone())).await,
+        "volume_capabilities",
+    );
+    r.volume_capabilities = vec![mount_cap()];
+    r.capacity_range = Some(csi::CapacityRange {
+        required_bytes: -1,
+        limit_bytes: 0,
+    });
+    assert_invalid(
+        fx.svc.create_volume(Request::new(r.clone())).await,
+        "capacity_range",
+    );
+    r.capacity_range = None;
+    r.mutable_parameters.insert("iops".into(), "5".into());
+    assert_invalid(
+        fx.svc.create_volume(Request::new(r.clone())).await,
+        "mutable_parameters",
+    );
+    r.mutable_parameters.clear();
+    r.name = "bad\u{7}name".into();
+    assert_invalid(fx.svc.create_volume(Request::new(r)).await, "name");
+    assert!(fx.fake.devices().is_empty());
+}
+
+#[tokio::test]
+async fn create_volume_parameters() {
+    let fx = Fx::new("svc-create-params");
+    let with = |pairs: &[(&str, &str)]| {
+        let mut r = create_req("pvc-p", MIB);
+        for (k, v) in pairs {
+            r.parameters.insert((*k).into(), (*v).into());
+        }
+        r
+    };
+    for bad in [
+        vec![("type", "gp3")],
+        vec![("fsType", "ntfs")],
+        vec![("fsType", "xfs"), ("csi.storage.k8s.io/fstype", "ext4")],
+    ] {
+        assert_invalid(
+            fx.svc.create_volume(Request::new(with(&bad))).await,
+            "parameters",
+        );
+    }
+    let ok = with(&[
+        ("csi.storage.k8s.io/fstype", "xfs"),
+        ("csi.storage.k8s.io/pvc/name", "claim"),
+        ("csi.storage.k8s.io/pvc/namespace", "default"),
+    ]);
+    let v = fx.created(ok).await;
+    assert_eq!(
+        v.volume_context.get("fsType").map(String::as_str),
+        Some("xfs")
+    );
+    // The same volume, asked for with the other spelling of the same parameter.
+    let again = with(&[("fsType", "xfs")]);
+    let v2 = fx.created(again).await;
+    assert_eq!(v2.volume_id, v.volume_id);
+    // A capability for another filesystem than the parameter names.
+    let mut clash = with(&[("fsType", "xfs")]);
+    clash.name = "pvc-q".into();
+    clash.volume_capabilities = vec![fs_cap("ext4")];
+    assert_invalid(
+        fx.svc.create_volume(Request::new(clash)).await,
+        "volume_capabilities",
+    );
+}
+
+#[tokio::test]
+async fn create_volume_sizes() {
+    let fx = Fx::new("svc-create-sizes");
+    let v = fx.create("pvc-default", 0).await;
+    assert_eq!(v.capacity_bytes, GIB);
+    assert!(v.volume_id.starts_with("vol-") && v.volume_id.len() == 20);
+    let meta = std::fs::metadata(fx.volume_path(&v.volume_id)).unwrap();
+    assert_eq!(meta.len() as i64, GIB);
+    use std::os::unix::fs::MetadataExt as _;
+    assert_eq!(meta.blocks(), 0, "a new volume is all hole");
+    let v = fx.create("pvc-round", MIB + 1).await;
+    assert_eq!(v.capacity_bytes, 2 * MIB);
+    assert_eq!(
+        v.accessible_topology,
+        vec![topo(NODE)],
+        "the single node segment"
+    );
+    let range = |required_bytes, limit_bytes| {
+        let mut r = create_req("pvc-range", 0);
+        r.capacity_range = Some(csi::CapacityRange {
+            required_bytes,
+            limit_bytes,
+        });
+        r
+    };
+    let v = fx.created(range(0, 10 * MIB)).await;
+    assert_eq!(v.capacity_bytes, 10 * MIB);
+    for (req, lim) in [(0, 1000), (2 * MIB, MIB), (1000, 1000), (i64::MAX, 0)] {
+        let mut r = range(req, lim);
+        r.name = format!("pvc-oor-{req}-{lim}");
+        assert_code(
+            fx.svc.create_volume(Request::new(r)).await,
+            Code::OutOfRange,
+        );
+    }
+}
+
+#[tokio::test]
+async fn create_volume_is_idempotent_by_name() {
+    let fx = Fx::new("svc-create-idem");
+    let a = fx.create("pvc-1", 10 * MIB).await;
+    let b = fx.create("pvc-1", 10 * MIB).await;
+    assert_eq!(a, b);
+    // A range the existing volume satisfies is the same volume too.
+    let c = fx.create("pvc-1", 5 * MIB).await;
+    assert_eq!(c.volume_id, a.volume_id);
+    let s = assert_code(
+        fx.svc
+            .create_volume(Request::new(create_req("pvc-1", 20 * MIB)))
+            .await,
+        Code::AlreadyExists,
+    );
+    assert!(s.message().contains(&a.volume_id));
+    let mut r = create_req("pvc-1", 10 * MIB);
+    r.parameters.insert("fsType".into(), "xfs".into());
+    assert_code(
+        fx.svc.create_volume(Request::new(r)).await,
+        Code::AlreadyExists,
+    );
+    let mut r = create_req("pvc-1", 10 * MIB);
+    r.volume_content_source = Some(csi::VolumeContentSource {
+        r#type: Some(csi::volume_content_source::Type::Volume(
+            csi::volume_content_source::VolumeSource {
+                volume_id: a.volume_id.clone(),
+            },
+        )),
+    });
+    assert_code(
+        fx.svc.create_volume(Request::new(r)).await,
+        Code::AlreadyExists,
+    );
+    let mut r = create_req("pvc-1", 10 * MIB);
+    r.accessibility_requirements = Some(csi::TopologyRequirement {
+        requisite: vec![topo("node-2")],
+        preferred: vec![],
+    });
+    assert_code(
+        fx.svc.create_volume(Request::new(r)).await,
+        Code::AlreadyExists,
+    );
+    let list = fx
+        .svc
+        .list_volumes(Request::new(csi::ListVolumesRequest::default()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(list.entries.len(), 1);
+}
+
+#[tokio::test]
+async fn create_volume_topology() {
+    let fx = Fx::new("svc-create-topo");
+    let mut r = create_req("pvc-t", MIB);
+    r.accessibility_requirements = Some(csi::TopologyRequirement {
+        requisite: vec![topo("node-2")],
+        preferred: vec![topo("node-2")],
+    });
+    assert_code(
+        fx.svc.create_volume(Request::new(r.clone())).await,
+        Code::ResourceExhausted,
+    );
+    r.accessibility_requirements = Some(csi::TopologyRequirement {
+        requisite: vec![topo("node-2"), topo(NODE)],
+        preferred: vec![topo("node-2")],
+    });
+    let v = fx.created(r.clone()).await;
+    assert_eq!(v.accessible_topology, vec![topo(NODE)]);
+    // Preferred alone binds nothing.
+    r.name = "pvc-t2".into();
+    r.accessibility_requirements = Some(csi::TopologyRequirement {
+        requisite: vec![],
+        preferred: vec![topo("node-2")],
+    });
+    assert!(fx.svc.create_volume(Request::new(r.clone())).await.is_ok());
+    // One requisite topology per node of a large cluster, ours among them.
+    r.name = "pvc-t-many".into();
+    let mut many: Vec<_> = (0..999).map(|i| topo(&format!("node-x{i}"))).collect();
+    many.insert(500, topo(NODE));
+    r.accessibility_requirements = Some(csi::TopologyRequirement {
+        preferred: many.clone(),
+        requisite: many,
+    });
+    let v = fx.created(r.clone()).await;
+    assert_eq!(v.accessible_topology, vec![topo(NODE)]);
+    r.name = "pvc-t3".into();
+    r.accessibility_requirements = Some(csi::TopologyRequirement::default());
+    assert_invalid(
+        fx.svc.create_volume(Request::new(r)).await,
+        "accessibility_requirements",
+    );
+}
+
+#[tokio::test]
+async fn create_volume_from_sources() {
+    use std::os::unix::fs::FileExt as _;
+    let fx = Fx::new("svc-create-src");
+    let src = fx.create("pvc-src", 4 * MIB).await;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(fx.volume_path(&src.volume_id))
+        .unwrap();
+    f.write_all_at(b"moor data", 3 * MIB as u64).unwrap();
+    drop(f);
+    let snap = fx.snapshot("snap-1", &src.volume_id).await.unwrap();
+    assert!(snap.ready_to_use);
+    assert_eq!(snap.size_bytes, 4 * MIB);
+    let from = |name: &str, ty: csi::volume_content_source::Type, bytes| {
+        let mut r = create_req(name, bytes);
+        r.volume_content_source = Some(csi::VolumeContentSource { r#type: Some(ty) });
+        r
+    };
+    let snap_src = |id: &str| {
+        csi::volume_content_source::Type::Snapshot(csi::volume_content_source::SnapshotSource {
+            snapshot_id: id.into(),
+        })
+    };
+    let vol_src = |id: &str| {
+        csi::volume_content_source::Type::Volume(csi::volume_content_source::VolumeSource {
+            volume_id: id.into(),
+        })
+    };
+    // Smaller than the source: the source's size. Larger: grown.
+    let restored = fx
+        .created(from("pvc-r", snap_src(&snap.snapshot_id), MIB))
+        .await;
+    assert_eq!(restored.capacity_bytes, 4 * MIB);
+    assert!(restored.content_source.is_some());
+    let clone = fx
+        .created(from("pvc-c", vol_src(&src.volume_id), 8 * MIB))
+        .await;
+    assert_eq!(clone.capacity_bytes, 8 * MIB);
+    for id in [&restored.volume_id, &clone.volume_id] {
+        let f = std::fs::File::open(fx.volume_path(id)).unwrap();
+        let mut b = [0u8; 9];
+        f.read_exact_at(&mut b, 3 * MIB as u64).unwrap();
+        assert_eq!(&b, b"moor data");
+    }
+    for missing in [
+        snap_src("snap-00000000000000ff"),
+        snap_src("some-snapshot"),
+        vol_src("vol-00000000000000ff"),
+        vol_src("../../etc/passwd"),
+    ] {
+        assert_code(
+            fx.svc
+                .create_volume(Request::new(from("pvc-missing", missing, MIB)))
+                .await,
+            Code::NotFound,
+        );
+    }
+    // A limit below the source's size cannot be honoured.
+    let mut r = from("pvc-small", snap_src(&snap.snapshot_id), 0);
+    r.capacity_range = Some(csi::CapacityRange {
+        required_bytes: 0,
+        limit_bytes: 2 * MIB,
+    });
+    assert_code(
+        fx.svc.create_volume(Request::new(r)).await,
+        Code::OutOfRange,
+    );
+    assert_invalid(
+        fx.svc
+            .create_volume(Request::new(from("pvc-e", snap_src(""), MIB)))
+            .await,
+        "volume_content_source",
+    );
+}

@@ -1,0 +1,277 @@
+//! The cross-object checks catch broken manifests.
+
+use super::*;
+
+#[test]
+fn flags_not_in_the_binaries_are_rejected() {
+    let ctx = ctx();
+    let p = ctx
+        .node
+        .check_args(&["--node-id=n".into(), "--no-such-flag=1".into()], &[]);
+    assert_eq!(p.len(), 1, "{p:?}");
+    assert!(
+        p[0].starts_with("moor-node has no flag --no-such-flag"),
+        "{p:?}"
+    );
+    let p = ctx
+        .controller
+        .check_args(&["--node-id=n".into(), "--state-dir=/x".into()], &[]);
+    assert!(
+        p[0].starts_with("moor-controller has no flag --state-dir"),
+        "{p:?}"
+    );
+    // And through the manifests.
+    let mut res = base();
+    let ds = find_mut(&mut res, "DaemonSet", "moor-node");
+    let args = container_mut(ds, "moor-node")["args"]
+        .as_array_mut()
+        .unwrap();
+    args.push(json!("--no-such-flag=1"));
+    args.push(json!("--log-format=xml"));
+    let p = checks::check_all(&res, ctx).join("\n");
+    assert!(
+        p.contains("container moor-node: moor-node has no flag --no-such-flag"),
+        "{p}"
+    );
+    assert!(p.contains("--log-format=xml: not one of text, json"), "{p}");
+    assert!(p.contains("--log-format is given 2 times"), "{p}");
+}
+
+/// Breaks the base one way and expects the checks to say so.
+fn expect_problem(what: &str, change: impl FnOnce(&mut Vec<Resource>), want: &str) {
+    let mut res = base();
+    change(&mut res);
+    let p = checks::check_all(&res, ctx()).join("\n");
+    assert!(p.contains(want), "{what}: {want:?} not in:\n{p}");
+}
+
+fn node_pod(res: &mut [Resource]) -> &mut Value {
+    &mut find_mut(res, "DaemonSet", "moor-node")["spec"]["template"]["spec"]
+}
+
+#[test]
+fn checks_catch_broken_manifests() {
+    expect_problem(
+        "no Bidirectional",
+        |r| {
+            let m = &mut container_mut(find_mut(r, "DaemonSet", "moor-node"), "moor-node")["volumeMounts"]
+                [1];
+            m.as_object_mut().unwrap().remove("mountPropagation");
+        },
+        "the kubelet dir /var/lib/kubelet needs mountPropagation: Bidirectional",
+    );
+    expect_problem(
+        "wrong registration path",
+        |r| {
+            let ds = find_mut(r, "DaemonSet", "moor-node");
+            container_mut(ds, "node-driver-registrar")["args"][1] =
+                json!("--kubelet-registration-path=/csi/csi.sock");
+        },
+        "--kubelet-registration-path must be /var/lib/kubelet/plugins/moor.csi.io/csi.sock",
+    );
+    expect_problem(
+        "double registration",
+        |r| {
+            let ds = find_mut(r, "DaemonSet", "moor-node");
+            container_mut(ds, "moor-node")["args"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!("--registration-dir=/registration"));
+        },
+        "the driver would register twice",
+    );
+    expect_problem(
+        "built-in registration announcing the container's socket path",
+        |r| {
+            node_pod(r)["containers"]
+                .as_array_mut()
+                .unwrap()
+                .retain(|c| c["name"] != "node-driver-registrar");
+            let ds = find_mut(r, "DaemonSet", "moor-node");
+            container_mut(ds, "moor-node")["args"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!("--registration-dir=/registration"));
+        },
+        "--kubelet-registration-path must be /var/lib/kubelet/plugins/moor.csi.io/csi.sock",
+    );
+    expect_problem(
+        "moor-node's http endpoint on every interface of the host network",
+        |r| {
+            let ds = find_mut(r, "DaemonSet", "moor-node");
+            let args = container_mut(ds, "moor-node")["args"]
+                .as_array_mut()
+                .unwrap();
+            args.retain(|a| !a.as_str().unwrap().starts_with("--http-endpoint"));
+            args.push(json!("--http-endpoint=0.0.0.0:9809"));
+        },
+        "container moor-node listens on every interface of the node (hostNetwork) at port 9809",
+    );
+    expect_problem(
+        "no registration",
+        |r| {
+            node_pod(r)["containers"]
+                .as_array_mut()
+                .unwrap()
+                .retain(|c| c["name"] != "node-driver-registrar");
+        },
+        "nothing registers the driver with the kubelet",
+    );
+    expect_problem(
+        "health endpoint exposed on the host network",
+        |r| {
+            let ds = find_mut(r, "DaemonSet", "moor-node");
+            container_mut(ds, "liveness-probe")["args"][1] = json!("--http-endpoint=:9808");
+        },
+        "listens on every interface of the node (hostNetwork) at port 9808",
+    );
+    expect_problem(
+        "probe on the pod IP for a loopback endpoint",
+        |r| {
+            let ds = find_mut(r, "DaemonSet", "moor-node");
+            let probe = &mut container_mut(ds, "moor-node")["livenessProbe"]["httpGet"];
+            probe.as_object_mut().unwrap().remove("host");
+        },
+        "probe host must be 127.0.0.1",
+    );
+    expect_problem(
+        "probe port nobody serves",
+        |r| {
+            let dep = find_mut(r, "Deployment", "moor-controller");
+            container_mut(dep, "moor-controller")["ports"][0]["containerPort"] = json!(9810);
+        },
+        "probes port 9810, which nothing in the pod serves",
+    );
+    expect_problem(
+        "undefined env var",
+        |r| {
+            let ds = find_mut(r, "DaemonSet", "moor-node");
+            container_mut(ds, "moor-node")["args"][1] = json!("--node-id=$(NODE_NAME)");
+        },
+        "refers to $(NODE_NAME), which the container does not define",
+    );
+    expect_problem(
+        "node id not from the node name",
+        |r| {
+            let ds = find_mut(r, "DaemonSet", "moor-node");
+            container_mut(ds, "moor-node")["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] =
+                json!("metadata.name");
+        },
+        "--node-id must come from an env var set from fieldRef spec.nodeName",
+    );
+    expect_problem(
+        "socket not shared",
+        |r| {
+            let dep = find_mut(r, "Deployment", "moor-controller");
+            container_mut(dep, "csi-attacher")["args"][0] = json!("--csi-address=/run/x.sock");
+        },
+        "container csi-attacher: --csi-address is not /csi/csi.sock",
+    );
+    expect_problem(
+        "no leader election",
+        |r| {
+            let dep = find_mut(r, "Deployment", "moor-controller");
+            container_mut(dep, "csi-resizer")["args"]
+                .as_array_mut()
+                .unwrap()
+                .truncate(1);
+        },
+        "container csi-resizer: supports leader election: pass --leader-election",
+    );
+    expect_problem(
+        "unknown sidecar flag",
+        |r| {
+            let dep = find_mut(r, "Deployment", "moor-controller");
+            container_mut(dep, "csi-provisioner")["args"][1] = json!("--leader-elect");
+        },
+        "--leader-elect is not a known flag of registry.k8s.io/sig-storage/csi-provisioner",
+    );
+    expect_problem(
+        "two controllers",
+        |r| find_mut(r, "Deployment", "moor-controller")["spec"]["replicas"] = json!(2),
+        "set replicas: 1",
+    );
+    expect_problem(
+        "rolling controller",
+        |r| {
+            find_mut(r, "Deployment", "moor-controller")["spec"]["strategy"]["type"] =
+                json!("RollingUpdate");
+        },
+        "strategy must be Recreate",
+    );
+    expect_problem(
+        "controller not pinned",
+        |r| {
+            let pod = &mut find_mut(r, "Deployment", "moor-controller")["spec"]["template"]["spec"];
+            pod["nodeSelector"] = json!({"kubernetes.io/os": "linux"});
+        },
+        "pin the controller to it",
+    );
+    expect_problem(
+        "grace longer than the pod's",
+        |r| node_pod(r)["terminationGracePeriodSeconds"] = json!(10),
+        "--shutdown-grace=20 is not shorter than the pod's terminationGracePeriodSeconds (10)",
+    );
+    expect_problem(
+        "missing lease permissions",
+        |r| r.retain(|x| x.doc["kind"] != "RoleBinding"),
+        "ServiceAccount moor-system/moor-controller lacks create on coordination.k8s.io/leases",
+    );
+    expect_problem(
+        "missing provisioner permission",
+        |r| {
+            let cr = find_mut(r, "ClusterRole", "moor-controller");
+            cr["rules"][0]["verbs"] = json!(["get", "list", "watch", "create", "patch"]);
+        },
+        "ServiceAccount moor-system/moor-controller lacks delete on persistentvolumes",
+    );
+    expect_problem(
+        "excess permission",
+        |r| {
+            let cr = find_mut(r, "ClusterRole", "moor-node");
+            cr["rules"][0]["verbs"] = json!(["get", "list"]);
+        },
+        "is granted list on /nodes cluster-wide, which none of its containers needs",
+    );
+    expect_problem(
+        "wildcard",
+        |r| find_mut(r, "ClusterRole", "moor-node")["rules"][0]["verbs"] = json!(["*"]),
+        "ClusterRole moor-node: no wildcards in verbs",
+    );
+    expect_problem(
+        "unpinned image",
+        |r| {
+            let dep = find_mut(r, "Deployment", "moor-controller");
+            container_mut(dep, "csi-snapshotter")["image"] =
+                json!("registry.k8s.io/sig-storage/csi-snapshotter:v8.1.0");
+        },
+        "registry.k8s.io/sig-storage/csi-snapshotter must be pinned at v8.2.0",
+    );
+    expect_problem(
+        "driver name mismatch",
+        |r| find_mut(r, "StorageClass", "moor")["provisioner"] = json!("moor.example.com"),
+        "StorageClass \"moor\": provisioner Some(\"moor.example.com\"), not moor.csi.io",
+    );
+    expect_problem(
+        "state not on the host",
+        |r| {
+            let vols = node_pod(r)["volumes"].as_array_mut().unwrap();
+            let v = vols.iter_mut().find(|v| v["name"] == "state-dir").unwrap();
+            *v = json!({"name": "state-dir", "emptyDir": {}});
+        },
+        "the state dir /var/lib/moor is not a hostPath",
+    );
+    expect_problem(
+        "unused volume and dangling mount",
+        |r| {
+            let pod = node_pod(r);
+            pod["volumes"][0]["name"] = json!("socket");
+        },
+        "volume mount \"socket-dir\" names no volume of the pod",
+    );
+    expect_problem(
+        "namespace missing",
+        |r| r.retain(|x| x.doc["kind"] != "Namespace"),
+        "namespace moor-system is not created by these manifests",
+    );
+}

@@ -1,0 +1,278 @@
+//! The base and every overlay: they render, validate and pass the checks, hold the objects
+//! they should, and the overlays change only what they say.
+
+use super::*;
+
+#[test]
+fn base_and_every_overlay_render_validate_and_check() {
+    let mut dirs = vec![deploy_dir().join("base")];
+    dirs.extend(moor_deploy::overlays().unwrap());
+    let names: Vec<_> = dirs.iter().filter_map(|d| d.file_name()).collect();
+    assert_eq!(
+        names,
+        [
+            "base",
+            "builtin-registration",
+            "registrar",
+            "selinux",
+            "xfs"
+        ]
+    );
+    eprintln!("rendered by {:?}", moor_deploy::kubectl::renderer());
+    for dir in dirs {
+        let res = render(&dir);
+        assert!(res.len() >= 14, "{}: {} objects", dir.display(), res.len());
+        let p = problems(&res, ctx());
+        assert!(p.is_empty(), "{}:\n{}", dir.display(), p.join("\n"));
+    }
+}
+
+#[test]
+fn default_overlay_runs_with_todays_binaries() {
+    // No coming flag: what `kubectl apply -k deploy/overlays/registrar` deploys must start with
+    // the binaries as they are.
+    let (today, _) = moor_deploy::context(false).unwrap();
+    let res = render(&deploy_dir().join("overlays/registrar"));
+    let p = problems(&res, &today);
+    assert!(p.is_empty(), "{}", p.join("\n"));
+}
+
+#[test]
+fn every_yaml_file_is_strict_yaml() {
+    fn walk(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() && p.file_name().is_some_and(|n| n != "target") {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "yaml" || x == "yml") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&deploy_dir(), &mut files);
+    assert!(files.len() >= 13, "{files:?}");
+    for f in files {
+        assert!(
+            f.extension().is_some_and(|x| x == "yaml"),
+            "{}: use .yaml",
+            f.display()
+        );
+        let text = std::fs::read_to_string(&f).unwrap();
+        yaml::load_all(&text).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+    }
+}
+
+#[test]
+fn base_kustomization_lists_every_manifest() {
+    let dir = deploy_dir().join("base");
+    let k = kustomize::load_file(&dir.join("kustomization.yaml")).unwrap();
+    let listed: std::collections::BTreeSet<String> = k[0]["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap().to_owned())
+        .collect();
+    let present: std::collections::BTreeSet<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".yaml") && n != "kustomization.yaml")
+        .collect();
+    assert_eq!(listed, present);
+}
+
+#[test]
+fn base_objects_are_as_specified() {
+    let res = base();
+    // In any order: kubectl sorts them its way, deploy's renderer keeps the files' order.
+    let mut ids: Vec<String> = res.iter().map(Resource::id).collect();
+    ids.sort();
+    assert_eq!(
+        ids,
+        [
+            "CSIDriver/moor.csi.io",
+            "ClusterRole/moor-controller",
+            "ClusterRole/moor-node",
+            "ClusterRoleBinding/moor-controller",
+            "ClusterRoleBinding/moor-node",
+            "DaemonSet/moor-system/moor-node",
+            "Deployment/moor-system/moor-controller",
+            "Namespace/moor-system",
+            "Role/moor-system/moor-controller-leader-election",
+            "RoleBinding/moor-system/moor-controller-leader-election",
+            "ServiceAccount/moor-system/moor-controller",
+            "ServiceAccount/moor-system/moor-node",
+            "StorageClass/moor",
+            "VolumeSnapshotClass/moor",
+        ]
+    );
+    assert_eq!(
+        find(&res, "CSIDriver", "moor.csi.io")["spec"],
+        json!({
+            "attachRequired": true,
+            "podInfoOnMount": false,
+            "fsGroupPolicy": "File",
+            "volumeLifecycleModes": ["Persistent"],
+            "requiresRepublish": false,
+            "storageCapacity": false
+        })
+    );
+    let sc = find(&res, "StorageClass", "moor");
+    assert_eq!(sc["provisioner"], "moor.csi.io");
+    assert_eq!(
+        sc["parameters"],
+        json!({"csi.storage.k8s.io/fstype": "ext4"})
+    );
+    assert_eq!(
+        (
+            &sc["allowVolumeExpansion"],
+            &sc["volumeBindingMode"],
+            &sc["reclaimPolicy"]
+        ),
+        (
+            &json!(true),
+            &json!("WaitForFirstConsumer"),
+            &json!("Delete")
+        )
+    );
+    let vsc = find(&res, "VolumeSnapshotClass", "moor");
+    assert_eq!(vsc["apiVersion"], "snapshot.storage.k8s.io/v1");
+    assert_eq!(
+        (&vsc["driver"], &vsc["deletionPolicy"]),
+        (&json!("moor.csi.io"), &json!("Delete"))
+    );
+
+    let ds = find(&res, "DaemonSet", "moor-node");
+    let node = container(ds, "moor-node");
+    assert_eq!(node["securityContext"]["privileged"], true);
+    assert_eq!(
+        node["args"],
+        json!([
+            "--endpoint=unix:///csi/csi.sock",
+            "--node-id=$(NODE_ID)",
+            "--driver-name=moor.csi.io",
+            "--state-dir=/var/lib/moor",
+            "--kubelet-dir=/var/lib/kubelet",
+            "--log-format=json",
+            "--shutdown-grace=20",
+            "--reconcile-interval=60",
+            "--http-endpoint=127.0.0.1:9809"
+        ])
+    );
+    assert_eq!(node["livenessProbe"]["httpGet"]["path"], "/healthz");
+    let registrar = container(ds, "node-driver-registrar");
+    assert_eq!(
+        registrar["image"],
+        "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0"
+    );
+    assert_eq!(
+        registrar["args"],
+        json!([
+            "--csi-address=/csi/csi.sock",
+            "--kubelet-registration-path=/var/lib/kubelet/plugins/moor.csi.io/csi.sock"
+        ])
+    );
+    let host_paths: Vec<&str> = ds["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["hostPath"]["path"].as_str())
+        .collect();
+    assert_eq!(
+        host_paths,
+        [
+            "/var/lib/kubelet/plugins/moor.csi.io",
+            "/var/lib/kubelet/plugins_registry",
+            "/var/lib/kubelet",
+            "/var/lib/moor",
+            "/dev",
+            "/sys",
+            "/run/udev"
+        ]
+    );
+
+    let dep = find(&res, "Deployment", "moor-controller");
+    assert_eq!(dep["spec"]["replicas"], 1);
+    let images: Vec<&str> = dep["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["image"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        images,
+        [
+            moor_deploy::moor_image().as_str(),
+            "registry.k8s.io/sig-storage/csi-provisioner:v5.2.0",
+            "registry.k8s.io/sig-storage/csi-attacher:v4.8.0",
+            "registry.k8s.io/sig-storage/csi-resizer:v1.13.1",
+            "registry.k8s.io/sig-storage/csi-snapshotter:v8.2.0",
+            "registry.k8s.io/sig-storage/livenessprobe:v2.15.0",
+        ]
+    );
+    assert_eq!(
+        container(dep, "csi-provisioner")["args"],
+        json!([
+            "--csi-address=/csi/csi.sock",
+            "--leader-election",
+            "--feature-gates=Topology=true",
+            "--extra-create-metadata"
+        ])
+    );
+    let ctl = container(dep, "moor-controller");
+    assert!(
+        ctl["args"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("--data-dir=/var/lib/moor-controller"))
+    );
+    assert_eq!(ctl["securityContext"]["privileged"], true);
+}
+
+#[test]
+fn overlays_change_only_what_they_say() {
+    let base = base();
+    let registrar = render(&deploy_dir().join("overlays/registrar"));
+    assert_eq!(registrar, {
+        // Same objects; only the source files differ.
+        let mut b = base.clone();
+        for (x, y) in b.iter_mut().zip(&registrar) {
+            x.source.clone_from(&y.source);
+        }
+        b
+    });
+
+    let builtin = render(&deploy_dir().join("overlays/builtin-registration"));
+    let mut want = base.clone();
+    let ds = find_mut(&mut want, "DaemonSet", "moor-node");
+    let pod = &mut ds["spec"]["template"]["spec"];
+    pod["containers"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|c| c["name"] != "node-driver-registrar" && c["name"] != "liveness-probe");
+    let node = container_mut(ds, "moor-node");
+    let args = node["args"].as_array_mut().unwrap();
+    args.push(json!("--registration-dir=/registration"));
+    args.push(json!(
+        "--kubelet-registration-path=/var/lib/kubelet/plugins/moor.csi.io/csi.sock"
+    ));
+    node["ports"].as_array_mut().unwrap().remove(0);
+    node["livenessProbe"]["httpGet"]["port"] = json!("http");
+    node["volumeMounts"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "registration-dir", "mountPath": "/registration"}));
+    let docs = |r: &[Resource]| r.iter().map(|r| r.doc.clone()).collect::<Vec<_>>();
+    assert_eq!(docs(&builtin), docs(&want));
+
+    let selinux = render(&deploy_dir().join("overlays/selinux"));
+    let mut want = base.clone();
+    find_mut(&mut want, "CSIDriver", "moor.csi.io")["spec"]["seLinuxMount"] = json!(true);
+    assert_eq!(docs(&selinux), docs(&want));
+
+    let xfs = render(&deploy_dir().join("overlays/xfs"));
+    let mut want = base;
+    find_mut(&mut want, "StorageClass", "moor")["parameters"]["csi.storage.k8s.io/fstype"] =
+        json!("xfs");
+    assert_eq!(docs(&xfs), docs(&want));
+}
