@@ -350,7 +350,7 @@ impl<O: Os> Engine<O> {
             // ext4's journal is checksummed with a seed from the filesystem's UUID (a fresh
             // one, chosen here), so blocks an earlier filesystem left where the journal goes
             // can never be replayed: it need not be zeroed. ext3's journal has no checksums:
-            // zero it. (The README's durability section has the measurements.)
+            // zero it. (docs/durability.md has the measurements.)
             Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4 => (
                 format!("mkfs.{}", fs.name()),
                 vec![

@@ -1,4 +1,4 @@
-//! Prints the README's performance table from the results of `cargo bench`: the medians in
+//! Prints the performance table (docs/performance.md) from the results of `cargo bench`: the medians in
 //! `target/criterion/<group>/<bench>/new/estimates.json`, each with its reference and ratio,
 //! the target issue 7 sets and whether it holds, and the daemon's memory from
 //! `target/criterion/memory.txt`.
@@ -6,7 +6,7 @@
 //!     bench-report [--criterion DIR] [--note TEXT] [--update FILE]
 //!
 //! `--update FILE` replaces the text between the lines `<!-- bench-table:begin -->` and
-//! `<!-- bench-table:end -->` of FILE (the README) with the table instead of printing it.
+//! `<!-- bench-table:end -->` of FILE (docs/performance.md) with the table instead of printing it.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
