@@ -85,6 +85,11 @@ fn list<T: Default, U>(
     })
 }
 
+/// A progress callback that reports nothing; 0 lets the operation go on.
+extern "C" fn no_progress(_offset: u64, _total: u64, _arg: *mut std::ffi::c_void) -> c_int {
+    0
+}
+
 /// librbd's version: (major, minor, extra); librbd 1.12 is Ceph 14 (Nautilus).
 pub(crate) fn rbd_version(api: &Api) -> (i32, i32, i32) {
     let (mut major, mut minor, mut extra) = (0, 0, 0);
@@ -518,9 +523,16 @@ impl RbdImage {
     }
 
     pub(crate) fn resize(&self, size: u64, allow_shrink: bool) -> Result<()> {
-        // SAFETY: an open image; no progress callback.
+        // SAFETY: an open image; a progress callback that ignores its arguments (librbd calls
+        // it without checking for null).
         let ret = unsafe {
-            (self.api().rbd_resize2)(self.handle, size, allow_shrink, None, ptr::null_mut())
+            (self.api().rbd_resize2)(
+                self.handle,
+                size,
+                allow_shrink,
+                no_progress,
+                ptr::null_mut(),
+            )
         };
         check("rbd_resize2", ret).map(drop)
     }

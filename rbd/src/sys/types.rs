@@ -7,7 +7,8 @@ pub(crate) type RadosT = *mut c_void;
 pub(crate) type RadosIoctxT = *mut c_void;
 pub(crate) type RbdImageT = *mut c_void;
 pub(crate) type RbdImageOptionsT = *mut c_void;
-pub(crate) type ProgressFn = Option<unsafe extern "C" fn(u64, u64, *mut c_void) -> c_int>;
+/// `librbd_progress_fn_t`. librbd calls it unconditionally: never pass a null one.
+pub(crate) type ProgressFn = unsafe extern "C" fn(u64, u64, *mut c_void) -> c_int;
 
 /// `RBD_IMAGE_OPTION_*`.
 pub(crate) const RBD_IMAGE_OPTION_FEATURES: c_int = 1;
