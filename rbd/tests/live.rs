@@ -678,23 +678,25 @@ fn timings() {
         drop(env.connect());
     }
     eprintln!(
-        "timing: connect, mean of {rounds}: {}",
+        "timing: connect {} (mean of {rounds})",
         ms(started.elapsed() / rounds)
     );
 
     let pool = env.pool();
     let mut cleanup = Cleanup::new(&pool);
     let image = cleanup.add(&name("timing"));
-    let started = Instant::now();
+    let (mut creating, mut removing) = (Duration::ZERO, Duration::ZERO);
     for _ in 0..rounds {
+        let started = Instant::now();
         pool.create_image(&image, &ImageOptions::new(1 << 30))
             .unwrap();
+        creating += started.elapsed();
+        let started = Instant::now();
         pool.remove_image(&image).unwrap();
+        removing += started.elapsed();
     }
-    eprintln!(
-        "timing: create+remove 1 GiB, mean of {rounds}: {}",
-        ms(started.elapsed() / rounds)
-    );
+    let (creating, removing) = (ms(creating / rounds), ms(removing / rounds));
+    eprintln!("timing: create 1 GiB {creating}, remove it {removing} (means of {rounds})");
 
     pool.create_image(&image, &ImageOptions::new(1 << 30))
         .unwrap();
@@ -702,14 +704,32 @@ fn timings() {
     open.create_snapshot("s").unwrap();
     open.protect_snapshot("s").unwrap();
     let clone = cleanup.add(&name("timing-clone"));
-    let started = Instant::now();
+    let (mut cloning, mut removing) = (Duration::ZERO, Duration::ZERO);
     for _ in 0..rounds {
+        let started = Instant::now();
         pool.clone_image(&image, "s", &pool, &clone, Features::MOOR_DEFAULT)
             .unwrap();
+        cloning += started.elapsed();
+        let started = Instant::now();
         pool.remove_image(&clone).unwrap();
+        removing += started.elapsed();
     }
-    eprintln!(
-        "timing: clone+remove, mean of {rounds}: {}",
-        ms(started.elapsed() / rounds)
+    let (cloning, removing) = (ms(cloning / rounds), ms(removing / rounds));
+    eprintln!("timing: clone {cloning}, remove the clone {removing} (means of {rounds})");
+}
+
+#[test]
+fn without_the_libraries_connecting_says_librbd_is_not_installed() {
+    let Err(load_error) = moor_rbd::load() else {
+        eprintln!("skipped: librbd is installed");
+        return;
+    };
+    assert!(
+        matches!(load_error, Error::NotInstalled { .. }),
+        "{load_error:?}"
     );
+    let options = ConnectOptions::new("127.0.0.1:3300", "moor", Auth::Key(Secret::new("AQAA")));
+    let e = Cluster::connect(&options).unwrap_err();
+    assert!(e.to_string().starts_with("librbd not installed: "), "{e}");
+    eprintln!("without Ceph: {e}");
 }
