@@ -20,7 +20,7 @@ use crate::journal::{
     AccessRecord, Durability, Journal, Phase, PublishRecord, StageRecord, VolumeRecord,
 };
 use crate::mount_options::Filesystem;
-use crate::probe::{self, Content};
+use crate::superblock::{self, Content};
 use crate::sys::{
     self, BindMount, BlockDevice, BufPool, FsMount, FsUsage, HeldDevice, MountAttrs, MountPoint,
     MountState, Os, Presence, SysError, ToolError, ToolRun, is_corruption_errno, is_gone_errno,
@@ -162,7 +162,7 @@ impl<O: Os> Engine<O> {
             journal,
             locks: VolumeLocks::default(),
             cfg,
-            probe_bufs: BufPool::new(probe::HEAD_LEN + probe::TAIL_LEN, 1),
+            probe_bufs: BufPool::new(superblock::HEAD_LEN + superblock::TAIL_LEN, 1),
         }
     }
 
@@ -310,22 +310,22 @@ impl<O: Os> Engine<O> {
     /// The windows are read into page-aligned buffers, so the OS layer can read them with
     /// O_DIRECT: no copy through the device's page cache, which the mount would throw away.
     pub fn probe_device(&self, device: &Path, size: u64) -> Result<Content> {
-        let head_len = (probe::HEAD_LEN as u64).min(size) as usize;
-        let quick_len = probe::QUICK_LEN.min(head_len);
-        let tail_len = (probe::TAIL_LEN as u64).min(size) as usize;
+        let head_len = (superblock::HEAD_LEN as u64).min(size) as usize;
+        let quick_len = superblock::QUICK_LEN.min(head_len);
+        let tail_len = (superblock::TAIL_LEN as u64).min(size) as usize;
         // One buffer holds both windows: the head in its first HEAD_LEN bytes, the tail after.
         // Only the bytes a read filled are looked at (a reused buffer holds an older device's).
         let mut buf = self.probe_bufs.take();
         let (head, tail) = buf
             .as_mut_slice()
-            .split_at_mut_checked(probe::HEAD_LEN)
+            .split_at_mut_checked(superblock::HEAD_LEN)
             .unwrap_or_default();
         let head = head.get_mut(..head_len).unwrap_or_default();
         // A formatted device (every stage after the first) is known from its first bytes.
         let n = self
             .os
             .read_device(device, 0, head.get_mut(..quick_len).unwrap_or_default())?;
-        if let Some(found) = probe::probe_quick(head.get(..n).unwrap_or_default()) {
+        if let Some(found) = superblock::probe_quick(head.get(..n).unwrap_or_default()) {
             return Ok(found);
         }
         let mut got = n;
@@ -336,7 +336,7 @@ impl<O: Os> Engine<O> {
         }
         let tail = tail.get_mut(..tail_len).unwrap_or_default();
         let tail_got = self.os.read_device(device, size - tail_len as u64, tail)?;
-        Ok(probe::probe(
+        Ok(superblock::probe(
             head.get(..got).unwrap_or_default(),
             tail.get(..tail_got).unwrap_or_default(),
             size,

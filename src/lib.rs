@@ -6,7 +6,7 @@
 //! * [`engine`] carries out the Node RPCs' semantics over the OS ([`sys`]) and the node
 //!   journal ([`journal`]), one operation per volume at a time ([`guard`]);
 //! * [`discovery`] finds a volume's block device by identity, through udev;
-//! * [`probe`] reads superblocks to tell a blank device from one that holds data;
+//! * [`superblock`] reads superblocks to tell a blank device from one that holds data;
 //! * [`mount_options`] decides which mount flags reach the kernel; [`selinux`] checks the
 //!   SELinux labels among them, and [`fsgroup`] gives a volume to its pod's group;
 //! * [`mountinfo`] parses the mount table where statx/statmount cannot answer;
@@ -29,12 +29,12 @@ pub mod limits;
 pub mod metrics;
 pub mod mount_options;
 pub mod mountinfo;
-pub mod probe;
 pub mod reconcile;
 pub mod registration;
 pub mod selinux;
 pub mod server;
 pub mod service;
+pub mod superblock;
 pub mod sys;
 pub mod validate;
 

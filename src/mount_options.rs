@@ -13,7 +13,7 @@
 use crate::sys::{Atime, MountAttrs};
 
 /// A filesystem moor can format and mount.
-pub use crate::probe::Filesystem;
+pub use crate::superblock::Filesystem;
 
 /// Why a mount option list was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

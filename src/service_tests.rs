@@ -293,7 +293,7 @@ fn a_probe_sees_only_its_own_device_through_the_reused_buffer() {
     }
     let c = h.engine.probe_device(Path::new(small), 300 * 1024);
     assert!(
-        matches!(c, Ok(crate::probe::Content::Filesystem { .. })),
+        matches!(c, Ok(crate::superblock::Content::Filesystem { .. })),
         "{c:?}"
     );
 }
