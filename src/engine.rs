@@ -15,7 +15,6 @@ use tracing::{info, warn};
 use crate::discovery::{DEFAULT_DISCOVERY_DEADLINE, DiscoveryError, Verdict};
 use crate::error::{Error, Result};
 use crate::fault;
-use crate::guard::VolumeLocks;
 use crate::journal::{
     AccessRecord, Durability, Journal, Phase, PublishRecord, StageRecord, VolumeRecord,
 };
@@ -26,6 +25,7 @@ use crate::sys::{
     MountState, Os, Presence, SysError, ToolError, ToolRun, is_corruption_errno, is_gone_errno,
 };
 use crate::validate::{self, Access, Capability};
+use crate::volume_lock::VolumeLocks;
 use crate::{fsgroup, selinux};
 
 /// e2fsck's exit code bits: errors corrected; corrected, and a reboot would be due (for the

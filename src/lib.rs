@@ -4,7 +4,7 @@
 //! * [`validate`] turns CSI requests into typed, checked requests, within the spec's
 //!   [`limits`] (shared with the controller);
 //! * [`engine`] carries out the Node RPCs' semantics over the OS ([`sys`]) and the node
-//!   journal ([`journal`]), one operation per volume at a time ([`guard`]);
+//!   journal ([`journal`]), one operation per volume at a time ([`volume_lock`]);
 //! * [`discovery`] finds a volume's block device by identity, through udev;
 //! * [`superblock`] reads superblocks to tell a blank device from one that holds data;
 //! * [`mount_options`] decides which mount flags reach the kernel; [`selinux`] checks the
@@ -21,7 +21,6 @@ pub mod engine;
 pub mod error;
 pub mod fault;
 pub mod fsgroup;
-pub mod guard;
 pub mod http;
 pub mod instance;
 pub mod journal;
@@ -37,6 +36,7 @@ pub mod service;
 pub mod superblock;
 pub mod sys;
 pub mod validate;
+pub mod volume_lock;
 
 #[cfg(test)]
 mod fault_injection_tests;
