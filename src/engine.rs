@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 use tracing::{info, warn};
 
+use crate::crash_points;
 use crate::discovery::{DEFAULT_DISCOVERY_DEADLINE, DiscoveryError, Verdict};
 use crate::error::{Error, Result};
-use crate::fault;
 use crate::journal::{
     AccessRecord, Durability, Journal, Phase, PublishRecord, StageRecord, VolumeRecord,
 };
@@ -666,9 +666,9 @@ impl<O: Os> Engine<O> {
                 fs_uuid: Some(uuid.clone()),
             });
             self.journal.put(&record, Durability::Power)?;
-            fault::point("stage.formatting");
+            crash_points::point("stage.formatting");
             report.mkfs = Some(self.mkfs(*fs, &dev.handle, &uuid, interrupted.is_some())?);
-            fault::point("stage.formatted");
+            crash_points::point("stage.formatted");
             report.formatted = true;
             fs_uuid = Some(uuid);
             content = self.probe_device(&dev.handle, dev.size)?;
@@ -716,7 +716,7 @@ impl<O: Os> Engine<O> {
             Durability::Process
         };
         self.journal.put(&record, durability)?;
-        fault::point("stage.mounting");
+        crash_points::point("stage.mounting");
         let start = Instant::now();
         let mounted = self.os.mount_fs(&FsMount {
             device: dev.node.clone(),
@@ -732,7 +732,7 @@ impl<O: Os> Engine<O> {
             return Err(e.into());
         }
         report.mount = Some(start.elapsed());
-        fault::point("stage.mounted");
+        crash_points::point("stage.mounted");
         let after = (|| -> Result<bool> {
             match self.os.mount_state(&req.staging)? {
                 // btrfs gives its mounts an anonymous device number: nothing to compare.
@@ -760,7 +760,7 @@ impl<O: Os> Engine<O> {
             Ok(grown) => {
                 report.grown = grown;
                 self.confirm_stage(&mut record, req, (&device_path, &dev), fs_uuid)?;
-                fault::point("stage.done");
+                crash_points::point("stage.done");
                 Ok(report)
             }
             Err(e) => {
@@ -844,7 +844,7 @@ impl<O: Os> Engine<O> {
             st.phase = Phase::InProgress;
             self.journal.put(&record, Durability::Process)?;
         }
-        fault::point("unstage.unmounting");
+        crash_points::point("unstage.unmounting");
         let staged_dev = record.stage.as_ref().map(|s| s.rdev);
         let is_block = matches!(
             record.stage.as_ref().map(|s| &s.access),
@@ -856,10 +856,10 @@ impl<O: Os> Engine<O> {
                 staged_dev.is_none_or(|d| mp.dev == d || mp.rdev.is_none())
             })?;
         }
-        fault::point("unstage.unmounted");
+        crash_points::point("unstage.unmounted");
         record.stage = None;
         self.journal.put(&record, Durability::Process)?;
-        fault::point("unstage.done");
+        crash_points::point("unstage.done");
         Ok(())
     }
 
@@ -1031,7 +1031,7 @@ impl<O: Os> Engine<O> {
             },
         );
         self.journal.put(&record, Durability::Process)?;
-        fault::point("publish.binding");
+        crash_points::point("publish.binding");
         if let Err(e) = self.os.bind(&BindMount {
             source,
             target: req.target.clone(),
@@ -1042,10 +1042,10 @@ impl<O: Os> Engine<O> {
             self.journal.put(&record, Durability::Process)?;
             return Err(e.into());
         }
-        fault::point("publish.bound");
+        crash_points::point("publish.bound");
         record.publishes.insert(req.target.clone(), wanted);
         self.journal.put(&record, Durability::Process)?;
-        fault::point("publish.done");
+        crash_points::point("publish.done");
         Ok(())
     }
 
@@ -1068,16 +1068,16 @@ impl<O: Os> Engine<O> {
             }
             self.journal.put(&record, Durability::Process)?;
         }
-        fault::point("unpublish.unmounting");
+        crash_points::point("unpublish.unmounting");
         self.unmount_all(&req.target, |_| true)?;
-        fault::point("unpublish.unmounted");
+        crash_points::point("unpublish.unmounted");
         self.os.remove(&req.target)?;
-        fault::point("unpublish.removed");
+        crash_points::point("unpublish.removed");
         if known {
             record.publishes.remove(&req.target);
             self.journal.put(&record, Durability::Process)?;
         }
-        fault::point("unpublish.done");
+        crash_points::point("unpublish.done");
         Ok(())
     }
 
@@ -1302,9 +1302,9 @@ impl<O: Os> Engine<O> {
                 "cannot grow {fs_type:?}"
             )));
         };
-        fault::point("expand.resizing");
+        crash_points::point("expand.resizing");
         self.grow_fs(fs, &stage.device, &stage.path)?;
-        fault::point("expand.resized");
+        crash_points::point("expand.resized");
         Ok(dev.size)
     }
 
@@ -1356,7 +1356,7 @@ impl<O: Os> Engine<O> {
         if device_size < size.saturating_add(GROW_MIN) {
             return Ok(false);
         }
-        fault::point("stage.growing");
+        crash_points::point("stage.growing");
         self.grow_fs(*fs, device, mount_point)?;
         Ok(true)
     }

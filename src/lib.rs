@@ -15,11 +15,11 @@
 //!   `/metrics`, and [`metrics`] keeps the Prometheus metrics.
 
 pub mod authority;
+pub mod crash_points;
 pub mod daemon;
 pub mod discovery;
 pub mod engine;
 pub mod error;
-pub mod fault;
 pub mod fsgroup;
 pub mod http;
 pub mod instance;
