@@ -9,7 +9,7 @@
 //! * [`superblock`] reads superblocks to tell a blank device from one that holds data;
 //! * [`mount_options`] decides which mount flags reach the kernel; [`selinux`] checks the
 //!   SELinux labels among them, and [`fsgroup`] gives a volume to its pod's group;
-//! * [`mountinfo`] parses the mount table where statx/statmount cannot answer;
+//! * [`sys::mountinfo`] parses the mount table where statx/statmount cannot answer;
 //! * [`service`] and [`server`] serve it all over gRPC on a Unix socket;
 //! * [`registration`] registers the plugin with kubelet, [`http`] serves `/healthz` and
 //!   `/metrics`, and [`metrics`] keeps the Prometheus metrics.
@@ -27,7 +27,6 @@ pub mod journal;
 pub mod limits;
 pub mod metrics;
 pub mod mount_options;
-pub mod mountinfo;
 pub mod reconcile;
 pub mod registration;
 pub mod selinux;

@@ -193,7 +193,7 @@ impl TestNode {
 
 fn fs_of(path: &Path) -> String {
     let table = std::fs::read("/proc/thread-self/mountinfo").expect("mountinfo");
-    moor_node::mountinfo::parse(&table)
+    moor_node::sys::mountinfo::parse(&table)
         .expect("parse")
         .into_iter()
         .rev()

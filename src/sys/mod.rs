@@ -10,6 +10,7 @@ pub mod fake;
 pub mod linux;
 pub mod loopinfo;
 pub mod mount_table;
+pub mod mountinfo;
 pub mod ownership;
 pub mod raw;
 pub mod selinux;
