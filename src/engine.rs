@@ -13,13 +13,13 @@ use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 use tracing::{info, warn};
 
 use crate::crash_points;
-use crate::discovery::{DEFAULT_DISCOVERY_DEADLINE, DiscoveryError, Verdict};
 use crate::error::{Error, Result};
 use crate::journal::{
     AccessRecord, Durability, Journal, Phase, PublishRecord, StageRecord, VolumeRecord,
 };
 use crate::mount_options::Filesystem;
 use crate::superblock::{self, Content};
+use crate::sys::discovery::{DEFAULT_DISCOVERY_DEADLINE, DiscoveryError, Verdict};
 use crate::sys::{
     self, BindMount, BlockDevice, BufPool, FsMount, FsUsage, HeldDevice, MountAttrs, MountPoint,
     MountState, Os, Presence, SysError, ToolError, ToolRun, is_corruption_errno, is_gone_errno,

@@ -5,7 +5,7 @@
 //!   [`limits`] (shared with the controller);
 //! * [`engine`] carries out the Node RPCs' semantics over the OS ([`sys`]) and the node
 //!   journal ([`journal`]), one operation per volume at a time ([`volume_lock`]);
-//! * [`discovery`] finds a volume's block device by identity, through udev;
+//! * [`sys::discovery`] finds a volume's block device by identity, through udev;
 //! * [`superblock`] reads superblocks to tell a blank device from one that holds data;
 //! * [`mount_options`] decides which mount flags reach the kernel; [`selinux`] checks the
 //!   SELinux labels among them, and [`fsgroup`] gives a volume to its pod's group;
@@ -17,7 +17,6 @@
 pub mod authority;
 pub mod crash_points;
 pub mod daemon;
-pub mod discovery;
 pub mod engine;
 pub mod error;
 pub mod fsgroup;
