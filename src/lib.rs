@@ -7,6 +7,7 @@
 //!   journal ([`journal`]), one operation per volume at a time ([`volume_lock`]);
 //! * [`sys::discovery`] finds a volume's block device by identity, through udev;
 //! * [`superblock`] reads superblocks to tell a blank device from one that holds data;
+//! * [`filesystem`] says what differs per filesystem: mkfs, fsck, growing, mount options;
 //! * [`mount_options`] decides which mount flags reach the kernel; [`selinux`] checks the
 //!   SELinux labels among them, and [`fsgroup`] gives a volume to its pod's group;
 //! * [`sys::mountinfo`] parses the mount table where statx/statmount cannot answer;
@@ -19,6 +20,7 @@ pub mod crash_points;
 pub mod daemon;
 pub mod engine;
 pub mod error;
+pub mod filesystem;
 pub mod fsgroup;
 pub mod http;
 pub mod instance;

@@ -38,7 +38,7 @@ pub enum Filesystem {
 
 impl Filesystem {
     /// Every filesystem, in a fixed order.
-    const ALL: [Filesystem; 5] = [
+    pub const ALL: [Filesystem; 5] = [
         Filesystem::Ext2,
         Filesystem::Ext3,
         Filesystem::Ext4,

@@ -5,9 +5,10 @@ use std::path::Path;
 use super::Engine;
 use crate::crash_points;
 use crate::error::{Error, Result};
+use crate::filesystem;
 use crate::journal::AccessRecord;
 use crate::mount_options::Filesystem;
-use crate::sys::{MountState, Os, ToolRun};
+use crate::sys::{MountState, Os};
 use crate::validate;
 
 impl<O: Os> Engine<O> {
@@ -102,27 +103,8 @@ impl<O: Os> Engine<O> {
     /// Grows the filesystem mounted at `mount_point` from `device` to the device's size, online,
     /// with its own tool.
     pub(super) fn grow_fs(&self, fs: Filesystem, device: &Path, mount_point: &Path) -> Result<()> {
-        let mount_point = mount_point.display().to_string();
-        let (program, args) = match fs {
-            Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4 => {
-                ("resize2fs", vec![device.display().to_string()])
-            }
-            Filesystem::Xfs => ("xfs_growfs", vec![mount_point]),
-            Filesystem::Btrfs => (
-                "btrfs",
-                vec![
-                    "filesystem".into(),
-                    "resize".into(),
-                    "max".into(),
-                    mount_point,
-                ],
-            ),
-        };
-        self.os.run_tool(&ToolRun {
-            program: program.into(),
-            args,
-            deadline: self.cfg.resize_deadline,
-        })?;
+        let run = filesystem::ops(fs).grow(device, mount_point, self.cfg.resize_deadline);
+        self.os.run_tool(&run)?;
         Ok(())
     }
 }

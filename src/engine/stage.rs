@@ -9,18 +9,13 @@ use tracing::{info, warn};
 use super::{ADOPTED_MODE, Engine};
 use crate::crash_points;
 use crate::error::{Error, Result};
+use crate::filesystem::{self, FSCK_CORRECTED, FSCK_CORRECTED_REBOOT, FSCK_UNCORRECTED, Fsck};
 use crate::journal::{AccessRecord, Durability, Phase, StageRecord, VolumeRecord};
 use crate::mount_options::Filesystem;
 use crate::superblock::Content;
-use crate::sys::{self, FsMount, HeldDevice, MountAttrs, MountState, Os, ToolError, ToolRun};
+use crate::sys::{self, FsMount, HeldDevice, MountAttrs, MountState, Os, ToolError};
 use crate::validate::{self, Access, Capability};
 use crate::{fsgroup, selinux};
-
-/// e2fsck's exit code bits: errors corrected; corrected, and a reboot would be due (for the
-/// root filesystem); errors left uncorrected.
-const FSCK_CORRECTED: i32 = 1;
-const FSCK_CORRECTED_REBOOT: i32 = 2;
-const FSCK_UNCORRECTED: i32 = 4;
 
 /// Timings of the slow steps, for metrics and logs.
 #[derive(Debug, Clone, Copy, Default)]
@@ -52,84 +47,31 @@ fn access_record(access: &Access) -> AccessRecord {
     }
 }
 
-/// Whether the filesystem found on a device can be mounted as the requested one.
-fn compatible(found: Filesystem, wanted: Filesystem) -> bool {
-    let ext = |f| matches!(f, Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4);
-    found == wanted || (ext(found) && ext(wanted))
-}
-
 impl<O: Os> Engine<O> {
     /// Makes a filesystem `fs` with UUID `uuid` on `device` (a held device's handle). `force`
     /// only for a device moor itself was formatting when it was interrupted.
     fn mkfs(&self, fs: Filesystem, device: &Path, uuid: &str, force: bool) -> Result<Duration> {
-        let (program, mut args): (String, Vec<String>) = match fs {
-            // ext4's journal is checksummed with a seed from the filesystem's UUID (a fresh
-            // one, chosen here), so blocks an earlier filesystem left where the journal goes
-            // can never be replayed: it need not be zeroed. ext3's journal has no checksums:
-            // zero it. (The README's durability section has the measurements.)
-            Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4 => (
-                format!("mkfs.{}", fs.name()),
-                vec![
-                    "-q".into(),
-                    "-U".into(),
-                    uuid.into(),
-                    "-E".into(),
-                    format!(
-                        "lazy_itable_init=1,lazy_journal_init={},nodiscard",
-                        u8::from(fs != Filesystem::Ext3)
-                    ),
-                ],
-            ),
-            Filesystem::Xfs => (
-                "mkfs.xfs".into(),
-                vec![
-                    "-q".into(),
-                    "-K".into(),
-                    "-m".into(),
-                    format!("uuid={uuid}"),
-                ],
-            ),
-            Filesystem::Btrfs => (
-                "mkfs.btrfs".into(),
-                vec!["-q".into(), "-K".into(), "-U".into(), uuid.into()],
-            ),
-        };
-        if force {
-            args.push(
-                if program.starts_with("mkfs.ext") {
-                    "-F"
-                } else {
-                    "-f"
-                }
-                .into(),
-            );
-        }
-        args.push(device.display().to_string());
+        let run = filesystem::ops(fs).mkfs(device, uuid, force, self.cfg.mkfs_deadline);
         let start = Instant::now();
-        self.os.run_tool(&ToolRun {
-            program,
-            args,
-            deadline: self.cfg.mkfs_deadline,
-        })?;
+        self.os.run_tool(&run)?;
         Ok(start.elapsed())
     }
 
     /// Checks an existing filesystem before it is mounted read-write, as `fsck -a` before a
-    /// mount does in the field: ext2/3/4 with e2fsck in preen mode (it repairs what is safe to
-    /// repair unattended and stops at anything else). xfs and btrfs are never repaired
-    /// unattended (xfs replays its log at mount; btrfs checks itself), so they are not
-    /// checked here. Exit 0 is clean, 1 and 2 repaired; errors left (bit 4) refuse the mount
-    /// with e2fsck's words; the check itself failing (not installed, an operational error) is
-    /// logged and the mount goes on, as it would without a check.
+    /// mount does in the field, with the filesystem's own check in preen mode (it repairs what
+    /// is safe to repair unattended and stops at anything else): e2fsck for ext2/3/4. A
+    /// filesystem that is never repaired unattended has no check (xfs replays its log at
+    /// mount; btrfs checks itself), so it is not checked here. Exit 0 is clean, 1 and 2
+    /// repaired; errors left (bit 4) refuse the mount with the check's words; the check itself
+    /// failing (not installed, an operational error) is logged and the mount goes on, as it
+    /// would without a check.
     fn check_fs(&self, volume_id: &str, fs: Filesystem, dev: &HeldDevice) -> Result<()> {
-        if !matches!(fs, Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4) {
+        let Some(Fsck { run, by_hand }) =
+            filesystem::ops(fs).fsck(&dev.handle, self.cfg.mkfs_deadline)
+        else {
             return Ok(());
-        }
-        let run = ToolRun {
-            program: "e2fsck".into(),
-            args: vec!["-p".into(), dev.handle.display().to_string()],
-            deadline: self.cfg.mkfs_deadline,
         };
+        let tool = &run.program;
         let count = |outcome| crate::metrics::registry().fsck_outcome(fs.name(), outcome);
         match self.os.run_tool(&run) {
             Ok(()) => {
@@ -143,11 +85,11 @@ impl<O: Os> Engine<O> {
             }) if code & FSCK_UNCORRECTED != 0 => {
                 count("refused");
                 warn!(volume = volume_id, device = %dev.node.display(), code, output = %stderr,
-                    "the filesystem has errors e2fsck cannot repair unattended; not mounting it");
+                    "the filesystem has errors {tool} cannot repair unattended; not mounting it");
                 Err(Error::FailedPrecondition(format!(
-                    "volume {volume_id:?}: the {} filesystem on {} has errors that e2fsck \
+                    "volume {volume_id:?}: the {} filesystem on {} has errors that {tool} \
                      cannot repair unattended (exit {code}): {stderr}; repair it by hand \
-                     (e2fsck -f) before the volume can be staged",
+                     ({by_hand}) before the volume can be staged",
                     fs.name(),
                     dev.node.display()
                 )))
@@ -159,7 +101,7 @@ impl<O: Os> Engine<O> {
             }) => {
                 count("corrected");
                 info!(volume = volume_id, device = %dev.node.display(), code, output = %stderr,
-                    "e2fsck repaired the filesystem before mounting it");
+                    "{tool} repaired the filesystem before mounting it");
                 Ok(())
             }
             Err(e @ ToolError::Timeout { .. }) => {
@@ -254,13 +196,8 @@ impl<O: Os> Engine<O> {
                     .as_ref()
                     .is_some_and(|s| s.phase != Phase::Formatting)
                     && (mp.dev == dev.rdev
-                        || matches!(
-                            req.cap.access,
-                            Access::Mount {
-                                fs: Filesystem::Btrfs,
-                                ..
-                            }
-                        ));
+                        || matches!(&req.cap.access, Access::Mount { fs, .. }
+                            if !filesystem::ops(*fs).mount_shows_device()));
                 if ours && !req.cap.access.is_block() {
                     // Already staged (a retry, or a crash after the mount): confirm. A crash
                     // may have come before the filesystem was grown to its device (and the
@@ -390,7 +327,7 @@ impl<O: Os> Engine<O> {
             content = self.probe_device(&dev.handle, dev.size)?;
         }
         match &content {
-            Content::Filesystem { fs: found, .. } if compatible(*found, *fs) => {}
+            Content::Filesystem { fs: found, .. } if filesystem::ops(*fs).mounts(*found) => {}
             other => {
                 if record
                     .stage
@@ -451,8 +388,10 @@ impl<O: Os> Engine<O> {
         crash_points::point("stage.mounted");
         let after = (|| -> Result<bool> {
             match self.os.mount_state(&req.staging)? {
-                // btrfs gives its mounts an anonymous device number: nothing to compare.
-                MountState::Mounted(mp) if mp.dev == dev.rdev || *fs == Filesystem::Btrfs => {}
+                // A filesystem whose mounts have a device number of their own (btrfs gives its
+                // mounts an anonymous one): nothing to compare.
+                MountState::Mounted(mp)
+                    if mp.dev == dev.rdev || !filesystem::ops(*fs).mount_shows_device() => {}
                 other => {
                     return Err(Error::FailedPrecondition(format!(
                         "{} is not a mount of device {}:{} after mounting it: {other:?}",
