@@ -7,11 +7,13 @@
 //!
 //! One operation to a file: `stage` (NodeStageVolume, NodeUnstageVolume), `publish`
 //! (NodePublishVolume, NodeUnpublishVolume), `stats` (NodeGetVolumeStats) and `expand`
-//! (NodeExpandVolume); `device` finds, holds and reads the volume's device. Here is what they
+//! (NodeExpandVolume); `device` finds, holds and reads the volume's device, and `format`
+//! makes and checks the filesystem of a stage. Here is what they
 //! share: the engine, its settings, the journal record, unmounting.
 
 mod device;
 mod expand;
+mod format;
 mod publish;
 mod stage;
 mod stats;

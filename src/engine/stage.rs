@@ -1,19 +1,24 @@
 //! NodeStageVolume and NodeUnstageVolume.
+//!
+//! A stage runs as named steps: the journal's record checked, the device found and held
+//! (`device.rs`), the staging dir readied, the format decided and made and an existing
+//! filesystem checked (`format.rs`), the mount, and what follows it (group, growth, the
+//! confirmation).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
-use tracing::{info, warn};
+use tracing::warn;
 
 use super::{ADOPTED_MODE, Engine};
 use crate::crash_points;
 use crate::error::{Error, Result};
-use crate::filesystem::{self, FSCK_CORRECTED, FSCK_CORRECTED_REBOOT, FSCK_UNCORRECTED, Fsck};
+use crate::filesystem;
 use crate::journal::{AccessRecord, Durability, Phase, StageRecord, VolumeRecord};
-use crate::mount_options::Filesystem;
+use crate::mount_options::{Filesystem, MountOptions};
 use crate::superblock::Content;
-use crate::sys::{self, FsMount, HeldDevice, MountAttrs, MountState, Os, ToolError};
+use crate::sys::{FsMount, HeldDevice, MountAttrs, MountPoint, MountState, Os};
 use crate::validate::{self, Access, Capability};
 use crate::{fsgroup, selinux};
 
@@ -47,119 +52,164 @@ fn access_record(access: &Access) -> AccessRecord {
     }
 }
 
-impl<O: Os> Engine<O> {
-    /// Makes a filesystem `fs` with UUID `uuid` on `device` (a held device's handle). `force`
-    /// only for a device moor itself was formatting when it was interrupted.
-    fn mkfs(&self, fs: Filesystem, device: &Path, uuid: &str, force: bool) -> Result<Duration> {
-        let run = filesystem::ops(fs).mkfs(device, uuid, force, self.cfg.mkfs_deadline);
-        let start = Instant::now();
-        self.os.run_tool(&run)?;
-        Ok(start.elapsed())
+/// The per-mount attributes a volume is staged with: a reader-only mode stages it read-only.
+fn stage_attrs(cap: &Capability) -> MountAttrs {
+    let mut attrs = cap.access.attrs();
+    if cap.is_reader_only() {
+        attrs.read_only = true;
     }
+    attrs
+}
 
-    /// Checks an existing filesystem before it is mounted read-write, as `fsck -a` before a
-    /// mount does in the field, with the filesystem's own check in preen mode (it repairs what
-    /// is safe to repair unattended and stops at anything else): e2fsck for ext2/3/4. A
-    /// filesystem that is never repaired unattended has no check (xfs replays its log at
-    /// mount; btrfs checks itself), so it is not checked here. Exit 0 is clean, 1 and 2
-    /// repaired; errors left (bit 4) refuse the mount with the check's words; the check itself
-    /// failing (not installed, an operational error) is logged and the mount goes on, as it
-    /// would without a check.
-    fn check_fs(&self, volume_id: &str, fs: Filesystem, dev: &HeldDevice) -> Result<()> {
-        let Some(Fsck { run, by_hand }) =
-            filesystem::ops(fs).fsck(&dev.handle, self.cfg.mkfs_deadline)
-        else {
-            return Ok(());
-        };
-        let tool = &run.program;
-        let count = |outcome| crate::metrics::registry().fsck_outcome(fs.name(), outcome);
-        match self.os.run_tool(&run) {
-            Ok(()) => {
-                count("clean");
-                Ok(())
-            }
-            Err(ToolError::Failed {
-                code: Some(code),
-                stderr,
-                ..
-            }) if code & FSCK_UNCORRECTED != 0 => {
-                count("refused");
-                warn!(volume = volume_id, device = %dev.node.display(), code, output = %stderr,
-                    "the filesystem has errors {tool} cannot repair unattended; not mounting it");
-                Err(Error::FailedPrecondition(format!(
-                    "volume {volume_id:?}: the {} filesystem on {} has errors that {tool} \
-                     cannot repair unattended (exit {code}): {stderr}; repair it by hand \
-                     ({by_hand}) before the volume can be staged",
-                    fs.name(),
-                    dev.node.display()
-                )))
-            }
-            Err(ToolError::Failed {
-                code: Some(code @ (FSCK_CORRECTED | FSCK_CORRECTED_REBOOT)),
-                stderr,
-                ..
-            }) => {
-                count("corrected");
-                info!(volume = volume_id, device = %dev.node.display(), code, output = %stderr,
-                    "{tool} repaired the filesystem before mounting it");
-                Ok(())
-            }
-            Err(e @ ToolError::Timeout { .. }) => {
-                count("failed");
-                Err(e.into())
-            }
-            Err(e) => {
-                count("failed");
-                warn!(volume = volume_id, device = %dev.node.display(), error = %e,
-                    "could not check the filesystem; mounting it unchecked");
-                Ok(())
-            }
+/// The filesystem UUID the journal recorded for the volume, while the device shows it.
+fn recorded_uuid(record: &VolumeRecord, content: &Content) -> Option<String> {
+    match (&record.stage, content) {
+        (Some(s), Content::Filesystem { uuid: Some(u), .. })
+            if s.fs_uuid.as_deref() == Some(u.as_str()) =>
+        {
+            Some(u.clone())
+        }
+        _ => None,
+    }
+}
+
+/// A NodeStageVolume request with its device found and held: what the steps of a stage work
+/// on.
+pub(super) struct Staging<'a> {
+    pub(super) req: &'a validate::Stage,
+    /// The device's path: the request's hint, or where the search found the device.
+    pub(super) path: PathBuf,
+    /// The device, held from the identity check to the mount.
+    pub(super) dev: HeldDevice,
+    /// The per-mount attributes the volume is staged with.
+    pub(super) attrs: MountAttrs,
+}
+
+impl Staging<'_> {
+    /// The journal's record of this stage in `phase`.
+    pub(super) fn record(&self, phase: Phase, fs_uuid: Option<String>) -> StageRecord {
+        StageRecord {
+            path: self.req.staging.clone(),
+            device: self.path.clone(),
+            rdev: self.dev.rdev,
+            access: access_record(&self.req.cap.access),
+            attrs: self.attrs,
+            access_mode: self.req.cap.mode as i32,
+            phase,
+            fs_uuid,
         }
     }
 
-    /// NodeStageVolume.
+    /// Whether `mp` is a mount of the held device. A filesystem whose mounts have a device
+    /// number of their own (btrfs gives its mounts an anonymous one): nothing to compare.
+    fn is_mount_of_device(&self, mp: &MountPoint) -> bool {
+        mp.dev == self.dev.rdev
+            || matches!(&self.req.cap.access, Access::Mount { fs, .. }
+                if !filesystem::ops(*fs).mount_shows_device())
+    }
+}
+
+impl<O: Os> Engine<O> {
+    /// NodeStageVolume: the volume's device found and held, its filesystem made if the device
+    /// is blank, checked, mounted on the staging dir, given to its group and grown to its
+    /// device, each step written to the journal before it changes the node.
     pub fn stage(&self, req: &validate::Stage) -> Result<StageReport> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
         selinux::require_support(&*self.os, &req.cap.access)?;
         let mut record = self.record(&req.volume_id);
-        let mut report = StageReport::default();
-        let access = access_record(&req.cap.access);
-        let attrs = self.stage_attrs(&req.cap);
+        self.check_stage_record(&record, req)?;
+        let (path, dev) = self.resolve_device(req)?;
+        let st = Staging {
+            req,
+            path,
+            dev,
+            attrs: stage_attrs(&req.cap),
+        };
+        let interrupted = self.check_recorded_device(&record, &st)?;
+        if self.prepare_staging_dir(&record, &st)? {
+            return self.restage(&mut record, &st);
+        }
+        let Access::Mount { fs, options, .. } = &req.cap.access else {
+            // Block: the device is verified; nothing is mounted at stage.
+            self.confirm_stage(&mut record, &st, None)?;
+            return Ok(StageReport::default());
+        };
 
-        if let Some(st) = &record.stage {
-            if st.path != req.staging {
-                return Err(Error::FailedPrecondition(format!(
-                    "volume {:?} is already staged at {}",
-                    req.volume_id,
-                    st.path.display()
-                )));
-            }
-            if st.access_mode != ADOPTED_MODE
-                && (st.access != access
-                    || st.attrs != attrs
-                    || st.access_mode != req.cap.mode as i32)
-            {
-                return Err(Error::Incompatible {
-                    volume: req.volume_id.clone(),
-                    what: "staged",
-                    reason: "the volume capability differs from the one it was staged with".into(),
-                });
-            }
-        } else if self.cfg.max_volumes > 0 && self.journal.staged_count() >= self.cfg.max_volumes {
-            return Err(Error::TooManyVolumes(self.cfg.max_volumes));
+        let mut report = StageReport::default();
+        let mut content = self.probe_device(&st.dev.handle, st.dev.size)?;
+        // The recorded UUID stays only while the device shows it.
+        let mut fs_uuid = recorded_uuid(&record, &content);
+        if st.must_format(&content, interrupted)? {
+            let (uuid, took) = self.format(&mut record, &st, *fs, interrupted)?;
+            report.mkfs = Some(took);
+            report.formatted = true;
+            fs_uuid = Some(uuid);
+            content = self.probe_device(&st.dev.handle, st.dev.size)?;
+        }
+        self.check_found(&record, &content, *fs, &st.path)?;
+        if !report.formatted && !st.attrs.read_only {
+            self.check_fs(&req.volume_id, *fs, &st.dev)?;
         }
 
-        let (device_path, dev) = self.resolve_device(req)?;
-        if let Some(st) = &record.stage
-            && st.rdev != dev.rdev
-            && st.phase == Phase::Done
+        record.stage = Some(st.record(Phase::InProgress, fs_uuid.clone()));
+        // After a mkfs, durable before the first mount: from the mount on the device holds
+        // data, and the record that let mkfs run must never be the newest one a power cut
+        // leaves.
+        let durability = if report.formatted {
+            Durability::Power
+        } else {
+            Durability::Process
+        };
+        self.journal.put(&record, durability)?;
+        report.mount = Some(self.mount_staged(&mut record, &st, *fs, options)?);
+        report.grown = self.finish_stage(&mut record, &st, &content, fs_uuid)?;
+        Ok(report)
+    }
+
+    /// The journal's record against the request: a volume staged elsewhere, or with another
+    /// capability, is refused, and a new volume past the node's limit.
+    fn check_stage_record(&self, record: &VolumeRecord, req: &validate::Stage) -> Result<()> {
+        let Some(st) = &record.stage else {
+            if self.cfg.max_volumes > 0 && self.journal.staged_count() >= self.cfg.max_volumes {
+                return Err(Error::TooManyVolumes(self.cfg.max_volumes));
+            }
+            return Ok(());
+        };
+        if st.path != req.staging {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?} is already staged at {}",
+                req.volume_id,
+                st.path.display()
+            )));
+        }
+        if st.access_mode != ADOPTED_MODE
+            && (st.access != access_record(&req.cap.access)
+                || st.attrs != stage_attrs(&req.cap)
+                || st.access_mode != req.cap.mode as i32)
+        {
+            return Err(Error::Incompatible {
+                volume: req.volume_id.clone(),
+                what: "staged",
+                reason: "the volume capability differs from the one it was staged with".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The held device against the journal's record: a volume staged from another device is
+    /// refused. Whether moor's own mkfs was cut short on this device.
+    fn check_recorded_device(&self, record: &VolumeRecord, st: &Staging<'_>) -> Result<bool> {
+        let (req, dev) = (st.req, &st.dev);
+        if let Some(s) = &record.stage
+            && s.rdev != dev.rdev
+            && s.phase == Phase::Done
         {
             return Err(Error::FailedPrecondition(format!(
                 "volume {:?} was staged from device {}:{}, but {} is now {}:{}",
                 req.volume_id,
-                st.rdev.0,
-                st.rdev.1,
-                device_path.display(),
+                s.rdev.0,
+                s.rdev.1,
+                st.path.display(),
                 dev.rdev.0,
                 dev.rdev.1
             )));
@@ -169,56 +219,41 @@ impl<O: Os> Engine<O> {
         // number does, and a number alone cannot tell a reused loop device from this one.
         let interrupted = record
             .stage
-            .clone()
+            .as_ref()
             .filter(|s| s.phase == Phase::Formatting);
-        if let Some(st) = &interrupted
+        if let Some(s) = interrupted
             && req.identity.is_empty()
-            && st.rdev != dev.rdev
+            && s.rdev != dev.rdev
         {
             return Err(Error::FailedPrecondition(format!(
                 "volume {:?}: moor was formatting device {}:{} ({}) when it was interrupted, \
                  but {} is now {}:{}; refusing to use it",
                 req.volume_id,
-                st.rdev.0,
-                st.rdev.1,
-                st.device.display(),
-                device_path.display(),
+                s.rdev.0,
+                s.rdev.1,
+                s.device.display(),
+                st.path.display(),
                 dev.rdev.0,
                 dev.rdev.1
             )));
         }
+        Ok(interrupted.is_some())
+    }
 
-        // The staging dir: the CO creates it; tolerate its absence.
+    /// Readies the staging dir, which the CO creates (its absence is tolerated): a corrupted
+    /// mount on it is detached. Whether the volume's own mount is on it already; a mount of
+    /// anything else is refused.
+    fn prepare_staging_dir(&self, record: &VolumeRecord, st: &Staging<'_>) -> Result<bool> {
+        let req = st.req;
         match self.os.mount_state(&req.staging)? {
             MountState::Mounted(mp) => {
                 let ours = record
                     .stage
                     .as_ref()
                     .is_some_and(|s| s.phase != Phase::Formatting)
-                    && (mp.dev == dev.rdev
-                        || matches!(&req.cap.access, Access::Mount { fs, .. }
-                            if !filesystem::ops(*fs).mount_shows_device()));
+                    && st.is_mount_of_device(&mp);
                 if ours && !req.cap.access.is_block() {
-                    // Already staged (a retry, or a crash after the mount): confirm. A crash
-                    // may have come before the filesystem was grown to its device (and the
-                    // restart's reconciliation confirmed the mount): grow it now. (A mounted
-                    // xfs writes its grown superblock back lazily; the tool then finds
-                    // nothing to do.)
-                    if !attrs.read_only {
-                        let content = self.probe_device(&dev.handle, dev.size)?;
-                        report.grown =
-                            self.grow_to_device(&content, (&dev.handle, dev.size), &req.staging)?;
-                        // ... or before the volume was given to its group.
-                        if let Access::Mount {
-                            group: Some(gid), ..
-                        } = &req.cap.access
-                        {
-                            fsgroup::apply(self, &req.volume_id, &req.staging, *gid)?;
-                        }
-                    }
-                    let fs_uuid = record.stage.as_ref().and_then(|s| s.fs_uuid.clone());
-                    self.confirm_stage(&mut record, req, (&device_path, &dev), fs_uuid)?;
-                    return Ok(report);
+                    return Ok(true);
                 }
                 return Err(Error::Incompatible {
                     volume: req.volume_id.clone(),
@@ -236,223 +271,121 @@ impl<O: Os> Engine<O> {
             }
             MountState::NotMounted { is_dir: true } => {}
         }
+        Ok(false)
+    }
 
-        let Access::Mount { fs, options, group } = &req.cap.access else {
-            // Block: the device is verified; nothing is mounted at stage.
-            self.confirm_stage(&mut record, req, (&device_path, &dev), None)?;
-            return Ok(report);
-        };
-
-        let mut content = self.probe_device(&dev.handle, dev.size)?;
-        // Only a blank device is formatted, and a device moor was formatting when a crash cut
-        // its mkfs short (its partial work reads as unknown data: mkfs writes the superblock
-        // that makes a filesystem whole last). A whole filesystem is never formatted, whatever
-        // the journal says: the device, not a journal that may lag it, has the last word.
-        let format = match &content {
-            c if c.is_blank() => true,
-            Content::Unknown { .. } if interrupted.is_some() => {
-                if req.identity.is_empty() {
-                    return Err(Error::FailedPrecondition(format!(
-                        "volume {:?}: moor's mkfs on {} was interrupted, and the request names \
-                         the device by path only, which does not prove the unknown data on it \
-                         is that mkfs's; refusing to format it (wipe the device by hand if it \
-                         is this volume's)",
-                        req.volume_id,
-                        device_path.display()
-                    )));
-                }
-                true
-            }
-            _ => false,
-        };
-        // The recorded UUID stays only while the device shows it.
-        let mut fs_uuid = match (&record.stage, &content) {
-            (Some(s), Content::Filesystem { uuid: Some(u), .. })
-                if s.fs_uuid.as_deref() == Some(u.as_str()) =>
-            {
-                Some(u.clone())
-            }
-            _ => None,
-        };
-        if format {
-            // A reader promises not to write; several readers may share the device.
-            if attrs.read_only {
-                return Err(Error::FailedPrecondition(format!(
-                    "volume {:?}: device {} is blank and the volume is staged read-only ({}); \
-                     a read-only stage never formats: stage it once read-write to create its \
-                     filesystem",
-                    req.volume_id,
-                    device_path.display(),
-                    if req.cap.is_reader_only() {
-                        req.cap.mode.as_str_name()
-                    } else {
-                        "ro mount flag"
-                    }
-                )));
-            }
-            // Mounted or claimed anywhere (another mkfs, a mount this node does not know):
-            // never formatted.
-            self.os.check_unclaimed(&dev).map_err(|e| {
-                if e.errno() == Some(libc::EBUSY) {
-                    Error::FailedPrecondition(format!(
-                        "volume {:?}: device {} is in use (mounted or claimed); refusing to \
-                         format it",
-                        req.volume_id,
-                        device_path.display()
-                    ))
-                } else {
-                    Error::Sys(e)
-                }
-            })?;
-            let uuid = sys::random_uuid().map_err(Error::Sys)?;
-            // Durable before mkfs: only this record lets a later call format a device that
-            // is no longer blank (mkfs's partial work), and only with this UUID's mkfs
-            // unfinished.
-            record.stage = Some(StageRecord {
-                path: req.staging.clone(),
-                device: device_path.clone(),
-                rdev: dev.rdev,
-                access: access.clone(),
-                attrs,
-                access_mode: req.cap.mode as i32,
-                phase: Phase::Formatting,
-                fs_uuid: Some(uuid.clone()),
-            });
-            self.journal.put(&record, Durability::Power)?;
-            crash_points::point("stage.formatting");
-            report.mkfs = Some(self.mkfs(*fs, &dev.handle, &uuid, interrupted.is_some())?);
-            crash_points::point("stage.formatted");
-            report.formatted = true;
-            fs_uuid = Some(uuid);
-            content = self.probe_device(&dev.handle, dev.size)?;
-        }
-        match &content {
-            Content::Filesystem { fs: found, .. } if filesystem::ops(*fs).mounts(*found) => {}
-            other => {
-                if record
-                    .stage
-                    .as_ref()
-                    .is_some_and(|s| s.phase == Phase::Formatting)
-                {
-                    // Not what moor's mkfs should have left: never format it again.
-                    let mut r = record.clone();
-                    r.stage = None;
-                    self.journal.put(&r, Durability::Power)?;
-                }
-                return Err(Error::DeviceNotBlank {
-                    device: device_path.display().to_string(),
-                    content: other.describe(),
-                    fs_type: fs.name().to_string(),
-                });
-            }
-        }
-        if !report.formatted && !attrs.read_only {
-            self.check_fs(&req.volume_id, *fs, &dev)?;
-        }
-
-        record.stage = Some(StageRecord {
-            path: req.staging.clone(),
-            device: device_path.clone(),
-            rdev: dev.rdev,
-            access: access.clone(),
-            attrs,
-            access_mode: req.cap.mode as i32,
-            phase: Phase::InProgress,
-            fs_uuid: fs_uuid.clone(),
-        });
-        // After a mkfs, durable before the first mount: from the mount on the device holds
-        // data, and the record that let mkfs run must never be the newest one a power cut
-        // leaves.
-        let durability = if report.formatted {
-            Durability::Power
-        } else {
-            Durability::Process
-        };
-        self.journal.put(&record, durability)?;
-        crash_points::point("stage.mounting");
-        let start = Instant::now();
-        let mounted = self.os.mount_fs(&FsMount {
-            device: dev.node.clone(),
-            target: req.staging.clone(),
-            fs_type: fs.name().to_string(),
-            attrs,
-            options: options.fs_options.clone(),
-            sb_read_only: req.cap.mode == Mode::MultiNodeReaderOnly,
-        });
-        if let Err(e) = mounted {
-            record.stage = None;
-            self.journal.put(&record, Durability::Process)?;
-            return Err(e.into());
-        }
-        report.mount = Some(start.elapsed());
-        crash_points::point("stage.mounted");
-        let after = (|| -> Result<bool> {
-            match self.os.mount_state(&req.staging)? {
-                // A filesystem whose mounts have a device number of their own (btrfs gives its
-                // mounts an anonymous one): nothing to compare.
-                MountState::Mounted(mp)
-                    if mp.dev == dev.rdev || !filesystem::ops(*fs).mount_shows_device() => {}
-                other => {
-                    return Err(Error::FailedPrecondition(format!(
-                        "{} is not a mount of device {}:{} after mounting it: {other:?}",
-                        req.staging.display(),
-                        dev.rdev.0,
-                        dev.rdev.1
-                    )));
-                }
-            }
-            if let Some(gid) = group
-                && !attrs.read_only
+    /// Already staged (a retry, or a crash after the mount): confirm. A crash may have come
+    /// before the filesystem was grown to its device (and the restart's reconciliation
+    /// confirmed the mount): grow it now. (A mounted xfs writes its grown superblock back
+    /// lazily; the tool then finds nothing to do.)
+    fn restage(&self, record: &mut VolumeRecord, st: &Staging<'_>) -> Result<StageReport> {
+        let (req, dev) = (st.req, &st.dev);
+        let mut report = StageReport::default();
+        if !st.attrs.read_only {
+            let content = self.probe_device(&dev.handle, dev.size)?;
+            report.grown = self.grow_to_device(&content, (&dev.handle, dev.size), &req.staging)?;
+            // ... or before the volume was given to its group.
+            if let Access::Mount {
+                group: Some(gid), ..
+            } = &req.cap.access
             {
                 fsgroup::apply(self, &req.volume_id, &req.staging, *gid)?;
             }
-            if attrs.read_only {
-                return Ok(false);
-            }
-            self.grow_to_device(&content, (&dev.handle, dev.size), &req.staging)
-        })();
-        match after {
+        }
+        let fs_uuid = record.stage.as_ref().and_then(|s| s.fs_uuid.clone());
+        self.confirm_stage(record, st, fs_uuid)?;
+        Ok(report)
+    }
+
+    /// Mounts the filesystem `fs` on the staging dir; a failed mount drops the record. How long
+    /// the mount took.
+    fn mount_staged(
+        &self,
+        record: &mut VolumeRecord,
+        st: &Staging<'_>,
+        fs: Filesystem,
+        options: &MountOptions,
+    ) -> Result<Duration> {
+        crash_points::point("stage.mounting");
+        let start = Instant::now();
+        let mounted = self.os.mount_fs(&FsMount {
+            device: st.dev.node.clone(),
+            target: st.req.staging.clone(),
+            fs_type: fs.name().to_string(),
+            attrs: st.attrs,
+            options: options.fs_options.clone(),
+            sb_read_only: st.req.cap.mode == Mode::MultiNodeReaderOnly,
+        });
+        if let Err(e) = mounted {
+            record.stage = None;
+            self.journal.put(record, Durability::Process)?;
+            return Err(e.into());
+        }
+        let took = start.elapsed();
+        crash_points::point("stage.mounted");
+        Ok(took)
+    }
+
+    /// The steps after the mount ([`after_mount`](Self::after_mount)), then the stage
+    /// confirmed. Whether the filesystem grew.
+    fn finish_stage(
+        &self,
+        record: &mut VolumeRecord,
+        st: &Staging<'_>,
+        content: &Content,
+        fs_uuid: Option<String>,
+    ) -> Result<bool> {
+        match self.after_mount(st, content) {
             Ok(grown) => {
-                report.grown = grown;
-                self.confirm_stage(&mut record, req, (&device_path, &dev), fs_uuid)?;
+                self.confirm_stage(record, st, fs_uuid)?;
                 crash_points::point("stage.done");
-                Ok(report)
+                Ok(grown)
             }
             Err(e) => {
                 // Leave nothing half-done.
-                let _ = self.os.unmount(&req.staging, false);
+                let _ = self.os.unmount(&st.req.staging, false);
                 record.stage = None;
-                self.journal.put(&record, Durability::Process)?;
+                self.journal.put(record, Durability::Process)?;
                 Err(e)
             }
         }
     }
 
-    fn stage_attrs(&self, cap: &Capability) -> MountAttrs {
-        let mut attrs = cap.access.attrs();
-        if cap.is_reader_only() {
-            attrs.read_only = true;
+    /// After the mount: the staging dir must be a mount of the device; then a read-write
+    /// volume goes to its group and its filesystem grows to its device. Whether it grew.
+    fn after_mount(&self, st: &Staging<'_>, content: &Content) -> Result<bool> {
+        let (req, dev) = (st.req, &st.dev);
+        match self.os.mount_state(&req.staging)? {
+            MountState::Mounted(mp) if st.is_mount_of_device(&mp) => {}
+            other => {
+                return Err(Error::FailedPrecondition(format!(
+                    "{} is not a mount of device {}:{} after mounting it: {other:?}",
+                    req.staging.display(),
+                    dev.rdev.0,
+                    dev.rdev.1
+                )));
+            }
         }
-        attrs
+        if st.attrs.read_only {
+            return Ok(false);
+        }
+        if let Access::Mount {
+            group: Some(gid), ..
+        } = &req.cap.access
+        {
+            fsgroup::apply(self, &req.volume_id, &req.staging, *gid)?;
+        }
+        self.grow_to_device(content, (&dev.handle, dev.size), &req.staging)
     }
 
+    /// Records the stage done.
     fn confirm_stage(
         &self,
         record: &mut VolumeRecord,
-        req: &validate::Stage,
-        (device_path, dev): (&Path, &HeldDevice),
+        st: &Staging<'_>,
         fs_uuid: Option<String>,
     ) -> Result<()> {
-        record.stage = Some(StageRecord {
-            path: req.staging.clone(),
-            device: device_path.to_path_buf(),
-            rdev: dev.rdev,
-            access: access_record(&req.cap.access),
-            attrs: self.stage_attrs(&req.cap),
-            access_mode: req.cap.mode as i32,
-            phase: Phase::Done,
-            fs_uuid,
-        });
+        record.stage = Some(st.record(Phase::Done, fs_uuid));
         self.journal.put(record, Durability::Process)?;
         Ok(())
     }
