@@ -6,45 +6,47 @@ use super::Engine;
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem;
-use crate::journal::AccessRecord;
+use crate::journal::{AccessRecord, StageRecord, VolumeRecord};
 use crate::mount_options::Filesystem;
 use crate::sys::{MountState, Os};
 use crate::validate;
+
+/// The stage of the volume at the request's path (its staging path or a target it is
+/// published at), which must match the staging path and access type the request names.
+fn staged_for_expand(record: Option<&VolumeRecord>, req: &validate::Expand) -> Result<StageRecord> {
+    let stage = record
+        .and_then(|r| r.stage.clone())
+        .filter(|s| {
+            s.path == req.path || record.is_some_and(|r| r.publishes.contains_key(&req.path))
+        })
+        .ok_or_else(|| Error::VolumeNotFound {
+            volume: req.volume_id.clone(),
+            reason: format!("it is not staged or published at {}", req.path.display()),
+        })?;
+    if let Some(staging) = &req.staging
+        && *staging != stage.path
+    {
+        return Err(Error::invalid(
+            "staging_target_path",
+            format!("the volume is staged at {}", stage.path.display()),
+        ));
+    }
+    if let Some(cap) = &req.cap
+        && cap.access.is_block() != matches!(stage.access, AccessRecord::Block)
+    {
+        return Err(Error::invalid(
+            "volume_capability",
+            "the access type differs from the one the volume was staged with",
+        ));
+    }
+    Ok(stage)
+}
 
 impl<O: Os> Engine<O> {
     /// NodeExpandVolume: grows the filesystem to the device's size; returns the capacity.
     pub fn expand(&self, req: &validate::Expand) -> Result<u64> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
-        let record = self.journal.get(&req.volume_id);
-        let stage = record
-            .as_ref()
-            .and_then(|r| r.stage.clone())
-            .filter(|s| {
-                s.path == req.path
-                    || record
-                        .as_ref()
-                        .is_some_and(|r| r.publishes.contains_key(&req.path))
-            })
-            .ok_or_else(|| Error::VolumeNotFound {
-                volume: req.volume_id.clone(),
-                reason: format!("it is not staged or published at {}", req.path.display()),
-            })?;
-        if let Some(staging) = &req.staging
-            && *staging != stage.path
-        {
-            return Err(Error::invalid(
-                "staging_target_path",
-                format!("the volume is staged at {}", stage.path.display()),
-            ));
-        }
-        if let Some(cap) = &req.cap
-            && cap.access.is_block() != matches!(stage.access, AccessRecord::Block)
-        {
-            return Err(Error::invalid(
-                "volume_capability",
-                "the access type differs from the one the volume was staged with",
-            ));
-        }
+        let stage = staged_for_expand(self.journal.get(&req.volume_id).as_ref(), req)?;
         let dev = self.open_device(&req.volume_id, &stage.device)?;
         if dev.rdev != stage.rdev {
             return Err(Error::FailedPrecondition(format!(
