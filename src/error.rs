@@ -5,9 +5,9 @@
 
 use tonic::{Code, Status};
 
-use crate::discovery::DiscoveryError;
 use crate::journal::JournalError;
 use crate::mount_options::OptionError;
+use crate::sys::discovery::DiscoveryError;
 use crate::sys::{OwnershipError, SysError, ToolError};
 
 /// Everything a Node or Identity RPC can fail with.

@@ -14,12 +14,12 @@ use moor_proto::csi::v1 as csi;
 use moor_proto::csi::v1::node_server::Node as _;
 use tonic::{Code, Request};
 
-use crate::discovery::{DeviceIdentity, DiscoveryError, EventSource, FoundDevice, Verdict};
 use crate::engine::{Engine, EngineConfig};
 use crate::journal::Journal;
 use crate::reconcile::Reconciler;
 use crate::service::NodeService;
 use crate::service_tests::{DEV, K, STAGING, TARGET, ext4, publish_req, stage_req, stats_req};
+use crate::sys::discovery::{DeviceIdentity, DiscoveryError, EventSource, FoundDevice, Verdict};
 use crate::sys::fake::FakeOs;
 use crate::sys::mount_table::MountEntry;
 use crate::sys::{

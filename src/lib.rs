@@ -5,40 +5,40 @@
 //! * [`validate`] turns CSI requests into typed, checked requests, within the spec's
 //!   [`limits`] (shared with the controller);
 //! * [`engine`] carries out the Node RPCs' semantics over the OS ([`sys`]) and the node
-//!   journal ([`journal`]), one operation per volume at a time ([`guard`]);
-//! * [`discovery`] finds a volume's block device by identity, through udev;
-//! * [`probe`] reads superblocks to tell a blank device from one that holds data;
+//!   journal ([`journal`]), one operation per volume at a time ([`volume_lock`]);
+//! * [`sys::discovery`] finds a volume's block device by identity, through udev;
+//! * [`superblock`] reads superblocks to tell a blank device from one that holds data;
+//! * [`filesystem`] says what differs per filesystem: mkfs, fsck, growing, mount options;
 //! * [`mount_options`] decides which mount flags reach the kernel; [`selinux`] checks the
 //!   SELinux labels among them, and [`fsgroup`] gives a volume to its pod's group;
-//! * [`mountinfo`] parses the mount table where statx/statmount cannot answer;
+//! * [`sys::mountinfo`] parses the mount table where statx/statmount cannot answer;
 //! * [`service`] and [`server`] serve it all over gRPC on a Unix socket;
 //! * [`registration`] registers the plugin with kubelet, [`http`] serves `/healthz` and
 //!   `/metrics`, and [`metrics`] keeps the Prometheus metrics.
 
 pub mod args;
 pub mod authority;
+pub mod crash_points;
 pub mod daemon;
-pub mod discovery;
 pub mod engine;
 pub mod error;
-pub mod fault;
+pub mod filesystem;
 pub mod fsgroup;
-pub mod guard;
 pub mod http;
 pub mod instance;
 pub mod journal;
 pub mod limits;
 pub mod metrics;
 pub mod mount_options;
-pub mod mountinfo;
-pub mod probe;
 pub mod reconcile;
 pub mod registration;
 pub mod selinux;
 pub mod server;
 pub mod service;
+pub mod superblock;
 pub mod sys;
 pub mod validate;
+pub mod volume_lock;
 
 #[cfg(test)]
 mod fault_injection_tests;

@@ -62,7 +62,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     {
         return Err(format!("--node-id {why}").into());
     }
-    if let Some(point) = moor_node::fault::arm_from_env() {
+    if let Some(point) = moor_node::crash_points::arm_from_env() {
         warn!(
             point,
             "crash point armed (tests only): this process kills itself there"

@@ -687,16 +687,16 @@ impl<O: Os> Os for MeteredOs<O> {
     fn identify(
         &self,
         rdev: (u32, u32),
-        want: &crate::discovery::DeviceIdentity,
-    ) -> crate::discovery::Verdict {
+        want: &crate::sys::discovery::DeviceIdentity,
+    ) -> crate::sys::discovery::Verdict {
         self.inner.identify(rdev, want)
     }
 
     fn find_device(
         &self,
-        want: &crate::discovery::DeviceIdentity,
+        want: &crate::sys::discovery::DeviceIdentity,
         wait: std::time::Duration,
-    ) -> Result<crate::discovery::FoundDevice, crate::discovery::DiscoveryError> {
+    ) -> Result<crate::sys::discovery::FoundDevice, crate::sys::discovery::DiscoveryError> {
         self.inner.find_device(want, wait)
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! Every option is checked against an allow-list before anything reaches the kernel: the
 //! per-mount flags the new mount API enforces (`ro`, `nosuid`, `noatime`, ...), and per
-//! filesystem the options its driver understands. Options that change what or how something
+//! filesystem the options its driver understands (each filesystem's
+//! [`FilesystemOps`](crate::filesystem::FilesystemOps) lists them, and names the options its
+//! mounts always get, such as xfs's `nouuid`). Options that change what or how something
 //! is mounted (`bind`, `remount`, propagation, `loop`, ...) or that hurt the node (`errors=panic`,
 //! `noload`) are refused with the option named.
 //!
@@ -10,10 +12,11 @@
 //! categories hold a comma: `context="system_u:object_r:container_file_t:s0:c15,c25"`. Commas
 //! inside quotes do not separate options; the quotes do not reach the kernel.
 
+use crate::filesystem;
 use crate::sys::{Atime, MountAttrs};
 
 /// A filesystem moor can format and mount.
-pub use crate::probe::Filesystem;
+pub use crate::superblock::Filesystem;
 
 /// Why a mount option list was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -102,130 +105,6 @@ const GENERIC_SB: &[&str] = &[
     "nolazytime",
     "silent",
 ];
-
-const EXT4: &[&str] = &[
-    "data",
-    "barrier",
-    "nobarrier",
-    "discard",
-    "nodiscard",
-    "commit",
-    "errors",
-    "journal_checksum",
-    "nojournal_checksum",
-    "journal_async_commit",
-    "delalloc",
-    "nodelalloc",
-    "dioread_nolock",
-    "dioread_lock",
-    "auto_da_alloc",
-    "noauto_da_alloc",
-    "max_batch_time",
-    "min_batch_time",
-    "stripe",
-    "init_itable",
-    "noinit_itable",
-    "grpid",
-    "bsdgroups",
-    "nogrpid",
-    "sysvgroups",
-    "resgid",
-    "resuid",
-    "user_xattr",
-    "acl",
-    "noacl",
-    "quota",
-    "noquota",
-    "usrquota",
-    "grpquota",
-    "prjquota",
-    "inode_readahead_blks",
-    "i_version",
-    "nombcache",
-    "block_validity",
-    "noblock_validity",
-    "journal_ioprio",
-    "data_err",
-];
-
-const XFS: &[&str] = &[
-    "nouuid",
-    "discard",
-    "nodiscard",
-    "inode32",
-    "inode64",
-    "largeio",
-    "nolargeio",
-    "logbufs",
-    "logbsize",
-    "allocsize",
-    "filestreams",
-    "grpid",
-    "nogrpid",
-    "bsdgroups",
-    "sysvgroups",
-    "ikeep",
-    "noikeep",
-    "swalloc",
-    "wsync",
-    "quota",
-    "uquota",
-    "usrquota",
-    "gquota",
-    "grpquota",
-    "pquota",
-    "prjquota",
-    "noquota",
-    "uqnoenforce",
-    "gqnoenforce",
-    "pqnoenforce",
-    "qnoenforce",
-    "sunit",
-    "swidth",
-    "dax",
-];
-
-const BTRFS: &[&str] = &[
-    "compress",
-    "compress-force",
-    "ssd",
-    "nossd",
-    "ssd_spread",
-    "nossd_spread",
-    "discard",
-    "nodiscard",
-    "autodefrag",
-    "noautodefrag",
-    "space_cache",
-    "nospace_cache",
-    "commit",
-    "datacow",
-    "nodatacow",
-    "datasum",
-    "nodatasum",
-    "flushoncommit",
-    "noflushoncommit",
-    "max_inline",
-    "barrier",
-    "nobarrier",
-    "subvol",
-    "subvolid",
-    "thread_pool",
-    "user_subvol_rm_allowed",
-    "skip_balance",
-    "notreelog",
-    "treelog",
-    "acl",
-    "noacl",
-];
-
-fn fs_allowed(fs: Filesystem) -> &'static [&'static str] {
-    match fs {
-        Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4 => EXT4,
-        Filesystem::Xfs => XFS,
-        Filesystem::Btrfs => BTRFS,
-    }
-}
 
 fn value_ok(v: &str) -> bool {
     !v.is_empty()
@@ -381,7 +260,8 @@ pub fn parse(flags: &[String], fs: Filesystem) -> Result<MountOptions, OptionErr
         if SELINUX_OPTIONS.contains(&key) {
             check_selinux(opt, key, value.unwrap_or_default(), &out.fs_options)?;
         } else {
-            let known = GENERIC_SB.contains(&key) || fs_allowed(fs).contains(&key);
+            let known =
+                GENERIC_SB.contains(&key) || filesystem::ops(fs).mount_options().contains(&key);
             if !known {
                 return Err(OptionError::Unsupported {
                     option: opt.to_string(),
@@ -396,10 +276,10 @@ pub fn parse(flags: &[String], fs: Filesystem) -> Result<MountOptions, OptionErr
             out.fs_options.push(opt.to_string());
         }
     }
-    if fs == Filesystem::Xfs && !out.fs_options.iter().any(|o| o == "nouuid") {
-        // Clones and restored snapshots share their source's UUID; xfs refuses to mount a
-        // second filesystem with a UUID it already has mounted unless told otherwise.
-        out.fs_options.push("nouuid".into());
+    for forced in filesystem::ops(fs).forced_options() {
+        if !out.fs_options.iter().any(|o| o == forced) {
+            out.fs_options.push((*forced).into());
+        }
     }
     Ok(out)
 }

@@ -10,11 +10,11 @@ use std::path::{Path, PathBuf};
 use csi::volume_capability::{AccessType, access_mode::Mode};
 use moor_proto::csi::v1 as csi;
 
-use crate::discovery::DeviceIdentity;
 use crate::error::{Error, Result};
 use crate::limits::{self, trunc};
 use crate::mount_options::{self, Filesystem, MountOptions};
 use crate::sys::MountAttrs;
+use crate::sys::discovery::DeviceIdentity;
 
 /// Longest volume id (the spec's general limit for strings).
 pub const MAX_ID_LEN: usize = limits::MAX_STRING_LEN;

@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use moor_node::mountinfo;
+use moor_node::sys::mountinfo;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(mounts) = mountinfo::parse(data) {

@@ -168,7 +168,7 @@ impl Sandbox {
     /// Mount points below the sandbox, deepest first, as this thread sees them.
     pub fn mounts(&self) -> Vec<PathBuf> {
         let table = std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default();
-        let mut found: Vec<PathBuf> = moor_node::mountinfo::parse(&table)
+        let mut found: Vec<PathBuf> = moor_node::sys::mountinfo::parse(&table)
             .unwrap_or_default()
             .into_iter()
             .map(|m| m.mount_point)
@@ -258,7 +258,7 @@ pub fn run(program: &str, args: &[&str]) {
 /// How many mounts sit on `path` in this thread's mount namespace (stacked ones count).
 pub fn mount_depth(path: &Path) -> usize {
     let table = std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default();
-    moor_node::mountinfo::parse(&table)
+    moor_node::sys::mountinfo::parse(&table)
         .unwrap_or_default()
         .iter()
         .filter(|m| m.mount_point == path)

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use csi::node_client::NodeClient;
 use csi::volume_capability::access_mode::Mode;
-use moor_node::fault;
+use moor_node::crash_points;
 use moor_privileged::client::{Daemon, connect};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, fs_cap, mount_depth, runtime};
@@ -98,7 +98,10 @@ impl World {
             let _ = d.child.kill();
             let _ = d.child.wait();
         }
-        let env: Vec<(&str, &str)> = crash_at.map(|p| (fault::ENV, p)).into_iter().collect();
+        let env: Vec<(&str, &str)> = crash_at
+            .map(|p| (crash_points::ENV, p))
+            .into_iter()
+            .collect();
         let d = Daemon::start_program_env(
             CRASH_NODE,
             &self.socket,
@@ -247,7 +250,7 @@ fn every_step_of_every_operation_survives_a_kill() {
     rt.block_on(async {
         // The first cycle formats the device and writes the marker.
         w.cycle(None, "first").await;
-        let points: Vec<&str> = fault::POINTS
+        let points: Vec<&str> = crash_points::POINTS
             .iter()
             .copied()
             .filter(|p| !p.starts_with("stage.format"))
@@ -356,7 +359,7 @@ fn the_release_build_ignores_crash_points() {
             "moor-node",
             &w.socket,
             &w.sb.node_args("release-node", &["--log-format", "json"]),
-            &[(fault::ENV, "stage.formatting")],
+            &[(crash_points::ENV, "stage.formatting")],
         )
         .await;
         w.daemon = Some(d);

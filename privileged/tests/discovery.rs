@@ -11,10 +11,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
-use moor_node::discovery::{UDEV_CONTROL_SOCKET, udevd_running};
 use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::Journal;
 use moor_node::service::{NodeService, PluginInfo};
+use moor_node::sys::discovery::{UDEV_CONTROL_SOCKET, udevd_running};
 use moor_node::sys::linux::Linux;
 use moor_node::sys::loopinfo;
 use moor_privileged::{Sandbox, is_mount_point, read_at};

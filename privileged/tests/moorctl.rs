@@ -89,7 +89,7 @@ fn no_loops_under(root: &Path) -> bool {
 /// Mount points under `root` in this thread's mount namespace.
 fn mounts_under(root: &Path) -> Vec<PathBuf> {
     let table = std::fs::read("/proc/thread-self/mountinfo").expect("mountinfo");
-    moor_node::mountinfo::parse(&table)
+    moor_node::sys::mountinfo::parse(&table)
         .expect("parse mountinfo")
         .into_iter()
         .map(|m| m.mount_point)
@@ -686,7 +686,7 @@ fn demo_dir(first_line: &str) -> PathBuf {
 
 fn host_mounts_under(root: &Path) -> Vec<PathBuf> {
     let table = std::fs::read("/proc/self/mountinfo").expect("mountinfo");
-    moor_node::mountinfo::parse(&table)
+    moor_node::sys::mountinfo::parse(&table)
         .expect("parse")
         .into_iter()
         .map(|m| m.mount_point)

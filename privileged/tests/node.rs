@@ -193,7 +193,7 @@ impl TestNode {
 
 fn fs_of(path: &Path) -> String {
     let table = std::fs::read("/proc/thread-self/mountinfo").expect("mountinfo");
-    moor_node::mountinfo::parse(&table)
+    moor_node::sys::mountinfo::parse(&table)
         .expect("parse")
         .into_iter()
         .rev()
@@ -202,14 +202,14 @@ fn fs_of(path: &Path) -> String {
         .unwrap_or_default()
 }
 
-fn probe(dev: &Path) -> moor_node::probe::Content {
+fn probe(dev: &Path) -> moor_node::superblock::Content {
     let size = std::fs::File::open(dev)
         .and_then(|mut f| std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)))
         .expect("size");
-    let head = read_at(dev, 0, moor_node::probe::HEAD_LEN.min(size as usize));
-    let tail_len = moor_node::probe::TAIL_LEN.min(size as usize);
+    let head = read_at(dev, 0, moor_node::superblock::HEAD_LEN.min(size as usize));
+    let tail_len = moor_node::superblock::TAIL_LEN.min(size as usize);
     let tail = read_at(dev, size - tail_len as u64, tail_len);
-    moor_node::probe::probe(&head, &tail, size)
+    moor_node::superblock::probe(&head, &tail, size)
 }
 
 #[test]
@@ -294,8 +294,8 @@ fn xfs_staged_as_ext4_fails_and_keeps_its_data() {
     );
     assert!(matches!(
         probe(&dev),
-        moor_node::probe::Content::Filesystem {
-            fs: moor_node::probe::Filesystem::Xfs,
+        moor_node::superblock::Content::Filesystem {
+            fs: moor_node::superblock::Filesystem::Xfs,
             ..
         }
     ));
@@ -638,7 +638,7 @@ fn corrupted_staging_mount_is_cleaned_on_unstage() {
         "tmpfs",
         "a mount that is not moor's is not touched"
     );
-    assert!(matches!(probe(&dev), moor_node::probe::Content::Blank));
+    assert!(matches!(probe(&dev), moor_node::superblock::Content::Blank));
 }
 
 #[test]

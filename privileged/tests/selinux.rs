@@ -11,8 +11,8 @@ use std::sync::Arc;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::Journal;
-use moor_node::probe::Content;
 use moor_node::service::{NodeService, PluginInfo};
+use moor_node::superblock::Content;
 use moor_node::sys::Os as _;
 use moor_node::sys::linux::Linux;
 use moor_privileged::{Sandbox, is_mount_point, read_at};
@@ -100,11 +100,11 @@ fn super_options(path: &Path) -> String {
 }
 
 fn is_blank(dev: &Path) -> bool {
-    let head = read_at(dev, 0, moor_node::probe::HEAD_LEN);
+    let head = read_at(dev, 0, moor_node::superblock::HEAD_LEN);
     let size = 64 * MIB;
-    let tail_len = moor_node::probe::TAIL_LEN;
+    let tail_len = moor_node::superblock::TAIL_LEN;
     let tail = read_at(dev, size - tail_len as u64, tail_len);
-    moor_node::probe::probe(&head, &tail, size).is_blank()
+    moor_node::superblock::probe(&head, &tail, size).is_blank()
 }
 
 #[test]
@@ -124,7 +124,7 @@ fn a_label_is_refused_without_selinux_and_mounted_with_it() {
         // Without a label, the same volume stages as ever.
         stage(&svc, &dev, &staging, &[]).expect("stage without a label");
         assert!(matches!(
-            moor_node::probe::probe(&read_at(&dev, 0, 4096), &[], 64 * MIB),
+            moor_node::superblock::probe(&read_at(&dev, 0, 4096), &[], 64 * MIB),
             Content::Filesystem { .. }
         ));
         let e = publish(&svc, &staging, &target, &[LABEL]).unwrap_err();

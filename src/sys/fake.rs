@@ -11,7 +11,7 @@ use super::{
     BindMount, BlockDevice, FsMount, FsUsage, GroupReport, HeldDevice, MountPoint, MountState, Os,
     OwnershipError, SysError, SysResult, ToolError, ToolRun,
 };
-use crate::discovery::{
+use crate::sys::discovery::{
     self, BackingFile, DeviceFacts, DeviceIdentity, DiscoveryError, EventSource, FoundDevice,
     Verdict,
 };

@@ -28,7 +28,7 @@ use super::{
     MountPoint, MountState, Os, SysError, SysResult, ToolError, ToolRun, is_corruption_errno,
 };
 use super::{selinux, spawn};
-use crate::discovery::{self, DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
+use crate::sys::discovery::{self, DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
 
 /// `STATX_MNT_ID_UNIQUE` (Linux 6.8): a mount id that is never reused.
 const STATX_MNT_ID_UNIQUE: u32 = 0x4000;

@@ -6,10 +6,12 @@
 //! [`fake::FakeOs`] keeps an in-memory model of mounts, directories and devices and records
 //! every call, so the CSI logic is unit-tested without root.
 
+pub mod discovery;
 pub mod fake;
 pub mod linux;
 pub mod loopinfo;
 pub mod mount_table;
+pub mod mountinfo;
 pub mod ownership;
 pub mod raw;
 pub mod selinux;
@@ -18,7 +20,7 @@ pub mod spawn;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::discovery::{DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
+use discovery::{DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
 pub use ownership::{GroupReport, OwnershipError};
 
 /// The alignment (buffer address, length, offset) that lets a device read use O_DIRECT.

@@ -7,7 +7,7 @@ use std::os::unix::ffi::OsStrExt as _;
 use std::path::PathBuf;
 
 use super::raw;
-use crate::mountinfo;
+use crate::sys::mountinfo;
 
 /// One mount.
 #[derive(Debug, Clone, PartialEq, Eq)]

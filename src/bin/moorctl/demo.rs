@@ -856,7 +856,7 @@ fn binaries(args: &DemoArgs) -> Result<(PathBuf, PathBuf), CliError> {
 /// Mount points at or below `root`, deepest first.
 fn mounts_below(root: &Path) -> Vec<PathBuf> {
     let table = std::fs::read("/proc/self/mountinfo").unwrap_or_default();
-    let mut found: Vec<PathBuf> = moor_node::mountinfo::parse(&table)
+    let mut found: Vec<PathBuf> = moor_node::sys::mountinfo::parse(&table)
         .unwrap_or_default()
         .into_iter()
         .map(|m| m.mount_point)

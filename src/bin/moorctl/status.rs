@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use moor_node::journal::{AccessRecord, Phase, VolumeRecord};
-use moor_node::mountinfo::MountInfo;
 use moor_node::sys::Presence;
+use moor_node::sys::mountinfo::MountInfo;
 use moor_proto::csi::v1 as csi;
 use moor_proto::csi::v1::identity_client::IdentityClient;
 use rustix::fs::{AtFlags, FileType, StatxAttributes, StatxFlags};
@@ -325,10 +325,11 @@ impl MountTable {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        let entries = moor_node::mountinfo::parse(&bytes).map_err(|e| CliError::MountTable {
-            path,
-            reason: e.to_string(),
-        })?;
+        let entries =
+            moor_node::sys::mountinfo::parse(&bytes).map_err(|e| CliError::MountTable {
+                path,
+                reason: e.to_string(),
+            })?;
         Ok(Self {
             by_id: entries.into_iter().map(|m| (m.mount_id, m)).collect(),
         })

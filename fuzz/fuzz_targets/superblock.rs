@@ -2,7 +2,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use moor_node::probe;
+use moor_node::superblock;
 
 fuzz_target!(|data: &[u8]| {
     // Layout: 8 bytes of device size, 4 bytes of split point, then head and tail.
@@ -11,13 +11,13 @@ fuzz_target!(|data: &[u8]| {
     let (split, rest) = rest.split_at_checked(4).unwrap_or((&[0; 4], rest));
     let split = u32::from_le_bytes(split.try_into().unwrap_or([0; 4])) as usize;
     let (head, tail) = rest.split_at(split.min(rest.len()));
-    let content = probe::probe(head, tail, device_size);
+    let content = superblock::probe(head, tail, device_size);
     let _ = content.describe();
     let _ = content.is_blank();
     // The whole input as a head, with the device exactly as long as it.
-    let _ = probe::probe(data, data, data.len() as u64);
-    let _ = probe::probe(data, &[], device_size);
-    if let Some(c) = probe::probe_quick(data) {
+    let _ = superblock::probe(data, data, data.len() as u64);
+    let _ = superblock::probe(data, &[], device_size);
+    if let Some(c) = superblock::probe_quick(data) {
         let _ = c.describe();
     }
 });

@@ -1,0 +1,167 @@
+//! The mount engine: the CSI Node semantics, over an [`Os`] and the [`Journal`].
+//!
+//! Every operation takes the volume's guard (a second call on the same volume gets ABORTED),
+//! writes its intent to the journal before it changes the mount table and confirms it after,
+//! and decides "is this mounted, and is it ours" by statx on the one path involved (mount
+//! root attribute and the kernel's unique mount id), never by reading the whole mount table.
+//!
+//! One operation to a file: `stage` (NodeStageVolume, NodeUnstageVolume), `publish`
+//! (NodePublishVolume, NodeUnpublishVolume), `stats` (NodeGetVolumeStats) and `expand`
+//! (NodeExpandVolume); `device` finds, holds and reads the volume's device, and `format`
+//! makes and checks the filesystem of a stage. Here is what they
+//! share: the engine, its settings, the journal record, unmounting.
+
+mod device;
+mod expand;
+mod format;
+mod publish;
+mod stage;
+mod stats;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::journal::{Journal, VolumeRecord};
+use crate::superblock;
+use crate::sys::discovery::DEFAULT_DISCOVERY_DEADLINE;
+use crate::sys::{BufPool, MountPoint, MountState, Os};
+use crate::volume_lock::VolumeLocks;
+
+pub use stage::{GROW_MIN, StageReport};
+pub use stats::{Condition, VolumeStats};
+
+/// How many stacked mounts an unmount peels off before giving up.
+const MAX_STACKED: usize = 16;
+/// Retries of an unmount that fails with EBUSY (2 ms doubling: about half a second in all).
+const UNMOUNT_BUSY_RETRIES: u32 = 8;
+/// The access mode of a record adopted from the mount table (the journal had lost it): the
+/// next request's capability is taken as the volume's.
+pub const ADOPTED_MODE: i32 = 0;
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The kubelet dir; every path lies below it.
+    pub kubelet_dir: PathBuf,
+    /// Most volumes staged at once (0: no limit).
+    pub max_volumes: u64,
+    /// Deadline for mkfs.
+    pub mkfs_deadline: Duration,
+    /// Deadline for resize tools.
+    pub resize_deadline: Duration,
+    /// How long NodeStageVolume waits for the volume's device to appear.
+    pub discovery_deadline: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kubelet_dir: PathBuf::from("/var/lib/kubelet"),
+            max_volumes: 0,
+            mkfs_deadline: Duration::from_secs(600),
+            resize_deadline: Duration::from_secs(600),
+            discovery_deadline: DEFAULT_DISCOVERY_DEADLINE,
+        }
+    }
+}
+
+/// The node engine.
+#[derive(Debug)]
+pub struct Engine<O: Os> {
+    os: Arc<O>,
+    journal: Arc<Journal>,
+    locks: VolumeLocks,
+    cfg: EngineConfig,
+    /// The buffer a device probe reads its windows into, kept between probes.
+    probe_bufs: BufPool,
+}
+
+impl<O: Os> Engine<O> {
+    /// Builds an engine.
+    pub fn new(os: Arc<O>, journal: Arc<Journal>, cfg: EngineConfig) -> Self {
+        Self {
+            os,
+            journal,
+            locks: VolumeLocks::default(),
+            cfg,
+            probe_bufs: BufPool::new(superblock::HEAD_LEN + superblock::TAIL_LEN, 1),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The OS layer.
+    pub fn os(&self) -> &Arc<O> {
+        &self.os
+    }
+
+    /// The journal.
+    pub fn journal(&self) -> &Arc<Journal> {
+        &self.journal
+    }
+
+    /// The per-volume guards.
+    pub fn locks(&self) -> &VolumeLocks {
+        &self.locks
+    }
+
+    fn record(&self, volume_id: &str) -> VolumeRecord {
+        self.journal
+            .get(volume_id)
+            .unwrap_or_else(|| VolumeRecord::new(volume_id))
+    }
+
+    /// Unmounts everything stacked on `path` that `is_ours` accepts, and a corrupted mount.
+    pub(crate) fn unmount_all(
+        &self,
+        path: &Path,
+        is_ours: impl Fn(&MountPoint) -> bool,
+    ) -> Result<()> {
+        for _ in 0..MAX_STACKED {
+            match self.os.mount_state(path)? {
+                MountState::Mounted(mp) if is_ours(&mp) => self.unmount_busy_retry(path)?,
+                MountState::Corrupted { .. } => self.os.unmount(path, true)?,
+                MountState::Mounted(_) | MountState::Absent | MountState::NotMounted { .. } => {
+                    return Ok(());
+                }
+            }
+        }
+        Err(Error::FailedPrecondition(format!(
+            "{} still has mounts after {MAX_STACKED} unmounts",
+            path.display()
+        )))
+    }
+
+    /// Unmounts `path`, retrying a short while on EBUSY: a tool this daemon just forked for
+    /// another volume briefly holds copies of its descriptors, which pin the mount until it
+    /// execs. A mount that stays busy (a process really uses it) fails with the error.
+    fn unmount_busy_retry(&self, path: &Path) -> Result<()> {
+        let mut pause = Duration::from_millis(2);
+        for attempt in 0.. {
+            match self.os.unmount(path, false) {
+                Err(e) if e.errno() == Some(libc::EBUSY) && attempt < UNMOUNT_BUSY_RETRIES => {
+                    std::thread::sleep(pause);
+                    pause *= 2;
+                }
+                other => return other.map_err(Error::from),
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the journal has a volume other than `volume_id` staged or published at `path`.
+    /// Without a record of its own at a path, a volume's call is taken at the CO's word (the
+    /// journal may be new); this keeps that word from reaching another volume's mounts.
+    fn held_by_another(&self, volume_id: &str, path: &Path) -> bool {
+        self.journal.all().iter().any(|r| {
+            r.volume_id != volume_id
+                && (r.stage.as_ref().is_some_and(|s| s.path == path)
+                    || r.publishes.contains_key(path))
+        })
+    }
+}

@@ -1,0 +1,152 @@
+//! NodeGetVolumeStats: usage and condition of a volume at a path.
+
+use super::Engine;
+use crate::error::{Error, Result};
+use crate::journal::{AccessRecord, StageRecord};
+use crate::sys::{FsUsage, MountState, Os, Presence, is_corruption_errno};
+use crate::validate;
+
+/// The health of a volume at a path, for NodeGetVolumeStats.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Condition {
+    /// Whether something is wrong.
+    pub abnormal: bool,
+    /// What.
+    pub message: String,
+}
+
+/// What NodeGetVolumeStats reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VolumeStats {
+    /// A mounted filesystem.
+    Filesystem(FsUsage),
+    /// A block device of this many bytes.
+    Block(u64),
+    /// Nothing to measure (the condition says why).
+    Unavailable,
+}
+
+impl<O: Os> Engine<O> {
+    /// NodeGetVolumeStats: usage and condition of the volume at `path`.
+    pub fn stats(&self, req: &validate::Stats) -> Result<(VolumeStats, Condition)> {
+        let record = self.journal.get(&req.volume_id);
+        let stage = record.as_ref().and_then(|r| r.stage.as_ref());
+        let known = record.as_ref().is_some_and(|r| {
+            r.publishes.contains_key(&req.path)
+                || r.stage.as_ref().is_some_and(|s| s.path == req.path)
+        });
+        let not_found = || Error::VolumeNotFound {
+            volume: req.volume_id.clone(),
+            reason: format!("it is not staged or published at {}", req.path.display()),
+        };
+        if !known && self.held_by_another(&req.volume_id, &req.path) {
+            return Err(not_found());
+        }
+        let abnormal = |message: String| {
+            Ok((
+                VolumeStats::Unavailable,
+                Condition {
+                    abnormal: true,
+                    message,
+                },
+            ))
+        };
+        let is_block = matches!(stage.map(|s| &s.access), Some(AccessRecord::Block));
+        let state = self.os.mount_state(&req.path)?;
+        // Block volumes are staged without a mount: the staging dir itself is the volume's.
+        if is_block && stage.is_some_and(|s| s.path == req.path) {
+            return self.block_stats(stage, None);
+        }
+        match state {
+            MountState::Absent if known => abnormal(format!("{} is missing", req.path.display())),
+            MountState::NotMounted { .. } if known => {
+                abnormal(format!("{} is not mounted", req.path.display()))
+            }
+            MountState::Absent | MountState::NotMounted { .. } => Err(not_found()),
+            MountState::Corrupted { errno } => abnormal(format!(
+                "the mount at {} is corrupted: {}",
+                req.path.display(),
+                std::io::Error::from_raw_os_error(errno)
+            )),
+            MountState::Mounted(mp) if mp.rdev.is_some() || is_block => {
+                self.block_stats(stage, mp.rdev)
+            }
+            MountState::Mounted(_) => {
+                let usage = match self.os.fs_usage(&req.path) {
+                    Ok(u) => u,
+                    Err(e) if e.errno().is_some_and(is_corruption_errno) => {
+                        return abnormal(format!(
+                            "the filesystem at {} fails: {e}",
+                            req.path.display()
+                        ));
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                let condition = match stage.map(|s| (s, self.presence(s))) {
+                    Some((s, Presence::Gone(why))) => Condition {
+                        abnormal: true,
+                        message: format!("device {} is gone: {why}", s.device.display()),
+                    },
+                    Some((s, Presence::Unknown(why))) => Condition {
+                        abnormal: true,
+                        message: format!(
+                            "device {} cannot be checked right now: {why}",
+                            s.device.display()
+                        ),
+                    },
+                    _ => Condition {
+                        abnormal: false,
+                        message: "volume is mounted and healthy".into(),
+                    },
+                };
+                Ok((VolumeStats::Filesystem(usage), condition))
+            }
+        }
+    }
+
+    fn block_stats(
+        &self,
+        stage: Option<&StageRecord>,
+        mounted_rdev: Option<(u32, u32)>,
+    ) -> Result<(VolumeStats, Condition)> {
+        let Some(s) = stage else {
+            return Ok((
+                VolumeStats::Unavailable,
+                Condition {
+                    abnormal: true,
+                    message: "block volume without a staging record".into(),
+                },
+            ));
+        };
+        let unavailable = |message: String| {
+            Ok((
+                VolumeStats::Unavailable,
+                Condition {
+                    abnormal: true,
+                    message,
+                },
+            ))
+        };
+        match self.presence(s) {
+            Presence::Present(d) if mounted_rdev.is_none_or(|r| r == d.rdev) => Ok((
+                VolumeStats::Block(d.size),
+                Condition {
+                    abnormal: false,
+                    message: "block device is present".into(),
+                },
+            )),
+            Presence::Present(_) => unavailable(format!(
+                "the device mounted for {} is not {} any more",
+                s.path.display(),
+                s.device.display()
+            )),
+            Presence::Gone(why) => {
+                unavailable(format!("device {} is gone: {why}", s.device.display()))
+            }
+            Presence::Unknown(why) => unavailable(format!(
+                "device {} cannot be checked right now: {why}",
+                s.device.display()
+            )),
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! The Node RPCs through the gRPC service layer, on the fake OS: every row of the spec's error
+//! tables, idempotency, and what is (and is not) done to the node.
+//!
+//! One file to an RPC (`stage`, `publish`, `stats`, `expand`, `identity`), with the stage's
+//! device and filesystem apart (`device`, `format`), and the calls at another volume's paths
+//! (`paths`) and hostile input (`hostile`) across RPCs; here is the harness they share.
+
+mod device;
+mod expand;
+mod format;
+mod hostile;
+mod identity;
+mod paths;
+mod publish;
+mod stage;
+mod stats;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
+use moor_proto::csi::v1 as csi;
+use moor_proto::csi::v1::node_server::Node;
+use tonic::{Code, Request};
+
+use crate::engine::{Engine, EngineConfig};
+use crate::journal::Journal;
+use crate::service::{NodeService, PluginInfo};
+use crate::sys::Os as _;
+use crate::sys::fake::{Call, FakeOs, superblock};
+
+pub(crate) const K: &str = "/var/lib/kubelet";
+pub(crate) const DEV: &str = "/dev/loop7";
+pub(crate) const STAGING: &str =
+    "/var/lib/kubelet/plugins/kubernetes.io/csi/moor.csi.io/abc/globalmount";
+pub(crate) const TARGET: &str = "/var/lib/kubelet/pods/p1/volumes/kubernetes.io~csi/pv1/mount";
+const GIB: u64 = 1 << 30;
+
+pub(crate) struct Harness {
+    pub(crate) os: Arc<FakeOs>,
+    pub(crate) svc: NodeService<FakeOs>,
+    pub(crate) engine: Arc<Engine<FakeOs>>,
+    pub(crate) state: PathBuf,
+    pub(crate) info: PluginInfo,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.state);
+    }
+}
+
+fn harness_with(max_volumes: u64) -> Harness {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let state = std::env::temp_dir().join(format!(
+        "moor-svc-test-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&state);
+    let os = Arc::new(FakeOs::new());
+    os.add_dir(Path::new(STAGING).parent().unwrap_or(Path::new("/")));
+    os.add_dir(Path::new(TARGET).parent().unwrap_or(Path::new("/")));
+    os.add_dir(format!(
+        "{K}/plugins/kubernetes.io/csi/volumeDevices/publish/pv1"
+    ));
+    os.add_device(DEV, (7, 7), GIB);
+    let (journal, _) = Journal::open(&state, false).expect("journal");
+    let cfg = EngineConfig {
+        kubelet_dir: K.into(),
+        max_volumes,
+        ..EngineConfig::default()
+    };
+    let engine = Arc::new(Engine::new(Arc::clone(&os), Arc::new(journal), cfg));
+    let info = PluginInfo {
+        driver_name: "moor.csi.io".into(),
+        node_id: "node-1".into(),
+        max_volumes,
+        topology_key: "topology.moor.csi.io/node".into(),
+        state_dir: state.clone(),
+    };
+    let svc = NodeService::new(Arc::clone(&engine), info.clone());
+    Harness {
+        os,
+        svc,
+        engine,
+        state,
+        info,
+    }
+}
+
+pub(crate) fn harness() -> Harness {
+    harness_with(0)
+}
+
+fn mount_cap(fs: &str, flags: &[&str], mode: Mode) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            mount_flags: flags.iter().map(|s| (*s).to_string()).collect(),
+            volume_mount_group: String::new(),
+        })),
+    }
+}
+
+pub(crate) fn block_cap() -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(AccessType::Block(BlockVolume {})),
+    }
+}
+
+pub(crate) fn stage_req(cap: csi::VolumeCapability) -> csi::NodeStageVolumeRequest {
+    csi::NodeStageVolumeRequest {
+        volume_id: "vol-1".into(),
+        publish_context: HashMap::from([("devicePath".into(), DEV.into())]),
+        staging_target_path: STAGING.into(),
+        volume_capability: Some(cap),
+        secrets: HashMap::new(),
+        volume_context: HashMap::new(),
+    }
+}
+
+pub(crate) fn publish_req(
+    cap: csi::VolumeCapability,
+    readonly: bool,
+) -> csi::NodePublishVolumeRequest {
+    csi::NodePublishVolumeRequest {
+        volume_id: "vol-1".into(),
+        publish_context: HashMap::new(),
+        staging_target_path: STAGING.into(),
+        target_path: TARGET.into(),
+        volume_capability: Some(cap),
+        readonly,
+        secrets: HashMap::new(),
+        volume_context: HashMap::new(),
+    }
+}
+
+fn unpublish_req(target: &str) -> csi::NodeUnpublishVolumeRequest {
+    csi::NodeUnpublishVolumeRequest {
+        volume_id: "vol-1".into(),
+        target_path: target.into(),
+    }
+}
+
+fn unstage_req() -> csi::NodeUnstageVolumeRequest {
+    csi::NodeUnstageVolumeRequest {
+        volume_id: "vol-1".into(),
+        staging_target_path: STAGING.into(),
+    }
+}
+
+pub(crate) fn stats_req(path: &str) -> csi::NodeGetVolumeStatsRequest {
+    csi::NodeGetVolumeStatsRequest {
+        volume_id: "vol-1".into(),
+        volume_path: path.into(),
+        staging_target_path: String::new(),
+    }
+}
+
+pub(crate) fn ext4() -> csi::VolumeCapability {
+    mount_cap("ext4", &[], Mode::SingleNodeWriter)
+}
+
+async fn code<T>(f: impl std::future::Future<Output = Result<T, tonic::Status>>) -> Code {
+    match f.await {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    }
+}
+
+fn count(calls: &[Call], pred: impl Fn(&Call) -> bool) -> usize {
+    calls.iter().filter(|c| pred(c)).count()
+}
+
+fn mkfs_calls(h: &Harness) -> usize {
+    count(
+        &h.os.calls(),
+        |c| matches!(c, Call::Tool(p, _) if p.starts_with("mkfs")),
+    )
+}
+
+pub(crate) async fn staged(h: &Harness) {
+    h.svc
+        .node_stage_volume(Request::new(stage_req(ext4())))
+        .await
+        .expect("stage");
+}
+
+fn tool_calls(h: &Harness) -> Vec<Call> {
+    h.os.calls()
+        .into_iter()
+        .filter(|c| matches!(c, Call::Tool(..)))
+        .collect()
+}
+
+/// NodeStageVolume of DEV as xfs with `mode`.
+async fn stage_xfs(h: &Harness, mode: Mode) -> Result<(), tonic::Status> {
+    h.svc
+        .node_stage_volume(Request::new(stage_req(mount_cap("xfs", &[], mode))))
+        .await
+        .map(drop)
+}
+
+fn expand_req(path: &str, required: i64) -> csi::NodeExpandVolumeRequest {
+    csi::NodeExpandVolumeRequest {
+        volume_id: "vol-1".into(),
+        volume_path: path.into(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: required,
+            limit_bytes: 0,
+        }),
+        staging_target_path: STAGING.into(),
+        volume_capability: None,
+        secrets: HashMap::new(),
+    }
+}
+
+/// Everything the service asked of the OS (the fake records only calls that change it).
+fn mutating_calls(h: &Harness) -> Vec<Call> {
+    h.os.calls()
+}

@@ -1,0 +1,247 @@
+//! NodePublishVolume and NodeUnpublishVolume: binds, the access mode table, cleaning corrupted and stacked targets.
+
+use super::*;
+
+#[tokio::test]
+async fn publish_binds_the_staging_mount_and_repeats_are_ok() {
+    let h = harness();
+    staged(&h).await;
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
+    assert_eq!(h.os.mount_depth(TARGET), 1);
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("repeat");
+    assert_eq!(h.os.mount_depth(TARGET), 1, "never stack a second mount");
+    // The same target with other arguments: ALREADY_EXISTS.
+    assert_eq!(
+        code(
+            h.svc
+                .node_publish_volume(Request::new(publish_req(ext4(), true)))
+        )
+        .await,
+        Code::AlreadyExists
+    );
+}
+
+#[tokio::test]
+async fn readonly_publish_is_a_read_only_bind() {
+    let h = harness();
+    staged(&h).await;
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), true)))
+        .await
+        .expect("publish");
+    let bind = h.os.calls().into_iter().find_map(|c| match c {
+        Call::Bind(b) => Some(b),
+        _ => None,
+    });
+    assert!(bind.expect("bind").attrs.read_only);
+}
+
+#[tokio::test]
+async fn publish_error_rows() {
+    let h = harness();
+    // Not staged: FAILED_PRECONDITION.
+    assert_eq!(
+        code(
+            h.svc
+                .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        )
+        .await,
+        Code::FailedPrecondition
+    );
+    staged(&h).await;
+    // Staging target path not set: FAILED_PRECONDITION.
+    let mut r = publish_req(ext4(), false);
+    r.staging_target_path.clear();
+    assert_eq!(
+        code(h.svc.node_publish_volume(Request::new(r))).await,
+        Code::FailedPrecondition
+    );
+    // Missing fields: INVALID_ARGUMENT.
+    for mutate in [
+        (|r: &mut csi::NodePublishVolumeRequest| r.volume_id.clear()) as fn(&mut _),
+        |r| r.target_path.clear(),
+        |r| r.volume_capability = None,
+        |r| r.target_path = "/etc".into(),
+        |r| r.target_path = format!("{K}//pods/x"),
+    ] {
+        let mut r = publish_req(ext4(), false);
+        mutate(&mut r);
+        assert_eq!(
+            code(h.svc.node_publish_volume(Request::new(r))).await,
+            Code::InvalidArgument
+        );
+    }
+    // Access type other than staged: FAILED_PRECONDITION.
+    assert_eq!(
+        code(
+            h.svc
+                .node_publish_volume(Request::new(publish_req(block_cap(), false)))
+        )
+        .await,
+        Code::FailedPrecondition
+    );
+    // Another volume's staging path: FAILED_PRECONDITION.
+    let mut r = publish_req(ext4(), false);
+    r.staging_target_path = format!("{K}/plugins/other");
+    assert_eq!(
+        code(h.svc.node_publish_volume(Request::new(r))).await,
+        Code::FailedPrecondition
+    );
+    assert_eq!(h.os.mount_depth(TARGET), 0);
+}
+
+#[tokio::test]
+async fn block_publish_binds_the_device_node_on_a_file() {
+    let h = harness();
+    h.svc
+        .node_stage_volume(Request::new(stage_req(block_cap())))
+        .await
+        .expect("stage");
+    let target = format!("{K}/plugins/kubernetes.io/csi/volumeDevices/publish/pv1/pod-uid");
+    let mut r = publish_req(block_cap(), false);
+    r.target_path = target.clone();
+    h.svc
+        .node_publish_volume(Request::new(r))
+        .await
+        .expect("publish");
+    let calls = h.os.calls();
+    assert!(calls.contains(&Call::MakeFile(target.clone().into())));
+    assert!(
+        calls
+            .iter()
+            .any(|c| matches!(c, Call::Bind(b) if b.source == Path::new(DEV)))
+    );
+    h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(&target)))
+        .await
+        .expect("unpublish");
+    assert!(!h.os.exists(&target));
+}
+
+#[tokio::test]
+async fn second_target_follows_the_access_mode_table() {
+    let other = format!("{K}/pods/p2/volumes/kubernetes.io~csi/pv1/mount");
+    // (mode, first publication read-only, second read-only, answer to the second)
+    for (mode, first_ro, second_ro, want) in [
+        (
+            Mode::SingleNodeWriter,
+            false,
+            false,
+            Code::FailedPrecondition,
+        ),
+        (Mode::SingleNodeWriter, false, true, Code::Ok),
+        (Mode::SingleNodeWriter, true, false, Code::Ok),
+        (Mode::SingleNodeWriter, true, true, Code::Ok),
+        (
+            Mode::SingleNodeSingleWriter,
+            false,
+            true,
+            Code::FailedPrecondition,
+        ),
+        (
+            Mode::SingleNodeSingleWriter,
+            false,
+            false,
+            Code::FailedPrecondition,
+        ),
+        (
+            Mode::SingleNodeReaderOnly,
+            true,
+            true,
+            Code::FailedPrecondition,
+        ),
+        (Mode::SingleNodeMultiWriter, false, false, Code::Ok),
+        (Mode::MultiNodeReaderOnly, true, true, Code::Ok),
+    ] {
+        let h = harness();
+        h.os.add_dir(Path::new(&other).parent().unwrap_or(Path::new("/")));
+        // Reader modes never format: the device holds a filesystem already.
+        for (offset, bytes) in superblock("ext4") {
+            h.os.write_device(DEV, offset, &bytes);
+        }
+        let cap = mount_cap("ext4", &[], mode);
+        h.svc
+            .node_stage_volume(Request::new(stage_req(cap.clone())))
+            .await
+            .expect("stage");
+        h.svc
+            .node_publish_volume(Request::new(publish_req(cap.clone(), first_ro)))
+            .await
+            .expect("first");
+        let mut r = publish_req(cap, second_ro);
+        r.target_path = other.clone();
+        assert_eq!(
+            code(h.svc.node_publish_volume(Request::new(r))).await,
+            want,
+            "{mode:?} first ro {first_ro} second ro {second_ro}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn unpublish_unmounts_removes_and_is_idempotent() {
+    let h = harness();
+    staged(&h).await;
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
+    for _ in 0..2 {
+        h.svc
+            .node_unpublish_volume(Request::new(unpublish_req(TARGET)))
+            .await
+            .expect("unpublish");
+        assert_eq!(h.os.mount_depth(TARGET), 0);
+        assert!(!h.os.exists(TARGET));
+    }
+    // A target that never existed is already unpublished.
+    h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(&format!("{K}/pods/none/mount"))))
+        .await
+        .expect("never published");
+    assert_eq!(
+        code(h.svc.node_unpublish_volume(Request::new(unpublish_req("")))).await,
+        Code::InvalidArgument
+    );
+}
+
+#[tokio::test]
+async fn corrupted_and_stacked_targets_are_cleaned() {
+    let h = harness();
+    staged(&h).await;
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
+    h.os.corrupt(TARGET, libc::ENOTCONN);
+    h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(TARGET)))
+        .await
+        .expect("unpublish");
+    assert!(h.os.calls().contains(&Call::Unmount(TARGET.into(), true)));
+    assert!(!h.os.exists(TARGET));
+    // Two mounts stacked on one target (someone else's doing) are all peeled off.
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
+    h.engine
+        .os()
+        .bind(&crate::sys::BindMount {
+            source: STAGING.into(),
+            target: TARGET.into(),
+            attrs: Default::default(),
+        })
+        .expect("stack");
+    h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(TARGET)))
+        .await
+        .expect("unpublish");
+    assert_eq!(h.os.mount_depth(TARGET), 0);
+}
