@@ -71,6 +71,19 @@ pub struct Args {
     /// Default: off.
     #[arg(long)]
     pub http_endpoint: Option<String>,
+    /// How this node maps Ceph RBD images: `kernel` (the kernel's RBD client, through sysfs),
+    /// `fuse` (rbd-fuse and a loop device, for kernels without it), `auto` (the kernel
+    /// client when the rbd module is loaded, else rbd-fuse when installed, else none) or
+    /// `none`.
+    #[arg(long, value_enum, default_value_t = crate::attach::Choice::Auto)]
+    pub rbd_attacher: crate::attach::Choice,
+    /// Deadline for mapping an RBD image, in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub rbd_map_timeout: u64,
+    /// Deadline for unmapping an RBD image, in seconds (past it, rbd-fuse is killed and its
+    /// mount detached).
+    #[arg(long, default_value_t = 30)]
+    pub rbd_unmap_timeout: u64,
 }
 
 #[cfg(test)]

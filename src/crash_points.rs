@@ -39,6 +39,16 @@ pub const POINTS: &[&str] = &[
     "unstage.done",
 ];
 
+/// The crash points of an RBD volume's map and unmap (`engine::mapped`, `attach::fuse`), in
+/// the order a stage and an unstage reach them.
+pub const MAP_POINTS: &[&str] = &[
+    "map.mapping",
+    "map.attaching",
+    "map.mapped",
+    "unmap.unmapping",
+    "unmap.unmapped",
+];
+
 /// Arms the point named by [`ENV`], if set. Returns it.
 #[cfg(feature = "crash-points")]
 pub fn arm_from_env() -> Option<&'static str> {

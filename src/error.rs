@@ -5,6 +5,7 @@
 
 use tonic::{Code, Status};
 
+use crate::attach::AttachError;
 use crate::journal::JournalError;
 use crate::mount_options::OptionError;
 use crate::sys::discovery::DiscoveryError;
@@ -86,6 +87,9 @@ pub enum Error {
     /// The volume's device could not be found by its identity.
     #[error(transparent)]
     Discovery(#[from] DiscoveryError),
+    /// An RBD image could not be mapped or unmapped.
+    #[error(transparent)]
+    Attach(#[from] AttachError),
 }
 
 impl From<ToolError> for Error {
@@ -146,6 +150,7 @@ impl Error {
                 DiscoveryError::NotPresent { .. } => Code::NotFound,
                 DiscoveryError::Poll(_) => Code::Internal,
             },
+            Error::Attach(e) => e.code(),
         }
     }
 }

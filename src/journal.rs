@@ -143,6 +143,9 @@ pub struct VolumeRecord {
     pub stage: Option<StageRecord>,
     /// Publications by target path.
     pub publishes: BTreeMap<PathBuf, PublishRecord>,
+    /// The RBD image mapped for the volume, if any (`attach`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mapping: Option<crate::attach::journal::MappingRecord>,
 }
 
 impl VolumeRecord {
@@ -152,6 +155,7 @@ impl VolumeRecord {
             volume_id: volume_id.to_string(),
             stage: None,
             publishes: BTreeMap::new(),
+            mapping: None,
         }
     }
 
@@ -165,7 +169,7 @@ impl VolumeRecord {
 
     /// Whether the record says nothing (and can be deleted).
     pub fn is_empty(&self) -> bool {
-        self.stage.is_none() && self.publishes.is_empty()
+        self.stage.is_none() && self.publishes.is_empty() && self.mapping.is_none()
     }
 }
 

@@ -7,6 +7,7 @@
 //! * [`engine`] carries out the Node RPCs' semantics over the OS ([`sys`]) and the node
 //!   journal ([`journal`]), one operation per volume at a time ([`volume_lock`]);
 //! * [`sys::discovery`] finds a volume's block device by identity, through udev;
+//! * [`attach`] maps a Ceph RBD image to a block device before it is staged;
 //! * [`superblock`] reads superblocks to tell a blank device from one that holds data;
 //! * [`filesystem`] says what differs per filesystem: mkfs, fsck, growing, mount options;
 //! * [`mount_options`] decides which mount flags reach the kernel; [`selinux`] checks the
@@ -17,6 +18,7 @@
 //!   `/metrics`, and [`metrics`] keeps the Prometheus metrics.
 
 pub mod args;
+pub mod attach;
 pub mod authority;
 pub mod crash_points;
 pub mod daemon;

@@ -125,7 +125,23 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         resize_deadline: Duration::from_secs(args.tool_timeout),
         discovery_deadline: Duration::from_secs(args.device_wait),
     };
-    let engine = Arc::new(Engine::new(Arc::clone(&os), Arc::clone(&journal), cfg));
+    let attacher = moor_node::attach::choose(
+        args.rbd_attacher,
+        &state_dir,
+        moor_node::attach::Deadlines {
+            map: Duration::from_secs(args.rbd_map_timeout),
+            unmap: Duration::from_secs(args.rbd_unmap_timeout),
+        },
+    )?;
+    match &attacher {
+        Some(a) => info!(
+            attacher = a.kind(),
+            "RBD images are mapped with this attacher"
+        ),
+        None => info!("no RBD attacher: RBD volumes cannot be staged on this node"),
+    }
+    let engine =
+        Arc::new(Engine::new(Arc::clone(&os), Arc::clone(&journal), cfg).with_attacher(attacher));
     // Before serving: finish or roll back what a crash cut short, clean what is corrupted.
     let reconciler = Arc::new(Reconciler::new(Arc::clone(&engine), &args.driver_name));
     reconciler.pass(true).await;

@@ -14,7 +14,9 @@
 //! * a second mount stacked on one of moor's paths is removed; a mount that is not moor's is
 //!   never touched, and a path kubelet expects mounted is never unmounted while healthy;
 //! * a mount on one of moor's kubelet paths that the journal does not know (the journal was
-//!   damaged) is adopted back into the journal, named by kubelet's `vol_data.json`.
+//!   damaged) is adopted back into the journal, named by kubelet's `vol_data.json`;
+//! * an RBD map or unmap a crash cut short is finished or undone, and a mapping nothing is
+//!   staged on, or that no record names, is unmapped (`engine::mapped`).
 //!
 //! The periodic passes are light: a `statx` per recorded path, no table read, no adoption.
 //! Each action is logged on one line; a finding that changes nothing is logged when first seen.
@@ -104,6 +106,28 @@ pub enum Action {
         /// Volume id.
         volume: String,
     },
+    /// An RBD image a crash left mapped with nothing staged on it, or that no record names,
+    /// was unmapped.
+    Unmapped {
+        /// The volume whose record named it, if one did.
+        volume: Option<String>,
+        /// The image.
+        image: String,
+    },
+    /// A volume's RBD mapping is gone (a reboot, an rbd-fuse that died): reported until
+    /// kubelet stages the volume again, which maps it again.
+    MappingLost {
+        /// Volume id.
+        volume: String,
+        /// The image.
+        image: String,
+    },
+    /// An RBD mapping no record names, which moor cannot prove its own (the kernel's
+    /// mappings may be anyone's): left alone.
+    ForeignMapping {
+        /// The image.
+        image: String,
+    },
     /// A step failed; the next pass tries again.
     Failed {
         /// Volume id.
@@ -129,6 +153,9 @@ impl Action {
             Action::Foreign { .. } => "foreign",
             Action::Adopted { .. } => "adopted",
             Action::Busy { .. } => "busy",
+            Action::Unmapped { .. } => "unmapped",
+            Action::MappingLost { .. } => "mapping_lost",
+            Action::ForeignMapping { .. } => "foreign_mapping",
             Action::Failed { .. } => "failed",
         }
     }
@@ -143,6 +170,7 @@ impl Action {
                 | Action::DeviceGone { .. }
                 | Action::Unstacked { .. }
                 | Action::Adopted { .. }
+                | Action::Unmapped { .. }
         )
     }
 
@@ -188,6 +216,25 @@ impl Action {
             }
             Action::Busy { volume } => {
                 info!(volume, "reconcile: volume busy with a call; next pass");
+            }
+            Action::Unmapped { volume, image } => {
+                info!(
+                    volume = volume.as_deref().unwrap_or("-"),
+                    image, "reconcile: RBD image mapped with nothing staged on it; unmapped"
+                );
+            }
+            Action::MappingLost { volume, image } => {
+                warn!(
+                    volume,
+                    image,
+                    "reconcile: the volume's RBD mapping is gone; the next stage maps it again"
+                );
+            }
+            Action::ForeignMapping { image } => {
+                info!(
+                    image,
+                    "reconcile: an RBD mapping no record names, not provably moor's; left alone"
+                );
             }
             Action::Failed {
                 volume,
@@ -248,6 +295,12 @@ impl<O: Os> Reconciler<O> {
         {
             index.entry(m.mount_point.as_path()).or_default().push(m);
         }
+        // The RBD mappings on the node, listed before the journal is read.
+        let mappings = if full {
+            self.engine.listed_mappings()
+        } else {
+            Vec::new()
+        };
         let mut actions = Vec::new();
         let mut known: HashSet<PathBuf> = HashSet::new();
         for record in self.engine.journal().all() {
@@ -262,10 +315,15 @@ impl<O: Os> Reconciler<O> {
                 continue;
             };
             // The record as it is now, under the lock.
-            let Some(record) = self.engine.journal().get(&record.volume_id) else {
+            let Some(mut record) = self.engine.journal().get(&record.volume_id) else {
                 continue;
             };
+            self.engine
+                .reconcile_mapping(&mut record, full, &mut actions);
             self.volume(record, &index, &mut actions);
+        }
+        if full {
+            self.engine.reconcile_orphans(mappings, &mut actions);
         }
         let mut orphans: Vec<&Path> = index
             .keys()

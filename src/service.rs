@@ -240,7 +240,12 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         let dir = self.kubelet_dir();
         traced("NodeStageVolume", req.volume_id.clone(), async move {
             let v = validate::stage(&req, &dir)?;
-            let report = blocking(move || engine.stage(&v)).await?;
+            let rbd = crate::attach::request::stage(&req)?;
+            let report = blocking(move || match &rbd {
+                Some(rbd) => engine.stage_mapped(&v, rbd),
+                None => engine.stage(&v),
+            })
+            .await?;
             if report.formatted {
                 info!(volume = req.volume_id, mkfs = ?report.mkfs, "formatted blank device");
             }

@@ -389,7 +389,8 @@ fn device_identity(
             .map(|raw| device_id("publish_context.deviceWWN", raw))
             .transpose()?,
     };
-    if device.is_none() && identity.is_empty() {
+    // An RBD image's device is the one this node maps for it (`attach`).
+    if device.is_none() && identity.is_empty() && !crate::attach::request::is_rbd(ctx) {
         return Err(Error::invalid(
             "publish_context",
             format!(

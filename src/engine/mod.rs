@@ -7,13 +7,15 @@
 //!
 //! One operation to a file: `stage` (NodeStageVolume, NodeUnstageVolume), `publish`
 //! (NodePublishVolume, NodeUnpublishVolume), `stats` (NodeGetVolumeStats) and `expand`
-//! (NodeExpandVolume); `device` finds, holds and reads the volume's device, and `format`
-//! makes and checks the filesystem of a stage. Here is what they
+//! (NodeExpandVolume); `device` finds, holds and reads the volume's device, `format`
+//! makes and checks the filesystem of a stage, and `mapped` maps an RBD image before its
+//! stage and unmaps it after its unstage. Here is what they
 //! share: the engine, its settings, the journal record, unmounting.
 
 mod device;
 mod expand;
 mod format;
+mod mapped;
 mod publish;
 mod stage;
 mod stats;
@@ -22,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::attach::Attacher;
 use crate::error::{Error, Result};
 use crate::journal::{Journal, VolumeRecord};
 use crate::superblock;
@@ -76,6 +79,8 @@ pub struct Engine<O: Os> {
     cfg: EngineConfig,
     /// The buffer a device probe reads its windows into, kept between probes.
     probe_bufs: BufPool,
+    /// What maps RBD images, when the node has one (`mapped`).
+    attacher: Option<Arc<dyn Attacher>>,
 }
 
 impl<O: Os> Engine<O> {
@@ -87,7 +92,15 @@ impl<O: Os> Engine<O> {
             locks: VolumeLocks::default(),
             cfg,
             probe_bufs: BufPool::new(superblock::HEAD_LEN + superblock::TAIL_LEN, 1),
+            attacher: None,
         }
+    }
+
+    /// The engine, mapping RBD images with `attacher`.
+    #[must_use]
+    pub fn with_attacher(mut self, attacher: Option<Arc<dyn Attacher>>) -> Self {
+        self.attacher = attacher;
+        self
     }
 
     /// The settings.

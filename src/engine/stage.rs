@@ -115,6 +115,11 @@ impl<O: Os> Engine<O> {
     /// device, each step written to the journal before it changes the node.
     pub fn stage(&self, req: &validate::Stage) -> Result<StageReport> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
+        self.stage_held(req)
+    }
+
+    /// [`stage`](Self::stage), with the volume's guard already held.
+    pub(super) fn stage_held(&self, req: &validate::Stage) -> Result<StageReport> {
         selinux::require_support(&*self.os, &req.cap.access)?;
         let mut record = self.record(&req.volume_id);
         self.check_stage_record(&record, req)?;
@@ -390,9 +395,15 @@ impl<O: Os> Engine<O> {
         Ok(())
     }
 
-    /// NodeUnstageVolume.
+    /// NodeUnstageVolume: the staging mount goes, then the RBD image the volume mapped.
     pub fn unstage(&self, req: &validate::Unstage) -> Result<()> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
+        self.unstage_held(req)?;
+        self.unmap_unstaged(&req.volume_id)
+    }
+
+    /// The unmount of [`unstage`](Self::unstage), with the volume's guard held.
+    fn unstage_held(&self, req: &validate::Unstage) -> Result<()> {
         let mut record = self.record(&req.volume_id);
         // Not staged at that path: the spec's answer is OK, and nothing is touched. A path
         // another volume holds is that volume's, whatever the CO names.

@@ -577,7 +577,7 @@ impl ToolStderr {
 
 /// Runs a tool, collecting what it prints (stdout and stderr), and kills it at the deadline. Waiting is done on a
 /// pidfd with poll(2): no sleeps, no busy loop.
-fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
+pub fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
     let program = run.program.clone();
     let spawn_err = |source: std::io::Error| ToolError::Spawn {
         program: program.clone(),

@@ -2,13 +2,15 @@
 //!
 //! Everything the node engine asks of the kernel or of external tools goes through [`Os`]:
 //! mounting, unmounting, inspecting a path, reading a device, running mkfs. [`linux::Linux`]
-//! is the real thing (the only `unsafe` code is in [`raw`], [`loopinfo`] and [`spawn`]);
+//! is the real thing (the only `unsafe` code is in [`raw`], [`loopinfo`], [`loopdev`] and
+//! [`spawn`]);
 //! [`fake::FakeOs`] keeps an in-memory model of mounts, directories and devices and records
 //! every call, so the CSI logic is unit-tested without root.
 
 pub mod discovery;
 pub mod fake;
 pub mod linux;
+pub mod loopdev;
 pub mod loopinfo;
 pub mod mount_table;
 pub mod mountinfo;

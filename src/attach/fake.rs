@@ -1,0 +1,239 @@
+//! A recording fake [`Attacher`] over the fake OS: a map adds a loop device backed by the
+//! image's file to the [`FakeOs`], an unmap removes it. Failures and busy devices are set by
+//! the test.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::{AttachError, Attacher, ImageSpec, MapRequest, Mapping};
+use crate::sys::discovery::DeviceIdentity;
+use crate::sys::fake::FakeOs;
+
+/// A call made to the fake attacher.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttachCall {
+    /// `map(image, read_only)`.
+    Map(ImageSpec, bool),
+    /// `unmap(image)`.
+    Unmap(ImageSpec),
+}
+
+/// What the next call of a kind does instead of its work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// It fails (INTERNAL).
+    Fail,
+    /// It runs past its deadline; for a map, the image ends up mapped anyway.
+    Timeout,
+    /// The device is in use (unmap).
+    Busy,
+    /// The image does not exist (map).
+    NotFound,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    mapped: BTreeMap<ImageSpec, Mapping>,
+    calls: Vec<AttachCall>,
+    fail_map: Option<Failure>,
+    fail_unmap: Option<Failure>,
+    next: u32,
+    not_owned: bool,
+    doubles: usize,
+}
+
+/// The fake attacher.
+#[derive(Debug)]
+pub struct FakeAttacher {
+    os: Arc<FakeOs>,
+    size: u64,
+    state: Mutex<State>,
+}
+
+/// Where the fake keeps an image's file (the loop device's backing file).
+pub fn image_file(image: &ImageSpec) -> PathBuf {
+    PathBuf::from(format!(
+        "/var/lib/moor/rbd/{}+{}/{}",
+        image.pool, image.image, image.image
+    ))
+}
+
+impl FakeAttacher {
+    /// A fake whose images are `size` bytes, as devices of `os`.
+    pub fn new(os: Arc<FakeOs>, size: u64) -> Self {
+        Self {
+            os,
+            size,
+            state: Mutex::default(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The calls made so far.
+    pub fn calls(&self) -> Vec<AttachCall> {
+        self.lock().calls.clone()
+    }
+
+    /// The images mapped now.
+    pub fn mapped(&self) -> Vec<ImageSpec> {
+        self.lock().mapped.keys().cloned().collect()
+    }
+
+    /// How many maps were asked of an image already mapped.
+    pub fn doubles(&self) -> usize {
+        self.lock().doubles
+    }
+
+    /// Makes the next map do `f`.
+    pub fn fail_next_map(&self, f: Failure) {
+        self.lock().fail_map = Some(f);
+    }
+
+    /// Makes the next unmap do `f`.
+    pub fn fail_next_unmap(&self, f: Failure) {
+        self.lock().fail_unmap = Some(f);
+    }
+
+    /// Maps `image` behind moor's back (a mapping the journal does not know).
+    pub fn map_unrecorded(&self, image: &ImageSpec, read_only: bool) -> Mapping {
+        let mut st = self.lock();
+        self.make(&mut st, image, read_only)
+    }
+
+    /// Makes [`Attacher::owns_all_listed`] false (as for the kernel's mappings).
+    pub fn disown_listed(&self) {
+        self.lock().not_owned = true;
+    }
+
+    fn make(&self, st: &mut State, image: &ImageSpec, read_only: bool) -> Mapping {
+        let n = 100 + st.next;
+        st.next += 1;
+        let device = PathBuf::from(format!("/dev/loop{n}"));
+        let rdev = (7, n);
+        self.os.add_device(&device, rdev, self.size);
+        let file = image_file(image);
+        self.os.set_backing_file(rdev, &file);
+        let m = Mapping {
+            device,
+            rdev,
+            identity: DeviceIdentity {
+                backing_file: Some(file),
+                ..DeviceIdentity::default()
+            },
+            read_only,
+        };
+        st.mapped.insert(image.clone(), m.clone());
+        m
+    }
+}
+
+impl Attacher for FakeAttacher {
+    fn kind(&self) -> &'static str {
+        "fuse"
+    }
+
+    fn find(&self, image: &ImageSpec) -> Result<Option<Mapping>, AttachError> {
+        Ok(self.lock().mapped.get(image).cloned())
+    }
+
+    fn map(&self, req: &MapRequest<'_>) -> Result<Mapping, AttachError> {
+        let mut st = self.lock();
+        st.calls
+            .push(AttachCall::Map(req.image.clone(), req.read_only));
+        let image = req.image.to_string();
+        match st.fail_map.take() {
+            None => {}
+            Some(Failure::Timeout) => {
+                self.make(&mut st, req.image, req.read_only);
+                return Err(AttachError::Timeout {
+                    step: "map",
+                    image,
+                    deadline: std::time::Duration::from_secs(1),
+                });
+            }
+            Some(Failure::NotFound) => return Err(AttachError::NotFound(image)),
+            Some(Failure::Fail | Failure::Busy) => {
+                return Err(AttachError::Failed {
+                    step: "map",
+                    image,
+                    reason: "injected".into(),
+                });
+            }
+        }
+        if let Some(m) = st.mapped.get(req.image).cloned() {
+            // A real attacher would have made a second device.
+            st.doubles += 1;
+            return Ok(m);
+        }
+        Ok(self.make(&mut st, req.image, req.read_only))
+    }
+
+    fn unmap(&self, image: &ImageSpec) -> Result<(), AttachError> {
+        let mut st = self.lock();
+        st.calls.push(AttachCall::Unmap(image.clone()));
+        let name = image.to_string();
+        match st.fail_unmap.take() {
+            None => {}
+            Some(Failure::Busy) => {
+                return Err(AttachError::Busy {
+                    image: name,
+                    what: "its device".into(),
+                });
+            }
+            Some(Failure::Timeout) => {
+                return Err(AttachError::Timeout {
+                    step: "unmap",
+                    image: name,
+                    deadline: std::time::Duration::from_secs(1),
+                });
+            }
+            Some(Failure::Fail | Failure::NotFound) => {
+                return Err(AttachError::Failed {
+                    step: "unmap",
+                    image: name,
+                    reason: "injected".into(),
+                });
+            }
+        }
+        if let Some(m) = st.mapped.remove(image) {
+            self.os.remove_device(&m.device);
+        }
+        Ok(())
+    }
+
+    fn verify(&self, image: &ImageSpec, rdev: (u32, u32)) -> Result<(), AttachError> {
+        match self.lock().mapped.get(image) {
+            Some(m) if m.rdev == rdev => Ok(()),
+            _ => Err(AttachError::Failed {
+                step: "map",
+                image: image.to_string(),
+                reason: format!("{}:{} is not its device", rdev.0, rdev.1),
+            }),
+        }
+    }
+
+    fn refresh(&self, _image: &ImageSpec) -> Result<(), AttachError> {
+        Ok(())
+    }
+
+    fn list(&self) -> Result<Vec<(ImageSpec, Option<PathBuf>)>, AttachError> {
+        Ok(self
+            .lock()
+            .mapped
+            .iter()
+            .map(|(s, m)| (s.clone(), Some(m.device.clone())))
+            .collect())
+    }
+
+    fn owns_all_listed(&self) -> bool {
+        !self.lock().not_owned
+    }
+
+    fn in_flight(&self, _image: &ImageSpec) -> bool {
+        false
+    }
+}

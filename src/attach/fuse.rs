@@ -1,0 +1,687 @@
+//! rbd-fuse and a loop device: an RBD image as a block device on a kernel without the RBD
+//! client.
+//!
+//! A map starts `rbd-fuse` for the one image, mounted on a dir of moor's own
+//! (`<state-dir>/rbd/<pool>+<image>`, or `<cluster>+<pool>+<image>`, each part escaped),
+//! where the image shows as a file; then binds a loop device with direct I/O to that file
+//! (`sys::loopdev`). The file is the device's identity: the engine checks the loop device's
+//! backing file as it does for the embedded backend's files.
+//!
+//! rbd-fuse is started like a tool, with the map deadline: the process moor starts (which
+//! dies with moor) exits once the image is mounted, leaving the daemon that serves it in a
+//! session of its own, so mounted volumes outlive a restart of moor-node. moor finds that
+//! daemon again by its command line, which names the mount dir, and never by a pid it kept.
+//! The key reaches rbd-fuse in a file only root can read, removed as soon as the image shows.
+//!
+//! An unmap unbinds the loop device (refused while anything holds it), unmounts the FUSE
+//! mount and waits for rbd-fuse to close the image (1–2 s). At the unmap deadline (a node
+//! fenced from the cluster never gets its answers) rbd-fuse is killed, which aborts its FUSE
+//! connection, and the mount is detached lazily: nothing is left behind, not even a process.
+//!
+//! Nothing here reads through the FUSE mount while finding or unmapping: a daemon that hangs
+//! can stall only the map that waits for it, within its deadline.
+
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
+use std::io::Write as _;
+use std::os::unix::ffi::OsStrExt as _;
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use rustix::process::{Pid, PidfdFlags, Signal};
+
+use super::{AttachError, Attacher, Deadlines, ImageSpec, MapRequest, Mapping, redact};
+use crate::crash_points;
+use crate::sys::discovery::DeviceIdentity;
+use crate::sys::linux::{find_program, run_with_deadline};
+use crate::sys::loopdev::{self, DetachError, LoopDevice};
+use crate::sys::{ToolError, ToolRun, mount_table};
+
+/// The dir under the state dir where images are mounted.
+pub const DIR: &str = "rbd";
+/// The program.
+pub const PROGRAM: &str = "rbd-fuse";
+/// How long a killed rbd-fuse may take to be gone.
+const KILL_GRACE: Duration = Duration::from_secs(5);
+/// The longest name a dir may have.
+const NAME_MAX: usize = 255;
+
+/// The FUSE attacher.
+#[derive(Debug)]
+pub struct FuseAttacher {
+    root: PathBuf,
+    program: PathBuf,
+    deadlines: Deadlines,
+}
+
+/// What is on the node of one image's mapping.
+#[derive(Debug, Default)]
+struct Found {
+    /// The FUSE mount is there.
+    mounted: bool,
+    /// rbd-fuse processes serving the mount dir.
+    daemons: Vec<Pid>,
+    /// Loop devices bound to the image file.
+    loops: Vec<LoopDevice>,
+}
+
+impl Found {
+    fn is_empty(&self) -> bool {
+        !self.mounted && self.daemons.is_empty() && self.loops.is_empty()
+    }
+}
+
+/// Escapes a name part for a dir name: `[A-Za-z0-9._-]` as is, anything else `%XX`.
+fn escape(part: &str) -> String {
+    let mut out = String::with_capacity(part.len());
+    for b in part.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn unescape(part: &str) -> Option<String> {
+    let bytes = part.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        if b == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok().filter(|s| !s.is_empty())
+}
+
+/// The mount dir's name for an image.
+pub fn dir_name(image: &ImageSpec) -> Result<String, AttachError> {
+    let mut parts = Vec::new();
+    if let Some(c) = &image.cluster_id {
+        parts.push(escape(c));
+    }
+    parts.push(escape(&image.pool));
+    parts.push(escape(&image.image));
+    let name = parts.join("+");
+    if name.len() > NAME_MAX || image.image.len() > NAME_MAX {
+        return Err(AttachError::Unsupported {
+            image: image.to_string(),
+            reason: format!(
+                "the names are too long for rbd-fuse's mount dir ({} bytes, at most {NAME_MAX})",
+                name.len()
+            ),
+        });
+    }
+    Ok(name)
+}
+
+/// The image a mount dir's name names.
+pub fn parse_dir_name(name: &str) -> Option<ImageSpec> {
+    let parts: Vec<&str> = name.split('+').collect();
+    match parts.as_slice() {
+        [pool, image] => Some(ImageSpec {
+            cluster_id: None,
+            pool: unescape(pool)?,
+            image: unescape(image)?,
+        }),
+        [cluster, pool, image] => Some(ImageSpec {
+            cluster_id: Some(unescape(cluster)?),
+            pool: unescape(pool)?,
+            image: unescape(image)?,
+        }),
+        _ => None,
+    }
+}
+
+/// The rbd-fuse processes serving mount dir `dir`: their first argument is `dir`.
+fn daemons(dir: &Path) -> Vec<Pid> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for e in entries.flatten() {
+        let Some(pid) = e
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+            .and_then(Pid::from_raw)
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let mut args = cmdline.split(|&b| b == 0);
+        let program = args.next().map(|a| Path::new(OsStr::from_bytes(a)));
+        let first = args.next();
+        if program.and_then(Path::file_name) == Some(OsStr::new(PROGRAM))
+            && first == Some(dir.as_os_str().as_bytes())
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Waits until every process of `pids` has exited, up to `deadline`; whether they all did.
+/// One that is a child of this process is reaped.
+fn wait_gone(pids: &[Pid], deadline: Instant) -> bool {
+    let mut all = true;
+    for &pid in pids {
+        let fd = match rustix::process::pidfd_open(pid, PidfdFlags::empty()) {
+            Ok(fd) => fd,
+            Err(_) => continue, // ESRCH: gone already
+        };
+        let mut exited = false;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Ok(timeout) = rustix::event::Timespec::try_from(left) else {
+                break;
+            };
+            let mut fds = [rustix::event::PollFd::new(
+                &fd,
+                rustix::event::PollFlags::IN,
+            )];
+            match rustix::event::poll(&mut fds, Some(&timeout)) {
+                Ok(n) if n > 0 => {
+                    exited = true;
+                    break;
+                }
+                Ok(_) => break,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(_) => break,
+            }
+        }
+        if exited {
+            // Reaped here only when it is this process's child (moor-node as PID 1).
+            let _ = rustix::process::waitid(
+                rustix::process::WaitId::PidFd(std::os::fd::AsFd::as_fd(&fd)),
+                rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOHANG,
+            );
+        }
+        all &= exited;
+    }
+    all
+}
+
+fn kill(pids: &[Pid]) {
+    for &pid in pids {
+        // Through a pidfd: the signal reaches this process, never one that took its pid.
+        if let Ok(fd) = rustix::process::pidfd_open(pid, PidfdFlags::empty()) {
+            let _ = rustix::process::pidfd_send_signal(&fd, Signal::KILL);
+        }
+    }
+}
+
+/// Runs `f` on a thread of its own; its result, or None at `deadline` (the thread goes on).
+fn with_deadline<T: Send + 'static>(
+    deadline: Instant,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("moor-rbd-fuse".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .ok()?;
+    rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        .ok()
+}
+
+impl FuseAttacher {
+    /// The attacher, mounting images under `root` with `program`; None when the program is
+    /// not installed or the kernel has no FUSE.
+    pub fn new(root: &Path, program: &str, deadlines: Deadlines) -> Option<Self> {
+        let program = find_program(program)?;
+        Path::new("/dev/fuse").exists().then(|| Self {
+            root: root.to_path_buf(),
+            program,
+            deadlines,
+        })
+    }
+
+    fn paths(&self, image: &ImageSpec) -> Result<(PathBuf, PathBuf, PathBuf), AttachError> {
+        let name = dir_name(image)?;
+        let dir = self.root.join(&name);
+        let file = dir.join(&image.image);
+        let key = self.root.join(format!(".{name}.key"));
+        Ok((dir, file, key))
+    }
+
+    /// What of the image's mapping is on the node, without touching the FUSE mount.
+    fn look(&self, dir: &Path, file: &Path) -> Found {
+        let mounted = mount_table::read()
+            .map(|(t, _)| t.iter().any(|m| m.mount_point == dir))
+            .unwrap_or(false);
+        Found {
+            mounted,
+            daemons: daemons(dir),
+            loops: loopdev::bound_under(file)
+                .into_iter()
+                .filter(|(_, f)| f == file)
+                .map(|(l, _)| l)
+                .collect(),
+        }
+    }
+
+    fn failed(image: &ImageSpec, step: &'static str, reason: impl Into<String>) -> AttachError {
+        AttachError::Failed {
+            step,
+            image: image.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Starts rbd-fuse for the image on `dir` and waits for the image file to show.
+    fn start(
+        &self,
+        req: &MapRequest<'_>,
+        (dir, file, key): (&Path, &Path, &Path),
+        deadline: Instant,
+    ) -> Result<(), AttachError> {
+        let image = req.image;
+        let io = |what: &str, e: std::io::Error| Self::failed(image, "map", format!("{what}: {e}"));
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| io(&format!("creating {}", dir.display()), e))?;
+        let _ = std::fs::remove_file(key);
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(key)
+            .and_then(|mut f| {
+                f.write_all(req.credentials.key.expose().as_bytes())?;
+                f.write_all(b"\n")
+            });
+        // However this goes, the key file goes too.
+        let _key_file = RemoveOnDrop(key.to_path_buf());
+        written.map_err(|e| io("writing the key file", e))?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut args: Vec<String> = vec![
+            dir.display().to_string(),
+            "-p".into(),
+            image.pool.clone(),
+            "-r".into(),
+            image.image.clone(),
+            "--id".into(),
+            req.credentials.user.clone(),
+            "--keyfile".into(),
+            key.display().to_string(),
+            "--mon_host".into(),
+            req.monitors.to_string(),
+            "-c".into(),
+            "/dev/null".into(),
+            "--client_mount_timeout".into(),
+            left.as_secs().max(1).to_string(),
+            "-o".into(),
+            "fsname=moor-rbd".into(),
+        ];
+        if req.read_only {
+            args.extend(["-o".into(), "ro".into()]);
+        }
+        let run = ToolRun {
+            program: self.program.display().to_string(),
+            args,
+            deadline: left,
+        };
+        match run_with_deadline(&run) {
+            Ok(()) => {}
+            Err(ToolError::Timeout { .. }) => {
+                return Err(AttachError::Timeout {
+                    step: "map",
+                    image: image.to_string(),
+                    deadline: self.deadlines.map,
+                });
+            }
+            Err(ToolError::Failed { stderr, status, .. }) => {
+                return Err(Self::failed(
+                    image,
+                    "map",
+                    format!(
+                        "rbd-fuse ({status}): {}",
+                        redact(&stderr, &req.credentials.key)
+                    ),
+                ));
+            }
+            Err(e) => return Err(Self::failed(image, "map", e.to_string())),
+        }
+        // The mount is up; the daemon connects to the cluster when first asked. The first
+        // look at the file waits for that (on a thread: a daemon that hangs is killed).
+        let probe = file.to_path_buf();
+        match with_deadline(deadline, move || std::fs::metadata(&probe)) {
+            Some(Ok(m)) if m.is_file() => Ok(()),
+            Some(Ok(_)) => Err(Self::failed(
+                image,
+                "map",
+                "the image does not show as a file",
+            )),
+            Some(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(AttachError::NotFound(image.to_string()))
+            }
+            Some(Err(e)) => Err(Self::failed(
+                image,
+                "map",
+                format!("rbd-fuse did not serve the image: {e}"),
+            )),
+            None => Err(AttachError::Timeout {
+                step: "map",
+                image: image.to_string(),
+                deadline: self.deadlines.map,
+            }),
+        }
+    }
+
+    /// Removes every trace of the image's mapping, within `deadline`.
+    fn teardown(&self, image: &ImageSpec, deadline: Instant) -> Result<(), AttachError> {
+        let (dir, file, key) = self.paths(image)?;
+        let found = self.look(&dir, &file);
+        let _ = std::fs::remove_file(&key);
+        for l in &found.loops {
+            match loopdev::detach(&l.path) {
+                Ok(()) => {}
+                Err(DetachError::Busy(p)) => {
+                    return Err(AttachError::Busy {
+                        image: image.to_string(),
+                        what: p.display().to_string(),
+                    });
+                }
+                Err(e) => return Err(Self::failed(image, "unmap", e.to_string())),
+            }
+        }
+        // A loop device another process still holds open is only marked to go when it is
+        // closed: still in use.
+        if let Some((l, _)) = loopdev::bound_under(&file)
+            .into_iter()
+            .find(|(_, f)| *f == file)
+        {
+            return Err(AttachError::Busy {
+                image: image.to_string(),
+                what: l.path.display().to_string(),
+            });
+        }
+        if found.mounted {
+            let target = dir.clone();
+            let unmounted = with_deadline(deadline, move || {
+                rustix::mount::unmount(&target, rustix::mount::UnmountFlags::empty())
+            });
+            match unmounted {
+                Some(Ok(()) | Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOENT)) | None => {}
+                Some(Err(rustix::io::Errno::BUSY)) => {
+                    return Err(AttachError::Busy {
+                        image: image.to_string(),
+                        what: format!("the image file {}", file.display()),
+                    });
+                }
+                Some(Err(e)) => {
+                    return Err(Self::failed(
+                        image,
+                        "unmap",
+                        format!("unmounting {}: {e}", dir.display()),
+                    ));
+                }
+            }
+        }
+        // rbd-fuse closes the image and exits; past the deadline it is killed (which aborts
+        // its FUSE connection) and the mount detached. One without a mount serves nothing
+        // (an rbd-fuse still starting when a crash came): killed at once.
+        let daemons = if found.daemons.is_empty() {
+            daemons(&dir)
+        } else {
+            found.daemons
+        };
+        let wait_until = if found.mounted {
+            deadline
+        } else {
+            Instant::now()
+        };
+        if !wait_gone(&daemons, wait_until) {
+            kill(&daemons);
+            let _ = rustix::mount::unmount(&dir, rustix::mount::UnmountFlags::DETACH);
+            if !wait_gone(&daemons, Instant::now() + KILL_GRACE) {
+                return Err(AttachError::Timeout {
+                    step: "unmap",
+                    image: image.to_string(),
+                    deadline: self.deadlines.unmap,
+                });
+            }
+        }
+        let still_mounted = mount_table::read()
+            .map(|(t, _)| t.iter().any(|m| m.mount_point == dir))
+            .unwrap_or(false);
+        if still_mounted {
+            let _ = rustix::mount::unmount(&dir, rustix::mount::UnmountFlags::DETACH);
+        }
+        match std::fs::remove_dir(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Self::failed(
+                image,
+                "unmap",
+                format!("removing {}: {e}", dir.display()),
+            )),
+        }
+    }
+
+    fn mapping(&self, file: &Path, l: &LoopDevice) -> Mapping {
+        Mapping {
+            device: l.path.clone(),
+            rdev: l.rdev,
+            identity: DeviceIdentity {
+                backing_file: Some(file.to_path_buf()),
+                ..DeviceIdentity::default()
+            },
+            read_only: l.read_only,
+        }
+    }
+}
+
+/// Removes a file when dropped.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+impl Attacher for FuseAttacher {
+    fn kind(&self) -> &'static str {
+        "fuse"
+    }
+
+    fn find(&self, image: &ImageSpec) -> Result<Option<Mapping>, AttachError> {
+        let (dir, file, _) = self.paths(image)?;
+        let found = self.look(&dir, &file);
+        Ok(match found.loops.as_slice() {
+            [l] if found.mounted && !found.daemons.is_empty() => Some(self.mapping(&file, l)),
+            _ => None,
+        })
+    }
+
+    fn map(&self, req: &MapRequest<'_>) -> Result<Mapping, AttachError> {
+        let start = Instant::now();
+        let deadline = start + self.deadlines.map;
+        let image = req.image;
+        let (dir, file, key) = self.paths(image)?;
+        let found = self.look(&dir, &file);
+        if let [l] = found.loops.as_slice()
+            && found.mounted
+            && !found.daemons.is_empty()
+            && l.read_only == req.read_only
+        {
+            return Ok(self.mapping(&file, l));
+        }
+        // A part of a mapping (a crash cut a map or an unmap short, or rbd-fuse died): gone
+        // first, so the image is never mapped twice.
+        if !found.is_empty() || dir.exists() {
+            self.teardown(image, start + self.deadlines.unmap)?;
+        }
+        let made = self
+            .start(req, (&dir, &file, &key), deadline)
+            .and_then(|()| {
+                crash_points::point("map.attaching");
+                loopdev::attach(&file, req.read_only)
+                    .map(|l| self.mapping(&file, &l))
+                    .map_err(|e| Self::failed(image, "map", format!("binding a loop device: {e}")))
+            });
+        if made.is_err() {
+            // Whatever it was, nothing of it stays: a map past its deadline included.
+            let _ = self.teardown(image, Instant::now() + self.deadlines.unmap);
+        }
+        made
+    }
+
+    fn unmap(&self, image: &ImageSpec) -> Result<(), AttachError> {
+        self.teardown(image, Instant::now() + self.deadlines.unmap)
+    }
+
+    fn verify(&self, image: &ImageSpec, rdev: (u32, u32)) -> Result<(), AttachError> {
+        let (_, file, _) = self.paths(image)?;
+        if loopdev::bound_under(&file)
+            .iter()
+            .any(|(l, f)| *f == file && l.rdev == rdev)
+        {
+            return Ok(());
+        }
+        Err(Self::failed(
+            image,
+            "map",
+            format!(
+                "device {}:{} is not bound to {}",
+                rdev.0,
+                rdev.1,
+                file.display()
+            ),
+        ))
+    }
+
+    fn refresh(&self, image: &ImageSpec) -> Result<(), AttachError> {
+        let (_, file, _) = self.paths(image)?;
+        for (l, f) in loopdev::bound_under(&file) {
+            if f == file {
+                loopdev::set_capacity(&l.path).map_err(|e| {
+                    Self::failed(image, "refresh", format!("{}: {e}", l.path.display()))
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    fn list(&self) -> Result<Vec<(ImageSpec, Option<PathBuf>)>, AttachError> {
+        let mut found: BTreeMap<ImageSpec, Option<PathBuf>> = BTreeMap::new();
+        if let Ok(entries) = std::fs::read_dir(&self.root) {
+            for e in entries.flatten() {
+                let name = e.file_name();
+                if let Some(spec) = name
+                    .to_str()
+                    .filter(|n| !n.starts_with('.'))
+                    .and_then(parse_dir_name)
+                {
+                    found.entry(spec).or_default();
+                }
+            }
+        }
+        for (l, file) in loopdev::bound_under(&self.root) {
+            let spec = file
+                .parent()
+                .filter(|d| d.parent() == Some(self.root.as_path()))
+                .and_then(Path::file_name)
+                .and_then(OsStr::to_str)
+                .and_then(parse_dir_name);
+            if let Some(spec) = spec {
+                found.insert(spec, Some(l.path));
+            }
+        }
+        if let Ok((table, _)) = mount_table::read() {
+            for m in table {
+                if m.mount_point.parent() == Some(self.root.as_path())
+                    && let Some(spec) = m
+                        .mount_point
+                        .file_name()
+                        .and_then(OsStr::to_str)
+                        .and_then(parse_dir_name)
+                {
+                    found.entry(spec).or_default();
+                }
+            }
+        }
+        Ok(found.into_iter().collect())
+    }
+
+    fn owns_all_listed(&self) -> bool {
+        true
+    }
+
+    fn in_flight(&self, _image: &ImageSpec) -> bool {
+        // Every step ends by its deadline (rbd-fuse is killed past it).
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dir_names_escape_and_parse_back() {
+        for spec in [
+            ImageSpec {
+                cluster_id: None,
+                pool: "moor".into(),
+                image: "csi-vol-0a1b".into(),
+            },
+            ImageSpec {
+                cluster_id: Some("ceph+east".into()),
+                pool: "p:1".into(),
+                image: "img+x~y".into(),
+            },
+        ] {
+            let name = dir_name(&spec).unwrap();
+            assert!(
+                name.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-%+".contains(&b)),
+                "{name}"
+            );
+            assert_eq!(parse_dir_name(&name), Some(spec));
+        }
+        assert_eq!(
+            dir_name(&ImageSpec {
+                cluster_id: None,
+                pool: "moor".into(),
+                image: "a".into()
+            })
+            .unwrap(),
+            "moor+a"
+        );
+        assert_eq!(parse_dir_name("a+b+c+d"), None);
+        assert_eq!(parse_dir_name("a+%zz"), None);
+        assert_eq!(parse_dir_name("+b"), None);
+        let long = ImageSpec {
+            cluster_id: None,
+            pool: "p".into(),
+            image: "x".repeat(200),
+        };
+        assert!(
+            dir_name(&ImageSpec {
+                pool: "~".repeat(30),
+                ..long.clone()
+            })
+            .is_err()
+        );
+        assert!(dir_name(&long).is_ok());
+    }
+}

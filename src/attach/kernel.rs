@@ -1,0 +1,369 @@
+//! The kernel's RBD client, driven through sysfs (`Documentation/ABI/testing/sysfs-bus-rbd`),
+//! with no tool run.
+//!
+//! * map: one `write(2)` of `<mon_addrs> <options> <pool> <image>` to
+//!   `/sys/bus/rbd/add_single_major` (or `add` when the module has no single major); the
+//!   options are `name=<user>,secret=<key>` with `ro` for a read-only mapping and
+//!   `mount_timeout` set to the map deadline. The kernel answers when the device exists:
+//!   `/sys/bus/rbd/devices/<id>/` and `/dev/rbd<id>`.
+//! * find: `/sys/bus/rbd/devices/*/{pool,name,current_snap}` (the image's head, `-`, outside
+//!   any pool namespace), with `major`, `minor` and the block device's `ro`;
+//! * unmap: `<id>` written to `remove_single_major` (or `remove`); EBUSY while anything holds
+//!   the device open.
+//!
+//! A sysfs write blocks in the kernel while it talks to the cluster and cannot be cancelled:
+//! it runs on a thread of its own, and the caller gets DEADLINE_EXCEEDED at the deadline while
+//! the write goes on. Until it ends, another map or unmap of that image is refused
+//! ([`AttachError::InFlight`]), so a retry can never map the image a second time. The request
+//! holds the key: it is built in a buffer zeroed after the write, and never logged or quoted.
+
+use std::collections::HashSet;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use super::{AttachError, Attacher, Deadlines, ImageSpec, MapRequest, Mapping, Secret};
+use crate::sys::discovery::DeviceIdentity;
+
+/// Where the kernel's RBD client shows itself.
+pub const SYSFS: &str = "/sys/bus/rbd";
+/// Where device nodes are.
+pub const DEV: &str = "/dev";
+/// The `current_snap` of a mapping of the image itself.
+const HEAD: &str = "-";
+
+/// The kernel attacher.
+#[derive(Debug)]
+pub struct KernelAttacher {
+    sysfs: PathBuf,
+    dev: PathBuf,
+    deadlines: Deadlines,
+    /// Images with a sysfs write past its deadline, still blocked in the kernel.
+    in_flight: Arc<Mutex<HashSet<ImageSpec>>>,
+}
+
+/// One mapping as sysfs shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Entry {
+    id: u32,
+    pool: String,
+    name: String,
+    rdev: (u32, u32),
+    read_only: bool,
+}
+
+impl KernelAttacher {
+    /// The attacher over sysfs dir `sysfs` (`/sys/bus/rbd`) and device dir `dev` (`/dev`);
+    /// None when the kernel has no RBD client there.
+    pub fn new(
+        sysfs: impl AsRef<Path>,
+        dev: impl AsRef<Path>,
+        deadlines: Deadlines,
+    ) -> Option<Self> {
+        let sysfs = sysfs.as_ref().to_path_buf();
+        let has = ["add_single_major", "add"]
+            .iter()
+            .any(|f| sysfs.join(f).exists());
+        has.then(|| Self {
+            sysfs,
+            dev: dev.as_ref().to_path_buf(),
+            deadlines,
+            in_flight: Arc::default(),
+        })
+    }
+
+    /// The control file `name` (`add`, `remove`): its single-major variant when present.
+    fn control(&self, name: &str) -> PathBuf {
+        let single = self.sysfs.join(format!("{name}_single_major"));
+        if single.exists() {
+            single
+        } else {
+            self.sysfs.join(name)
+        }
+    }
+
+    /// Every mapping of the image's head outside pool namespaces, by id.
+    fn entries(&self) -> Vec<Entry> {
+        let Ok(dir) = std::fs::read_dir(self.sysfs.join("devices")) else {
+            return Vec::new();
+        };
+        let mut found: Vec<Entry> = dir
+            .flatten()
+            .filter_map(|e| {
+                let id: u32 = e.file_name().to_str()?.parse().ok()?;
+                let path = e.path();
+                let read = |f: &str| {
+                    std::fs::read_to_string(path.join(f))
+                        .ok()
+                        .map(|s| s.trim_end_matches('\n').to_string())
+                };
+                if read("current_snap")? != HEAD || read("pool_ns").is_some_and(|n| !n.is_empty()) {
+                    return None;
+                }
+                let rdev = (read("major")?.parse().ok()?, read("minor")?.parse().ok()?);
+                let read_only = read(&format!("block/rbd{id}/ro")).is_some_and(|r| r == "1");
+                Some(Entry {
+                    id,
+                    pool: read("pool")?,
+                    name: read("name")?,
+                    rdev,
+                    read_only,
+                })
+            })
+            .collect();
+        found.sort_by_key(|e| e.id);
+        found
+    }
+
+    fn matching(&self, image: &ImageSpec) -> Vec<Entry> {
+        self.entries()
+            .into_iter()
+            .filter(|e| e.pool == image.pool && e.name == image.image)
+            .collect()
+    }
+
+    fn mapping(&self, e: &Entry) -> Mapping {
+        Mapping {
+            device: self.dev.join(format!("rbd{}", e.id)),
+            rdev: e.rdev,
+            identity: DeviceIdentity::default(),
+            read_only: e.read_only,
+        }
+    }
+
+    /// Writes `request` to `file` on a thread of its own; the write's outcome, or None at the
+    /// deadline (the write goes on, and the image stays in flight until it ends).
+    fn write(
+        &self,
+        file: PathBuf,
+        request: Secret,
+        image: &ImageSpec,
+        step: &'static str,
+        deadline: Duration,
+    ) -> Result<io::Result<()>, AttachError> {
+        {
+            let mut busy = self
+                .in_flight
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if !busy.insert(image.clone()) {
+                return Err(AttachError::InFlight {
+                    step,
+                    image: image.to_string(),
+                });
+            }
+        }
+        let (tx, rx) = mpsc::channel();
+        let in_flight = Arc::clone(&self.in_flight);
+        let key = image.clone();
+        let spawned = std::thread::Builder::new()
+            .name("moor-rbd-sysfs".into())
+            .spawn(move || {
+                let outcome = write_once(&file, request.expose_bytes());
+                drop(request);
+                in_flight
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&key);
+                let _ = tx.send(outcome);
+            });
+        if let Err(e) = spawned {
+            self.in_flight
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(image);
+            return Ok(Err(e));
+        }
+        match rx.recv_timeout(deadline) {
+            Ok(outcome) => Ok(outcome),
+            Err(RecvTimeoutError::Timeout) => Err(AttachError::Timeout {
+                step,
+                image: image.to_string(),
+                deadline,
+            }),
+            Err(RecvTimeoutError::Disconnected) => Ok(Err(io::Error::other(
+                "the sysfs writer ended without an answer",
+            ))),
+        }
+    }
+}
+
+/// One `write(2)` of all of `bytes` (sysfs takes a request in one write).
+fn write_once(file: &Path, bytes: &[u8]) -> io::Result<()> {
+    use rustix::fs::{Mode, OFlags};
+    let fd = rustix::fs::open(file, OFlags::WRONLY | OFlags::CLOEXEC, Mode::empty())?;
+    loop {
+        match rustix::io::write(&fd, bytes) {
+            Ok(n) if n == bytes.len() => return Ok(()),
+            Ok(n) => {
+                return Err(io::Error::other(format!(
+                    "short write to {} ({n} of {} bytes)",
+                    file.display(),
+                    bytes.len()
+                )));
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// The request `add` takes: `<mon_addrs> name=<user>,secret=<key>[,ro],mount_timeout=<s>
+/// <pool> <image>`, in a buffer zeroed when dropped.
+pub fn add_request(req: &MapRequest<'_>, deadline: Duration) -> Secret {
+    let mut out = Vec::with_capacity(256);
+    out.extend_from_slice(req.monitors.as_bytes());
+    out.extend_from_slice(b" name=");
+    out.extend_from_slice(req.credentials.user.as_bytes());
+    out.extend_from_slice(b",secret=");
+    out.extend_from_slice(req.credentials.key.expose().as_bytes());
+    if req.read_only {
+        out.extend_from_slice(b",ro");
+    }
+    out.extend_from_slice(format!(",mount_timeout={}", deadline.as_secs().max(1)).as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(req.image.pool.as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(req.image.image.as_bytes());
+    Secret::from_bytes(out)
+}
+
+/// What a failed sysfs write of `step` means.
+fn write_error(step: &'static str, image: &ImageSpec, e: &io::Error) -> AttachError {
+    let image = image.to_string();
+    match e.raw_os_error() {
+        Some(libc::ENOENT) if step == "map" => AttachError::NotFound(image),
+        Some(libc::EBUSY) if step == "unmap" => AttachError::Busy {
+            image,
+            what: "its kernel device".into(),
+        },
+        Some(libc::EACCES | libc::EPERM) => AttachError::Failed {
+            step,
+            image,
+            reason: format!("{e} (the user's key or capabilities were refused)"),
+        },
+        _ => AttachError::Failed {
+            step,
+            image,
+            reason: e.to_string(),
+        },
+    }
+}
+
+impl Attacher for KernelAttacher {
+    fn kind(&self) -> &'static str {
+        "kernel"
+    }
+
+    fn find(&self, image: &ImageSpec) -> Result<Option<Mapping>, AttachError> {
+        Ok(self.matching(image).first().map(|e| self.mapping(e)))
+    }
+
+    fn map(&self, req: &MapRequest<'_>) -> Result<Mapping, AttachError> {
+        let image = req.image;
+        let before: HashSet<u32> = self.entries().iter().map(|e| e.id).collect();
+        let deadline = self.deadlines.map;
+        let request = add_request(req, deadline);
+        let start = std::time::Instant::now();
+        self.write(self.control("add"), request, image, "map", deadline)?
+            .map_err(|e| write_error("map", image, &e))?;
+        // The device the write made: a match that was not there before. The kernel shows it
+        // before the write returns; one that shows later is waited for, up to the deadline.
+        let made = loop {
+            if let Some(e) = self
+                .matching(image)
+                .into_iter()
+                .find(|e| !before.contains(&e.id))
+            {
+                break e;
+            }
+            if start.elapsed() >= deadline {
+                return Err(AttachError::Failed {
+                    step: "map",
+                    image: image.to_string(),
+                    reason: "the kernel took the request but shows no new device for the image"
+                        .into(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let mut mapping = self.mapping(&made);
+        mapping.read_only |= req.read_only;
+        Ok(mapping)
+    }
+
+    fn unmap(&self, image: &ImageSpec) -> Result<(), AttachError> {
+        for e in self.matching(image) {
+            let request = Secret::from_bytes(e.id.to_string().into_bytes());
+            match self.write(
+                self.control("remove"),
+                request,
+                image,
+                "unmap",
+                self.deadlines.unmap,
+            )? {
+                Ok(()) => {}
+                // Gone meanwhile.
+                Err(err) if err.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(err) => return Err(write_error("unmap", image, &err)),
+            }
+        }
+        Ok(())
+    }
+
+    fn verify(&self, image: &ImageSpec, rdev: (u32, u32)) -> Result<(), AttachError> {
+        if self.matching(image).iter().any(|e| e.rdev == rdev) {
+            return Ok(());
+        }
+        Err(AttachError::Failed {
+            step: "map",
+            image: image.to_string(),
+            reason: format!(
+                "device {}:{} is not a kernel mapping of the image",
+                rdev.0, rdev.1
+            ),
+        })
+    }
+
+    fn refresh(&self, image: &ImageSpec) -> Result<(), AttachError> {
+        for e in self.matching(image) {
+            let file = self.sysfs.join(format!("devices/{}/refresh", e.id));
+            write_once(&file, b"1").map_err(|err| write_error("refresh", image, &err))?;
+        }
+        Ok(())
+    }
+
+    fn list(&self) -> Result<Vec<(ImageSpec, Option<PathBuf>)>, AttachError> {
+        Ok(self
+            .entries()
+            .iter()
+            .map(|e| {
+                (
+                    ImageSpec {
+                        cluster_id: None,
+                        pool: e.pool.clone(),
+                        image: e.name.clone(),
+                    },
+                    Some(self.mapping(e).device),
+                )
+            })
+            .collect())
+    }
+
+    fn owns_all_listed(&self) -> bool {
+        false
+    }
+
+    fn in_flight(&self, image: &ImageSpec) -> bool {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(image)
+    }
+}
+
+#[cfg(test)]
+#[path = "kernel_tests.rs"]
+mod tests;

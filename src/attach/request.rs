@@ -1,0 +1,271 @@
+//! What NodeStageVolume says of an RBD volume: the image in its publish_context, the user in
+//! its secrets. Everything here ends up in a sysfs write or on a command line, so each value
+//! is checked to a strict alphabet first: nothing can smuggle in an option, an argument or a
+//! second request. The key is never quoted in an error.
+
+use std::collections::HashMap;
+
+use moor_proto::csi::v1 as csi;
+
+use super::{Credentials, ImageSpec, Secret};
+use crate::error::{Error, Result};
+
+/// The publish_context key naming the image's pool: its presence makes a volume an RBD one.
+pub const POOL_KEY: &str = "rbdPool";
+/// The publish_context key naming the image.
+pub const IMAGE_KEY: &str = "rbdImage";
+/// The publish_context key giving the monitors' addresses, comma-separated.
+pub const MONITORS_KEY: &str = "rbdMonitors";
+/// The publish_context key naming the cluster (optional; part of the image's identity).
+pub const CLUSTER_ID_KEY: &str = "rbdClusterID";
+/// The secrets key naming the Ceph user (as ceph-csi names it).
+pub const USER_ID_KEY: &str = "userID";
+/// The secrets key giving the user's cephx key.
+pub const USER_KEY_KEY: &str = "userKey";
+
+/// Longest pool, image or cluster name accepted.
+pub const MAX_NAME_LEN: usize = 250;
+/// Longest monitor list accepted.
+pub const MAX_MONITORS_LEN: usize = 1024;
+/// Longest user name or key accepted.
+pub const MAX_CREDENTIAL_LEN: usize = 256;
+
+/// The RBD part of a NodeStageVolume request.
+#[derive(Debug)]
+pub struct RbdStage {
+    /// The image.
+    pub image: ImageSpec,
+    /// The monitors, comma-separated.
+    pub monitors: String,
+    /// The user it is mapped as.
+    pub credentials: Credentials,
+}
+
+/// Whether a publish_context names an RBD image.
+pub fn is_rbd(ctx: &HashMap<String, String>) -> bool {
+    ctx.contains_key(POOL_KEY) || ctx.contains_key(IMAGE_KEY)
+}
+
+/// The RBD part of NodeStageVolume, or None for a volume that is not RBD.
+pub fn stage(req: &csi::NodeStageVolumeRequest) -> Result<Option<RbdStage>> {
+    let ctx = &req.publish_context;
+    if !is_rbd(ctx) {
+        return Ok(None);
+    }
+    let field = |key: &'static str, field: &'static str| {
+        ctx.get(key)
+            .ok_or_else(|| Error::invalid(field, "must be set for an RBD volume"))
+    };
+    let pool = name(
+        "publish_context.rbdPool",
+        field(POOL_KEY, "publish_context.rbdPool")?,
+    )?;
+    let image = name(
+        "publish_context.rbdImage",
+        field(IMAGE_KEY, "publish_context.rbdImage")?,
+    )?;
+    let monitors = monitors(field(MONITORS_KEY, "publish_context.rbdMonitors")?)?;
+    let cluster_id = ctx
+        .get(CLUSTER_ID_KEY)
+        .filter(|c| !c.is_empty())
+        .map(|c| name("publish_context.rbdClusterID", c))
+        .transpose()?;
+    let credentials = credentials(&req.secrets)?;
+    Ok(Some(RbdStage {
+        image: ImageSpec {
+            cluster_id,
+            pool,
+            image,
+        },
+        monitors,
+        credentials,
+    }))
+}
+
+/// A pool, image or cluster name: printable ASCII without blanks, `/` or `@` (which the
+/// kernel's request and the rbd tools give a meaning), not starting with `-` or `.`.
+fn name(field: &'static str, raw: &str) -> Result<String> {
+    if raw.is_empty() || raw.len() > MAX_NAME_LEN {
+        return Err(Error::invalid(
+            field,
+            format!("must be 1 to {MAX_NAME_LEN} bytes"),
+        ));
+    }
+    let bad = raw
+        .bytes()
+        .any(|b| !b.is_ascii_graphic() || matches!(b, b'/' | b'@' | b'\\' | b',' | b'%'));
+    if bad || raw.starts_with(['-', '.']) {
+        return Err(Error::invalid(
+            field,
+            format!(
+                "{:?} is not a name moor maps (printable ASCII without blanks, '/', '@', ',', \
+                 '%' or '\\', not starting with '-' or '.')",
+                crate::limits::trunc(raw)
+            ),
+        ));
+    }
+    Ok(raw.to_string())
+}
+
+/// The monitors: comma-separated addresses (`host[:port]`, `[v6][:port]`, optionally with a
+/// `v1:`/`v2:` prefix).
+fn monitors(raw: &str) -> Result<String> {
+    const FIELD: &str = "publish_context.rbdMonitors";
+    let raw = raw.trim();
+    if raw.is_empty() || raw.len() > MAX_MONITORS_LEN {
+        return Err(Error::invalid(
+            FIELD,
+            format!("must be 1 to {MAX_MONITORS_LEN} bytes"),
+        ));
+    }
+    for addr in raw.split(',') {
+        let ok = !addr.is_empty()
+            && addr.bytes().all(|b| {
+                b.is_ascii_alphanumeric() || matches!(b, b'.' | b':' | b'[' | b']' | b'-')
+            })
+            && !addr.starts_with('-');
+        if !ok {
+            return Err(Error::invalid(
+                FIELD,
+                format!(
+                    "{:?} is not a monitor address (host[:port], [ipv6][:port])",
+                    crate::limits::trunc(addr)
+                ),
+            ));
+        }
+    }
+    Ok(raw.to_string())
+}
+
+/// The user and key from NodeStageVolume's secrets; the key's value is never quoted.
+fn credentials(secrets: &HashMap<String, String>) -> Result<Credentials> {
+    let user = secrets
+        .get(USER_ID_KEY)
+        .ok_or_else(|| Error::invalid("secrets", "userID must be set for an RBD volume"))?;
+    let user = user.strip_prefix("client.").unwrap_or(user);
+    let user_ok = !user.is_empty()
+        && user.len() <= MAX_CREDENTIAL_LEN
+        && user
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        && !user.starts_with('-');
+    if !user_ok {
+        return Err(Error::invalid(
+            "secrets",
+            "userID must be a Ceph user name (letters, digits, '.', '_', '-')",
+        ));
+    }
+    let key = secrets
+        .get(USER_KEY_KEY)
+        .ok_or_else(|| Error::invalid("secrets", "userKey must be set for an RBD volume"))?;
+    let key = key.trim();
+    let key_ok = !key.is_empty()
+        && key.len() <= MAX_CREDENTIAL_LEN
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'='));
+    if !key_ok {
+        return Err(Error::invalid(
+            "secrets",
+            "userKey is not a cephx key (base64)",
+        ));
+    }
+    Ok(Credentials {
+        user: user.to_string(),
+        key: Secret::new(key),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: &str = "AQBkQkNnAAAAABAAbm9vcmtleW5vb3JrZXlub29yaw==";
+
+    fn req(ctx: &[(&str, &str)], secrets: &[(&str, &str)]) -> csi::NodeStageVolumeRequest {
+        csi::NodeStageVolumeRequest {
+            publish_context: ctx
+                .iter()
+                .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+                .collect(),
+            secrets: secrets
+                .iter()
+                .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn good_ctx() -> Vec<(&'static str, &'static str)> {
+        vec![
+            (POOL_KEY, "moor"),
+            (IMAGE_KEY, "csi-vol-1"),
+            (
+                MONITORS_KEY,
+                "10.0.0.1:6789,[fd00::1]:3300,v2:10.0.0.2:3300",
+            ),
+        ]
+    }
+
+    #[test]
+    fn a_volume_without_rbd_keys_is_not_rbd() {
+        assert!(
+            stage(&req(&[("devicePath", "/dev/loop1")], &[]))
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn a_full_request_parses() {
+        let mut ctx = good_ctx();
+        ctx.push((CLUSTER_ID_KEY, "ceph-a"));
+        let r = stage(&req(
+            &ctx,
+            &[(USER_ID_KEY, "client.moor"), (USER_KEY_KEY, KEY)],
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(r.image.to_string(), "ceph-a:moor/csi-vol-1");
+        assert_eq!(r.credentials.user, "moor");
+        assert_eq!(r.credentials.key.expose(), KEY);
+        assert!(!format!("{r:?}").contains(KEY), "{r:?}");
+    }
+
+    #[test]
+    fn injection_and_missing_fields_are_refused_without_quoting_the_key() {
+        let secrets = [(USER_ID_KEY, "moor"), (USER_KEY_KEY, KEY)];
+        for (key, bad) in [
+            (POOL_KEY, "moor rbd"),
+            (POOL_KEY, "a/b"),
+            (IMAGE_KEY, "img snap"),
+            (IMAGE_KEY, "img@snap"),
+            (IMAGE_KEY, "-o"),
+            (IMAGE_KEY, ""),
+            (MONITORS_KEY, "10.0.0.1:6789 name=admin"),
+            (MONITORS_KEY, "10.0.0.1,,10.0.0.2"),
+            (CLUSTER_ID_KEY, "a b"),
+        ] {
+            let mut ctx = good_ctx();
+            ctx.retain(|(k, _)| *k != key);
+            ctx.push((key, bad));
+            let e = stage(&req(&ctx, &secrets)).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{key}={bad:?}: {e}");
+        }
+        for missing in [IMAGE_KEY, MONITORS_KEY] {
+            let mut ctx = good_ctx();
+            ctx.retain(|(k, _)| *k != missing);
+            assert!(stage(&req(&ctx, &secrets)).is_err(), "{missing}");
+        }
+        for bad in [
+            vec![(USER_ID_KEY, "moor")],
+            vec![(USER_KEY_KEY, KEY)],
+            vec![(USER_ID_KEY, "moor,secret=x"), (USER_KEY_KEY, KEY)],
+            vec![(USER_ID_KEY, "moor"), (USER_KEY_KEY, "AQB key,ro")],
+        ] {
+            let e = stage(&req(&good_ctx(), &bad)).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad:?}");
+            assert!(!e.to_string().contains("AQB"), "{e}");
+        }
+    }
+}

@@ -1,0 +1,500 @@
+//! An RBD volume's NodeStageVolume and NodeUnstageVolume: the image mapped before the stage,
+//! unmapped after the unstage; and the mappings' part of reconciliation.
+//!
+//! A map is journaled like a mount: the intent (`InProgress`, with the pool and image) before
+//! the attacher runs, the device after (`Done`); an unmap sets the record back to
+//! `InProgress` first and drops it once the image is unmapped, so a failed or cut-short unmap
+//! is retried (by kubelet's next NodeUnstageVolume, or the next reconciliation) and the
+//! record never claims less than is mapped. Before mapping, the attacher is asked for the
+//! image's live mapping, which is reused: an image is never mapped twice. Once mapped, the
+//! stage runs on the mapped device, held and checked to be the image's, as any other.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tracing::{info, warn};
+
+use super::{Engine, StageReport};
+use crate::attach::journal::MappingRecord;
+use crate::attach::request::RbdStage;
+use crate::attach::{AttachError, Attacher, ImageSpec, MapRequest, Mapping};
+use crate::crash_points;
+use crate::error::{Error, Result};
+use crate::journal::{Durability, Phase, VolumeRecord};
+use crate::reconcile::Action;
+use crate::sys::{HeldDevice, MountState, Os};
+use crate::validate;
+
+/// An image's key in the volume lock set (a volume id never holds a NUL).
+fn image_lock(image: &ImageSpec) -> String {
+    format!("\0rbd\0{image}")
+}
+
+/// Whether `a` and `b` name the same image; a cluster id only one of them knows (the kernel's
+/// sysfs has none) does not tell them apart.
+fn same_image(a: &ImageSpec, b: &ImageSpec) -> bool {
+    a.pool == b.pool
+        && a.image == b.image
+        && (a.cluster_id == b.cluster_id || a.cluster_id.is_none() || b.cluster_id.is_none())
+}
+
+impl<O: Os> Engine<O> {
+    /// The attacher, which must be the one the recorded mapping `m` was made with.
+    fn attacher_for(&self, m: Option<&MappingRecord>) -> Result<&Arc<dyn Attacher>> {
+        let Some(a) = &self.attacher else {
+            return Err(AttachError::Unavailable(
+                "this node maps no RBD images: start moor-node with --rbd-attacher kernel or \
+                 fuse (auto found neither the kernel's RBD client nor rbd-fuse)"
+                    .into(),
+            )
+            .into());
+        };
+        if let Some(m) = m
+            && m.attacher != a.kind()
+        {
+            return Err(AttachError::Unavailable(format!(
+                "RBD image {} was mapped by the {} attacher, and this node runs the {} attacher",
+                m.spec(),
+                m.attacher,
+                a.kind()
+            ))
+            .into());
+        }
+        Ok(a)
+    }
+
+    /// NodeStageVolume of an RBD volume: the image mapped (or its mapping reused), then
+    /// staged on the mapped device. A stage that fails leaving nothing staged unmaps it.
+    pub fn stage_mapped(&self, req: &validate::Stage, rbd: &RbdStage) -> Result<StageReport> {
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let attacher = Arc::clone(self.attacher_for(None)?);
+        let image = &rbd.image;
+        let _image = self.locks.try_lock(&image_lock(image))?;
+        let mut record = self.record(&req.volume_id);
+        self.check_image_owner(&record, image)?;
+        let was_mapped = record.mapping.as_ref().is_some_and(|m| m.spec() == *image);
+        let mapping = self.ensure_mapped(&mut record, &attacher, rbd, req.cap.is_reader_only())?;
+        if was_mapped {
+            self.rebind_stage(&mut record, &mapping)?;
+        }
+        let mut on_device = req.clone();
+        on_device.device = Some(mapping.device.clone());
+        on_device.identity = mapping.identity.clone();
+        let staged = self
+            .hold_mapped(&req.volume_id, attacher.as_ref(), image, &mapping)
+            .and_then(|_held| self.stage_held(&on_device));
+        if let Err(e) = &staged {
+            let mut now = self.record(&req.volume_id);
+            if now.stage.is_none()
+                && now.mapping.is_some()
+                && let Err(u) = self.unmap_record(&mut now, attacher.as_ref())
+            {
+                warn!(volume = req.volume_id, image = %image, error = %u, stage_error = %e,
+                    "unmapping after a failed stage; the next unstage or reconciliation retries");
+            }
+        }
+        staged
+    }
+
+    /// A volume maps one image, and an image is mapped for one volume.
+    fn check_image_owner(&self, record: &VolumeRecord, image: &ImageSpec) -> Result<()> {
+        if let Some(m) = &record.mapping
+            && !same_image(&m.spec(), image)
+        {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?} has RBD image {} mapped on this node, not {image}",
+                record.volume_id,
+                m.spec()
+            )));
+        }
+        let other = self.journal.all().into_iter().find(|r| {
+            r.volume_id != record.volume_id
+                && r.mapping
+                    .as_ref()
+                    .is_some_and(|m| same_image(&m.spec(), image))
+        });
+        if let Some(r) = other {
+            return Err(Error::FailedPrecondition(format!(
+                "RBD image {image} is mapped on this node for volume {:?}",
+                r.volume_id
+            )));
+        }
+        Ok(())
+    }
+
+    /// The image's mapping: the live one the attacher finds, or a new one, journaled.
+    fn ensure_mapped(
+        &self,
+        record: &mut VolumeRecord,
+        attacher: &Arc<dyn Attacher>,
+        rbd: &RbdStage,
+        read_only: bool,
+    ) -> Result<Mapping> {
+        let image = &rbd.image;
+        if let Some(found) = attacher.find(image)? {
+            if found.read_only == read_only {
+                self.record_mapped(record, attacher.kind(), image, &found)?;
+                return Ok(found);
+            }
+            if record.stage.is_some() {
+                return Err(Error::Incompatible {
+                    volume: record.volume_id.clone(),
+                    what: "staged",
+                    reason: format!(
+                        "RBD image {image} is mapped {} on this node",
+                        if found.read_only {
+                            "read-only"
+                        } else {
+                            "read-write"
+                        }
+                    ),
+                });
+            }
+            // Mapped in the other mode and not staged: mapped again in this one.
+            record.mapping = Some(MappingRecord::intent(
+                attacher.kind(),
+                image,
+                found.read_only,
+            ));
+            self.unmap_record(record, attacher.as_ref())?;
+        }
+        record.mapping = Some(MappingRecord::intent(attacher.kind(), image, read_only));
+        self.journal.put(record, Durability::Process)?;
+        crash_points::point("map.mapping");
+        let start = Instant::now();
+        let mapped = attacher.map(&MapRequest {
+            image,
+            monitors: &rbd.monitors,
+            credentials: &rbd.credentials,
+            read_only,
+        });
+        let mapping = match mapped {
+            Ok(m) => m,
+            Err(e) => {
+                // A map past its deadline may still finish: its intent stays, for the next
+                // stage (which finds and reuses it) or the reconciliation (which unmaps it).
+                if !e.may_have_mapped() {
+                    record.mapping = None;
+                    self.journal.put(record, Durability::Process)?;
+                }
+                return Err(e.into());
+            }
+        };
+        crash_points::point("map.mapped");
+        info!(
+            volume = record.volume_id,
+            image = %image,
+            device = %mapping.device.display(),
+            attacher = attacher.kind(),
+            read_only,
+            ms = start.elapsed().as_secs_f64() * 1e3,
+            "mapped RBD image"
+        );
+        self.record_mapped(record, attacher.kind(), image, &mapping)?;
+        Ok(mapping)
+    }
+
+    /// Records `mapping` of `image` done (written only when it changes the record).
+    fn record_mapped(
+        &self,
+        record: &mut VolumeRecord,
+        kind: &str,
+        image: &ImageSpec,
+        mapping: &Mapping,
+    ) -> Result<()> {
+        let done = MappingRecord {
+            device: Some(mapping.device.clone()),
+            rdev: Some(mapping.rdev),
+            phase: Phase::Done,
+            ..MappingRecord::intent(kind, image, mapping.read_only)
+        };
+        if record.mapping.as_ref() != Some(&done) {
+            record.mapping = Some(done);
+            self.journal.put(record, Durability::Process)?;
+        }
+        Ok(())
+    }
+
+    /// The image was mapped again (after a reboot, or an rbd-fuse that died) on another
+    /// device: the stage record names the image's new device, while nothing is mounted on
+    /// the staging path. The image is the volume's identity; the device number was only the
+    /// mapping's.
+    fn rebind_stage(&self, record: &mut VolumeRecord, mapping: &Mapping) -> Result<()> {
+        let Some(st) = record.stage.as_mut() else {
+            return Ok(());
+        };
+        if st.device == mapping.device && st.rdev == mapping.rdev {
+            return Ok(());
+        }
+        if matches!(self.os.mount_state(&st.path)?, MountState::Mounted(_)) {
+            return Ok(());
+        }
+        info!(
+            volume = record.volume_id,
+            from = %st.device.display(),
+            to = %mapping.device.display(),
+            "the volume's RBD image is mapped on a new device; its stage record follows"
+        );
+        st.device = mapping.device.clone();
+        st.rdev = mapping.rdev;
+        // A record of a mkfs in progress is rewritten as durably as it was first written.
+        let durability = if record.guards_data() {
+            Durability::Power
+        } else {
+            Durability::Process
+        };
+        self.journal.put(record, durability)?;
+        Ok(())
+    }
+
+    /// Opens the mapped device and holds it for the stage, once it proves to be the image's:
+    /// its number is the mapping's, and the attacher recognizes it.
+    fn hold_mapped(
+        &self,
+        volume_id: &str,
+        attacher: &dyn Attacher,
+        image: &ImageSpec,
+        mapping: &Mapping,
+    ) -> Result<HeldDevice> {
+        let held = self.os.hold_device(&mapping.device).map_err(|e| {
+            if e.errno().is_some_and(crate::sys::is_gone_errno) {
+                Error::VolumeNotFound {
+                    volume: volume_id.to_string(),
+                    reason: format!(
+                        "the mapping of RBD image {image} ({}) vanished",
+                        mapping.device.display()
+                    ),
+                }
+            } else {
+                Error::Sys(e)
+            }
+        })?;
+        if held.rdev != mapping.rdev {
+            return Err(Error::FailedPrecondition(format!(
+                "{} is device {}:{}, not the mapping of RBD image {image} ({}:{})",
+                mapping.device.display(),
+                held.rdev.0,
+                held.rdev.1,
+                mapping.rdev.0,
+                mapping.rdev.1
+            )));
+        }
+        attacher.verify(image, held.rdev)?;
+        Ok(held)
+    }
+
+    /// After an unstage: the volume's image unmapped, unless it is still staged (at another
+    /// path) or maps nothing.
+    pub(super) fn unmap_unstaged(&self, volume_id: &str) -> Result<()> {
+        let mut record = self.record(volume_id);
+        if record.stage.is_some() || record.mapping.is_none() {
+            return Ok(());
+        }
+        let attacher = Arc::clone(self.attacher_for(record.mapping.as_ref())?);
+        let image = record
+            .mapping
+            .as_ref()
+            .map(MappingRecord::spec)
+            .ok_or_else(|| Error::FailedPrecondition("no mapping".into()))?;
+        let _image = self.locks.try_lock(&image_lock(&image))?;
+        self.unmap_record(&mut record, attacher.as_ref())
+    }
+
+    /// Unmaps the record's image: the record set in progress first, dropped once unmapped;
+    /// after a failure it stays in progress, for a retry.
+    fn unmap_record(&self, record: &mut VolumeRecord, attacher: &dyn Attacher) -> Result<()> {
+        let Some(mut m) = record.mapping.clone() else {
+            return Ok(());
+        };
+        let image = m.spec();
+        if m.phase != Phase::InProgress {
+            m.phase = Phase::InProgress;
+            record.mapping = Some(m);
+            self.journal.put(record, Durability::Process)?;
+        }
+        crash_points::point("unmap.unmapping");
+        let start = Instant::now();
+        attacher.unmap(&image)?;
+        crash_points::point("unmap.unmapped");
+        info!(
+            volume = record.volume_id,
+            image = %image,
+            ms = start.elapsed().as_secs_f64() * 1e3,
+            "unmapped RBD image"
+        );
+        record.mapping = None;
+        self.journal.put(record, Durability::Process)?;
+        Ok(())
+    }
+
+    /// Before NodeExpandVolume grows a filesystem: the mapped device takes the image's new
+    /// size.
+    pub(super) fn refresh_mapping(&self, volume_id: &str) -> Result<()> {
+        let Some(m) = self.record(volume_id).mapping else {
+            return Ok(());
+        };
+        if m.phase == Phase::Done {
+            self.attacher_for(Some(&m))?.refresh(&m.spec())?;
+        }
+        Ok(())
+    }
+
+    /// The mappings the attacher shows, for [`reconcile_orphans`](Self::reconcile_orphans):
+    /// read before the journal is, so a map that starts meanwhile is already recorded.
+    pub(crate) fn listed_mappings(&self) -> Vec<(ImageSpec, Option<PathBuf>)> {
+        self.attacher
+            .as_ref()
+            .and_then(|a| a.list().ok())
+            .unwrap_or_default()
+    }
+
+    /// The mapping's part of reconciliation, for one volume under its lock. A map or unmap a
+    /// crash cut short is finished (the image is mapped and the volume staged: confirmed) or
+    /// undone (nothing staged: unmapped, record dropped); a full pass also unmaps what nothing
+    /// is staged on, and reports a mapping that is gone (the next stage maps it again).
+    pub(crate) fn reconcile_mapping(
+        &self,
+        record: &mut VolumeRecord,
+        full: bool,
+        actions: &mut Vec<Action>,
+    ) {
+        let Some(m) = record.mapping.clone() else {
+            return;
+        };
+        if m.phase == Phase::Done && !full {
+            return;
+        }
+        let volume = record.volume_id.clone();
+        let image = m.spec();
+        let failed = |error: String| Action::Failed {
+            volume: volume.clone(),
+            path: PathBuf::from(image.to_string()),
+            error,
+        };
+        let attacher = match self.attacher_for(Some(&m)) {
+            Ok(a) => Arc::clone(a),
+            Err(e) => {
+                actions.push(failed(e.to_string()));
+                return;
+            }
+        };
+        if attacher.in_flight(&image) {
+            return;
+        }
+        let found = match attacher.find(&image) {
+            Ok(f) => f,
+            Err(e) => {
+                actions.push(failed(e.to_string()));
+                return;
+            }
+        };
+        let in_use = record.stage.is_some() || !record.publishes.is_empty();
+        match found {
+            Some(f) if in_use => {
+                let before = record.mapping.clone();
+                if let Err(e) = self.record_mapped(record, attacher.kind(), &image, &f) {
+                    actions.push(failed(e.to_string()));
+                } else if before != record.mapping {
+                    actions.push(Action::Confirmed {
+                        volume,
+                        path: f.device,
+                    });
+                }
+            }
+            None if in_use => actions.push(Action::MappingLost {
+                volume,
+                image: image.to_string(),
+            }),
+            _ => match self.unmap_record(record, attacher.as_ref()) {
+                Ok(()) => actions.push(Action::Unmapped {
+                    volume: Some(volume),
+                    image: image.to_string(),
+                }),
+                Err(e) => actions.push(failed(e.to_string())),
+            },
+        }
+    }
+
+    /// Mappings no record names (`listed` before the journal was read): one a stage record
+    /// sits on (the journal lost only the mapping) is recorded again; one of moor's own is
+    /// unmapped; one moor cannot prove its own (a kernel mapping) is reported and left alone.
+    pub(crate) fn reconcile_orphans(
+        &self,
+        listed: Vec<(ImageSpec, Option<PathBuf>)>,
+        actions: &mut Vec<Action>,
+    ) {
+        let Some(attacher) = self.attacher.as_ref().map(Arc::clone) else {
+            return;
+        };
+        for (image, device) in listed {
+            let records = self.journal.all();
+            if records.iter().any(|r| {
+                r.mapping
+                    .as_ref()
+                    .is_some_and(|m| same_image(&m.spec(), &image))
+            }) {
+                continue;
+            }
+            let holder = device.as_ref().and_then(|d| {
+                records
+                    .iter()
+                    .find(|r| r.stage.as_ref().is_some_and(|s| &s.device == d))
+            });
+            if let Some(r) = holder {
+                let Ok(_guard) = self.locks.try_lock(&r.volume_id) else {
+                    actions.push(Action::Busy {
+                        volume: r.volume_id.clone(),
+                    });
+                    continue;
+                };
+                let mut now = self.record(&r.volume_id);
+                if now.mapping.is_some() {
+                    continue;
+                }
+                match attacher.find(&image) {
+                    Ok(Some(f)) => {
+                        match self.record_mapped(&mut now, attacher.kind(), &image, &f) {
+                            Ok(()) => actions.push(Action::Adopted {
+                                volume: r.volume_id.clone(),
+                                path: f.device,
+                            }),
+                            Err(e) => actions.push(Action::Failed {
+                                volume: r.volume_id.clone(),
+                                path: PathBuf::from(image.to_string()),
+                                error: e.to_string(),
+                            }),
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => actions.push(Action::Failed {
+                        volume: r.volume_id.clone(),
+                        path: PathBuf::from(image.to_string()),
+                        error: e.to_string(),
+                    }),
+                }
+                continue;
+            }
+            if !attacher.owns_all_listed() {
+                actions.push(Action::ForeignMapping {
+                    image: image.to_string(),
+                });
+                continue;
+            }
+            let Ok(_image) = self.locks.try_lock(&image_lock(&image)) else {
+                continue;
+            };
+            match attacher.unmap(&image) {
+                Ok(()) => actions.push(Action::Unmapped {
+                    volume: None,
+                    image: image.to_string(),
+                }),
+                Err(e) => actions.push(Action::Failed {
+                    volume: String::new(),
+                    path: PathBuf::from(image.to_string()),
+                    error: e.to_string(),
+                }),
+            }
+        }
+    }
+}
