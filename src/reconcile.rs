@@ -303,7 +303,9 @@ impl<O: Os> Reconciler<O> {
         };
         let mut actions = Vec::new();
         let mut known: HashSet<PathBuf> = HashSet::new();
+        let mut mapped = Vec::new();
         for record in self.engine.journal().all() {
+            mapped.extend(record.mapping.as_ref().map(|m| m.spec()));
             if let Some(s) = &record.stage {
                 known.insert(s.path.clone());
             }
@@ -323,7 +325,8 @@ impl<O: Os> Reconciler<O> {
             self.volume(record, &index, &mut actions);
         }
         if full {
-            self.engine.reconcile_orphans(mappings, &mut actions);
+            self.engine
+                .reconcile_orphans(mappings, &mapped, &mut actions);
         }
         let mut orphans: Vec<&Path> = index
             .keys()

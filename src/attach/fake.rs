@@ -1,8 +1,11 @@
 //! A recording fake [`Attacher`] over the fake OS: a map adds a loop device backed by the
-//! image's file to the [`FakeOs`], an unmap removes it. Failures and busy devices are set by
-//! the test.
+//! image's file to the [`FakeOs`] (a new device number each time, holding what the image
+//! holds), an unmap removes it, keeping what was written for the next map. An unmap of a
+//! device the fake OS still has mounted is refused as busy, as the real ones are. Failures
+//! are set by the test.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -41,6 +44,8 @@ struct State {
     next: u32,
     not_owned: bool,
     doubles: usize,
+    /// What each image holds while it is not mapped.
+    images: BTreeMap<ImageSpec, Vec<(u64, Vec<u8>)>>,
 }
 
 /// The fake attacher.
@@ -109,12 +114,33 @@ impl FakeAttacher {
         self.lock().not_owned = true;
     }
 
+    /// Whether the fake OS has `device` mounted (a filesystem or a bind of the node).
+    fn mounted(&self, device: &Path) -> bool {
+        use crate::sys::Os as _;
+        self.os
+            .mount_table()
+            .is_ok_and(|t| t.iter().any(|m| Path::new(&m.source) == device))
+    }
+
+    /// Drops the image's mapping as a reboot does (whatever is mounted of it).
+    pub fn lose(&self, image: &ImageSpec) {
+        let mut st = self.lock();
+        if let Some(m) = st.mapped.remove(image) {
+            st.images
+                .insert(image.clone(), self.os.device_data(&m.device));
+            self.os.remove_device(&m.device);
+        }
+    }
+
     fn make(&self, st: &mut State, image: &ImageSpec, read_only: bool) -> Mapping {
         let n = 100 + st.next;
         st.next += 1;
         let device = PathBuf::from(format!("/dev/loop{n}"));
         let rdev = (7, n);
         self.os.add_device(&device, rdev, self.size);
+        for (offset, bytes) in st.images.get(image).cloned().unwrap_or_default() {
+            self.os.write_device(&device, offset, &bytes);
+        }
         let file = image_file(image);
         self.os.set_backing_file(rdev, &file);
         let m = Mapping {
@@ -199,9 +225,19 @@ impl Attacher for FakeAttacher {
                 });
             }
         }
-        if let Some(m) = st.mapped.remove(image) {
-            self.os.remove_device(&m.device);
+        let Some(m) = st.mapped.get(image).cloned() else {
+            return Ok(());
+        };
+        if self.mounted(&m.device) {
+            return Err(AttachError::Busy {
+                image: name,
+                what: m.device.display().to_string(),
+            });
         }
+        st.mapped.remove(image);
+        st.images
+            .insert(image.clone(), self.os.device_data(&m.device));
+        self.os.remove_device(&m.device);
         Ok(())
     }
 

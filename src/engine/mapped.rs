@@ -65,7 +65,7 @@ impl<O: Os> Engine<O> {
     }
 
     /// NodeStageVolume of an RBD volume: the image mapped (or its mapping reused), then
-    /// staged on the mapped device. A stage that fails leaving nothing staged unmaps it.
+    /// staged on the mapped device. A stage that fails leaving nothing mounted unmaps it.
     pub fn stage_mapped(&self, req: &validate::Stage, rbd: &RbdStage) -> Result<StageReport> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
         let attacher = Arc::clone(self.attacher_for(None)?);
@@ -86,7 +86,14 @@ impl<O: Os> Engine<O> {
             .and_then(|_held| self.stage_held(&on_device));
         if let Err(e) = &staged {
             let mut now = self.record(&req.volume_id);
-            if now.stage.is_none()
+            // Nothing mounted, or only the intent of a mkfs that failed (which a later
+            // stage resumes on the image's next mapping).
+            let unused = now
+                .stage
+                .as_ref()
+                .is_none_or(|s| s.phase == Phase::Formatting)
+                && now.publishes.is_empty();
+            if unused
                 && now.mapping.is_some()
                 && let Err(u) = self.unmap_record(&mut now, attacher.as_ref())
             {
@@ -419,9 +426,12 @@ impl<O: Os> Engine<O> {
     /// Mappings no record names (`listed` before the journal was read): one a stage record
     /// sits on (the journal lost only the mapping) is recorded again; one of moor's own is
     /// unmapped; one moor cannot prove its own (a kernel mapping) is reported and left alone.
+    /// `named` are the images the records named when the pass read the journal (their own
+    /// reconciliation dealt with them).
     pub(crate) fn reconcile_orphans(
         &self,
         listed: Vec<(ImageSpec, Option<PathBuf>)>,
+        named: &[ImageSpec],
         actions: &mut Vec<Action>,
     ) {
         let Some(attacher) = self.attacher.as_ref().map(Arc::clone) else {
@@ -429,11 +439,12 @@ impl<O: Os> Engine<O> {
         };
         for (image, device) in listed {
             let records = self.journal.all();
-            if records.iter().any(|r| {
+            let recorded = records.iter().any(|r| {
                 r.mapping
                     .as_ref()
                     .is_some_and(|m| same_image(&m.spec(), &image))
-            }) {
+            });
+            if recorded || named.iter().any(|n| same_image(n, &image)) {
                 continue;
             }
             let holder = device.as_ref().and_then(|d| {

@@ -12,6 +12,7 @@ mod hostile;
 mod identity;
 mod paths;
 mod publish;
+mod rbd;
 mod stage;
 mod stats;
 

@@ -1,0 +1,465 @@
+//! RBD volumes through the gRPC service layer, on the fake OS and the fake attacher: the map
+//! before the stage and the unmap after the unstage, their journal records, what a failure
+//! of each step leaves, and the reconciliation of what a crash cut short.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::attach::fake::{AttachCall, Failure, FakeAttacher, image_file};
+use crate::attach::journal::MappingRecord;
+use crate::attach::request::{IMAGE_KEY, MONITORS_KEY, POOL_KEY, USER_ID_KEY, USER_KEY_KEY};
+use crate::attach::{Attacher as _, ImageSpec};
+use crate::journal::{Durability, Phase};
+use crate::reconcile::{Action, Reconciler};
+
+const KEY: &str = "AQBkQkNnAAAAABAAbm9vcmtleW5vb3JrZXlub29yaw==";
+const BLOCK_TARGET: &str =
+    "/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/pv1/p1";
+
+struct Rbd {
+    h: Harness,
+    attacher: Arc<FakeAttacher>,
+}
+
+fn rbd_harness() -> Rbd {
+    let mut h = harness();
+    let attacher = Arc::new(FakeAttacher::new(Arc::clone(&h.os), GIB));
+    let journal = Arc::clone(h.engine.journal());
+    let cfg = h.engine.config().clone();
+    let engine = Arc::new(
+        Engine::new(Arc::clone(&h.os), journal, cfg).with_attacher(Some(
+            Arc::clone(&attacher) as Arc<dyn crate::attach::Attacher>
+        )),
+    );
+    h.svc = NodeService::new(Arc::clone(&engine), h.info.clone());
+    h.engine = engine;
+    Rbd { h, attacher }
+}
+
+fn image() -> ImageSpec {
+    ImageSpec {
+        cluster_id: None,
+        pool: "moor".into(),
+        image: "csi-vol-1".into(),
+    }
+}
+
+fn rbd_stage(volume: &str, cap: csi::VolumeCapability) -> csi::NodeStageVolumeRequest {
+    csi::NodeStageVolumeRequest {
+        volume_id: volume.into(),
+        publish_context: HashMap::from([
+            (POOL_KEY.into(), "moor".into()),
+            (IMAGE_KEY.into(), "csi-vol-1".into()),
+            (MONITORS_KEY.into(), "10.0.0.1:6789".into()),
+        ]),
+        staging_target_path: STAGING.into(),
+        volume_capability: Some(cap),
+        secrets: HashMap::from([
+            (USER_ID_KEY.into(), "moor".into()),
+            (USER_KEY_KEY.into(), KEY.into()),
+        ]),
+        volume_context: HashMap::new(),
+    }
+}
+
+async fn stage(r: &Rbd, cap: csi::VolumeCapability) -> Result<(), tonic::Status> {
+    r.h.svc
+        .node_stage_volume(Request::new(rbd_stage("vol-1", cap)))
+        .await
+        .map(drop)
+}
+
+async fn unstage(r: &Rbd) -> Result<(), tonic::Status> {
+    r.h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .map(drop)
+}
+
+fn mapping(r: &Rbd) -> Option<MappingRecord> {
+    r.h.engine.journal().get("vol-1").and_then(|v| v.mapping)
+}
+
+fn maps(r: &Rbd) -> usize {
+    count_attach(r, |c| matches!(c, AttachCall::Map(..)))
+}
+
+fn unmaps(r: &Rbd) -> usize {
+    count_attach(r, |c| matches!(c, AttachCall::Unmap(..)))
+}
+
+fn count_attach(r: &Rbd, pred: impl Fn(&AttachCall) -> bool) -> usize {
+    r.attacher.calls().iter().filter(|c| pred(c)).count()
+}
+
+fn reconcile(r: &Rbd) -> Vec<Action> {
+    Reconciler::new(Arc::clone(&r.h.engine), "moor.csi.io")
+        .run()
+        .expect("reconcile")
+}
+
+#[tokio::test]
+async fn a_stage_maps_then_stages_and_an_unstage_unstages_then_unmaps() {
+    let r = rbd_harness();
+    stage(&r, ext4()).await.expect("stage");
+    assert_eq!(r.attacher.calls(), vec![AttachCall::Map(image(), false)]);
+    let m = mapping(&r).expect("mapping recorded");
+    assert_eq!(m.phase, Phase::Done);
+    assert_eq!((m.pool.as_str(), m.image.as_str()), ("moor", "csi-vol-1"));
+    let device = m.device.clone().expect("device");
+    let staged = r.h.engine.journal().get("vol-1").and_then(|v| v.stage);
+    assert_eq!(staged.map(|s| s.device), Some(device.clone()));
+    assert_eq!(r.h.os.mount_depth(STAGING), 1);
+    assert_eq!(mkfs_calls(&r.h), 1);
+    // The journal never holds the key.
+    let log = std::fs::read_to_string(r.h.state.join("journal.log")).unwrap();
+    assert!(!log.contains(KEY) && log.contains("csi-vol-1"), "{log}");
+
+    // The unmap comes after the unmount: the fake refuses to unmap a mounted device.
+    unstage(&r).await.expect("unstage");
+    assert_eq!(r.h.os.mount_depth(STAGING), 0);
+    assert_eq!(unmaps(&r), 1);
+    assert!(r.attacher.mapped().is_empty());
+    assert!(!r.h.os.exists(&device));
+    assert!(r.h.engine.journal().get("vol-1").is_none());
+
+    // Staged again: mapped again (another device), and the filesystem is the one made the
+    // first time.
+    stage(&r, ext4()).await.expect("restage");
+    assert_eq!(maps(&r), 2);
+    assert_eq!(mkfs_calls(&r.h), 1, "formatted once");
+    assert_ne!(mapping(&r).and_then(|m| m.device), Some(device));
+}
+
+#[tokio::test]
+async fn a_repeated_stage_reuses_the_mapping_and_never_maps_twice() {
+    let r = rbd_harness();
+    stage(&r, ext4()).await.expect("stage");
+    stage(&r, ext4()).await.expect("repeat");
+    assert_eq!(maps(&r), 1);
+    assert_eq!(r.attacher.doubles(), 0);
+    // A mapping the journal lost (made by a run that crashed before recording it): found
+    // and reused.
+    let r = rbd_harness();
+    let live = r.attacher.map_unrecorded(&image(), false);
+    stage(&r, ext4()).await.expect("stage");
+    assert_eq!(maps(&r), 0);
+    assert_eq!(mapping(&r).and_then(|m| m.device), Some(live.device));
+}
+
+#[tokio::test]
+async fn a_stage_that_fails_after_the_map_unmaps() {
+    let r = rbd_harness();
+    r.h.os.fail_tool("mkfs.ext4", 1);
+    let e = stage(&r, ext4()).await.expect_err("mkfs fails");
+    assert_eq!(e.code(), Code::Internal);
+    assert_eq!(maps(&r), 1);
+    assert_eq!(unmaps(&r), 1);
+    assert!(r.attacher.mapped().is_empty());
+    // The Formatting intent a failed mkfs leaves guards the device; the mapping goes.
+    assert_eq!(mapping(&r), None);
+    // The retry maps and stages.
+    stage(&r, ext4()).await.expect("retry");
+    assert_eq!(r.h.os.mount_depth(STAGING), 1);
+
+    // A stage that fails on a staged volume (another capability) leaves it mapped.
+    let xfs = mount_cap("xfs", &[], Mode::SingleNodeWriter);
+    let e = stage(&r, xfs).await.expect_err("incompatible");
+    assert_eq!(e.code(), Code::AlreadyExists);
+    assert_eq!(r.attacher.mapped(), vec![image()]);
+    assert_eq!(r.h.os.mount_depth(STAGING), 1);
+}
+
+#[tokio::test]
+async fn a_map_that_fails_leaves_no_record_and_one_past_its_deadline_is_reused() {
+    let r = rbd_harness();
+    r.attacher.fail_next_map(Failure::Fail);
+    assert_eq!(stage(&r, ext4()).await.unwrap_err().code(), Code::Internal);
+    assert!(r.h.engine.journal().get("vol-1").is_none());
+    r.attacher.fail_next_map(Failure::NotFound);
+    assert_eq!(stage(&r, ext4()).await.unwrap_err().code(), Code::NotFound);
+    assert!(r.h.engine.journal().get("vol-1").is_none());
+
+    // Past its deadline, the map finished anyway: its intent stays, and kubelet's retry
+    // finds the mapping instead of making a second.
+    r.attacher.fail_next_map(Failure::Timeout);
+    let e = stage(&r, ext4()).await.unwrap_err();
+    assert_eq!(e.code(), Code::DeadlineExceeded);
+    assert_eq!(mapping(&r).map(|m| m.phase), Some(Phase::InProgress));
+    stage(&r, ext4()).await.expect("retry");
+    assert_eq!(maps(&r), 3);
+    assert_eq!(r.attacher.doubles(), 0);
+    assert_eq!(mapping(&r).map(|m| m.phase), Some(Phase::Done));
+    assert_eq!(r.h.os.mount_depth(STAGING), 1);
+}
+
+#[tokio::test]
+async fn a_failed_unmap_keeps_its_record_and_is_retried_by_kubelet_or_reconciliation() {
+    let r = rbd_harness();
+    stage(&r, ext4()).await.expect("stage");
+    r.attacher.fail_next_unmap(Failure::Busy);
+    let e = unstage(&r).await.expect_err("busy");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    // Unstaged, still mapped, and the record says so.
+    assert_eq!(r.h.os.mount_depth(STAGING), 0);
+    let rec = r.h.engine.journal().get("vol-1").expect("record");
+    assert!(rec.stage.is_none());
+    assert_eq!(rec.mapping.map(|m| m.phase), Some(Phase::InProgress));
+    assert_eq!(r.attacher.mapped(), vec![image()]);
+    // kubelet's retry.
+    unstage(&r).await.expect("retry");
+    assert_eq!(unmaps(&r), 2);
+    assert!(r.attacher.mapped().is_empty());
+    assert!(r.h.engine.journal().get("vol-1").is_none());
+
+    // Or, without a retry, the next reconciliation pass (a light one will do).
+    stage(&r, ext4()).await.expect("stage");
+    r.attacher.fail_next_unmap(Failure::Timeout);
+    assert_eq!(
+        unstage(&r).await.unwrap_err().code(),
+        Code::DeadlineExceeded
+    );
+    let actions = Reconciler::new(Arc::clone(&r.h.engine), "moor.csi.io")
+        .run_light()
+        .expect("reconcile");
+    assert!(
+        actions.contains(&Action::Unmapped {
+            volume: Some("vol-1".into()),
+            image: image().to_string()
+        }),
+        "{actions:?}"
+    );
+    assert!(r.attacher.mapped().is_empty());
+    assert!(r.h.engine.journal().get("vol-1").is_none());
+}
+
+#[tokio::test]
+async fn a_block_volume_is_mapped_published_and_unmapped() {
+    let r = rbd_harness();
+    let block = || csi::VolumeCapability {
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(AccessType::Block(BlockVolume {})),
+    };
+    stage(&r, block()).await.expect("stage");
+    let device = mapping(&r).and_then(|m| m.device).expect("mapped");
+    assert_eq!(mkfs_calls(&r.h), 0);
+    let mut p = publish_req(block(), false);
+    p.target_path = BLOCK_TARGET.into();
+    r.h.svc
+        .node_publish_volume(Request::new(p))
+        .await
+        .expect("publish");
+    // Still published: the unstage is refused and nothing is unmapped.
+    assert_eq!(
+        unstage(&r).await.unwrap_err().code(),
+        Code::FailedPrecondition
+    );
+    assert_eq!(unmaps(&r), 0);
+    r.h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(BLOCK_TARGET)))
+        .await
+        .expect("unpublish");
+    unstage(&r).await.expect("unstage");
+    assert_eq!(unmaps(&r), 1);
+    assert!(!r.h.os.exists(&device));
+}
+
+#[tokio::test]
+async fn a_reader_only_volume_is_mapped_read_only_and_never_formatted() {
+    let r = rbd_harness();
+    let ro = mount_cap("ext4", &[], Mode::MultiNodeReaderOnly);
+    // Blank: refused (a reader never formats), and unmapped.
+    let e = stage(&r, ro.clone()).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_eq!(
+        r.attacher.calls().first(),
+        Some(&AttachCall::Map(image(), true))
+    );
+    assert!(r.attacher.mapped().is_empty());
+    // Written once read-write, then read-only: the read-write mapping is replaced.
+    stage(&r, ext4()).await.expect("rw");
+    r.h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .expect("unstage");
+    r.attacher.map_unrecorded(&image(), false);
+    stage(&r, ro).await.expect("ro");
+    assert_eq!(
+        r.attacher.calls().last(),
+        Some(&AttachCall::Map(image(), true))
+    );
+    assert!(mapping(&r).is_some_and(|m| m.read_only));
+    let m = r.h.os.calls().into_iter().rev().find_map(|c| match c {
+        Call::MountFs(m) => Some(m),
+        _ => None,
+    });
+    let m = m.expect("mounted");
+    assert!(m.attrs.read_only && m.sb_read_only, "{m:?}");
+}
+
+#[tokio::test]
+async fn an_image_maps_for_one_volume_and_a_node_without_attacher_maps_none() {
+    let r = rbd_harness();
+    stage(&r, ext4()).await.expect("stage");
+    let mut other = rbd_stage("vol-2", ext4());
+    other.staging_target_path = format!("{STAGING}2");
+    let e =
+        r.h.svc
+            .node_stage_volume(Request::new(other))
+            .await
+            .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(e.message().contains("vol-1"), "{}", e.message());
+    assert_eq!(maps(&r), 1);
+
+    let plain = harness();
+    let e = plain
+        .svc
+        .node_stage_volume(Request::new(rbd_stage("vol-1", ext4())))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(e.message().contains("--rbd-attacher"), "{}", e.message());
+    assert!(plain.h_journal_is_empty());
+
+    // Without credentials: INVALID_ARGUMENT, before anything is touched.
+    let mut no_secrets = rbd_stage("vol-3", ext4());
+    no_secrets.secrets.clear();
+    let e =
+        r.h.svc
+            .node_stage_volume(Request::new(no_secrets))
+            .await
+            .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert_eq!(maps(&r), 1);
+}
+
+impl Harness {
+    fn h_journal_is_empty(&self) -> bool {
+        self.engine.journal().all().is_empty()
+    }
+}
+
+#[tokio::test]
+async fn reconciliation_finishes_or_undoes_a_map_a_crash_cut_short() {
+    // The intent only (killed before the attacher ran): undone.
+    let r = rbd_harness();
+    let mut rec = crate::journal::VolumeRecord::new("vol-1");
+    rec.mapping = Some(MappingRecord::intent("fuse", &image(), false));
+    r.h.engine.journal().put(&rec, Durability::Process).unwrap();
+    let actions = reconcile(&r);
+    assert!(
+        matches!(&actions[..], [Action::Unmapped { .. }]),
+        "{actions:?}"
+    );
+    assert!(r.h.engine.journal().get("vol-1").is_none());
+
+    // Mapped, killed before the record said so and before any stage: unmapped.
+    r.attacher.map_unrecorded(&image(), false);
+    r.h.engine.journal().put(&rec, Durability::Process).unwrap();
+    let actions = reconcile(&r);
+    assert!(
+        matches!(&actions[..], [Action::Unmapped { .. }]),
+        "{actions:?}"
+    );
+    assert!(r.attacher.mapped().is_empty());
+    assert!(r.h.engine.journal().get("vol-1").is_none());
+
+    // Mapped and staged, the mapping's confirmation lost: confirmed.
+    stage(&r, ext4()).await.expect("stage");
+    let mut rec = r.h.engine.journal().get("vol-1").unwrap();
+    let done = rec.mapping.clone().unwrap();
+    rec.mapping = Some(MappingRecord::intent("fuse", &image(), false));
+    r.h.engine.journal().put(&rec, Durability::Process).unwrap();
+    let actions = reconcile(&r);
+    assert!(
+        actions.iter().any(
+            |a| matches!(a, Action::Confirmed { path, .. } if Some(path) == done.device.as_ref())
+        ),
+        "{actions:?}"
+    );
+    assert_eq!(mapping(&r), Some(done));
+    assert_eq!(r.attacher.mapped(), vec![image()]);
+    assert_eq!(r.h.os.mount_depth(STAGING), 1);
+}
+
+#[tokio::test]
+async fn an_orphaned_mapping_is_unmapped_unless_moor_cannot_tell_it_is_its_own() {
+    let r = rbd_harness();
+    r.attacher.map_unrecorded(&image(), false);
+    let actions = reconcile(&r);
+    assert_eq!(
+        actions,
+        vec![Action::Unmapped {
+            volume: None,
+            image: image().to_string()
+        }]
+    );
+    assert!(r.attacher.mapped().is_empty());
+
+    let r = rbd_harness();
+    r.attacher.disown_listed();
+    r.attacher.map_unrecorded(&image(), false);
+    let actions = reconcile(&r);
+    assert!(
+        matches!(&actions[..], [Action::ForeignMapping { .. }]),
+        "{actions:?}"
+    );
+    assert_eq!(r.attacher.mapped(), vec![image()]);
+
+    // A mapping whose record was lost while its stage record was not: adopted back.
+    let r = rbd_harness();
+    stage(&r, ext4()).await.expect("stage");
+    let mut rec = r.h.engine.journal().get("vol-1").unwrap();
+    let lost = rec.mapping.take();
+    r.h.engine.journal().put(&rec, Durability::Process).unwrap();
+    let actions = reconcile(&r);
+    assert!(
+        actions.iter().any(|a| matches!(a, Action::Adopted { .. })),
+        "{actions:?}"
+    );
+    assert_eq!(mapping(&r), lost);
+    assert_eq!(unmaps(&r), 0);
+}
+
+#[tokio::test]
+async fn a_lost_mapping_is_reported_and_mapped_again_by_the_next_stage() {
+    let r = rbd_harness();
+    stage(&r, ext4()).await.expect("stage");
+    let old = mapping(&r).and_then(|m| m.device).unwrap();
+    // A reboot: the mounts and the mapping are gone; the journal is not.
+    r.h.os.force_unmount(STAGING);
+    r.attacher.lose(&image());
+    let actions = reconcile(&r);
+    assert!(
+        actions
+            .iter()
+            .any(|a| matches!(a, Action::MappingLost { .. })),
+        "{actions:?}"
+    );
+    assert_eq!(maps(&r), 1);
+    // kubelet stages it again: mapped again, on another device, with the same filesystem.
+    stage(&r, ext4()).await.expect("restage");
+    assert_eq!(maps(&r), 2);
+    let new = mapping(&r).and_then(|m| m.device).unwrap();
+    assert_ne!(new, old);
+    let st =
+        r.h.engine
+            .journal()
+            .get("vol-1")
+            .and_then(|v| v.stage)
+            .unwrap();
+    assert_eq!(st.device, new);
+    assert_eq!(st.phase, Phase::Done);
+    assert_eq!(mkfs_calls(&r.h), 1);
+    assert_eq!(r.h.os.mount_depth(STAGING), 1);
+    assert_eq!(r.attacher.doubles(), 0);
+    assert!(
+        r.attacher
+            .find(&image())
+            .unwrap()
+            .is_some_and(|m| m.identity.backing_file == Some(image_file(&image())))
+    );
+}
