@@ -18,12 +18,14 @@
 
 pub mod args;
 pub mod authority;
+pub mod contract;
 pub mod crash_points;
 pub mod daemon;
 pub mod engine;
 pub mod error;
 pub mod filesystem;
 pub mod fsgroup;
+pub mod grpc_metrics;
 pub mod http;
 pub mod instance;
 pub mod journal;

@@ -10,7 +10,7 @@ use moor_controller::embedded::attach::LoopAttacher;
 use moor_controller::embedded::{Config, EmbeddedBackend};
 use moor_controller::identity::IdentityService;
 use moor_controller::service::ControllerService;
-use moor_node::metrics::Metered;
+use moor_node::grpc_metrics::Metered;
 use moor_node::{daemon, http, instance, server};
 use moor_proto::csi::v1::controller_server::ControllerServer;
 use moor_proto::csi::v1::identity_server::IdentityServer;
@@ -27,7 +27,7 @@ impl<B: moor_controller::Backend> http::Status for ControllerStatus<B> {
     }
 
     fn metrics(&self) -> String {
-        moor_node::metrics::render_grpc()
+        moor_node::grpc_metrics::render_grpc()
     }
 }
 

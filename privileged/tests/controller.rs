@@ -21,7 +21,8 @@ use moor_controller::backend::{
 use moor_controller::embedded::attach::{Attacher as _, LoopAttacher};
 use moor_controller::embedded::reconcile::Report;
 use moor_controller::embedded::records::{Publication, RecordStore};
-use moor_controller::embedded::{BACKING_FILE_KEY, Config, DEVICE_PATH_KEY, EmbeddedBackend};
+use moor_controller::embedded::{Config, EmbeddedBackend};
+use moor_node::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
 
 const MIB: u64 = 1 << 20;
 const NODE: &str = "node-1";

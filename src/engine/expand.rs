@@ -3,11 +3,11 @@
 use std::path::Path;
 
 use super::Engine;
+use crate::contract::Filesystem;
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem;
 use crate::journal::{AccessRecord, StageRecord, VolumeRecord};
-use crate::mount_options::Filesystem;
 use crate::sys::{MountState, Os};
 use crate::validate;
 

@@ -8,11 +8,11 @@ use tracing::{info, warn};
 
 use super::Engine;
 use super::stage::Staging;
+use crate::contract::Filesystem;
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem::{self, FSCK_CORRECTED, FSCK_CORRECTED_REBOOT, FSCK_UNCORRECTED, Fsck};
 use crate::journal::{Durability, Phase, VolumeRecord};
-use crate::mount_options::Filesystem;
 use crate::superblock::Content;
 use crate::sys::{self, HeldDevice, Os, ToolError};
 

@@ -12,11 +12,12 @@ use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 use tracing::warn;
 
 use super::{ADOPTED_MODE, Engine};
+use crate::contract::Filesystem;
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem;
 use crate::journal::{AccessRecord, Durability, Phase, StageRecord, VolumeRecord};
-use crate::mount_options::{Filesystem, MountOptions};
+use crate::mount_options::MountOptions;
 use crate::superblock::Content;
 use crate::sys::{FsMount, HeldDevice, MountAttrs, MountPoint, MountState, Os};
 use crate::validate::{self, Access, Capability};

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::{FilesystemOps, tool, with_force};
-use crate::superblock::Filesystem;
+use crate::contract::Filesystem;
 use crate::sys::ToolRun;
 
 /// XFS.

@@ -22,6 +22,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use moor_node::contract::DEVICE_PATH_KEY;
 use moor_privileged::bench::{mkfs, mount_data};
 use moor_proto::csi::v1 as csi;
 use rustix::mount::{MountFlags, UnmountFlags};
@@ -64,7 +65,7 @@ impl csi::node_server::Node for Bare {
         let r = request.into_inner();
         let dev = r
             .publish_context
-            .get("devicePath")
+            .get(DEVICE_PATH_KEY)
             .cloned()
             .unwrap_or_default();
         let fs = fs_type(r.volume_capability.as_ref());

@@ -8,6 +8,7 @@ use csi::controller_client::ControllerClient;
 use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode};
+use moor_node::contract::DEVICE_PATH_KEY;
 use moor_proto::csi::v1 as csi;
 use serde_json::{Value, json};
 use tonic::transport::Channel;
@@ -676,7 +677,7 @@ pub async fn unpublish(
 pub async fn stage(c: &mut Clients, a: &cli::StageArgs, t: Duration) -> Result<Report, CliError> {
     let mut context: HashMap<String, String> = a.context.iter().cloned().collect();
     if let Some(d) = &a.device {
-        context.insert("devicePath".into(), d.clone());
+        context.insert(DEVICE_PATH_KEY.into(), d.clone());
     }
     let staging = a.staging.display().to_string();
     c.node

@@ -28,7 +28,8 @@ use super::ControllerService;
 use crate::embedded::attach::Attacher as _;
 use crate::embedded::fake::{FakeAttacher, FakeFailure};
 use crate::embedded::testdir::TestDir;
-use crate::embedded::{BACKING_FILE_KEY, Config, DEVICE_PATH_KEY, EmbeddedBackend};
+use crate::embedded::{Config, EmbeddedBackend};
+use moor_node::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
 
 const MIB: i64 = 1 << 20;
 const GIB: i64 = 1 << 30;
