@@ -1,5 +1,5 @@
 //! The node's Prometheus metrics, rendered after the gRPC families both daemons keep
-//! ([`crate::grpc_metrics`]).
+//! ([`moor_runtime::metrics`]).
 //!
 //! What the node measures besides its gRPC calls:
 //! * mounts, unmounts, mkfs and resize tools, through the [`MeteredOs`] decorator of the [`Os`]
@@ -17,12 +17,12 @@ use std::sync::OnceLock;
 use std::sync::atomic::AtomicU64;
 use std::time::Instant;
 
-use crate::grpc_metrics::{self, Family, Histogram, render_gauge};
 use crate::journal::Journal;
 use crate::sys::{
     BindMount, BlockDevice, FsMount, FsUsage, HeldDevice, MountState, Os, SysResult, ToolError,
     ToolRun,
 };
+use moor_runtime::metrics::{Family, Histogram, render_gauge};
 
 /// Every metric of the node's own.
 #[derive(Debug)]
@@ -146,7 +146,7 @@ impl VolumeCounts {
 /// The node's scrape: the gRPC families, the node's own, and the journal's volume counts.
 pub fn render_node(journal: &Journal) -> String {
     let mut out = String::new();
-    grpc_metrics::registry().render_grpc(&mut out);
+    moor_runtime::metrics::registry().render_grpc(&mut out);
     registry().render_node(&mut out, VolumeCounts::of(journal));
     out
 }

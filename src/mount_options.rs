@@ -16,7 +16,7 @@ use crate::filesystem;
 use crate::sys::{Atime, MountAttrs};
 
 /// A filesystem moor can format and mount.
-use crate::contract::Filesystem;
+use moor_runtime::contract::Filesystem;
 
 /// Why a mount option list was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -170,7 +170,7 @@ impl<O: Os> csi::identity_server::Identity for IdentityService<O> {
         _: Request<csi::GetPluginCapabilitiesRequest>,
     ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::GetPluginCapabilitiesResponse {
-            capabilities: crate::contract::plugin_capabilities(),
+            capabilities: moor_runtime::contract::plugin_capabilities(),
         }))
     }
 
@@ -369,7 +369,7 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
             accessible_topology: Some(csi::Topology {
                 segments: HashMap::from([(
                     self.info.topology_key.clone(),
-                    crate::limits::topology_value(&self.info.node_id),
+                    moor_runtime::limits::topology_value(&self.info.node_id),
                 )]),
             }),
         }))

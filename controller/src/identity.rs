@@ -32,7 +32,7 @@ impl<B: Backend> IdentityService<B> {
 
 /// The plugin capabilities: the node's, as the spec has every instance of a version answer
 /// the same.
-use moor_node::contract::plugin_capabilities;
+use moor_runtime::contract::plugin_capabilities;
 
 #[tonic::async_trait]
 impl<B: Backend> csi::identity_server::Identity for IdentityService<B> {

@@ -16,8 +16,8 @@ use moor_controller::embedded::fake::FakeAttacher;
 use moor_controller::embedded::{Config, EmbeddedBackend};
 use moor_controller::identity::IdentityService;
 use moor_controller::service::ControllerService;
-use moor_node::contract::DEVICE_PATH_KEY;
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::DEVICE_PATH_KEY;
 use tonic::Code;
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -85,7 +85,7 @@ async fn serve(
     .unwrap();
     let backend = Arc::new(backend);
     let socket = dir.join("csi.sock");
-    let listener = moor_node::server::bind_unix(&socket).unwrap();
+    let listener = moor_runtime::server::bind_unix(&socket).unwrap();
     let router = tonic::transport::Server::builder()
         .add_service(IdentityServer::new(IdentityService::new(
             "moor.csi.io",
@@ -95,7 +95,7 @@ async fn serve(
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let path = socket.clone();
     let task = tokio::spawn(async move {
-        moor_node::server::serve(
+        moor_runtime::server::serve(
             router,
             listener,
             &path,

@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use moor_node::contract::Filesystem;
+use moor_runtime::contract::Filesystem;
 use moor_node::mount_options;
 
 const FILESYSTEMS: [Filesystem; 5] = [

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use csi::volume_capability::access_mode::Mode;
-use moor_node::contract::DEVICE_PATH_KEY;
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::DEVICE_PATH_KEY;
 
 /// A mount volume capability for `fs`, single-node multi-writer.
 pub fn cap(fs: &str) -> csi::VolumeCapability {

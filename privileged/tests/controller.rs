@@ -22,7 +22,7 @@ use moor_controller::embedded::attach::{Attacher as _, LoopAttacher};
 use moor_controller::embedded::reconcile::Report;
 use moor_controller::embedded::records::{Publication, RecordStore};
 use moor_controller::embedded::{Config, EmbeddedBackend};
-use moor_node::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
+use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
 
 const MIB: u64 = 1 << 20;
 const NODE: &str = "node-1";
@@ -591,7 +591,7 @@ async fn grpc_publish_context_over_a_socket() {
     let fx = Fixture::new("grpc");
     let backend = Arc::clone(fx.backend.as_ref().expect("backend"));
     let socket = fx.dir.join("csi.sock");
-    let listener = moor_node::server::bind_unix(&socket).expect("bind");
+    let listener = moor_runtime::server::bind_unix(&socket).expect("bind");
     let router = tonic::transport::Server::builder()
         .add_service(csi::identity_server::IdentityServer::new(
             IdentityService::new("moor.csi.io", Arc::clone(&backend)),
@@ -602,7 +602,7 @@ async fn grpc_publish_context_over_a_socket() {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let path = socket.clone();
     let server = tokio::spawn(async move {
-        moor_node::server::serve(
+        moor_runtime::server::serve(
             router,
             listener,
             &path,
@@ -861,7 +861,7 @@ fn controller_child_process() {
         eprintln!("child controller: {report:?}");
         let backend = Arc::new(backend);
         let socket = dir.join("csi.sock");
-        let listener = moor_node::server::bind_unix(&socket).expect("bind");
+        let listener = moor_runtime::server::bind_unix(&socket).expect("bind");
         let router = tonic::transport::Server::builder()
             .add_service(csi::identity_server::IdentityServer::new(
                 IdentityService::new("moor.csi.io", Arc::clone(&backend)),
@@ -869,7 +869,7 @@ fn controller_child_process() {
             .add_service(csi::controller_server::ControllerServer::new(
                 ControllerService::new(backend),
             ));
-        moor_node::server::serve(
+        moor_runtime::server::serve(
             router,
             listener,
             &socket,

@@ -3,13 +3,13 @@
 use std::path::Path;
 
 use super::Engine;
-use crate::contract::Filesystem;
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem;
 use crate::journal::{AccessRecord, StageRecord, VolumeRecord};
 use crate::sys::{MountState, Os};
 use crate::validate;
+use moor_runtime::contract::Filesystem;
 
 /// The stage of the volume at the request's path (its staging path or a target it is
 /// published at), which must match the staging path and access type the request names.

@@ -8,13 +8,13 @@ use tracing::{info, warn};
 
 use super::Engine;
 use super::stage::Staging;
-use crate::contract::Filesystem;
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem::{self, FSCK_CORRECTED, FSCK_CORRECTED_REBOOT, FSCK_UNCORRECTED, Fsck};
 use crate::journal::{Durability, Phase, VolumeRecord};
 use crate::superblock::Content;
 use crate::sys::{self, HeldDevice, Os, ToolError};
+use moor_runtime::contract::Filesystem;
 
 impl Staging<'_> {
     /// Whether the device is formatted. Only a blank device is, and a device moor was

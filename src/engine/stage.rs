@@ -12,7 +12,6 @@ use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 use tracing::warn;
 
 use super::{ADOPTED_MODE, Engine};
-use crate::contract::Filesystem;
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem;
@@ -22,6 +21,7 @@ use crate::superblock::Content;
 use crate::sys::{FsMount, HeldDevice, MountAttrs, MountPoint, MountState, Os};
 use crate::validate::{self, Access, Capability};
 use crate::{fsgroup, selinux};
+use moor_runtime::contract::Filesystem;
 
 /// Timings of the slow steps, for metrics and logs.
 #[derive(Debug, Clone, Copy, Default)]

@@ -5,8 +5,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::{FilesystemOps, tool, with_force};
-use crate::contract::Filesystem;
 use crate::sys::ToolRun;
+use moor_runtime::contract::Filesystem;
 
 /// XFS.
 #[derive(Debug)]

@@ -11,7 +11,7 @@
 
 use std::fmt::Write as _;
 
-use crate::contract::Filesystem;
+use moor_runtime::contract::Filesystem;
 
 /// How many bytes from the start of the device [`probe`] expects in `head`.
 pub const HEAD_LEN: usize = 1024 * 1024;

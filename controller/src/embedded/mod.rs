@@ -40,7 +40,7 @@ use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-use moor_node::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
+use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
 use tracing::{info, warn};
 
 use self::attach::{AttachError, Attacher, FileId};
@@ -272,7 +272,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
         report.set_aside = loaded.set_aside;
         let segment = Segment::from([(
             cfg.topology_key,
-            moor_node::limits::topology_value(&cfg.node_id),
+            moor_runtime::limits::topology_value(&cfg.node_id),
         )]);
         Ok((
             Self {

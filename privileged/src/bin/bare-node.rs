@@ -22,9 +22,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use moor_node::contract::DEVICE_PATH_KEY;
 use moor_privileged::bench::{mkfs, mount_data};
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::DEVICE_PATH_KEY;
 use rustix::mount::{MountFlags, UnmountFlags};
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};

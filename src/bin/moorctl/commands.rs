@@ -8,8 +8,8 @@ use csi::controller_client::ControllerClient;
 use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode};
-use moor_node::contract::DEVICE_PATH_KEY;
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::DEVICE_PATH_KEY;
 use serde_json::{Value, json};
 use tonic::transport::Channel;
 

@@ -29,7 +29,7 @@ use crate::embedded::attach::Attacher as _;
 use crate::embedded::fake::{FakeAttacher, FakeFailure};
 use crate::embedded::testdir::TestDir;
 use crate::embedded::{Config, EmbeddedBackend};
-use moor_node::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
+use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
 
 const MIB: i64 = 1 << 20;
 const GIB: i64 = 1 << 30;

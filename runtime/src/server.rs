@@ -137,7 +137,7 @@ pub async fn serve(
             let mut idle_since = None;
             loop {
                 let now = tokio::time::Instant::now();
-                if crate::grpc_metrics::calls_in_flight() > 0 {
+                if crate::metrics::calls_in_flight() > 0 {
                     idle_since = None;
                 } else if idle_since.is_some_and(|t| now >= t + linger) {
                     return true;
