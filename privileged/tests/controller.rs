@@ -709,7 +709,8 @@ struct ReflinkFs {
 impl ReflinkFs {
     fn new(tag: &str) -> Self {
         moor_privileged::require_root();
-        moor_privileged::sys::enter_private_mount_namespace().expect("private mount namespace");
+        moor_runtime::sys::mount_namespace::enter_private_mount_namespace()
+            .expect("private mount namespace");
         let dir = temp_dir(tag);
         let image = dir.join("xfs.img");
         File::create(&image)

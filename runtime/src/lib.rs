@@ -17,3 +17,4 @@ pub mod instance;
 pub mod limits;
 pub mod metrics;
 pub mod server;
+pub mod sys;
