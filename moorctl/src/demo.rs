@@ -924,7 +924,7 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     }
     let (node_bin, ctl_bin) = binaries(args)?;
     // Before any thread exists: everything mounted from here on stays in this namespace.
-    crate::sys::enter_private_mount_namespace()
+    moor_runtime::sys::mount_namespace::enter_private_mount_namespace()
         .map_err(|e| CliError::Local(format!("cannot make a private mount namespace: {e}")))?;
     let root = std::env::temp_dir().join(format!("moor-demo-{}", std::process::id()));
     let rt = tokio::runtime::Builder::new_current_thread()
