@@ -35,15 +35,9 @@ pub struct Registry {
     fsck_checks: Family<AtomicU64>,
 }
 
-impl Default for Registry {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl Registry {
-    /// An empty registry.
-    pub const fn new() -> Self {
+    /// An empty registry (the process has one, [`registry`]).
+    const fn new() -> Self {
         Self {
             mount_duration: Family::new(
                 "moor_mount_duration_seconds",
