@@ -17,12 +17,13 @@ use std::sync::OnceLock;
 use std::sync::atomic::AtomicU64;
 use std::time::Instant;
 
+use moor_runtime::metrics::{Family, Histogram, render_gauge};
+
 use crate::journal::Journal;
 use crate::sys::{
     BindMount, BlockDevice, FsMount, FsUsage, HeldDevice, MountState, Os, SysResult, ToolError,
     ToolRun,
 };
-use moor_runtime::metrics::{Family, Histogram, render_gauge};
 
 /// Every metric of the node's own.
 #[derive(Debug)]

@@ -9,16 +9,16 @@ use std::path::{Path, PathBuf};
 
 use csi::volume_capability::{AccessType, access_mode::Mode};
 use moor_proto::csi::v1 as csi;
-
-use crate::error::{Error, Result};
-use crate::mount_options::{self, MountOptions};
-use crate::sys::MountAttrs;
-use crate::sys::discovery::DeviceIdentity;
 use moor_runtime::contract::{
     BACKING_FILE_FIELD, BACKING_FILE_KEY, DEVICE_PATH_FIELD, DEVICE_PATH_KEY, DEVICE_SERIAL_FIELD,
     DEVICE_SERIAL_KEY, DEVICE_WWN_FIELD, DEVICE_WWN_KEY, Filesystem,
 };
 use moor_runtime::limits::{self, trunc};
+
+use crate::error::{Error, Result};
+use crate::mount_options::{self, MountOptions};
+use crate::sys::MountAttrs;
+use crate::sys::discovery::DeviceIdentity;
 
 /// Longest volume id (the spec's general limit for strings).
 pub const MAX_ID_LEN: usize = limits::MAX_STRING_LEN;

@@ -2,6 +2,8 @@
 
 use std::path::Path;
 
+use moor_runtime::contract::Filesystem;
+
 use super::Engine;
 use crate::crash_points;
 use crate::error::{Error, Result};
@@ -9,7 +11,6 @@ use crate::filesystem;
 use crate::journal::{AccessRecord, StageRecord, VolumeRecord};
 use crate::sys::{MountState, Os};
 use crate::validate;
-use moor_runtime::contract::Filesystem;
 
 /// The stage of the volume at the request's path (its staging path or a target it is
 /// published at), which must match the staging path and access type the request names.

@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use moor_runtime::contract::Filesystem;
 use tracing::{info, warn};
 
 use super::Engine;
@@ -14,7 +15,6 @@ use crate::filesystem::{self, FSCK_CORRECTED, FSCK_CORRECTED_REBOOT, FSCK_UNCORR
 use crate::journal::{Durability, Phase, VolumeRecord};
 use crate::superblock::Content;
 use crate::sys::{self, HeldDevice, Os, ToolError};
-use moor_runtime::contract::Filesystem;
 
 impl Staging<'_> {
     /// Whether the device is formatted. Only a blank device is, and a device moor was

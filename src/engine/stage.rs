@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
+use moor_runtime::contract::Filesystem;
 use tracing::warn;
 
 use super::{ADOPTED_MODE, Engine};
@@ -21,7 +22,6 @@ use crate::superblock::Content;
 use crate::sys::{FsMount, HeldDevice, MountAttrs, MountPoint, MountState, Os};
 use crate::validate::{self, Access, Capability};
 use crate::{fsgroup, selinux};
-use moor_runtime::contract::Filesystem;
 
 /// Timings of the slow steps, for metrics and logs.
 #[derive(Debug, Clone, Copy, Default)]

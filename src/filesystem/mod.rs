@@ -12,8 +12,9 @@ pub mod xfs;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::sys::ToolRun;
 use moor_runtime::contract::Filesystem;
+
+use crate::sys::ToolRun;
 
 /// fsck(8)'s exit code bits, which a check's run answers with: errors corrected; corrected,
 /// and a reboot would be due (for the root filesystem); errors left uncorrected.

@@ -4,9 +4,10 @@
 use std::path::Path;
 use std::time::Duration;
 
+use moor_runtime::contract::Filesystem;
+
 use super::{FilesystemOps, tool, with_force};
 use crate::sys::ToolRun;
-use moor_runtime::contract::Filesystem;
 
 /// XFS.
 #[derive(Debug)]

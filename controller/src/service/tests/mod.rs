@@ -22,6 +22,7 @@ use std::sync::Arc;
 use csi::controller_server::Controller as _;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
 use tonic::{Code, Request, Status};
 
 use super::ControllerService;
@@ -29,7 +30,6 @@ use crate::embedded::attach::Attacher as _;
 use crate::embedded::fake::{FakeAttacher, FakeFailure};
 use crate::embedded::testdir::TestDir;
 use crate::embedded::{Config, EmbeddedBackend};
-use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
 
 const MIB: i64 = 1 << 20;
 const GIB: i64 = 1 << 30;
