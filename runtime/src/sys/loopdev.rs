@@ -1,4 +1,5 @@
-//! Loop device ioctls. This module is the only `unsafe` code in moor-controller.
+//! Loop device ioctls, for the controller (which attaches volumes with them) and the node (which
+//! asks a loop device which file it reads).
 //!
 //! * `LOOP_CTL_GET_FREE` on `/dev/loop-control`: the number of a free loop device (the kernel
 //!   creates one when none is free);
@@ -9,7 +10,7 @@
 //! * `LOOP_CLR_FD`: unbind; the kernel finishes it when the last opener closes the device.
 //!
 //! The wrappers are safe: each takes borrowed descriptors and properly laid-out structures.
-//! Deciding *which* device to touch is [`crate::embedded::attach`]'s job.
+//! Deciding *which* device to touch is the caller's job (the controller's `embedded::attach`).
 
 use std::ffi::c_void;
 use std::io;
