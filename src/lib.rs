@@ -42,8 +42,6 @@ mod fsgroup_tests;
 #[cfg(test)]
 mod power_cut_tests;
 #[cfg(test)]
-mod reconcile_tests;
-#[cfg(test)]
 mod selinux_tests;
 #[cfg(test)]
 mod service_tests;

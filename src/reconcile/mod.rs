@@ -788,3 +788,6 @@ impl<O: Os> Reconciler<O> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;
