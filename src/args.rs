@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use crate::daemon;
+use moor_runtime::daemon;
 
 /// moor-node: the CSI node plugin. Serves the CSI Identity and Node services to kubelet on a
 /// Unix socket, and stages and publishes volumes by direct mount syscalls.

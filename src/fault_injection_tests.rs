@@ -10,15 +10,13 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use moor_proto::csi::v1 as csi;
-use moor_proto::csi::v1::node_server::Node as _;
-use tonic::{Code, Request};
+use tonic::Code;
 
 use crate::engine::{Engine, EngineConfig};
 use crate::journal::Journal;
 use crate::reconcile::Reconciler;
 use crate::service::NodeService;
-use crate::service_tests::{DEV, K, STAGING, TARGET, ext4, publish_req, stage_req, stats_req};
+use crate::service_tests::{DEV, K, KubeletCall, STAGING, TARGET, kubelet_call};
 use crate::sys::discovery::{DeviceIdentity, DiscoveryError, EventSource, FoundDevice, Verdict};
 use crate::sys::fake::FakeOs;
 use crate::sys::mount_table::MountEntry;
@@ -173,32 +171,28 @@ impl Os for Faulty {
     }
 }
 
+/// A step of the life: one of kubelet's calls, or a reconciliation pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Step {
-    Stage,
-    Publish,
-    Stats,
-    Expand,
+    Kubelet(KubeletCall),
     Reconcile,
-    Unpublish,
-    Unstage,
 }
 
 /// A volume's life, with what is mounted after each step (staging, target).
 const LIFE: [(Step, (usize, usize)); 13] = [
-    (Step::Stage, (1, 0)),
-    (Step::Publish, (1, 1)),
-    (Step::Stats, (1, 1)),
-    (Step::Expand, (1, 1)),
+    (Step::Kubelet(KubeletCall::Stage), (1, 0)),
+    (Step::Kubelet(KubeletCall::Publish), (1, 1)),
+    (Step::Kubelet(KubeletCall::Stats), (1, 1)),
+    (Step::Kubelet(KubeletCall::Expand), (1, 1)),
     (Step::Reconcile, (1, 1)),
-    (Step::Unpublish, (1, 0)),
-    (Step::Unstage, (0, 0)),
-    (Step::Stage, (1, 0)),
-    (Step::Publish, (1, 1)),
+    (Step::Kubelet(KubeletCall::Unpublish), (1, 0)),
+    (Step::Kubelet(KubeletCall::Unstage), (0, 0)),
+    (Step::Kubelet(KubeletCall::Stage), (1, 0)),
+    (Step::Kubelet(KubeletCall::Publish), (1, 1)),
     (Step::Reconcile, (1, 1)),
-    (Step::Stats, (1, 1)),
-    (Step::Unpublish, (1, 0)),
-    (Step::Unstage, (0, 0)),
+    (Step::Kubelet(KubeletCall::Stats), (1, 1)),
+    (Step::Kubelet(KubeletCall::Unpublish), (1, 0)),
+    (Step::Kubelet(KubeletCall::Unstage), (0, 0)),
 ];
 
 struct World {
@@ -253,50 +247,11 @@ impl World {
     /// One step; its gRPC code (OK for a reconciliation pass that logged its failure).
     async fn step(&self, step: Step) -> Result<(), tonic::Status> {
         match step {
-            Step::Stage => self
-                .svc
-                .node_stage_volume(Request::new(stage_req(ext4())))
-                .await
-                .map(drop),
-            Step::Publish => self
-                .svc
-                .node_publish_volume(Request::new(publish_req(ext4(), false)))
-                .await
-                .map(drop),
-            Step::Stats => self
-                .svc
-                .node_get_volume_stats(Request::new(stats_req(TARGET)))
-                .await
-                .map(drop),
-            Step::Expand => self
-                .svc
-                .node_expand_volume(Request::new(csi::NodeExpandVolumeRequest {
-                    volume_id: "vol-1".into(),
-                    volume_path: TARGET.into(),
-                    ..Default::default()
-                }))
-                .await
-                .map(drop),
+            Step::Kubelet(call) => kubelet_call(&self.svc, call).await,
             Step::Reconcile => {
                 let _ = Reconciler::new(Arc::clone(&self.engine), "moor.csi.io").run();
                 Ok(())
             }
-            Step::Unpublish => self
-                .svc
-                .node_unpublish_volume(Request::new(csi::NodeUnpublishVolumeRequest {
-                    volume_id: "vol-1".into(),
-                    target_path: TARGET.into(),
-                }))
-                .await
-                .map(drop),
-            Step::Unstage => self
-                .svc
-                .node_unstage_volume(Request::new(csi::NodeUnstageVolumeRequest {
-                    volume_id: "vol-1".into(),
-                    staging_target_path: STAGING.into(),
-                }))
-                .await
-                .map(drop),
         }
     }
 

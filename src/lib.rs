@@ -3,7 +3,7 @@
 //! The daemon is a thin shell (`main.rs`) around these modules:
 //! * [`args`] is its command line;
 //! * [`validate`] turns CSI requests into typed, checked requests, within the spec's
-//!   [`limits`] (shared with the controller);
+//!   limits ([`moor_runtime::limits`], shared with the controller);
 //! * [`engine`] carries out the Node RPCs' semantics over the OS ([`sys`]) and the node
 //!   journal ([`journal`]), one operation per volume at a time ([`volume_lock`]);
 //! * [`sys::discovery`] finds a volume's block device by identity, through udev;
@@ -13,29 +13,24 @@
 //! * [`mount_options`] decides which mount flags reach the kernel; [`selinux`] checks the
 //!   SELinux labels among them, and [`fsgroup`] gives a volume to its pod's group;
 //! * [`sys::mountinfo`] parses the mount table where statx/statmount cannot answer;
-//! * [`service`] and [`server`] serve it all over gRPC on a Unix socket;
-//! * [`registration`] registers the plugin with kubelet, [`http`] serves `/healthz` and
-//!   `/metrics`, and [`metrics`] keeps the Prometheus metrics.
+//! * [`service`] answers the Node and Identity RPCs, which [`moor_runtime::server`] serves
+//!   over gRPC on a Unix socket;
+//! * [`registration`] registers the plugin with kubelet, and [`metrics`] keeps the node's
+//!   Prometheus metrics, which [`moor_runtime::http`] serves with `/healthz`.
 
 pub mod args;
 pub mod attach;
-pub mod authority;
 pub mod crash_points;
-pub mod daemon;
 pub mod engine;
 pub mod error;
 pub mod filesystem;
 pub mod fsgroup;
-pub mod http;
-pub mod instance;
 pub mod journal;
-pub mod limits;
 pub mod metrics;
 pub mod mount_options;
 pub mod reconcile;
 pub mod registration;
 pub mod selinux;
-pub mod server;
 pub mod service;
 pub mod superblock;
 pub mod sys;
@@ -48,8 +43,6 @@ mod fault_injection_tests;
 mod fsgroup_tests;
 #[cfg(test)]
 mod power_cut_tests;
-#[cfg(test)]
-mod reconcile_tests;
 #[cfg(test)]
 mod selinux_tests;
 #[cfg(test)]

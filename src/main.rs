@@ -9,15 +9,16 @@ use clap::Parser;
 use moor_node::args::Args;
 use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::Journal;
-use moor_node::metrics::{Metered, MeteredOs};
+use moor_node::metrics::MeteredOs;
 use moor_node::reconcile::Reconciler;
 use moor_node::registration::{self, Progress, RegistrationService};
 use moor_node::service::{IdentityService, NodeService, OPTIONAL_TOOLS, PluginInfo, readiness};
 use moor_node::sys::Os;
 use moor_node::sys::linux::Linux;
-use moor_node::{daemon, http, instance, server};
 use moor_proto::csi::v1::{identity_server::IdentityServer, node_server::NodeServer};
 use moor_proto::registration::v1::registration_server::RegistrationServer;
+use moor_runtime::metrics::Metered;
+use moor_runtime::{daemon, http, instance, server};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -58,7 +59,7 @@ fn main() -> ExitCode {
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(why) =
-        moor_node::limits::id_problem(&args.node_id, moor_node::limits::MAX_NODE_ID_LEN)
+        moor_runtime::limits::id_problem(&args.node_id, moor_runtime::limits::MAX_NODE_ID_LEN)
     {
         return Err(format!("--node-id {why}").into());
     }

@@ -12,11 +12,10 @@
 //! categories hold a comma: `context="system_u:object_r:container_file_t:s0:c15,c25"`. Commas
 //! inside quotes do not separate options; the quotes do not reach the kernel.
 
+use moor_runtime::contract::Filesystem;
+
 use crate::filesystem;
 use crate::sys::{Atime, MountAttrs};
-
-/// A filesystem moor can format and mount.
-pub use crate::superblock::Filesystem;
 
 /// Why a mount option list was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -7,15 +7,11 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use moor_proto::csi::v1 as csi;
-use moor_proto::csi::v1::node_server::Node as _;
-use tonic::Request;
-
 use crate::engine::{Engine, EngineConfig};
 use crate::journal::{self, Journal, Phase};
 use crate::reconcile::Reconciler;
 use crate::service::NodeService;
-use crate::service_tests::{DEV, K, STAGING, TARGET, ext4, publish_req, stage_req};
+use crate::service_tests::{DEV, K, KubeletCall, STAGING, TARGET, kubelet_call};
 use crate::sys::fake::{Call, FakeOs};
 
 const GIB: u64 = 1 << 30;
@@ -99,52 +95,24 @@ fn data_intact(os: &FakeOs) -> bool {
 
 impl World {
     async fn run(&self, step: Step, size: &mut u64) {
-        let what = format!("{step:?}");
-        match step {
-            Step::Stage => self
-                .svc
-                .node_stage_volume(Request::new(stage_req(ext4())))
-                .await
-                .map(drop),
-            Step::Publish => self
-                .svc
-                .node_publish_volume(Request::new(publish_req(ext4(), false)))
-                .await
-                .map(drop),
+        let call = match step {
             Step::Write => {
                 self.os.write_device(DEV, DATA_AT, DATA);
-                Ok(())
+                return;
             }
             Step::Expand => {
                 *size += GIB;
                 self.os.resize_device(DEV, *size);
-                self.svc
-                    .node_expand_volume(Request::new(csi::NodeExpandVolumeRequest {
-                        volume_id: "vol-1".into(),
-                        volume_path: TARGET.into(),
-                        ..Default::default()
-                    }))
-                    .await
-                    .map(drop)
+                KubeletCall::Expand
             }
-            Step::Unpublish => self
-                .svc
-                .node_unpublish_volume(Request::new(csi::NodeUnpublishVolumeRequest {
-                    volume_id: "vol-1".into(),
-                    target_path: TARGET.into(),
-                }))
-                .await
-                .map(drop),
-            Step::Unstage => self
-                .svc
-                .node_unstage_volume(Request::new(csi::NodeUnstageVolumeRequest {
-                    volume_id: "vol-1".into(),
-                    staging_target_path: STAGING.into(),
-                }))
-                .await
-                .map(drop),
-        }
-        .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+            Step::Stage => KubeletCall::Stage,
+            Step::Publish => KubeletCall::Publish,
+            Step::Unpublish => KubeletCall::Unpublish,
+            Step::Unstage => KubeletCall::Unstage,
+        };
+        kubelet_call(&self.svc, call)
+            .await
+            .unwrap_or_else(|e| panic!("{step:?}: {e:?}"));
     }
 }
 

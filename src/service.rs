@@ -170,7 +170,7 @@ impl<O: Os> csi::identity_server::Identity for IdentityService<O> {
         _: Request<csi::GetPluginCapabilitiesRequest>,
     ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
         Ok(Response::new(csi::GetPluginCapabilitiesResponse {
-            capabilities: plugin_capabilities(),
+            capabilities: moor_runtime::contract::plugin_capabilities(),
         }))
     }
 
@@ -189,26 +189,6 @@ impl<O: Os> csi::identity_server::Identity for IdentityService<O> {
             }
         }
     }
-}
-
-/// The plugin capabilities: the same from the node and the controller, as the spec has every
-/// instance of a version answer, whichever services it serves. The controller service,
-/// volumes that live on one node (accessibility constraints), and volumes that grow while
-/// in use.
-pub fn plugin_capabilities() -> Vec<csi::PluginCapability> {
-    use csi::plugin_capability::{Service, Type, VolumeExpansion, service, volume_expansion};
-    let service = |t: service::Type| csi::PluginCapability {
-        r#type: Some(Type::Service(Service { r#type: t as i32 })),
-    };
-    vec![
-        service(service::Type::ControllerService),
-        service(service::Type::VolumeAccessibilityConstraints),
-        csi::PluginCapability {
-            r#type: Some(Type::VolumeExpansion(VolumeExpansion {
-                r#type: volume_expansion::Type::Online as i32,
-            })),
-        },
-    ]
 }
 
 /// The Node service.
@@ -394,7 +374,7 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
             accessible_topology: Some(csi::Topology {
                 segments: HashMap::from([(
                     self.info.topology_key.clone(),
-                    crate::limits::topology_value(&self.info.node_id),
+                    moor_runtime::limits::topology_value(&self.info.node_id),
                 )]),
             }),
         }))

@@ -9,10 +9,14 @@ use std::path::{Path, PathBuf};
 
 use csi::volume_capability::{AccessType, access_mode::Mode};
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::{
+    BACKING_FILE_FIELD, BACKING_FILE_KEY, DEVICE_PATH_FIELD, DEVICE_PATH_KEY, DEVICE_SERIAL_FIELD,
+    DEVICE_SERIAL_KEY, DEVICE_WWN_FIELD, DEVICE_WWN_KEY, Filesystem,
+};
+use moor_runtime::limits::{self, trunc};
 
 use crate::error::{Error, Result};
-use crate::limits::{self, trunc};
-use crate::mount_options::{self, Filesystem, MountOptions};
+use crate::mount_options::{self, MountOptions};
 use crate::sys::MountAttrs;
 use crate::sys::discovery::DeviceIdentity;
 
@@ -24,17 +28,6 @@ pub const MAX_PATH_LEN: usize = 4096;
 pub const MAX_MAP_BYTES: usize = limits::MAX_MAP_BYTES;
 /// Most mount flags in one capability.
 pub const MAX_MOUNT_FLAGS: usize = 64;
-/// The publish_context key naming the device the controller attached.
-pub const DEVICE_PATH_KEY: &str = "devicePath";
-/// The publish_context key naming the file behind a loop device (the embedded backend's
-/// identity of the volume): the node refuses a device backed by anything else.
-pub const BACKING_FILE_KEY: &str = "backingFile";
-/// The publish_context key giving the disk's serial number (udev `ID_SERIAL` or
-/// `ID_SERIAL_SHORT`, sysfs `serial`): a cloud backend's identity of the volume.
-pub const DEVICE_SERIAL_KEY: &str = "deviceSerial";
-/// The publish_context key giving the disk's World Wide Name (udev `ID_WWN`, sysfs `wwid`;
-/// `0x`/`naa.`/`eui.` prefixes and case do not matter).
-pub const DEVICE_WWN_KEY: &str = "deviceWWN";
 /// Longest serial number or WWN accepted.
 pub const MAX_DEVICE_ID_LEN: usize = 256;
 /// Filesystem used when the capability names none.
@@ -364,10 +357,10 @@ fn device_identity(
 ) -> Result<(Option<PathBuf>, DeviceIdentity)> {
     let device = match ctx.get(DEVICE_PATH_KEY) {
         Some(raw) => {
-            let device = clean_absolute("publish_context.devicePath", raw)?;
+            let device = clean_absolute(DEVICE_PATH_FIELD, raw)?;
             if !device.starts_with("/dev") || device.starts_with(kubelet_dir) {
                 return Err(Error::invalid(
-                    "publish_context.devicePath",
+                    DEVICE_PATH_FIELD,
                     "must name a device under /dev",
                 ));
             }
@@ -378,15 +371,15 @@ fn device_identity(
     let identity = DeviceIdentity {
         backing_file: ctx
             .get(BACKING_FILE_KEY)
-            .map(|raw| clean_absolute("publish_context.backingFile", raw))
+            .map(|raw| clean_absolute(BACKING_FILE_FIELD, raw))
             .transpose()?,
         serial: ctx
             .get(DEVICE_SERIAL_KEY)
-            .map(|raw| device_id("publish_context.deviceSerial", raw))
+            .map(|raw| device_id(DEVICE_SERIAL_FIELD, raw))
             .transpose()?,
         wwn: ctx
             .get(DEVICE_WWN_KEY)
-            .map(|raw| device_id("publish_context.deviceWWN", raw))
+            .map(|raw| device_id(DEVICE_WWN_FIELD, raw))
             .transpose()?,
     };
     // An RBD image's device is the one this node maps for it (`attach`).

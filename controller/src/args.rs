@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use moor_node::daemon;
+use moor_runtime::daemon;
 
 /// moor-controller: the CSI controller plugin. Serves the CSI Identity and Controller services
 /// on a Unix socket; its embedded backend keeps volumes as sparse files under --data-dir and

@@ -221,7 +221,7 @@ impl From<Error> for Status {
 /// Result of a controller operation.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-pub use moor_node::limits::trunc;
+pub use moor_runtime::limits::trunc;
 
 #[cfg(test)]
 mod tests {

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::plugin_capabilities;
 use tonic::{Request, Response, Status};
 use tracing::warn;
 
@@ -29,10 +30,6 @@ impl<B: Backend> IdentityService<B> {
         }
     }
 }
-
-/// The plugin capabilities: the node's, as the spec has every instance of a version answer
-/// the same.
-pub use moor_node::service::plugin_capabilities;
 
 #[tonic::async_trait]
 impl<B: Backend> csi::identity_server::Identity for IdentityService<B> {

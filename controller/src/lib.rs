@@ -8,7 +8,7 @@
 //!   types it speaks and helpers any implementation can reuse (sizes, topology, paging);
 //! * [`embedded`] is the default backend: sparse files under a data dir, attached as loop
 //!   devices on this host, with crash-safe records;
-//! * [`loopdev`] holds the loop device ioctls, the crate's only `unsafe` code;
+//! * the loop device ioctls it attaches with are [`moor_runtime::sys::loopdev`];
 //! * [`inflight`] answers ABORTED when an operation on the same object is already running;
 //! * [`service`] and [`identity`] serve the CSI Controller and Identity services;
 //! * [`error`] maps every failure to the gRPC code the CSI spec names for it.
@@ -19,7 +19,6 @@ pub mod embedded;
 pub mod error;
 pub mod identity;
 pub mod inflight;
-pub mod loopdev;
 pub mod service;
 pub mod validate;
 

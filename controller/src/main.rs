@@ -10,10 +10,10 @@ use moor_controller::embedded::attach::LoopAttacher;
 use moor_controller::embedded::{Config, EmbeddedBackend};
 use moor_controller::identity::IdentityService;
 use moor_controller::service::ControllerService;
-use moor_node::metrics::Metered;
-use moor_node::{daemon, http, instance, server};
 use moor_proto::csi::v1::controller_server::ControllerServer;
 use moor_proto::csi::v1::identity_server::IdentityServer;
+use moor_runtime::metrics::Metered;
+use moor_runtime::{daemon, http, instance, server};
 use tracing::{info, warn};
 
 /// What the HTTP endpoint reports for the controller.
@@ -27,7 +27,7 @@ impl<B: moor_controller::Backend> http::Status for ControllerStatus<B> {
     }
 
     fn metrics(&self) -> String {
-        moor_node::metrics::render_grpc()
+        moor_runtime::metrics::render_grpc()
     }
 }
 
@@ -52,7 +52,8 @@ fn check_names(driver: &str, node: &str) -> Result<(), String> {
              characters (it prefixes the topology key)"
         ));
     }
-    if let Some(why) = moor_node::limits::id_problem(node, moor_node::limits::MAX_NODE_ID_LEN) {
+    if let Some(why) = moor_runtime::limits::id_problem(node, moor_runtime::limits::MAX_NODE_ID_LEN)
+    {
         return Err(format!("--node-id {why}"));
     }
     Ok(())

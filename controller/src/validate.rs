@@ -8,8 +8,8 @@
 use std::collections::{BTreeSet, HashMap};
 
 use csi::volume_capability::{AccessType as CsiAccessType, access_mode::Mode};
-use moor_node::limits;
 use moor_proto::csi::v1 as csi;
+use moor_runtime::limits;
 
 use crate::backend::{
     AccessMode, AccessType, Capability, CapacityRange, ContentSource, ExpandRequest, NewSnapshot,
@@ -18,7 +18,7 @@ use crate::backend::{
 };
 use crate::error::{Error, Result, trunc};
 
-pub use moor_node::limits::{MAX_MAP_BYTES, MAX_NODE_ID_LEN, MAX_STRING_LEN};
+pub use moor_runtime::limits::{MAX_MAP_BYTES, MAX_NODE_ID_LEN, MAX_STRING_LEN};
 /// Most capabilities in one request.
 pub const MAX_CAPABILITIES: usize = 32;
 

@@ -13,10 +13,11 @@ use csi::group_controller_client::GroupControllerClient;
 use csi::identity_client::IdentityClient;
 use csi::identity_server::IdentityServer;
 use moor_controller::embedded::fake::FakeAttacher;
-use moor_controller::embedded::{Config, DEVICE_PATH_KEY, EmbeddedBackend};
+use moor_controller::embedded::{Config, EmbeddedBackend};
 use moor_controller::identity::IdentityService;
 use moor_controller::service::ControllerService;
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::DEVICE_PATH_KEY;
 use tonic::Code;
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -84,7 +85,7 @@ async fn serve(
     .unwrap();
     let backend = Arc::new(backend);
     let socket = dir.join("csi.sock");
-    let listener = moor_node::server::bind_unix(&socket).unwrap();
+    let listener = moor_runtime::server::bind_unix(&socket).unwrap();
     let router = tonic::transport::Server::builder()
         .add_service(IdentityServer::new(IdentityService::new(
             "moor.csi.io",
@@ -94,7 +95,7 @@ async fn serve(
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let path = socket.clone();
     let task = tokio::spawn(async move {
-        moor_node::server::serve(
+        moor_runtime::server::serve(
             router,
             listener,
             &path,

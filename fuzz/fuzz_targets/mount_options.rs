@@ -3,7 +3,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use moor_node::mount_options::{self, Filesystem};
+use moor_node::mount_options;
+use moor_runtime::contract::Filesystem;
 
 const FILESYSTEMS: [Filesystem; 5] = [
     Filesystem::Ext2,

@@ -14,7 +14,6 @@ pub mod bench;
 pub mod client;
 pub mod pathgrpc;
 pub mod requests;
-pub mod sys;
 
 /// A test's private world.
 #[derive(Debug)]
@@ -42,7 +41,8 @@ impl Sandbox {
     /// Enters a private mount namespace on this thread and makes the sandbox dirs.
     pub fn new(name: &str) -> Self {
         require_root();
-        sys::enter_private_mount_namespace().expect("private mount namespace");
+        moor_runtime::sys::mount_namespace::enter_private_mount_namespace()
+            .expect("private mount namespace");
         static N: AtomicU32 = AtomicU32::new(0);
         let root = std::env::temp_dir().join(format!(
             "moor-priv-{name}-{}-{}",

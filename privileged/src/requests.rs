@@ -6,6 +6,7 @@ use std::path::Path;
 
 use csi::volume_capability::access_mode::Mode;
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::DEVICE_PATH_KEY;
 
 /// A mount volume capability for `fs`, single-node multi-writer.
 pub fn cap(fs: &str) -> csi::VolumeCapability {
@@ -16,7 +17,7 @@ pub fn cap(fs: &str) -> csi::VolumeCapability {
 pub fn stage_req(vol: &str, dev: &Path, staging: &Path, fs: &str) -> csi::NodeStageVolumeRequest {
     csi::NodeStageVolumeRequest {
         volume_id: vol.into(),
-        publish_context: HashMap::from([("devicePath".into(), dev.display().to_string())]),
+        publish_context: HashMap::from([(DEVICE_PATH_KEY.into(), dev.display().to_string())]),
         staging_target_path: staging.display().to_string(),
         volume_capability: Some(cap(fs)),
         secrets: HashMap::new(),

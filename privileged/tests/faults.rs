@@ -76,17 +76,23 @@ fn a_reader_only_stage_of_a_blank_device_leaves_it_all_zeros() {
     assert!(all_zero(&dev), "the device must stay all zeros");
 }
 
-fn dumpe2fs_state(dev: &Path) -> String {
+/// A field of the ext superblock as `dumpe2fs -h` prints it ("Filesystem state", ...).
+fn dumpe2fs(dev: &Path, field: &str) -> String {
     let out = Command::new("dumpe2fs")
         .arg("-h")
         .arg(dev)
         .output()
         .expect("dumpe2fs");
+    let prefix = format!("{field}:");
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .find_map(|l| l.strip_prefix("Filesystem state:"))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
         .map(|s| s.trim().to_string())
         .unwrap_or_default()
+}
+
+fn dumpe2fs_state(dev: &Path) -> String {
+    dumpe2fs(dev, "Filesystem state")
 }
 
 #[test]
@@ -195,16 +201,7 @@ async fn step(svc: &NodeService<Linux>, step: Step, dev: &Path, staging: &Path, 
 }
 
 fn fs_uuid(dev: &Path) -> String {
-    let out = Command::new("dumpe2fs")
-        .arg("-h")
-        .arg(dev)
-        .output()
-        .expect("dumpe2fs");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("Filesystem UUID:"))
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
+    dumpe2fs(dev, "Filesystem UUID")
 }
 
 #[test]

@@ -5,6 +5,9 @@
 //! state dir, data dir) and its mount table are the same after each call as before it, no loop
 //! device is bound to a file of the sandbox, and the daemon still answers. (Undecodable
 //! protobuf is answered by tonic's codec before any handler runs.)
+//!
+//! One file, over the usual length: one table of hostile requests per RPC, driven by one
+//! harness that checks the sandbox is unchanged after each.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};

@@ -6,6 +6,9 @@
 //! layout under a temporary kubelet dir: what kubelet creates itself (the per-volume dirs and
 //! their `vol_data.json`), and what it leaves to the driver (`globalmount`, `mount`, the block
 //! publish file). moor-node is SIGKILLed between calls and during one, and kubelet retries.
+//!
+//! One file, over the usual length: the kubelet harness and the scenarios it plays belong
+//! together; a scenario reads as kubelet's calls in order.
 //! The HTTP endpoint of both binaries is checked over real TCP on 127.0.0.1.
 
 use std::collections::HashMap;

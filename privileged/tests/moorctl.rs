@@ -2,6 +2,9 @@
 //! CSI round trips, `status` verdicts made for real (a healthy volume, a target unmounted behind
 //! moor's back, a loop device detached behind its back, a dead FUSE mount), exit codes, help,
 //! completion, and the demo end to end, also interrupted, leaving nothing behind.
+//!
+//! One file, over the usual length: each test drives the one `moorctl` binary against one
+//! shared world of real daemons; the world's setup is most of the file.
 
 use std::io::{BufRead as _, BufReader};
 use std::os::fd::AsRawFd as _;

@@ -295,7 +295,7 @@ fn xfs_staged_as_ext4_fails_and_keeps_its_data() {
     assert!(matches!(
         probe(&dev),
         moor_node::superblock::Content::Filesystem {
-            fs: moor_node::superblock::Filesystem::Xfs,
+            fs: moor_runtime::contract::Filesystem::Xfs,
             ..
         }
     ));

@@ -17,13 +17,16 @@ use std::time::{Duration, Instant};
 use csi::node_client::NodeClient;
 use csi::volume_capability::access_mode::Mode;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume};
-use moor_node::attach::request::{IMAGE_KEY, MONITORS_KEY, POOL_KEY, USER_ID_KEY, USER_KEY_KEY};
 use moor_node::crash_points;
 use moor_node::sys::loopdev;
 use moor_privileged::client::{Daemon, connect};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, fs_cap, mount_depth, processes_mentioning, runtime};
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::{
+    RBD_IMAGE_KEY as IMAGE_KEY, RBD_MONITORS_KEY as MONITORS_KEY, RBD_POOL_KEY as POOL_KEY,
+    RBD_USER_ID_SECRET as USER_ID_KEY, RBD_USER_KEY_SECRET as USER_KEY_KEY,
+};
 use tonic::transport::Channel;
 
 const MIB: u64 = 1 << 20;

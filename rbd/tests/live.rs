@@ -2,6 +2,9 @@
 //! sets MOOR_CEPH_CONF, MOOR_CEPH_KEYRING, MOOR_CEPH_USER and MOOR_CEPH_POOL). Without them
 //! each test prints "skipped: no Ceph cluster" and passes; with them, a cluster that does not
 //! answer is a failure.
+//!
+//! One file, over the usual length: every operation of the crate against one live cluster,
+//! sharing its connection set-up.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -7,21 +7,13 @@ use std::collections::HashMap;
 
 use moor_proto::csi::v1 as csi;
 
+use moor_runtime::contract::{
+    RBD_CLUSTER_ID_FIELD, RBD_CLUSTER_ID_KEY, RBD_IMAGE_FIELD, RBD_IMAGE_KEY, RBD_MONITORS_FIELD,
+    RBD_MONITORS_KEY, RBD_POOL_FIELD, RBD_POOL_KEY, RBD_USER_ID_SECRET, RBD_USER_KEY_SECRET,
+};
+
 use super::{Credentials, ImageSpec, Secret};
 use crate::error::{Error, Result};
-
-/// The publish_context key naming the image's pool: its presence makes a volume an RBD one.
-pub const POOL_KEY: &str = "rbdPool";
-/// The publish_context key naming the image.
-pub const IMAGE_KEY: &str = "rbdImage";
-/// The publish_context key giving the monitors' addresses, comma-separated.
-pub const MONITORS_KEY: &str = "rbdMonitors";
-/// The publish_context key naming the cluster (optional; part of the image's identity).
-pub const CLUSTER_ID_KEY: &str = "rbdClusterID";
-/// The secrets key naming the Ceph user (as ceph-csi names it).
-pub const USER_ID_KEY: &str = "userID";
-/// The secrets key giving the user's cephx key.
-pub const USER_KEY_KEY: &str = "userKey";
 
 /// Longest pool, image or cluster name accepted.
 pub const MAX_NAME_LEN: usize = 250;
@@ -43,7 +35,7 @@ pub struct RbdStage {
 
 /// Whether a publish_context names an RBD image.
 pub fn is_rbd(ctx: &HashMap<String, String>) -> bool {
-    ctx.contains_key(POOL_KEY) || ctx.contains_key(IMAGE_KEY)
+    ctx.contains_key(RBD_POOL_KEY) || ctx.contains_key(RBD_IMAGE_KEY)
 }
 
 /// The RBD part of NodeStageVolume, or None for a volume that is not RBD.
@@ -56,19 +48,13 @@ pub fn stage(req: &csi::NodeStageVolumeRequest) -> Result<Option<RbdStage>> {
         ctx.get(key)
             .ok_or_else(|| Error::invalid(field, "must be set for an RBD volume"))
     };
-    let pool = name(
-        "publish_context.rbdPool",
-        field(POOL_KEY, "publish_context.rbdPool")?,
-    )?;
-    let image = name(
-        "publish_context.rbdImage",
-        field(IMAGE_KEY, "publish_context.rbdImage")?,
-    )?;
-    let monitors = monitors(field(MONITORS_KEY, "publish_context.rbdMonitors")?)?;
+    let pool = name(RBD_POOL_FIELD, field(RBD_POOL_KEY, RBD_POOL_FIELD)?)?;
+    let image = name(RBD_IMAGE_FIELD, field(RBD_IMAGE_KEY, RBD_IMAGE_FIELD)?)?;
+    let monitors = monitors(field(RBD_MONITORS_KEY, RBD_MONITORS_FIELD)?)?;
     let cluster_id = ctx
-        .get(CLUSTER_ID_KEY)
+        .get(RBD_CLUSTER_ID_KEY)
         .filter(|c| !c.is_empty())
-        .map(|c| name("publish_context.rbdClusterID", c))
+        .map(|c| name(RBD_CLUSTER_ID_FIELD, c))
         .transpose()?;
     let credentials = credentials(&req.secrets)?;
     Ok(Some(RbdStage {
@@ -100,7 +86,7 @@ fn name(field: &'static str, raw: &str) -> Result<String> {
             format!(
                 "{:?} is not a name moor maps (printable ASCII without blanks, '/', '@', ',', \
                  '%' or '\\', not starting with '-' or '.')",
-                crate::limits::trunc(raw)
+                moor_runtime::limits::trunc(raw)
             ),
         ));
     }
@@ -110,7 +96,7 @@ fn name(field: &'static str, raw: &str) -> Result<String> {
 /// The monitors: comma-separated addresses (`host[:port]`, `[v6][:port]`, optionally with a
 /// `v1:`/`v2:` prefix).
 fn monitors(raw: &str) -> Result<String> {
-    const FIELD: &str = "publish_context.rbdMonitors";
+    const FIELD: &str = RBD_MONITORS_FIELD;
     let raw = raw.trim();
     if raw.is_empty() || raw.len() > MAX_MONITORS_LEN {
         return Err(Error::invalid(
@@ -129,7 +115,7 @@ fn monitors(raw: &str) -> Result<String> {
                 FIELD,
                 format!(
                     "{:?} is not a monitor address (host[:port], [ipv6][:port])",
-                    crate::limits::trunc(addr)
+                    moor_runtime::limits::trunc(addr)
                 ),
             ));
         }
@@ -140,7 +126,7 @@ fn monitors(raw: &str) -> Result<String> {
 /// The user and key from NodeStageVolume's secrets; the key's value is never quoted.
 fn credentials(secrets: &HashMap<String, String>) -> Result<Credentials> {
     let user = secrets
-        .get(USER_ID_KEY)
+        .get(RBD_USER_ID_SECRET)
         .ok_or_else(|| Error::invalid("secrets", "userID must be set for an RBD volume"))?;
     let user = user.strip_prefix("client.").unwrap_or(user);
     let user_ok = !user.is_empty()
@@ -156,7 +142,7 @@ fn credentials(secrets: &HashMap<String, String>) -> Result<Credentials> {
         ));
     }
     let key = secrets
-        .get(USER_KEY_KEY)
+        .get(RBD_USER_KEY_SECRET)
         .ok_or_else(|| Error::invalid("secrets", "userKey must be set for an RBD volume"))?;
     let key = key.trim();
     let key_ok = !key.is_empty()
@@ -180,6 +166,12 @@ fn credentials(secrets: &HashMap<String, String>) -> Result<Credentials> {
 mod tests {
     use super::*;
 
+    const POOL_KEY: &str = RBD_POOL_KEY;
+    const IMAGE_KEY: &str = RBD_IMAGE_KEY;
+    const MONITORS_KEY: &str = RBD_MONITORS_KEY;
+    const CLUSTER_ID_KEY: &str = RBD_CLUSTER_ID_KEY;
+    const USER_ID_KEY: &str = RBD_USER_ID_SECRET;
+    const USER_KEY_KEY: &str = RBD_USER_KEY_SECRET;
     const KEY: &str = "AQBkQkNnAAAAABAAbm9vcmtleW5vb3JrZXlub29yaw==";
 
     fn req(ctx: &[(&str, &str)], secrets: &[(&str, &str)]) -> csi::NodeStageVolumeRequest {

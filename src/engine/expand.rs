@@ -2,12 +2,13 @@
 
 use std::path::Path;
 
+use moor_runtime::contract::Filesystem;
+
 use super::Engine;
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem;
 use crate::journal::{AccessRecord, StageRecord, VolumeRecord};
-use crate::mount_options::Filesystem;
 use crate::sys::{MountState, Os};
 use crate::validate;
 

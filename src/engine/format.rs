@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use moor_runtime::contract::Filesystem;
 use tracing::{info, warn};
 
 use super::Engine;
@@ -12,7 +13,6 @@ use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem::{self, FSCK_CORRECTED, FSCK_CORRECTED_REBOOT, FSCK_UNCORRECTED, Fsck};
 use crate::journal::{Durability, Phase, VolumeRecord};
-use crate::mount_options::Filesystem;
 use crate::superblock::Content;
 use crate::sys::{self, HeldDevice, Os, ToolError};
 

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
+use moor_runtime::contract::Filesystem;
 use tracing::warn;
 
 use super::{ADOPTED_MODE, Engine};
@@ -16,7 +17,7 @@ use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem;
 use crate::journal::{AccessRecord, Durability, Phase, StageRecord, VolumeRecord};
-use crate::mount_options::{Filesystem, MountOptions};
+use crate::mount_options::MountOptions;
 use crate::superblock::Content;
 use crate::sys::{FsMount, HeldDevice, MountAttrs, MountPoint, MountState, Os};
 use crate::validate::{self, Access, Capability};

@@ -5,8 +5,9 @@
 use std::path::Path;
 use std::time::Duration;
 
+use moor_runtime::contract::Filesystem;
+
 use super::{FilesystemOps, tool, with_force};
-use crate::superblock::Filesystem;
 use crate::sys::ToolRun;
 
 /// btrfs.

@@ -4,8 +4,9 @@
 use std::path::Path;
 use std::time::Duration;
 
+use moor_runtime::contract::Filesystem;
+
 use super::{FilesystemOps, Fsck, tool, with_force};
-use crate::superblock::Filesystem;
 use crate::sys::ToolRun;
 
 /// One of the ext family.

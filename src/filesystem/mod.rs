@@ -12,7 +12,8 @@ pub mod xfs;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::superblock::Filesystem;
+use moor_runtime::contract::Filesystem;
+
 use crate::sys::ToolRun;
 
 /// fsck(8)'s exit code bits, which a check's run answers with: errors corrected; corrected,

@@ -72,7 +72,7 @@ async fn errors_never_quote_secrets() {
             }
             _ => {
                 r.publish_context
-                    .insert(crate::validate::DEVICE_PATH_KEY.into(), value.into());
+                    .insert(moor_runtime::contract::DEVICE_PATH_KEY.into(), value.into());
             }
         }
         r.secrets = secrets();

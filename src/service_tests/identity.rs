@@ -83,7 +83,7 @@ async fn probe_answers_failed_precondition_when_a_required_tool_is_missing() {
         .expect("capabilities")
         .into_inner()
         .capabilities;
-    assert_eq!(caps, crate::service::plugin_capabilities());
+    assert_eq!(caps, moor_runtime::contract::plugin_capabilities());
     assert_eq!(caps.len(), 3);
 }
 

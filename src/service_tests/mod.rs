@@ -143,14 +143,14 @@ pub(crate) fn publish_req(
     }
 }
 
-fn unpublish_req(target: &str) -> csi::NodeUnpublishVolumeRequest {
+pub(crate) fn unpublish_req(target: &str) -> csi::NodeUnpublishVolumeRequest {
     csi::NodeUnpublishVolumeRequest {
         volume_id: "vol-1".into(),
         target_path: target.into(),
     }
 }
 
-fn unstage_req() -> csi::NodeUnstageVolumeRequest {
+pub(crate) fn unstage_req() -> csi::NodeUnstageVolumeRequest {
     csi::NodeUnstageVolumeRequest {
         volume_id: "vol-1".into(),
         staging_target_path: STAGING.into(),
@@ -226,4 +226,53 @@ fn expand_req(path: &str, required: i64) -> csi::NodeExpandVolumeRequest {
 /// Everything the service asked of the OS (the fake records only calls that change it).
 fn mutating_calls(h: &Harness) -> Vec<Call> {
     h.os.calls()
+}
+
+/// One of kubelet's calls for the harness's volume (ext4, single-node writer, published at
+/// TARGET), as the life-long suites (power cuts, fault injection) replay them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KubeletCall {
+    Stage,
+    Publish,
+    Stats,
+    Expand,
+    Unpublish,
+    Unstage,
+}
+
+/// Makes `call` on `svc`; its answer, without the response.
+pub(crate) async fn kubelet_call<O: crate::sys::Os>(
+    svc: &NodeService<O>,
+    call: KubeletCall,
+) -> Result<(), tonic::Status> {
+    match call {
+        KubeletCall::Stage => svc
+            .node_stage_volume(Request::new(stage_req(ext4())))
+            .await
+            .map(drop),
+        KubeletCall::Publish => svc
+            .node_publish_volume(Request::new(publish_req(ext4(), false)))
+            .await
+            .map(drop),
+        KubeletCall::Stats => svc
+            .node_get_volume_stats(Request::new(stats_req(TARGET)))
+            .await
+            .map(drop),
+        KubeletCall::Expand => svc
+            .node_expand_volume(Request::new(csi::NodeExpandVolumeRequest {
+                volume_id: "vol-1".into(),
+                volume_path: TARGET.into(),
+                ..Default::default()
+            }))
+            .await
+            .map(drop),
+        KubeletCall::Unpublish => svc
+            .node_unpublish_volume(Request::new(unpublish_req(TARGET)))
+            .await
+            .map(drop),
+        KubeletCall::Unstage => svc
+            .node_unstage_volume(Request::new(unstage_req()))
+            .await
+            .map(drop),
+    }
 }

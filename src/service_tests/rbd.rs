@@ -7,10 +7,13 @@ use std::sync::Arc;
 use super::*;
 use crate::attach::fake::{AttachCall, Failure, FakeAttacher, image_file};
 use crate::attach::journal::MappingRecord;
-use crate::attach::request::{IMAGE_KEY, MONITORS_KEY, POOL_KEY, USER_ID_KEY, USER_KEY_KEY};
 use crate::attach::{Attacher as _, ImageSpec};
 use crate::journal::{Durability, Phase};
 use crate::reconcile::{Action, Reconciler};
+use moor_runtime::contract::{
+    RBD_IMAGE_KEY as IMAGE_KEY, RBD_MONITORS_KEY as MONITORS_KEY, RBD_POOL_KEY as POOL_KEY,
+    RBD_USER_ID_SECRET as USER_ID_KEY, RBD_USER_KEY_SECRET as USER_KEY_KEY,
+};
 
 const KEY: &str = "AQBkQkNnAAAAABAAbm9vcmtleW5vb3JrZXlub29yaw==";
 const BLOCK_TARGET: &str =

@@ -11,6 +11,8 @@
 
 use std::fmt::Write as _;
 
+use moor_runtime::contract::Filesystem;
+
 /// How many bytes from the start of the device [`probe`] expects in `head`.
 pub const HEAD_LEN: usize = 1024 * 1024;
 
@@ -20,59 +22,6 @@ pub const TAIL_LEN: usize = 1024 * 1024;
 /// How many bytes from the start of the device [`probe_quick`] looks at: enough to hold every
 /// filesystem superblock this module knows (the btrfs one ends at 64 KiB + 555 bytes).
 pub const QUICK_LEN: usize = 68 * 1024;
-
-/// A filesystem that the node plugin can recognise, create and mount.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Filesystem {
-    /// The second extended filesystem (no journal).
-    Ext2,
-    /// ext2 with a journal.
-    Ext3,
-    /// The fourth extended filesystem (extents, 64-bit, checksums, ...).
-    Ext4,
-    /// SGI's XFS.
-    Xfs,
-    /// The B-tree filesystem.
-    Btrfs,
-}
-
-impl Filesystem {
-    /// Every filesystem, in a fixed order.
-    pub const ALL: [Filesystem; 5] = [
-        Filesystem::Ext2,
-        Filesystem::Ext3,
-        Filesystem::Ext4,
-        Filesystem::Xfs,
-        Filesystem::Btrfs,
-    ];
-
-    /// The kernel's (and mkfs's) name for this filesystem: "ext2", "ext3", "ext4", "xfs" or
-    /// "btrfs".
-    #[must_use]
-    pub fn name(self) -> &'static str {
-        match self {
-            Filesystem::Ext2 => "ext2",
-            Filesystem::Ext3 => "ext3",
-            Filesystem::Ext4 => "ext4",
-            Filesystem::Xfs => "xfs",
-            Filesystem::Btrfs => "btrfs",
-        }
-    }
-
-    /// The filesystem whose [`name`](Self::name) is exactly `s` (lower case), if any.
-    #[must_use]
-    pub fn from_name(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|fs| fs.name() == s)
-    }
-
-    /// The indefinite article that reads right before the name ("an ext4", "a btrfs").
-    fn article(self) -> &'static str {
-        match self {
-            Filesystem::Btrfs => "a",
-            _ => "an",
-        }
-    }
-}
 
 /// A partition table format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,9 +105,17 @@ impl Content {
     }
 }
 
+/// The indefinite article that reads right before a filesystem's name ("an ext4", "a btrfs").
+fn article(fs: Filesystem) -> &'static str {
+    match fs {
+        Filesystem::Btrfs => "a",
+        _ => "an",
+    }
+}
+
 /// The [`Content::describe`] text of a filesystem.
 fn describe_fs(fs: Filesystem, uuid: Option<&str>, label: Option<&str>) -> String {
-    let mut text = format!("{} {} filesystem", fs.article(), fs.name());
+    let mut text = format!("{} {} filesystem", article(fs), fs.name());
     let details: Vec<String> = [
         uuid.map(|u| format!("uuid {u}")),
         label.map(|l| format!("label {l:?}")),

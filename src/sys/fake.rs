@@ -1,5 +1,8 @@
 //! A recording fake of [`Os`]: an in-memory model of directories, files, block devices and
 //! the mount table, good enough for the engine's logic to be tested without root.
+//!
+//! One file, over the usual length: it is one model (every method reads and changes the same
+//! state under one lock), and splitting it would scatter that state's invariants.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};

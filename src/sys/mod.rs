@@ -2,8 +2,7 @@
 //!
 //! Everything the node engine asks of the kernel or of external tools goes through [`Os`]:
 //! mounting, unmounting, inspecting a path, reading a device, running mkfs. [`linux::Linux`]
-//! is the real thing (the only `unsafe` code is in [`raw`], [`loopinfo`], [`loopdev`] and
-//! [`spawn`]);
+//! is the real thing (the only `unsafe` code is in [`raw`] and [`spawn`]);
 //! [`fake::FakeOs`] keeps an in-memory model of mounts, directories and devices and records
 //! every call, so the CSI logic is unit-tested without root.
 

@@ -1,5 +1,5 @@
-//! The syscalls rustix does not wrap yet. With `loopinfo` (one ioctl) and `spawn` (starting a
-//! tool), the only `unsafe` code in the node.
+//! The syscalls rustix does not wrap yet. With `spawn` (starting a tool), the only `unsafe` code
+//! in the node.
 //!
 //! * `mount_setattr(2)` (Linux 5.12): change the attributes of a (detached) mount tree, used to
 //!   make a bind mount read-only before it becomes visible, with no window in which it is

@@ -2,10 +2,10 @@
 //! a cloud attach, behind the small [`Attacher`] trait so the backend's logic is tested with
 //! [`super::fake::FakeAttacher`] and runs with [`LoopAttacher`].
 //!
-//! [`LoopAttacher`] uses the loop driver's ioctls directly ([`crate::loopdev`]); it never runs
-//! `losetup`. Devices are identified by what they are bound to (device and inode of the
-//! backing file, from `LOOP_GET_STATUS64`), never by number alone: a number can be reused by
-//! anyone once a device is unbound, so every detach, resize and flush first checks that the
+//! [`LoopAttacher`] uses the loop driver's ioctls directly ([`moor_runtime::sys::loopdev`]); it
+//! never runs `losetup`. Devices are identified by what they are bound to (device and inode of
+//! the backing file, from `LOOP_GET_STATUS64`), never by number alone: a number can be reused
+//! by anyone once a device is unbound, so every detach, resize and flush first checks that the
 //! device still backs the file it is meant to.
 
 use std::fmt;
@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use rustix::fs::{FileType, Mode, OFlags};
 use rustix::io::Errno;
 
-use crate::loopdev;
+use moor_runtime::sys::loopdev;
 
 /// Which file a device is bound to: the file's device (major, minor) and inode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -40,6 +40,7 @@ use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
+use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
 use tracing::{info, warn};
 
 use self::attach::{AttachError, Attacher, FileId};
@@ -55,11 +56,6 @@ use crate::inflight::InFlight;
 
 pub use self::parameters::{check_capability, parse_parameters};
 
-/// publish_context key: the block device the volume is attached as, e.g. `/dev/loop7`.
-pub const DEVICE_PATH_KEY: &str = "devicePath";
-/// publish_context key: the absolute path of the volume's backing file, which the node checks
-/// against `/sys/block/loopN/loop/backing_file` before using the device.
-pub const BACKING_FILE_KEY: &str = "backingFile";
 /// Parameter (and volume context key) naming the filesystem the volume is meant for.
 pub const FS_TYPE_KEY: &str = "fsType";
 /// The standard Kubernetes spelling of [`FS_TYPE_KEY`].
@@ -276,7 +272,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
         report.set_aside = loaded.set_aside;
         let segment = Segment::from([(
             cfg.topology_key,
-            moor_node::limits::topology_value(&cfg.node_id),
+            moor_runtime::limits::topology_value(&cfg.node_id),
         )]);
         Ok((
             Self {

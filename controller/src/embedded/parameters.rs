@@ -1,6 +1,6 @@
 //! The embedded backend's creation parameters, and the capabilities it serves.
 
-use moor_node::mount_options::Filesystem;
+use moor_runtime::contract::Filesystem;
 
 use super::{FS_TYPE_KEY, K8S_FS_TYPE_KEY, K8S_PREFIX};
 use crate::backend::{self, Capability, Parameters};

@@ -24,6 +24,7 @@ use std::process::ExitCode;
 
 use moor_privileged::bench::{mkfs, mount_data};
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::DEVICE_PATH_KEY;
 use rustix::mount::{MountFlags, UnmountFlags};
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
@@ -64,7 +65,7 @@ impl csi::node_server::Node for Bare {
         let r = request.into_inner();
         let dev = r
             .publish_context
-            .get("devicePath")
+            .get(DEVICE_PATH_KEY)
             .cloned()
             .unwrap_or_default();
         let fs = fs_type(r.volume_capability.as_ref());

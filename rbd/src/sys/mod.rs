@@ -6,6 +6,9 @@
 //!
 //! A failed call comes back as a [`Failure`]: the function's name and the errno it returned.
 //! What a failure means for the caller is decided above this module.
+//!
+//! One file, over the usual length: the unsafe code of the crate is kept in one place to be
+//! read as one, next to the function table it calls through.
 
 mod api;
 mod types;

@@ -22,13 +22,14 @@ use std::sync::Arc;
 use csi::controller_server::Controller as _;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
 use tonic::{Code, Request, Status};
 
 use super::ControllerService;
 use crate::embedded::attach::Attacher as _;
 use crate::embedded::fake::{FakeAttacher, FakeFailure};
 use crate::embedded::testdir::TestDir;
-use crate::embedded::{BACKING_FILE_KEY, Config, DEVICE_PATH_KEY, EmbeddedBackend};
+use crate::embedded::{Config, EmbeddedBackend};
 
 const MIB: i64 = 1 << 20;
 const GIB: i64 = 1 << 30;

@@ -1,4 +1,5 @@
-//! Loop device ioctls. This module is the only `unsafe` code in moor-controller.
+//! Loop device ioctls, for the controller (which attaches volumes with them) and the node (which
+//! asks a loop device which file it reads).
 //!
 //! * `LOOP_CTL_GET_FREE` on `/dev/loop-control`: the number of a free loop device (the kernel
 //!   creates one when none is free);
@@ -6,21 +7,23 @@
 //!   one step;
 //! * `LOOP_GET_STATUS64`: which file (device and inode) a loop device is bound to;
 //! * `LOOP_SET_CAPACITY`: re-read the backing file's size after it grew;
+//! * `LOOP_SET_DIRECT_IO`: read and write the backing file with direct I/O;
 //! * `LOOP_CLR_FD`: unbind; the kernel finishes it when the last opener closes the device.
 //!
 //! The wrappers are safe: each takes borrowed descriptors and properly laid-out structures.
-//! Deciding *which* device to touch is [`crate::embedded::attach`]'s job.
+//! Deciding *which* device to touch is the caller's job (the controller's `embedded::attach`).
 
 use std::ffi::c_void;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 
 use rustix::io::Errno;
-use rustix::ioctl::{Getter, Ioctl, IoctlOutput, NoArg, Opcode, Setter, ioctl};
+use rustix::ioctl::{Getter, IntegerSetter, Ioctl, IoctlOutput, NoArg, Opcode, Setter, ioctl};
 
 const LOOP_CLR_FD: Opcode = 0x4C01;
 const LOOP_GET_STATUS64: Opcode = 0x4C05;
 const LOOP_SET_CAPACITY: Opcode = 0x4C07;
+const LOOP_SET_DIRECT_IO: Opcode = 0x4C08;
 const LOOP_CONFIGURE: Opcode = 0x4C0A;
 const LOOP_CTL_GET_FREE: Opcode = 0x4C82;
 
@@ -29,6 +32,8 @@ pub const LO_FLAGS_READ_ONLY: u32 = 1;
 /// `LO_FLAGS_AUTOCLEAR`: unbind on last close. moor never sets it: an attach must outlive the
 /// controller process.
 pub const LO_FLAGS_AUTOCLEAR: u32 = 4;
+/// `LO_FLAGS_DIRECT_IO`: the backing file is read and written with direct I/O.
+pub const LO_FLAGS_DIRECT_IO: u32 = 16;
 /// Size of `lo_file_name`.
 pub const LO_NAME_SIZE: usize = 64;
 
@@ -140,6 +145,17 @@ pub fn get_free(control: impl AsFd) -> io::Result<u32> {
 /// Binds `backing` to the loop device `device` with `flags` (`LO_FLAGS_*`); `name` is stored
 /// as the informational file name (truncated to 63 bytes). EBUSY: the device is bound already.
 pub fn configure(device: impl AsFd, backing: impl AsFd, flags: u32, name: &[u8]) -> io::Result<()> {
+    configure_sized(device, backing, flags, name, 0)
+}
+
+/// [`configure`] with a logical block size of `block_size` bytes (0: the kernel's default).
+pub fn configure_sized(
+    device: impl AsFd,
+    backing: impl AsFd,
+    flags: u32,
+    name: &[u8],
+    block_size: u32,
+) -> io::Result<()> {
     let raw = backing.as_fd().as_raw_fd();
     let fd = u32::try_from(raw).map_err(|_| io::Error::from(Errno::BADF))?;
     let mut info = LoopInfo64::zeroed();
@@ -148,7 +164,7 @@ pub fn configure(device: impl AsFd, backing: impl AsFd, flags: u32, name: &[u8])
     info.lo_file_name[..n].copy_from_slice(&name[..n]);
     let config = LoopConfig {
         fd,
-        block_size: 0,
+        block_size,
         info,
         reserved: [0; 8],
     };
@@ -177,6 +193,15 @@ pub fn set_capacity(device: impl AsFd) -> io::Result<()> {
     // SAFETY: LOOP_SET_CAPACITY takes no argument.
     let op = unsafe { NoArg::<LOOP_SET_CAPACITY>::new() };
     // SAFETY: `device` is a live descriptor borrowed for the call; no pointer is passed.
+    unsafe { ioctl(device, op) }?;
+    Ok(())
+}
+
+/// Turns direct I/O on the backing file on (or off).
+pub fn set_direct_io(device: impl AsFd, on: bool) -> io::Result<()> {
+    // SAFETY: LOOP_SET_DIRECT_IO takes an unsigned long by value (0 or 1), not a pointer.
+    let op = unsafe { IntegerSetter::<LOOP_SET_DIRECT_IO>::new_usize(usize::from(on)) };
+    // SAFETY: `device` is a live descriptor borrowed for the call; the argument is an integer.
     unsafe { ioctl(device, op) }?;
     Ok(())
 }
@@ -211,6 +236,7 @@ mod tests {
         let f = std::fs::File::open("/proc/self/status").unwrap();
         assert!(status(&f).is_err());
         assert!(clear_fd(&f).is_err());
+        assert!(set_direct_io(&f, true).is_err());
         assert!(get_free(&f).is_err());
     }
 }

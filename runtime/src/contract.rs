@@ -1,0 +1,126 @@
+//! What the node and the controller both speak, defined once: the filesystems a volume may
+//! hold, the `publish_context` keys the controller hands to the node (an RBD image's among
+//! them, with the secrets keys of its user), and the plugin capabilities both daemons
+//! announce.
+
+use moor_proto::csi::v1 as csi;
+
+/// A filesystem that the node plugin can recognise, create and mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Filesystem {
+    /// The second extended filesystem (no journal).
+    Ext2,
+    /// ext2 with a journal.
+    Ext3,
+    /// The fourth extended filesystem (extents, 64-bit, checksums, ...).
+    Ext4,
+    /// SGI's XFS.
+    Xfs,
+    /// The B-tree filesystem.
+    Btrfs,
+}
+
+impl Filesystem {
+    /// Every filesystem, in a fixed order.
+    pub const ALL: [Filesystem; 5] = [
+        Filesystem::Ext2,
+        Filesystem::Ext3,
+        Filesystem::Ext4,
+        Filesystem::Xfs,
+        Filesystem::Btrfs,
+    ];
+
+    /// The kernel's (and mkfs's) name for this filesystem: "ext2", "ext3", "ext4", "xfs" or
+    /// "btrfs".
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Filesystem::Ext2 => "ext2",
+            Filesystem::Ext3 => "ext3",
+            Filesystem::Ext4 => "ext4",
+            Filesystem::Xfs => "xfs",
+            Filesystem::Btrfs => "btrfs",
+        }
+    }
+
+    /// The filesystem whose [`name`](Self::name) is exactly `s` (lower case), if any.
+    #[must_use]
+    pub fn from_name(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|fs| fs.name() == s)
+    }
+}
+
+/// Defines a publish_context key, and the name an error gives that field of a request.
+macro_rules! publish_context_key {
+    ($(#[$doc:meta])* $key:ident, $field:ident = $name:literal) => {
+        $(#[$doc])*
+        pub const $key: &str = $name;
+        #[doc = concat!("How an error names the [`", stringify!($key), "`] field of a request.")]
+        pub const $field: &str = concat!("publish_context.", $name);
+    };
+}
+
+publish_context_key!(
+    /// publish_context key: the block device the controller attached, e.g. `/dev/loop7`. Only a
+    /// hint to the node, taken when the device there is the volume's.
+    DEVICE_PATH_KEY, DEVICE_PATH_FIELD = "devicePath"
+);
+publish_context_key!(
+    /// publish_context key: the absolute path of the file behind a loop device (the embedded
+    /// backend's identity of the volume): the node refuses a device backed by anything else.
+    BACKING_FILE_KEY, BACKING_FILE_FIELD = "backingFile"
+);
+publish_context_key!(
+    /// publish_context key: the disk's serial number (udev `ID_SERIAL` or `ID_SERIAL_SHORT`,
+    /// sysfs `serial`): a cloud backend's identity of the volume.
+    DEVICE_SERIAL_KEY, DEVICE_SERIAL_FIELD = "deviceSerial"
+);
+publish_context_key!(
+    /// publish_context key: the disk's World Wide Name (udev `ID_WWN`, sysfs `wwid`;
+    /// `0x`/`naa.`/`eui.` prefixes and case do not matter).
+    DEVICE_WWN_KEY, DEVICE_WWN_FIELD = "deviceWWN"
+);
+publish_context_key!(
+    /// publish_context key: the Ceph pool of an RBD volume's image. Its presence makes a volume
+    /// an RBD one: the node maps the image itself, and the keys above are not needed.
+    RBD_POOL_KEY, RBD_POOL_FIELD = "rbdPool"
+);
+publish_context_key!(
+    /// publish_context key: the RBD image's name in its pool.
+    RBD_IMAGE_KEY, RBD_IMAGE_FIELD = "rbdImage"
+);
+publish_context_key!(
+    /// publish_context key: the Ceph monitors' addresses, comma-separated (`host[:port]`,
+    /// `[ipv6][:port]`).
+    RBD_MONITORS_KEY, RBD_MONITORS_FIELD = "rbdMonitors"
+);
+publish_context_key!(
+    /// publish_context key (optional): the controller's name for the Ceph cluster; with the
+    /// pool and image, the identity of the node's mapping.
+    RBD_CLUSTER_ID_KEY, RBD_CLUSTER_ID_FIELD = "rbdClusterID"
+);
+
+/// The secrets key naming the Ceph user (without `client.`), as ceph-csi names it.
+pub const RBD_USER_ID_SECRET: &str = "userID";
+/// The secrets key giving that user's cephx key.
+pub const RBD_USER_KEY_SECRET: &str = "userKey";
+
+/// The plugin capabilities: the same from the node and the controller, as the spec has every
+/// instance of a version answer, whichever services it serves. The controller service,
+/// volumes that live on one node (accessibility constraints), and volumes that grow while
+/// in use.
+pub fn plugin_capabilities() -> Vec<csi::PluginCapability> {
+    use csi::plugin_capability::{Service, Type, VolumeExpansion, service, volume_expansion};
+    let service = |t: service::Type| csi::PluginCapability {
+        r#type: Some(Type::Service(Service { r#type: t as i32 })),
+    };
+    vec![
+        service(service::Type::ControllerService),
+        service(service::Type::VolumeAccessibilityConstraints),
+        csi::PluginCapability {
+            r#type: Some(Type::VolumeExpansion(VolumeExpansion {
+                r#type: volume_expansion::Type::Online as i32,
+            })),
+        },
+    ]
+}

@@ -1,0 +1,212 @@
+use super::*;
+
+fn sample() -> VolumeRecord {
+    let mut r = VolumeRecord::new("vol/1 ü");
+    r.stage = Some(StageRecord {
+        path: "/k/plugins/s".into(),
+        device: "/dev/loop3".into(),
+        rdev: (7, 3),
+        access: AccessRecord::Mount {
+            fs_type: "ext4".into(),
+            fs_options: vec![],
+            group: Some(5),
+        },
+        attrs: MountAttrs::default(),
+        access_mode: 7,
+        phase: Phase::Done,
+        fs_uuid: None,
+    });
+    r.publishes.insert(
+        "/k/pods/t".into(),
+        PublishRecord {
+            block: false,
+            attrs: MountAttrs::default(),
+            access_mode: 7,
+            phase: Phase::Done,
+        },
+    );
+    r
+}
+
+#[test]
+fn crc32c_by_eight_matches_bit_by_bit() {
+    fn bitwise(data: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        for &b in data {
+            crc ^= u32::from(b);
+            for _ in 0..8 {
+                crc = if crc & 1 != 0 {
+                    0x82F6_3B78 ^ (crc >> 1)
+                } else {
+                    crc >> 1
+                };
+            }
+        }
+        !crc
+    }
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let data: Vec<u8> = (0..300)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    for len in 0..data.len() {
+        for start in [0, 1, 3, 7] {
+            let d = &data[start.min(len)..len];
+            assert_eq!(crc32c(d), bitwise(d), "len {len} start {start}");
+        }
+    }
+}
+
+#[test]
+fn crc32c_known_value() {
+    assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+    assert_eq!(crc32c(b""), 0);
+    assert_eq!(crc32c(&[0u8; 32]), 0x8A91_36AA);
+}
+
+#[test]
+fn round_trip() {
+    let r = sample();
+    assert_eq!(decode(&encode(&r)).unwrap(), r);
+}
+
+#[test]
+fn truncation_and_garbage_are_detected() {
+    let bytes = encode(&sample());
+    for cut in 0..bytes.len() {
+        assert!(decode(&bytes[..cut]).is_err(), "cut at {cut}");
+    }
+    let mut flipped = bytes.clone();
+    let mid = flipped.len() / 2;
+    flipped[mid] ^= 0x01;
+    assert!(decode(&flipped).is_err());
+    assert_eq!(decode(b"garbage"), Err(DecodeError::BadMagic));
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("moor-journal-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn emptied(mut r: VolumeRecord) -> VolumeRecord {
+    r.stage = None;
+    r.publishes.clear();
+    r
+}
+
+#[test]
+fn replay_keeps_the_newest_line_and_skips_damage() {
+    let a = sample();
+    let mut a2 = sample();
+    a2.publishes.clear();
+    let mut b = sample();
+    b.volume_id = "b".into();
+    let mut log = Vec::new();
+    log.extend(encode(&a));
+    log.extend(encode(&b));
+    log.extend(encode(&a2));
+    log.extend(b"moor-journal v1 0000zz {}\n");
+    log.extend(encode(&emptied(b.clone())));
+    let mut cut = encode(&a);
+    cut.truncate(cut.len() - 3);
+    log.extend(cut);
+    let r = replay(&log);
+    assert_eq!(r.lines, 6);
+    assert_eq!(r.records.len(), 1);
+    assert_eq!(r.records.get("vol/1 ü"), Some(&a2));
+    assert_eq!(r.problems.len(), 2);
+    assert_eq!(r.problems[0].0, 4);
+    assert_eq!(r.problems[1], (6, DecodeError::Truncated));
+}
+
+#[test]
+fn journal_persists_compacts_and_forgets() {
+    let dir = temp_dir("persist");
+    {
+        let (j, problems) = Journal::open(&dir, false).unwrap();
+        assert!(problems.is_empty());
+        j.put(&sample(), Durability::Power).unwrap();
+        let mut other = sample();
+        other.volume_id = "other".into();
+        for _ in 0..(COMPACT_SLACK + 10) {
+            j.put(&other, Durability::Process).unwrap();
+        }
+        j.put(&emptied(other), Durability::Process).unwrap();
+        assert!(std::fs::metadata(dir.join(LOG_FILE)).unwrap().len() < 64 * 1024);
+    }
+    let (j, problems) = Journal::open(&dir, false).unwrap();
+    assert!(problems.is_empty());
+    assert_eq!(j.all(), vec![sample()]);
+    assert_eq!(read_state(&dir).unwrap().0, vec![sample()]);
+    j.put(&emptied(sample()), Durability::Process).unwrap();
+    assert!(j.get("vol/1 ü").is_none());
+    drop(j);
+    let (j, _) = Journal::open(&dir, false).unwrap();
+    assert!(j.all().is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn only_a_mkfs_in_progress_guards_data_and_compaction_keeps_it() {
+    let mut formatting = sample();
+    assert!(!formatting.guards_data());
+    if let Some(st) = formatting.stage.as_mut() {
+        st.phase = Phase::Formatting;
+    }
+    assert!(formatting.guards_data());
+    assert!(!VolumeRecord::new("v").guards_data());
+
+    // Compactions with and without a guarding record live both leave a whole log.
+    let dir = temp_dir("guard");
+    {
+        let (j, _) = Journal::open(&dir, false).unwrap();
+        let mut other = sample();
+        other.volume_id = "other".into();
+        for _ in 0..(COMPACT_SLACK + 10) {
+            j.put(&other, Durability::Process).unwrap();
+        }
+        j.put(&formatting, Durability::Power).unwrap();
+        for _ in 0..(COMPACT_SLACK + 10) {
+            j.put(&other, Durability::Process).unwrap();
+        }
+        assert!(std::fs::metadata(dir.join(LOG_FILE)).unwrap().len() < 64 * 1024);
+    }
+    let (j, problems) = Journal::open(&dir, false).unwrap();
+    assert!(problems.is_empty());
+    assert_eq!(j.get("vol/1 ü"), Some(formatting));
+    assert!(j.get("other").is_some());
+    assert!(!dir.join("journal.log.tmp").exists());
+    drop(j);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn truncated_and_garbage_logs_are_set_aside_and_rebuilt() {
+    let dir = temp_dir("garbage");
+    {
+        let (j, _) = Journal::open(&dir, false).unwrap();
+        j.put(&sample(), Durability::Process).unwrap();
+    }
+    let mut bytes = std::fs::read(dir.join(LOG_FILE)).unwrap();
+    bytes.extend_from_slice(b"moor-journal v1 12");
+    std::fs::write(dir.join(LOG_FILE), &bytes).unwrap();
+    let (j, problems) = Journal::open(&dir, false).unwrap();
+    assert_eq!(problems.len(), 1);
+    assert_eq!(j.all(), vec![sample()]);
+    assert_eq!(std::fs::read(dir.join(CORRUPT_FILE)).unwrap(), bytes);
+    drop(j);
+    // The rewritten log is clean.
+    let (_, problems) = Journal::open(&dir, false).unwrap();
+    assert!(problems.is_empty());
+
+    std::fs::write(dir.join(LOG_FILE), [0xffu8, 0, 17, b'\n', 3]).unwrap();
+    let (j, problems) = Journal::open(&dir, false).unwrap();
+    assert_eq!(problems.len(), 2);
+    assert!(j.all().is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,116 @@
+use super::*;
+
+#[test]
+fn aligned_and_unaligned_reads_give_the_same_bytes() {
+    // A regular file stands in for the device: O_DIRECT where the filesystem takes it,
+    // the cached read where it refuses (EINVAL); the bytes are the same either way.
+    let path = std::env::temp_dir().join(format!("moor-read-{}", std::process::id()));
+    let data: Vec<u8> = (0..3 * DIRECT_ALIGN + 100)
+        .map(|i| (i % 251) as u8)
+        .collect();
+    std::fs::write(&path, &data).unwrap();
+    let os = Linux::new(&std::env::temp_dir()).unwrap();
+    let mut aligned = crate::sys::AlignedBuf::zeroed(2 * DIRECT_ALIGN);
+    let n = os
+        .read_device(&path, DIRECT_ALIGN as u64, aligned.as_mut_slice())
+        .unwrap();
+    let mut unaligned = vec![0u8; 2 * DIRECT_ALIGN + 1];
+    let m = os
+        .read_device(&path, DIRECT_ALIGN as u64, &mut unaligned[1..])
+        .unwrap();
+    // Past the end: a short read, not an error.
+    let mut tail = crate::sys::AlignedBuf::zeroed(DIRECT_ALIGN);
+    let t = os
+        .read_device(&path, 3 * DIRECT_ALIGN as u64, tail.as_mut_slice())
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!((n, m, t), (2 * DIRECT_ALIGN, 2 * DIRECT_ALIGN, 100));
+    assert_eq!(aligned.as_slice(), &data[DIRECT_ALIGN..3 * DIRECT_ALIGN]);
+    assert_eq!(&unaligned[1..], &data[DIRECT_ALIGN..3 * DIRECT_ALIGN]);
+    assert_eq!(&tail.as_slice()[..100], &data[3 * DIRECT_ALIGN..]);
+    assert_eq!(aligned.as_slice().as_ptr() as usize % DIRECT_ALIGN, 0);
+}
+
+#[test]
+fn tool_failure_carries_stderr() {
+    let run = ToolRun {
+        program: "sh".into(),
+        args: vec!["-c".into(), "echo boom >&2; exit 3".into()],
+        deadline: Duration::from_secs(10),
+    };
+    let err = run_with_deadline(&run).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("boom") && text.contains('3'), "{text}");
+}
+
+#[test]
+fn tool_stderr_is_capped_and_never_blocks_the_tool() {
+    // 200 KB of stderr (three times a pipe's buffer), then a failure.
+    let run = ToolRun {
+        program: "sh".into(),
+        args: vec![
+            "-c".into(),
+            "head -c 200000 /dev/zero | tr '\\0' x >&2; echo end >&2; exit 4".into(),
+        ],
+        deadline: Duration::from_secs(20),
+    };
+    match run_with_deadline(&run) {
+        Err(ToolError::Failed { stderr, status, .. }) => {
+            assert_eq!(stderr.len(), ToolStderr::KEEP, "{status}");
+            assert!(stderr.bytes().all(|b| b == b'x'));
+            assert!(status.contains('4'), "{status}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_descendant_holding_stderr_does_not_hold_the_caller() {
+    // The tool exits at once; what it started keeps the pipe open for 5 s.
+    let run = ToolRun {
+        program: "sh".into(),
+        args: vec!["-c".into(), "echo started >&2; sleep 5 >&2 & exit 5".into()],
+        deadline: Duration::from_secs(20),
+    };
+    let start = Instant::now();
+    let err = run_with_deadline(&run).unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "waited for the descendant"
+    );
+    assert!(err.to_string().contains("started"), "{err}");
+}
+
+#[test]
+fn tool_past_deadline_is_killed() {
+    let run = ToolRun {
+        program: "sleep".into(),
+        args: vec!["30".into()],
+        deadline: Duration::from_millis(200),
+    };
+    let err = run_with_deadline(&run).unwrap_err();
+    assert!(matches!(err, ToolError::Timeout { .. }), "{err}");
+}
+
+#[test]
+fn tool_success() {
+    let run = ToolRun {
+        program: "true".into(),
+        args: vec![],
+        deadline: Duration::from_secs(10),
+    };
+    run_with_deadline(&run).unwrap();
+}
+
+#[test]
+fn missing_tool_is_a_spawn_error() {
+    let run = ToolRun {
+        program: "moor-no-such-tool".into(),
+        args: vec![],
+        deadline: Duration::from_secs(1),
+    };
+    assert!(matches!(
+        run_with_deadline(&run),
+        Err(ToolError::Spawn { .. })
+    ));
+}
