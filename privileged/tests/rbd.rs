@@ -803,3 +803,50 @@ fn an_rbd_fuse_that_died_is_replaced_by_the_next_stage() {
         assert_eq!(w.leftovers(0), (0, 0, 0));
     });
 }
+
+#[test]
+fn a_key_the_cluster_refuses_is_never_shown_and_leaves_nothing() {
+    let Some(ceph) = Ceph::from_env("a_key_the_cluster_refuses_is_never_shown_and_leaves_nothing")
+    else {
+        return;
+    };
+    let mut w = World::new("rbd-badkey", ceph, 1);
+    let image = w.image("badkey", 64);
+    let staging = w.staging(0, "pv");
+    let rt = runtime();
+    rt.block_on(async {
+        let mut node = w.start(0, "moor-node", &[]).await;
+        // base64 that is no cephx key (rbd-fuse quotes such a key in its error), and the
+        // right user with another user's key.
+        for bad in [
+            "AQBbadbadbadbadbadbadbadbadbadbadbadbaw==",
+            "AQCj2YpkAAAAABAAq3hU4qUwh+5EgPZ1vXuLkQ==",
+        ] {
+            let mut req = w.stage_req("vol", &image, &staging, ext4());
+            req.secrets.insert(USER_KEY_KEY.into(), bad.into());
+            let e = node.node_stage_volume(req).await.expect_err("refused");
+            assert_eq!(e.code(), tonic::Code::Internal, "{e:?}");
+            assert!(!e.message().contains(bad), "{}", e.message());
+            assert_eq!(w.leftovers(0), (0, 0, 0), "{bad}");
+            assert!(
+                !w.nodes[0]
+                    .state
+                    .join("rbd")
+                    .read_dir()
+                    .is_ok_and(|mut d| d.next().is_some()),
+                "no mount dir and no key file left"
+            );
+            assert_eq!(mount_depth(&staging), 0);
+        }
+        // The good key works, and appears nowhere in the log.
+        node.node_stage_volume(w.stage_req("vol", &image, &staging, ext4()))
+            .await
+            .expect("stage");
+        node.node_unstage_volume(unstage_req("vol", &staging))
+            .await
+            .expect("unstage");
+        let log = w.log(0);
+        assert!(!log.contains(&w.ceph.key), "{log}");
+        assert!(!log.contains("AQBbad"), "{log}");
+    });
+}
