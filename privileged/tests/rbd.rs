@@ -122,6 +122,8 @@ struct World {
     ceph: Ceph,
     nodes: Vec<Node>,
     images: Vec<String>,
+    /// More moor-node arguments.
+    extra: Vec<String>,
 }
 
 impl World {
@@ -154,6 +156,7 @@ impl World {
             ceph,
             nodes,
             images: Vec::new(),
+            extra: Vec::new(),
         }
     }
 
@@ -171,6 +174,7 @@ impl World {
         program: &str,
         env: &[(&str, &str)],
     ) -> NodeClient<Channel> {
+        let extra = self.extra.clone();
         let n = &mut self.nodes[i];
         if let Some(mut d) = n.daemon.take() {
             let _ = d.child.kill();
@@ -192,6 +196,7 @@ impl World {
         ]
         .iter()
         .map(|s| (*s).to_string())
+        .chain(extra)
         .collect();
         let bin = moor_privileged::client::binary(program);
         assert!(bin.exists(), "{} is not built", bin.display());
@@ -848,5 +853,86 @@ fn a_key_the_cluster_refuses_is_never_shown_and_leaves_nothing() {
         let log = w.log(0);
         assert!(!log.contains(&w.ceph.key), "{log}");
         assert!(!log.contains("AQBbad"), "{log}");
+    });
+}
+
+/// The rbd-fuse processes serving node `i`'s images.
+fn rbd_fuse_pids(w: &World, i: usize) -> Vec<rustix::process::Pid> {
+    let dir = w.nodes[i].state.join("rbd").display().to_string();
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| {
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let text = String::from_utf8_lossy(&cmd);
+            (text.contains("rbd-fuse\0") && text.contains(&dir))
+                .then(|| e.file_name().to_str()?.parse().ok())
+                .flatten()
+                .and_then(rustix::process::Pid::from_raw)
+        })
+        .collect()
+}
+
+#[test]
+fn an_rbd_fuse_that_hangs_is_killed_at_the_unmap_deadline() {
+    let Some(ceph) = Ceph::from_env("an_rbd_fuse_that_hangs_is_killed_at_the_unmap_deadline")
+    else {
+        return;
+    };
+    let mut w = World::new("rbd-hang", ceph, 1);
+    w.extra = vec!["--rbd-unmap-timeout".into(), "3".into()];
+    let image = w.image("hang", 64);
+    let staging = w.staging(0, "pv");
+    let target = w.target(0, "pv");
+    let rt = runtime();
+    rt.block_on(async {
+        let mut node = w.start(0, "moor-node", &[]).await;
+        node.node_stage_volume(w.stage_req("vol", &image, &staging, ext4()))
+            .await
+            .expect("stage");
+        node.node_publish_volume(publish("vol", &staging, &target, ext4()))
+            .await
+            .expect("publish");
+        std::fs::write(target.join("marker"), MARKER).expect("write");
+        rustix::fs::sync();
+        node.node_unpublish_volume(unpublish_req("vol", &target))
+            .await
+            .expect("unpublish");
+        // rbd-fuse stops answering (as on a node cut off from the cluster).
+        let pids = rbd_fuse_pids(&w, 0);
+        assert_eq!(pids.len(), 1);
+        for p in &pids {
+            rustix::process::kill_process(*p, rustix::process::Signal::STOP).expect("stop");
+        }
+        let t = Instant::now();
+        // Bounded so that a broken moor-node fails the test instead of hanging it: the
+        // stopped rbd-fuse is killed then, which lets the hung unmount end.
+        let unstaged = tokio::time::timeout(
+            Duration::from_secs(120),
+            node.node_unstage_volume(unstage_req("vol", &staging)),
+        )
+        .await;
+        let Ok(unstaged) = unstaged else {
+            for p in rbd_fuse_pids(&w, 0) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+            panic!("the unstage hung on the stopped rbd-fuse\n{}", w.log(0));
+        };
+        unstaged.unwrap_or_else(|e| panic!("unstage: {e:?}\n{}", w.log(0)));
+        eprintln!("unstage with a hung rbd-fuse: {}", ms(t.elapsed()));
+        assert_eq!(w.leftovers(0), (0, 0, 0), "killed, unbound, unmounted");
+        assert!(rbd_fuse_pids(&w, 0).is_empty());
+        // The data was on the cluster before rbd-fuse hung: the next stage finds it.
+        node.node_stage_volume(w.stage_req("vol", &image, &staging, ext4()))
+            .await
+            .expect("stage again");
+        assert_eq!(
+            std::fs::read(staging.join("marker")).expect("marker"),
+            MARKER
+        );
+        node.node_unstage_volume(unstage_req("vol", &staging))
+            .await
+            .expect("unstage");
+        assert_eq!(w.leftovers(0), (0, 0, 0));
     });
 }

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::{AttachError, Attacher, ImageSpec, MapRequest, Mapping};
+use super::{AttachError, Attacher, Deadlines, ImageSpec, MapRequest, Mapping};
 use crate::sys::discovery::DeviceIdentity;
 use crate::sys::fake::FakeOs;
 
@@ -20,6 +20,8 @@ pub enum AttachCall {
     Map(ImageSpec, bool),
     /// `unmap(image)`.
     Unmap(ImageSpec),
+    /// `abort(image)`.
+    Abort(ImageSpec),
 }
 
 /// What the next call of a kind does instead of its work.
@@ -35,7 +37,7 @@ pub enum Failure {
     NotFound,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
     mapped: BTreeMap<ImageSpec, Mapping>,
     calls: Vec<AttachCall>,
@@ -46,6 +48,29 @@ struct State {
     doubles: usize,
     /// What each image holds while it is not mapped.
     images: BTreeMap<ImageSpec, Vec<(u64, Vec<u8>)>>,
+    /// What [`Attacher::activity`] reports.
+    activity: u64,
+    deadlines: Deadlines,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self {
+            mapped: BTreeMap::new(),
+            calls: Vec::new(),
+            fail_map: None,
+            fail_unmap: None,
+            next: 0,
+            not_owned: false,
+            doubles: 0,
+            images: BTreeMap::new(),
+            activity: 0,
+            deadlines: Deadlines {
+                map: std::time::Duration::from_secs(60),
+                unmap: std::time::Duration::from_secs(30),
+            },
+        }
+    }
 }
 
 /// The fake attacher.
@@ -86,6 +111,16 @@ impl FakeAttacher {
     /// The images mapped now.
     pub fn mapped(&self) -> Vec<ImageSpec> {
         self.lock().mapped.keys().cloned().collect()
+    }
+
+    /// Sets the deadlines it reports.
+    pub fn set_deadlines(&self, d: Deadlines) {
+        self.lock().deadlines = d;
+    }
+
+    /// Makes the mapped images' server look busy (its activity grows by `n`).
+    pub fn work(&self, n: u64) {
+        self.lock().activity += n;
     }
 
     /// How many maps were asked of an image already mapped.
@@ -160,6 +195,10 @@ impl FakeAttacher {
 impl Attacher for FakeAttacher {
     fn kind(&self) -> &'static str {
         "fuse"
+    }
+
+    fn deadlines(&self) -> Deadlines {
+        self.lock().deadlines
     }
 
     fn find(&self, image: &ImageSpec) -> Result<Option<Mapping>, AttachError> {
@@ -271,5 +310,14 @@ impl Attacher for FakeAttacher {
 
     fn in_flight(&self, _image: &ImageSpec) -> bool {
         false
+    }
+
+    fn activity(&self, image: &ImageSpec) -> Option<u64> {
+        let st = self.lock();
+        st.mapped.contains_key(image).then_some(st.activity)
+    }
+
+    fn abort(&self, image: &ImageSpec) {
+        self.lock().calls.push(AttachCall::Abort(image.clone()));
     }
 }

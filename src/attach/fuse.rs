@@ -14,9 +14,11 @@
 //! The key reaches rbd-fuse in a file only root can read, removed as soon as the image shows.
 //!
 //! An unmap unbinds the loop device (refused while anything holds it), unmounts the FUSE
-//! mount and waits for rbd-fuse to close the image (1–2 s). At the unmap deadline (a node
-//! fenced from the cluster never gets its answers) rbd-fuse is killed, which aborts its FUSE
-//! connection, and the mount is detached lazily: nothing is left behind, not even a process.
+//! mount and waits for rbd-fuse to close the image. At the unmap deadline (a node cut off
+//! from the cluster never gets its answers) rbd-fuse is killed, which aborts its FUSE
+//! connection and fails whatever waited on it, and the mount is detached lazily: nothing is
+//! left behind, not even a process. [`Attacher::abort`] does the same for an unmount of the
+//! volume's filesystem that hangs on rbd-fuse.
 //!
 //! Nothing here reads through the FUSE mount while finding or unmapping: a daemon that hangs
 //! can stall only the map that waits for it, within its deadline.
@@ -45,6 +47,8 @@ pub const DIR: &str = "rbd";
 pub const PROGRAM: &str = "rbd-fuse";
 /// How long a killed rbd-fuse may take to be gone.
 const KILL_GRACE: Duration = Duration::from_secs(5);
+/// How long an unbound loop device may take to let go of its file.
+const UNBIND_SETTLE: Duration = Duration::from_secs(2);
 /// The longest name a dir may have.
 const NAME_MAX: usize = 255;
 
@@ -227,6 +231,17 @@ fn with_deadline<T: Send + 'static>(
     deadline: Instant,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Option<T> {
+    bounded(deadline, || {}, f)
+}
+
+/// Runs `f`, which may wait on rbd-fuse, on a thread of its own, up to `deadline`; past it
+/// `abort` runs (it kills rbd-fuse, which fails every request waiting on it) and `f` gets
+/// [`KILL_GRACE`] more to end. Its result, or None.
+fn bounded<T: Send + 'static>(
+    deadline: Instant,
+    abort: impl FnOnce(),
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
     let (tx, rx) = mpsc::channel();
     std::thread::Builder::new()
         .name("moor-rbd-fuse".into())
@@ -234,8 +249,27 @@ fn with_deadline<T: Send + 'static>(
             let _ = tx.send(f());
         })
         .ok()?;
-    rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
-        .ok()
+    match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(v) => Some(v),
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            abort();
+            rx.recv_timeout(KILL_GRACE).ok()
+        }
+        Err(mpsc::RecvTimeoutError::Disconnected) => None,
+    }
+}
+
+/// What the rbd-fuse processes `pids` have written so far (`wchar`: mostly their answers to
+/// the kernel's FUSE requests).
+fn written(pids: &[Pid]) -> u64 {
+    pids.iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{}/io", p.as_raw_nonzero())).ok())
+        .filter_map(|io| {
+            io.lines()
+                .find_map(|l| l.strip_prefix("wchar:"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        })
+        .sum()
 }
 
 impl FuseAttacher {
@@ -390,24 +424,41 @@ impl FuseAttacher {
         let (dir, file, key) = self.paths(image)?;
         let found = self.look(&dir, &file);
         let _ = std::fs::remove_file(&key);
+        // Unbinding flushes the device into the file: a step that waits on rbd-fuse.
+        let kill_daemons = || kill(&daemons(&dir));
         for l in &found.loops {
-            match loopdev::detach(&l.path) {
-                Ok(()) => {}
-                Err(DetachError::Busy(p)) => {
+            let path = l.path.clone();
+            match bounded(deadline, kill_daemons, move || loopdev::detach(&path)) {
+                Some(Ok(())) => {}
+                None => {
+                    return Err(AttachError::Timeout {
+                        step: "unmap",
+                        image: image.to_string(),
+                        deadline: self.deadlines.unmap,
+                    });
+                }
+                Some(Err(DetachError::Busy(p))) => {
                     return Err(AttachError::Busy {
                         image: image.to_string(),
                         what: p.display().to_string(),
                     });
                 }
-                Err(e) => return Err(Self::failed(image, "unmap", e.to_string())),
+                Some(Err(e)) => return Err(Self::failed(image, "unmap", e.to_string())),
             }
         }
-        // A loop device another process still holds open is only marked to go when it is
+        // The kernel finishes an unbinding after the last close, on a worker of its own; a
+        // loop device another process still holds open is only marked to go when it is
         // closed: still in use.
-        if let Some((l, _)) = loopdev::bound_under(&file)
-            .into_iter()
-            .find(|(_, f)| *f == file)
-        {
+        let bound = || {
+            loopdev::bound_under(&file)
+                .into_iter()
+                .find(|(_, f)| *f == file)
+        };
+        let settle = Instant::now() + UNBIND_SETTLE;
+        while !found.loops.is_empty() && bound().is_some() && Instant::now() < settle {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if let Some((l, _)) = bound() {
             return Err(AttachError::Busy {
                 image: image.to_string(),
                 what: l.path.display().to_string(),
@@ -415,7 +466,7 @@ impl FuseAttacher {
         }
         if found.mounted {
             let target = dir.clone();
-            let unmounted = with_deadline(deadline, move || {
+            let unmounted = bounded(deadline, kill_daemons, move || {
                 rustix::mount::unmount(&target, rustix::mount::UnmountFlags::empty())
             });
             match unmounted {
@@ -501,6 +552,10 @@ impl Drop for RemoveOnDrop {
 impl Attacher for FuseAttacher {
     fn kind(&self) -> &'static str {
         "fuse"
+    }
+
+    fn deadlines(&self) -> Deadlines {
+        self.deadlines
     }
 
     fn find(&self, image: &ImageSpec) -> Result<Option<Mapping>, AttachError> {
@@ -624,6 +679,18 @@ impl Attacher for FuseAttacher {
 
     fn owns_all_listed(&self) -> bool {
         true
+    }
+
+    fn activity(&self, image: &ImageSpec) -> Option<u64> {
+        let (dir, _, _) = self.paths(image).ok()?;
+        let pids = daemons(&dir);
+        (!pids.is_empty()).then(|| written(&pids))
+    }
+
+    fn abort(&self, image: &ImageSpec) {
+        if let Ok((dir, _, _)) = self.paths(image) {
+            kill(&daemons(&dir));
+        }
     }
 
     fn in_flight(&self, _image: &ImageSpec) -> bool {

@@ -257,6 +257,10 @@ impl Attacher for KernelAttacher {
         "kernel"
     }
 
+    fn deadlines(&self) -> Deadlines {
+        self.deadlines
+    }
+
     fn find(&self, image: &ImageSpec) -> Result<Option<Mapping>, AttachError> {
         Ok(self.matching(image).first().map(|e| self.mapping(e)))
     }
@@ -362,6 +366,12 @@ impl Attacher for KernelAttacher {
             .unwrap_or_else(PoisonError::into_inner)
             .contains(image)
     }
+
+    fn activity(&self, _image: &ImageSpec) -> Option<u64> {
+        None
+    }
+
+    fn abort(&self, _image: &ImageSpec) {}
 }
 
 #[cfg(test)]

@@ -209,6 +209,9 @@ pub trait Attacher: Send + Sync + fmt::Debug + 'static {
     /// Its name, as `--rbd-attacher` and the journal say it: "kernel" or "fuse".
     fn kind(&self) -> &'static str;
 
+    /// Its deadlines.
+    fn deadlines(&self) -> Deadlines;
+
     /// The image's live mapping on this node, if there is one. Never blocks on the cluster.
     fn find(&self, image: &ImageSpec) -> Result<Option<Mapping>, AttachError>;
 
@@ -236,6 +239,15 @@ pub trait Attacher: Send + Sync + fmt::Debug + 'static {
 
     /// Whether a map or unmap of the image, past its deadline, is still running.
     fn in_flight(&self, image: &ImageSpec) -> bool;
+
+    /// A count that grows while the mapping's server answers (rbd-fuse's bytes written), to
+    /// tell a slow one from one that hangs; None when there is no such count (the kernel).
+    fn activity(&self, image: &ImageSpec) -> Option<u64>;
+
+    /// Fails whatever waits on the mapping's server, which has stopped answering (rbd-fuse
+    /// killed: its FUSE connection aborts), so a hung unmount or unmap ends. The kernel client
+    /// has nothing of the kind.
+    fn abort(&self, image: &ImageSpec);
 }
 
 /// Which attacher `--rbd-attacher` names.

@@ -10,8 +10,8 @@
 //! stage runs on the mapped device, held and checked to be the image's, as any other.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
@@ -25,6 +25,66 @@ use crate::journal::{Durability, Phase, VolumeRecord};
 use crate::reconcile::Action;
 use crate::sys::{HeldDevice, MountState, Os};
 use crate::validate;
+
+/// Less than this written by a mapping's server over a whole unmap deadline is no answer
+/// (an idle rbd-fuse writes a few bytes a minute to wake its own threads).
+pub const STALL_BYTES: u64 = 1024;
+
+/// Whether a server whose activity went from `before` to `now` over one deadline has stopped
+/// answering. Without a count there is no telling: never.
+pub fn stalled(before: Option<u64>, now: Option<u64>) -> bool {
+    match (before, now) {
+        (Some(b), Some(n)) => n.saturating_sub(b) < STALL_BYTES,
+        _ => false,
+    }
+}
+
+/// Watches an unmount of an RBD volume's filesystem, which flushes through the mapping:
+/// once the mapping's server has not answered for a whole unmap deadline (a node cut off from
+/// the cluster), the mapping is aborted, which fails the flush, so the unmount ends instead of
+/// hanging for ever. What the server had not written by then could not reach the cluster
+/// anyway. Stops when dropped.
+#[derive(Debug)]
+pub(crate) struct StallWatch {
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StallWatch {
+    fn start(attacher: Arc<dyn Attacher>, image: ImageSpec, volume: String) -> Option<Self> {
+        let period = attacher.deadlines().unmap.max(Duration::from_millis(10));
+        let (stop, stopped) = mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("moor-rbd-watch".into())
+            .spawn(move || {
+                let mut before = attacher.activity(&image);
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(period) {
+                    let now = attacher.activity(&image);
+                    if stalled(before, now) {
+                        warn!(volume, image = %image, deadline = ?period,
+                            "the RBD mapping's server has not answered for the whole unmap deadline; aborting it so the unmount ends");
+                        attacher.abort(&image);
+                        return;
+                    }
+                    before = now;
+                }
+            })
+            .ok()?;
+        Some(Self {
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for StallWatch {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
 
 /// An image's key in the volume lock set (a volume id never holds a NUL).
 fn image_lock(image: &ImageSpec) -> String {
@@ -289,6 +349,13 @@ impl<O: Os> Engine<O> {
         }
         attacher.verify(image, held.rdev)?;
         Ok(held)
+    }
+
+    /// A watch over the unstage of a mapped volume (see [`StallWatch`]); None for any other.
+    pub(crate) fn watch_unstage(&self, volume_id: &str) -> Option<StallWatch> {
+        let m = self.record(volume_id).mapping?;
+        let attacher = Arc::clone(self.attacher_for(Some(&m)).ok()?);
+        StallWatch::start(attacher, m.spec(), volume_id.to_string())
     }
 
     /// After an unstage: the volume's image unmapped, unless it is still staged (at another

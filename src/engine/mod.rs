@@ -32,6 +32,7 @@ use crate::sys::discovery::DEFAULT_DISCOVERY_DEADLINE;
 use crate::sys::{BufPool, MountPoint, MountState, Os};
 use crate::volume_lock::VolumeLocks;
 
+pub use mapped::{STALL_BYTES, stalled};
 pub use stage::{GROW_MIN, StageReport};
 pub use stats::{Condition, VolumeStats};
 

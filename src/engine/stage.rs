@@ -399,7 +399,9 @@ impl<O: Os> Engine<O> {
     /// NodeUnstageVolume: the staging mount goes, then the RBD image the volume mapped.
     pub fn unstage(&self, req: &validate::Unstage) -> Result<()> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
+        let watch = self.watch_unstage(&req.volume_id);
         self.unstage_held(req)?;
+        drop(watch);
         self.unmap_unstaged(&req.volume_id)
     }
 

@@ -466,3 +466,52 @@ async fn a_lost_mapping_is_reported_and_mapped_again_by_the_next_stage() {
             .is_some_and(|m| m.identity.backing_file == Some(image_file(&image())))
     );
 }
+
+#[test]
+fn a_server_that_wrote_almost_nothing_for_a_whole_deadline_has_stalled() {
+    use crate::engine::{STALL_BYTES, stalled};
+    assert!(stalled(Some(100), Some(100)));
+    assert!(
+        stalled(Some(100), Some(100 + STALL_BYTES - 1)),
+        "an idle rbd-fuse's noise"
+    );
+    assert!(!stalled(Some(100), Some(100 + STALL_BYTES)));
+    // No count (the kernel client, or no rbd-fuse left): never taken for stalled.
+    assert!(!stalled(None, Some(5)));
+    assert!(!stalled(Some(5), None));
+}
+
+#[tokio::test]
+async fn an_unstage_whose_server_stops_answering_aborts_the_mapping() {
+    let r = rbd_harness();
+    stage(&r, ext4()).await.expect("stage");
+    // A watch that ends before its deadline (the usual unmount) aborts nothing.
+    drop(
+        r.h.engine
+            .watch_unstage("vol-1")
+            .expect("a mapped volume is watched"),
+    );
+    assert_eq!(count_attach(&r, |c| matches!(c, AttachCall::Abort(_))), 0);
+    // A server that answers nothing for a whole deadline is aborted.
+    r.attacher.set_deadlines(crate::attach::Deadlines {
+        map: std::time::Duration::from_secs(60),
+        unmap: std::time::Duration::from_millis(20),
+    });
+    let watch = r.h.engine.watch_unstage("vol-1").expect("watched");
+    for _ in 0..2000 {
+        if count_attach(&r, |c| matches!(c, AttachCall::Abort(_))) > 0 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    drop(watch);
+    assert_eq!(
+        count_attach(&r, |c| matches!(c, AttachCall::Abort(_))),
+        1,
+        "aborted once"
+    );
+    // A volume without a mapping is not watched.
+    let plain = harness();
+    staged(&plain).await;
+    assert!(plain.engine.watch_unstage("vol-1").is_none());
+}
