@@ -81,7 +81,8 @@ pub struct Args {
     #[arg(long, default_value_t = 60)]
     pub rbd_map_timeout: u64,
     /// Deadline for unmapping an RBD image, in seconds (past it, rbd-fuse is killed and its
-    /// mount detached).
+    /// mount detached); also how long rbd-fuse may go without answering while the volume's
+    /// filesystem is unmounted.
     #[arg(long, default_value_t = 30)]
     pub rbd_unmap_timeout: u64,
 }
