@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use moor_node::attach::journal::MappingRecord;
 use moor_node::journal::{AccessRecord, Phase, VolumeRecord};
 use moor_node::sys::Presence;
 use moor_node::sys::mountinfo::MountInfo;
@@ -105,7 +106,7 @@ pub enum LiveDevice {
 /// One line of the verdict: a path or the device of a volume.
 #[derive(Debug, Clone, Serialize)]
 pub struct Check {
-    /// `device`, `staging` or `publish`.
+    /// `mapping`, `device`, `staging` or `publish`.
     pub role: &'static str,
     /// The path.
     pub path: PathBuf,
@@ -420,9 +421,54 @@ fn phase_text(phase: Phase, done: &str) -> String {
     }
 }
 
+/// Judges an RBD volume's mapping: what the journal says of it, and the verdict on its device
+/// (`live`, looked at when the record names one). A map or an unmap in progress is drift.
+pub fn judge_mapping(m: &MappingRecord, live: Option<&LiveDevice>) -> Check {
+    let mut journal = format!("rbd {} ({})", m.spec(), m.attacher);
+    if m.read_only {
+        journal.push_str(", read-only");
+    }
+    let journal = phase_text(m.phase, &format!("mapped {journal}"));
+    let path = m
+        .device
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(m.spec().to_string()));
+    let (verdict, live, reason) = match (m.phase, &m.device, m.rdev, live) {
+        (Phase::Done, Some(device), Some(rdev), Some(live)) => judge_device(device, rdev, live),
+        (Phase::Done, ..) => (
+            Verdict::Drifted,
+            "-".into(),
+            Some("the mapping's device is not recorded".into()),
+        ),
+        _ => (
+            Verdict::Drifted,
+            "-".into(),
+            Some(format!(
+                "a map or an unmap of RBD image {} is in progress",
+                m.spec()
+            )),
+        ),
+    };
+    Check {
+        role: "mapping",
+        path,
+        journal,
+        live,
+        verdict,
+        reason,
+    }
+}
+
 /// Checks one volume's record against the system.
 pub fn check_volume(rec: &VolumeRecord, table: &MountTable) -> VolumeStatus {
     let mut checks = Vec::new();
+    if let Some(m) = &rec.mapping {
+        let live = match (&m.device, m.rdev) {
+            (Some(d), Some(r)) if m.phase == Phase::Done => Some(look_at_device(d, r)),
+            _ => None,
+        };
+        checks.push(judge_mapping(m, live.as_ref()));
+    }
     let rdev = rec.stage.as_ref().map(|s| s.rdev);
     if let Some(s) = &rec.stage {
         let (verdict, live, reason) =

@@ -210,3 +210,32 @@ fn the_report_has_a_table_notes_and_json() {
     assert!(none.is_none());
     assert_eq!(ok.json["healthy"], true);
 }
+
+#[test]
+fn an_rbd_mapping_is_judged_by_its_device_and_its_phase() {
+    use moor_node::attach::ImageSpec;
+    use moor_node::attach::journal::MappingRecord;
+    let image = ImageSpec {
+        cluster_id: None,
+        pool: "moor".into(),
+        image: "csi-vol-1".into(),
+    };
+    let mut m = MappingRecord::intent("fuse", &image, true);
+    let c = judge_mapping(&m, None);
+    assert_eq!((c.role, c.verdict), ("mapping", Verdict::Drifted));
+    assert!(c.journal.contains("in progress") && c.journal.contains("moor/csi-vol-1"));
+    assert!(c.journal.contains("read-only"), "{}", c.journal);
+    m.phase = Phase::Done;
+    m.device = Some("/dev/loop3".into());
+    m.rdev = Some((7, 3));
+    let ok = judge_mapping(
+        &m,
+        Some(&LiveDevice::Present {
+            backing: Some("/var/lib/moor/rbd/moor+csi-vol-1/csi-vol-1".into()),
+        }),
+    );
+    assert_eq!(ok.verdict, Verdict::Healthy, "{ok:?}");
+    assert_eq!(ok.path, std::path::PathBuf::from("/dev/loop3"));
+    let gone = judge_mapping(&m, Some(&LiveDevice::Missing));
+    assert_eq!(gone.verdict, Verdict::DeviceGone);
+}
