@@ -8,6 +8,7 @@
 //! What a failure means for the caller is decided above this module.
 
 mod api;
+mod registry;
 mod types;
 
 use std::ffi::{CStr, c_char, c_int};
