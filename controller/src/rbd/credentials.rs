@@ -117,12 +117,17 @@ impl Connections {
         creds: &Credentials,
     ) -> std::result::Result<Cluster, moor_rbd::Error> {
         let login = (mon_host.to_string(), creds.user.clone());
-        if let Some(open) = self.lock().open.get(&login)
-            && open.key == creds.key
         {
-            let c = open.cluster.clone();
-            self.lock().last.insert(cluster.clone(), login);
-            return Ok(c);
+            let mut inner = self.lock();
+            let open = inner
+                .open
+                .get(&login)
+                .filter(|o| o.key == creds.key)
+                .map(|o| o.cluster.clone());
+            if let Some(c) = open {
+                inner.last.insert(cluster.clone(), login);
+                return Ok(c);
+            }
         }
         // Connecting takes tens of milliseconds: not under the lock.
         let options = ConnectOptions::new(mon_host, &creds.user, Auth::Key(creds.key.clone()));

@@ -297,6 +297,22 @@ impl RbdBackend {
                 None => resumed = Some((suffix, None)),
             }
         }
+        // The source and the size are settled before anything is written: a request that
+        // fails here leaves nothing behind.
+        let (_source_claim, mut source) = match &req.source {
+            Some(src) => {
+                let (c, s_) = self.resolve_source(&s, &loc, src)?;
+                (Some(c), Some(s_))
+            }
+            None => (None, None),
+        };
+        let size = match &resumed {
+            Some((_, Some(rec))) => rec.created_bytes,
+            _ => {
+                let floor = source.as_ref().map_or(0, |s| s.size);
+                backend::choose_size(req.capacity.as_ref(), &POLICY, floor)?
+            }
+        };
         let (suffix, rec) = match resumed {
             Some(r) => r,
             None => {
@@ -310,22 +326,14 @@ impl RbdBackend {
             suffix: suffix.clone(),
         };
         let image = id.image();
-
-        let (_source_claim, source) = match &req.source {
-            Some(src) => {
-                let (c, mut s_) = self.resolve_source(&s, &loc, src)?;
-                if s_.make_snapshot {
-                    s_.snapshot = format!("{CLONE_SOURCE_PREFIX}{suffix}");
-                }
-                (Some(c), Some(s_))
-            }
-            None => (None, None),
-        };
+        if let Some(src) = source.as_mut()
+            && src.make_snapshot
+        {
+            src.snapshot = format!("{CLONE_SOURCE_PREFIX}{suffix}");
+        }
         let mut rec = match rec {
             Some(rec) => rec,
             None => {
-                let floor = source.as_ref().map_or(0, |s| s.size);
-                let size = backend::choose_size(req.capacity.as_ref(), &POLICY, floor)?;
                 let rec = VolumeRecord {
                     version: FORMAT_VERSION,
                     name: req.name.clone(),
@@ -342,7 +350,6 @@ impl RbdBackend {
                 rec
             }
         };
-        let size = rec.created_bytes;
         match &source {
             None => {
                 let mut opts = ImageOptions::new(size).features(features_of(&params));
