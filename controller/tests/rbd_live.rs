@@ -920,7 +920,8 @@ fn unpublishing_a_node_that_still_holds_the_image_fences_it() {
     assert_eq!(rec.fencings[0].addresses, vec![a_address.clone()]);
 
     // Node B gets the volume, takes the lock at once, and sees A's data but not the late
-    // write.
+    // write. Then it goes the same way, mapped but idle (it watches the image, holds no
+    // lock): fenced too, its first write after the force-detach fails.
     secrets::scope(env.secrets(), || {
         b.publish_volume(&publish(
             &v.id,
@@ -939,9 +940,29 @@ fn unpublishing_a_node_that_still_holds_the_image_fences_it() {
     at_b.flush().unwrap();
     at_b.release_lock().unwrap();
     drop(at_b);
+    let idle = node_b.pool(&env.pool).unwrap().open_image(&image).unwrap();
+    assert_eq!(idle.read(4096, 17).unwrap(), b"written by node B");
+    let b_address = idle
+        .watchers()
+        .unwrap()
+        .into_iter()
+        .find(|w| u64::try_from(w.client_id).ok() == Some(node_b.instance_id()))
+        .expect("node B watches the image")
+        .address;
+    cleanup.fenced.push(b_address.clone());
+    secrets::scope(env.secrets(), || b.unpublish_volume(&v.id, Some("node-b"))).unwrap();
+    let e = idle.write(0, b"late write from B").unwrap_err();
+    assert_eq!(e.errno(), Some(libc::ESHUTDOWN), "{e}");
+    drop(idle);
     drop(at_a);
     drop(node_a);
-    secrets::scope(env.secrets(), || b.unpublish_volume(&v.id, None)).unwrap();
+    let observer = env.client();
+    let at = observer
+        .pool(&env.pool)
+        .unwrap()
+        .open_image(&image)
+        .unwrap();
+    assert_eq!(at.read(0, 17).unwrap(), b"written by node A");
 }
 
 #[test]

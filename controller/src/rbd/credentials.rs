@@ -130,7 +130,10 @@ impl Connections {
             }
         }
         // Connecting takes tens of milliseconds: not under the lock.
-        let options = ConnectOptions::new(mon_host, &creds.user, Auth::Key(creds.key.clone()));
+        // Fencing blocklists clients itself, for as long as it is told to: breaking a lock must
+        // not add an entry of librbd's own (of a shorter default expiry) over it.
+        let options = ConnectOptions::new(mon_host, &creds.user, Auth::Key(creds.key.clone()))
+            .option("rbd_blocklist_on_break_lock", "false");
         let connected = Cluster::connect(&options)?;
         let mut inner = self.lock();
         inner.open.insert(
