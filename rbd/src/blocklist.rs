@@ -15,11 +15,16 @@ impl Cluster {
     }
 
     /// Adds a client address ("IP:PORT/NONCE", one client instance; "IP" or "IP:0/0", every
-    /// client of that host) to the blocklist for `expire`. Ceph before 16 (Pacific) calls it
-    /// the blacklist; both names are tried.
+    /// client of that host) to the blocklist for `expire`, and waits until this client has the
+    /// OSD map that holds it: from then on, every request this client sends carries that map,
+    /// so an OSD serving it has caught up first and refuses the blocklisted client from then
+    /// on. Ceph before 16 (Pacific) calls it the blacklist; both names are tried.
     pub fn blocklist_add(&self, address: &str, expire: Duration) -> Result<()> {
         let seconds = expire.as_secs_f64().max(1.0);
-        self.blocklist("add", address, Some(seconds))
+        self.blocklist("add", address, Some(seconds))?;
+        self.rados
+            .wait_for_latest_osdmap()
+            .map_err(|f| Error::from_failure(f, "the OSD map"))
     }
 
     /// Removes a client address from the blocklist (it was not there: success).

@@ -10,6 +10,12 @@
 //! instead of reaching the image), and the lock they held is broken so that the next node
 //! can take it at once.
 //!
+//! Order matters: the entries go in first and the controller waits for the OSD map that holds
+//! them; the lock break that follows is a request with that map, and so is every request of
+//! the next node (which connects later): an OSD catches up to a client's map before serving
+//! it, so from the first of them on, the fenced clients' requests are refused there. What
+//! they wrote before is simply the last thing they wrote.
+//!
 //! The addresses come from the image itself: its lockers and watchers, less the controller's
 //! own client. Each is one client instance ("IP:PORT/NONCE"), so only the processes that held
 //! this image are fenced, not the node's other clients; the entries expire after the

@@ -90,6 +90,7 @@ api! {
         fn rados_ioctx_destroy(RadosIoctxT);
         fn rados_ioctx_pool_stat(RadosIoctxT, *mut RadosPoolStat) -> c_int;
         fn rados_get_instance_id(RadosT) -> u64;
+        fn rados_wait_for_latest_osdmap(RadosT) -> c_int;
     }
     rbd {
         fn rbd_version(*mut c_int, *mut c_int, *mut c_int);

@@ -55,6 +55,13 @@ impl Rados {
         // SAFETY: a live, connected handle.
         unsafe { (self.api.rados_get_instance_id)(self.handle) }
     }
+
+    /// Waits until this client has the cluster's latest OSD map.
+    pub(crate) fn wait_for_latest_osdmap(&self) -> Result<()> {
+        // SAFETY: a live, connected handle.
+        let ret = unsafe { (self.api.rados_wait_for_latest_osdmap)(self.handle) };
+        check("rados_wait_for_latest_osdmap", ret).map(drop)
+    }
 }
 
 impl Ioctx {
