@@ -224,8 +224,10 @@ impl RbdBackend {
 
     pub(super) fn capacity_impl(&self, query: &CapacityQuery) -> Result<Capacity> {
         // RBD volumes have no topology: any segment reaches the cluster.
-        let loc = location_of(&query.parameters)
-            .ok_or_else(|| Error::invalid("parameters", "the pool is not named"))?;
+        // Without a cluster and a pool, no volume can be made: no capacity.
+        let Some(loc) = location_of(&query.parameters) else {
+            return Ok(Capacity::default());
+        };
         let s = self.session(&loc.cluster)?;
         let pool = self.open_pool(&s, &loc.pool)?.ok_or_else(|| {
             Error::invalid(

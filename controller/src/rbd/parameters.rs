@@ -94,13 +94,31 @@ pub fn location_of(params: &Parameters) -> Option<Location> {
     })
 }
 
+/// The cluster and pool of normalized parameters, which creating a volume needs (GetCapacity
+/// without them has nothing to measure); INVALID_ARGUMENT naming what is missing.
+pub fn require_location(params: &Parameters) -> Result<Location> {
+    let invalid = |why: String| Error::invalid("parameters", why);
+    if !params.contains_key(CLUSTER_ID_KEY) && !params.contains_key(MONITORS_KEY) {
+        return Err(invalid(format!(
+            "{CLUSTER_ID_KEY} or {MONITORS_KEY} is required: which Ceph cluster"
+        )));
+    }
+    if !params.contains_key(POOL_KEY) {
+        return Err(invalid(format!(
+            "{POOL_KEY} is required: the pool images are made in"
+        )));
+    }
+    location_of(params).ok_or_else(|| invalid("the cluster is named twice".into()))
+}
+
 /// Whether normalized parameters are this backend's.
 pub fn is_rbd(params: &Parameters) -> bool {
     params.get(BACKEND_KEY).map(String::as_str) == Some(BACKEND_NAME)
 }
 
 /// Parses and normalizes the parameters (see the module's doc). A clusterID must name a
-/// cluster of `clusters`.
+/// cluster of `clusters`. The cluster and the pool may be missing here (a GetCapacity without
+/// parameters); creating a volume requires them ([`require_location`]).
 pub fn parse_parameters(raw: &Parameters, clusters: &Clusters) -> Result<Parameters> {
     let invalid = |why: String| Error::invalid("parameters", why);
     let mut out = Parameters::from([(BACKEND_KEY.to_string(), BACKEND_NAME.to_string())]);
@@ -182,25 +200,9 @@ pub fn parse_parameters(raw: &Parameters, clusters: &Clusters) -> Result<Paramet
     }
     // The filesystem keys, checked as the embedded backend checks them.
     out.extend(embedded::parse_parameters(&fs_keys)?);
-    match (
-        out.contains_key(CLUSTER_ID_KEY),
-        out.contains_key(MONITORS_KEY),
-    ) {
-        (false, false) => {
-            return Err(invalid(format!(
-                "{CLUSTER_ID_KEY} or {MONITORS_KEY} is required: which Ceph cluster"
-            )));
-        }
-        (true, true) => {
-            return Err(invalid(format!(
-                "give {CLUSTER_ID_KEY} or {MONITORS_KEY}, not both"
-            )));
-        }
-        _ => {}
-    }
-    if !out.contains_key(POOL_KEY) {
+    if out.contains_key(CLUSTER_ID_KEY) && out.contains_key(MONITORS_KEY) {
         return Err(invalid(format!(
-            "{POOL_KEY} is required: the pool images are made in"
+            "give {CLUSTER_ID_KEY} or {MONITORS_KEY}, not both"
         )));
     }
     out.entry(IMAGE_FEATURES_KEY.into())
@@ -291,8 +293,6 @@ mod tests {
     fn bad_parameters_are_invalid_naming_the_key() {
         let c = clusters();
         for (raw, want) in [
-            (vec![("pool", "kube")], "clusterID or monitors is required"),
-            (vec![("clusterID", "prod")], "pool is required"),
             (
                 vec![("clusterID", "prod"), ("monitors", "m"), ("pool", "p")],
                 "not both",
@@ -360,6 +360,24 @@ mod tests {
             );
             assert!(e.to_string().contains(want), "{raw:?}: {e}");
         }
+    }
+
+    #[test]
+    fn creating_needs_the_cluster_and_the_pool() {
+        let c = clusters();
+        let only_pool = parse_parameters(&params(&[("pool", "kube")]), &c).unwrap();
+        let e = require_location(&only_pool).unwrap_err();
+        assert!(
+            e.to_string().contains("clusterID or monitors is required"),
+            "{e}"
+        );
+        let only_cluster = parse_parameters(&params(&[("clusterID", "prod")]), &c).unwrap();
+        let e = require_location(&only_cluster).unwrap_err();
+        assert!(e.to_string().contains("pool is required"), "{e}");
+        let none = parse_parameters(&Parameters::new(), &c).unwrap();
+        assert!(is_rbd(&none) && location_of(&none).is_none());
+        let both = parse_parameters(&params(&[("clusterID", "prod"), ("pool", "p")]), &c).unwrap();
+        assert_eq!(require_location(&both).unwrap().pool, "p");
     }
 
     #[test]

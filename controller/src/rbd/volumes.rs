@@ -4,7 +4,7 @@ use moor_rbd::{Ensured, ImageOptions, Pool, Shrink};
 use tracing::info;
 
 use super::ids::{CLONE_SOURCE_PREFIX, ClusterRef, Location, SnapshotId, VolumeId, random_suffix};
-use super::parameters::{self, DATA_POOL_KEY, IMAGE_NAME_KEY, features_of, location_of};
+use super::parameters::{self, DATA_POOL_KEY, IMAGE_NAME_KEY, features_of};
 use super::reap::Disposal;
 use super::records::{FORMAT_VERSION, Registry, SnapshotState, VolumeRecord, VolumeState};
 use super::{POLICY, RbdBackend, Session};
@@ -262,8 +262,7 @@ impl RbdBackend {
             parameters::check_capability(cap, &params)
                 .map_err(|r| Error::invalid("volume_capabilities", r))?;
         }
-        let loc = location_of(&params)
-            .ok_or_else(|| Error::Internal("normalized parameters without a pool".into()))?;
+        let loc = parameters::require_location(&params)?;
         let name_key = format!("rbd-volume-name:{}", req.name);
         let _claim = self.inflight.claim(&[&name_key], &[])?;
         let s = self.session(&loc.cluster)?;
