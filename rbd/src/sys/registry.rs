@@ -201,12 +201,10 @@ impl RbdImage {
         let api = self.api();
         let mut sizes = [64usize, 256, 256, 256];
         for _ in 0..LIST_ATTEMPTS {
-            let mut bufs: Vec<Vec<c_char>> = sizes.iter().map(|&n| vec![0 as c_char; n]).collect();
+            let mut bufs: [Vec<c_char>; 4] = sizes.map(|n| vec![0 as c_char; n]);
             let mut lens = sizes;
             let mut exclusive: c_int = 0;
-            let [tag, clients, cookies, addrs] = &mut bufs[..] else {
-                unreachable!("four buffers")
-            };
+            let [tag, clients, cookies, addrs] = &mut bufs;
             let [tag_len, clients_len, cookies_len, addrs_len] = &mut lens;
             // SAFETY: an open image, a valid out-pointer for the mode, four writable buffers of
             // the sizes given with them, and those sizes' addresses.
