@@ -1123,3 +1123,66 @@ fn timings() {
         }
     });
 }
+
+/// A CreateVolume or DeleteVolume interrupted at any step (the controller killed, the cluster
+/// out of reach) leaves records its retry finishes: each state is set up here as a crash
+/// would leave it.
+#[test]
+fn an_interrupted_create_or_delete_is_finished_by_its_retry() {
+    use moor_controller::rbd::records::{Registry, VolumeState};
+    let env = cluster_or_skip!();
+    let b = env.backend(false);
+    let mut cleanup = Cleanup::new(&env, &b);
+    let pool = env.pool();
+    let reg = Registry::new(&pool);
+    secrets::scope(env.secrets(), || {
+        // Killed after the name index was written, before the record.
+        let n = name("after-index");
+        let suffix = moor_controller::rbd::ids::random_suffix().unwrap();
+        reg.name_volume(&n, &suffix).unwrap();
+        let v = b
+            .create_volume(&new_volume(&env, &n, 8 * MIB, None))
+            .unwrap();
+        cleanup.volume(&v.id);
+        assert_eq!(
+            VolumeId::parse(&v.id).unwrap().suffix,
+            suffix,
+            "the named id is used"
+        );
+        assert!(image_names(&env).contains(&VolumeId::parse(&v.id).unwrap().image()));
+
+        // Killed after the image was made, before the record said ready.
+        let n = name("before-ready");
+        let v = b
+            .create_volume(&new_volume(&env, &n, 8 * MIB, None))
+            .unwrap();
+        cleanup.volume(&v.id);
+        let id = VolumeId::parse(&v.id).unwrap();
+        let mut rec = reg.volume(&id.suffix).unwrap().unwrap();
+        rec.state = VolumeState::Creating;
+        reg.put_volume(&id.suffix, &rec).unwrap();
+        assert!(matches!(b.get_volume(&v.id), Err(Error::VolumeNotFound(_))));
+        let again = b
+            .create_volume(&new_volume(&env, &n, 8 * MIB, None))
+            .unwrap();
+        assert_eq!(again.id, v.id);
+        assert_eq!(
+            reg.volume(&id.suffix).unwrap().unwrap().state,
+            VolumeState::Ready
+        );
+
+        // Killed in a delete, after its name was freed, before the image went.
+        rec.state = VolumeState::Deleting;
+        reg.put_volume(&id.suffix, &rec).unwrap();
+        reg.unname_volume(&n, &id.suffix).unwrap();
+        b.delete_volume(&v.id).unwrap();
+        assert!(!image_names(&env).contains(&id.image()));
+        assert!(reg.volume(&id.suffix).unwrap().is_none());
+        // The name makes a new volume now.
+        let fresh = b
+            .create_volume(&new_volume(&env, &n, 8 * MIB, None))
+            .unwrap();
+        cleanup.volume(&fresh.id);
+        assert_ne!(fresh.id, v.id);
+    });
+}
