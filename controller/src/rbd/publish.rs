@@ -23,16 +23,10 @@ use super::{RbdBackend, Session};
 use crate::backend::{AccessMode, PublishContext, PublishRequest};
 use crate::error::{Error, Result, trunc};
 
-/// publish_context key: the pool of the image.
-pub const POOL_KEY: &str = "rbdPool";
-/// publish_context key: the image.
-pub const IMAGE_KEY: &str = "rbdImage";
-/// publish_context key: the cluster's monitors (comma-separated, as `mon_host` takes them).
-pub const MONITORS_KEY: &str = "rbdMonitors";
-/// publish_context key: the clusterID (when the StorageClass named one).
-pub const CLUSTER_ID_KEY: &str = "rbdClusterID";
-/// publish_context key: "true" when the node must map the image read-only.
-pub const READ_ONLY_KEY: &str = "rbdReadOnly";
+pub use moor_runtime::contract::{
+    RBD_CLUSTER_ID_KEY as CLUSTER_ID_KEY, RBD_IMAGE_KEY as IMAGE_KEY,
+    RBD_MONITORS_KEY as MONITORS_KEY, RBD_POOL_KEY as POOL_KEY, RBD_READ_ONLY_KEY as READ_ONLY_KEY,
+};
 
 fn publish_context(s: &Session, id: &VolumeId, readonly: bool) -> PublishContext {
     let mut ctx = PublishContext::from([
