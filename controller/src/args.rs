@@ -38,6 +38,24 @@ pub struct Args {
     /// Default: off.
     #[arg(long)]
     pub http_endpoint: Option<String>,
+    /// Do not serve the embedded backend (no volumes on this host's loop devices).
+    #[arg(long)]
+    pub no_embedded: bool,
+    /// Serve the RBD backend: StorageClasses with `backend: rbd` get RBD images of an existing
+    /// Ceph cluster (named by `monitors`, or by `clusterID` with --rbd-clusters).
+    #[arg(long)]
+    pub rbd: bool,
+    /// The RBD backend's cluster list: a JSON file in ceph-csi's config.json format, with the
+    /// controller's own credentials optionally. Implies --rbd.
+    #[arg(long, env = "MOOR_RBD_CLUSTERS")]
+    pub rbd_clusters: Option<PathBuf>,
+    /// The nodes the RBD backend publishes volumes at, comma-separated; others are NOT_FOUND.
+    /// Default: any node the CO names.
+    #[arg(long, value_delimiter = ',')]
+    pub rbd_nodes: Vec<String>,
+    /// How long a client fenced by a force-detach stays blocklisted, in seconds.
+    #[arg(long, default_value_t = 7 * 24 * 3600)]
+    pub rbd_fence_expiry: u64,
 }
 
 #[cfg(test)]

@@ -9,6 +9,9 @@
 //! * [`embedded`] is the default backend: sparse files under a data dir, attached as loop
 //!   devices on this host, with crash-safe records;
 //! * the loop device ioctls it attaches with are [`moor_runtime::sys::loopdev`];
+//! * [`rbd`] is the RBD backend: images in a pool of an existing Ceph cluster, chosen per
+//!   StorageClass; [`select`] picks the backend of each request, and [`secrets`] hands the
+//!   request's CSI secrets to the backend that needs them;
 //! * [`inflight`] answers ABORTED when an operation on the same object is already running;
 //! * [`service`] and [`identity`] serve the CSI Controller and Identity services;
 //! * [`error`] maps every failure to the gRPC code the CSI spec names for it.
@@ -19,6 +22,9 @@ pub mod embedded;
 pub mod error;
 pub mod identity;
 pub mod inflight;
+pub mod rbd;
+pub mod secrets;
+pub mod select;
 pub mod service;
 pub mod validate;
 

@@ -9,6 +9,8 @@ use moor_controller::args::Args;
 use moor_controller::embedded::attach::LoopAttacher;
 use moor_controller::embedded::{Config, EmbeddedBackend};
 use moor_controller::identity::IdentityService;
+use moor_controller::rbd::{self, RbdBackend};
+use moor_controller::select::Backends;
 use moor_controller::service::ControllerService;
 use moor_proto::csi::v1::controller_server::ControllerServer;
 use moor_proto::csi::v1::identity_server::IdentityServer;
@@ -59,6 +61,26 @@ fn check_names(driver: &str, node: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The RBD backend, when the command line asks for it.
+fn rbd_backend(
+    args: &Args,
+) -> Result<Option<Box<dyn moor_controller::Backend>>, Box<dyn std::error::Error>> {
+    if !args.rbd && args.rbd_clusters.is_none() {
+        return Ok(None);
+    }
+    let clusters = match &args.rbd_clusters {
+        Some(p) => rbd::clusters::Clusters::load(p)?,
+        None => rbd::clusters::Clusters::empty(),
+    };
+    let mut config = rbd::Config::new(clusters);
+    if !args.rbd_nodes.is_empty() {
+        config.nodes = Some(args.rbd_nodes.iter().cloned().collect());
+    }
+    config.fence_expiry = Duration::from_secs(args.rbd_fence_expiry);
+    info!(clusters = config.clusters.len(), "rbd backend enabled");
+    Ok(Some(Box::new(RbdBackend::new(config))))
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
@@ -79,30 +101,42 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         Duration::from_secs(args.instance_wait),
     )
     .await?;
-    let config = Config {
-        data_dir: args.data_dir.clone(),
-        node_id: args.node_id.clone(),
-        topology_key: format!("topology.{}/node", args.driver_name),
+    // A cluster list that does not read stops the start before anything is opened.
+    let rbd = rbd_backend(&args)?;
+    let embedded: Option<Box<dyn moor_controller::Backend>> = if args.no_embedded {
+        None
+    } else {
+        let config = Config {
+            data_dir: args.data_dir.clone(),
+            node_id: args.node_id.clone(),
+            topology_key: format!("topology.{}/node", args.driver_name),
+        };
+        let (backend, report) =
+            tokio::task::spawn_blocking(move || EmbeddedBackend::open(config, LoopAttacher::new()))
+                .await??;
+        for a in &report.set_aside {
+            warn!(file = %a.path.display(), reason = %a.reason, "record unreadable; set aside, its data kept");
+        }
+        for p in &report.problems {
+            warn!(problem = %p, "reconciliation");
+        }
+        info!(
+            volumes = report.volumes,
+            snapshots = report.snapshots,
+            adopted = report.adopted.len(),
+            detached = report.detached.len(),
+            corrected = report.corrected.len(),
+            orphans_removed = report.orphans_removed.len(),
+            "records reconciled with this host's loop devices"
+        );
+        Some(Box::new(backend))
     };
-    let (backend, report) =
-        tokio::task::spawn_blocking(move || EmbeddedBackend::open(config, LoopAttacher::new()))
-            .await??;
-    for a in &report.set_aside {
-        warn!(file = %a.path.display(), reason = %a.reason, "record unreadable; set aside, its data kept");
+    if embedded.is_none() && rbd.is_none() {
+        return Err(
+            "--no-embedded and no RBD backend (--rbd or --rbd-clusters): nothing to serve".into(),
+        );
     }
-    for p in &report.problems {
-        warn!(problem = %p, "reconciliation");
-    }
-    info!(
-        volumes = report.volumes,
-        snapshots = report.snapshots,
-        adopted = report.adopted.len(),
-        detached = report.detached.len(),
-        corrected = report.corrected.len(),
-        orphans_removed = report.orphans_removed.len(),
-        "records reconciled with this host's loop devices"
-    );
-    let backend = Arc::new(backend);
+    let backend = Arc::new(Backends::new(embedded, rbd));
     if let Err(e) = moor_controller::Backend::probe(backend.as_ref()) {
         warn!(error = %e, "not ready");
     }
@@ -117,7 +151,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         endpoint = %socket.display(),
         driver = args.driver_name,
         node = args.node_id,
-        data_dir = %backend.layout().root.display(),
+        data_dir = %args.data_dir.display(),
         version = env!("CARGO_PKG_VERSION"),
         "moor-controller serving"
     );

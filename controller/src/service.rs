@@ -17,6 +17,7 @@ use crate::backend::{
     Backend, CapacityQuery, ContentSource, Parameters, Snapshot, Volume, VolumeStatus,
 };
 use crate::error::{Error, Result, trunc};
+use crate::secrets::{self, Secrets};
 use crate::validate;
 
 /// The controller capabilities moor advertises.
@@ -57,9 +58,22 @@ impl<B: Backend> ControllerService<B> {
         subject: &str,
         f: impl FnOnce(&B) -> Result<T> + Send + 'static,
     ) -> Result<Response<T>, Status> {
+        self.call_with(rpc, subject, Secrets::none(), f).await
+    }
+
+    /// [`call`](Self::call), with the request's secrets current for the backend (see
+    /// [`crate::secrets`]).
+    async fn call_with<T: Send + 'static>(
+        &self,
+        rpc: &'static str,
+        subject: &str,
+        secrets: Secrets,
+        f: impl FnOnce(&B) -> Result<T> + Send + 'static,
+    ) -> Result<Response<T>, Status> {
         let backend = Arc::clone(&self.backend);
         let start = Instant::now();
-        let result = match tokio::task::spawn_blocking(move || f(&backend)).await {
+        let run = move || secrets::scope(secrets, || f(&backend));
+        let result = match tokio::task::spawn_blocking(run).await {
             Ok(r) => r.map_err(Status::from),
             Err(e) => {
                 warn!(rpc, error = %e, "handler panicked");
@@ -144,7 +158,8 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
     ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
         let req = request.into_inner();
         let subject = req.name.clone();
-        self.call("CreateVolume", &subject, move |b| {
+        let secrets = Secrets::from_map(&req.secrets);
+        self.call_with("CreateVolume", &subject, secrets, move |b| {
             let mut v = validate::create_volume(&req)?;
             v.parameters = b.parse_parameters(&v.parameters)?;
             for cap in &v.capabilities {
@@ -165,7 +180,8 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
     ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
         let req = request.into_inner();
         let subject = req.volume_id.clone();
-        self.call("DeleteVolume", &subject, move |b| {
+        let secrets = Secrets::from_map(&req.secrets);
+        self.call_with("DeleteVolume", &subject, secrets, move |b| {
             let id = validate::delete_volume(&req)?;
             b.delete_volume(&id)?;
             Ok(csi::DeleteVolumeResponse {})
@@ -179,7 +195,8 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
     ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
         let req = request.into_inner();
         let subject = req.volume_id.clone();
-        self.call("ControllerPublishVolume", &subject, move |b| {
+        let secrets = Secrets::from_map(&req.secrets);
+        self.call_with("ControllerPublishVolume", &subject, secrets, move |b| {
             let p = validate::publish(&req)?;
             let ctx = b.publish_volume(&p)?;
             Ok(csi::ControllerPublishVolumeResponse {
@@ -195,7 +212,8 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
     ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
         let req = request.into_inner();
         let subject = req.volume_id.clone();
-        self.call("ControllerUnpublishVolume", &subject, move |b| {
+        let secrets = Secrets::from_map(&req.secrets);
+        self.call_with("ControllerUnpublishVolume", &subject, secrets, move |b| {
             let (id, node) = validate::unpublish(&req)?;
             b.unpublish_volume(&id, node.as_deref())?;
             Ok(csi::ControllerUnpublishVolumeResponse {})
@@ -209,7 +227,8 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
     ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
         let req = request.into_inner();
         let subject = req.volume_id.clone();
-        self.call("ValidateVolumeCapabilities", &subject, move |b| {
+        let secrets = Secrets::from_map(&req.secrets);
+        self.call_with("ValidateVolumeCapabilities", &subject, secrets, move |b| {
             let v = validate::validate_capabilities(&req)?;
             let status = b.get_volume(&v.volume_id)?;
             let params = b.parse_parameters(&v.parameters)?;
@@ -324,7 +343,8 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
     ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
         let req = request.into_inner();
         let subject = req.name.clone();
-        self.call("CreateSnapshot", &subject, move |b| {
+        let secrets = Secrets::from_map(&req.secrets);
+        self.call_with("CreateSnapshot", &subject, secrets, move |b| {
             let s = b.create_snapshot(&validate::create_snapshot(&req)?)?;
             Ok(csi::CreateSnapshotResponse {
                 snapshot: Some(csi_snapshot(&s)),
@@ -339,7 +359,8 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
     ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
         let req = request.into_inner();
         let subject = req.snapshot_id.clone();
-        self.call("DeleteSnapshot", &subject, move |b| {
+        let secrets = Secrets::from_map(&req.secrets);
+        self.call_with("DeleteSnapshot", &subject, secrets, move |b| {
             b.delete_snapshot(&validate::delete_snapshot(&req)?)?;
             Ok(csi::DeleteSnapshotResponse {})
         })
@@ -351,7 +372,8 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
         request: Request<csi::ListSnapshotsRequest>,
     ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
         let req = request.into_inner();
-        self.call("ListSnapshots", "", move |b| {
+        let secrets = Secrets::from_map(&req.secrets);
+        self.call_with("ListSnapshots", "", secrets, move |b| {
             let (filter, page) = validate::list_snapshots(&req)?;
             let page = b.list_snapshots(&filter, &page)?;
             Ok(csi::ListSnapshotsResponse {
@@ -374,7 +396,8 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
     ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
         let req = request.into_inner();
         let subject = req.snapshot_id.clone();
-        self.call("GetSnapshot", &subject, move |b| {
+        let secrets = Secrets::from_map(&req.secrets);
+        self.call_with("GetSnapshot", &subject, secrets, move |b| {
             let s = b.get_snapshot(&validate::get_snapshot(&req)?)?;
             Ok(csi::GetSnapshotResponse {
                 snapshot: Some(csi_snapshot(&s)),
@@ -389,7 +412,8 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
     ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
         let req = request.into_inner();
         let subject = req.volume_id.clone();
-        self.call("ControllerExpandVolume", &subject, move |b| {
+        let secrets = Secrets::from_map(&req.secrets);
+        self.call_with("ControllerExpandVolume", &subject, secrets, move |b| {
             let e = validate::expand(&req)?;
             let size = b.expand_volume(&e)?;
             // A filesystem (or an unknown use, which may be one) grows on the node too.

@@ -72,7 +72,7 @@ impl ConnectOptions {
 /// and every pool and image opened through it, is dropped.
 #[derive(Debug, Clone)]
 pub struct Cluster {
-    rados: Arc<Rados>,
+    pub(crate) rados: Arc<Rados>,
     user: String,
 }
 

@@ -10,7 +10,7 @@ use crate::sys::{Failure, RbdImage};
 /// An open image; closed when dropped (or by [`Image::close`], which reports a failure).
 #[derive(Debug)]
 pub struct Image {
-    raw: RbdImage,
+    pub(crate) raw: RbdImage,
     pool: Pool,
     name: String,
     snapshot: Option<String>,

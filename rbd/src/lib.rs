@@ -24,11 +24,16 @@
 
 #![deny(unsafe_code)]
 
+mod blocklist;
+mod by_id;
 mod cluster;
 mod error;
 mod features;
 mod image;
 mod info;
+mod io;
+mod lockers;
+mod metadata;
 mod pool;
 mod secret;
 #[allow(unsafe_code)]
@@ -42,6 +47,7 @@ pub use info::{
     ClusterUsage, ImageInfo, ImageSpec, LinkedImage, LockMode, LockOwners, Parent, PoolCapacity,
     PoolUsage, SnapInfo, TrashEntry, Watcher,
 };
+pub use lockers::{Locker, Lockers};
 pub use pool::{Ensured, ImagePage, Pool};
 pub use secret::Secret;
 

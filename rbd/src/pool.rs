@@ -14,7 +14,7 @@ use crate::sys::{Failure, ImageOpts, Ioctx, RbdImage};
 /// An open pool. Cheap to clone (the I/O context is shared).
 #[derive(Debug, Clone)]
 pub struct Pool {
-    ioctx: Arc<Ioctx>,
+    pub(crate) ioctx: Arc<Ioctx>,
     name: String,
 }
 

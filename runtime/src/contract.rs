@@ -100,6 +100,12 @@ publish_context_key!(
     RBD_CLUSTER_ID_KEY, RBD_CLUSTER_ID_FIELD = "rbdClusterID"
 );
 
+publish_context_key!(
+    /// publish_context key: "true" when the node must map the RBD image read-only (a
+    /// MULTI_NODE_READER_ONLY publication).
+    RBD_READ_ONLY_KEY, RBD_READ_ONLY_FIELD = "rbdReadOnly"
+);
+
 /// The secrets key naming the Ceph user (without `client.`), as ceph-csi names it.
 pub const RBD_USER_ID_SECRET: &str = "userID";
 /// The secrets key giving that user's cephx key.

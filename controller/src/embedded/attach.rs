@@ -424,14 +424,23 @@ impl Attacher for LoopAttacher {
                 None => (backing, false),
             };
             let device = self.dev_dir.join(&name);
-            let Some(fd) = Self::open_existing(&device)? else {
-                continue;
-            };
+            // A device this host cannot inspect (bound to a file on a dead FUSE mount, its
+            // status answers ENOTCONN) is skipped, not fatal: one broken device of someone
+            // else's must not stop the controller. moor's own files live on its data dir,
+            // whose status reads never fail that way.
+            let inspected = Self::open_existing(&device)
+                .and_then(|fd| fd.map(|fd| Self::bound_to(&fd, &device)).transpose());
             // The path comes from sysfs and the identity from the device: read the path again
             // after the identity, so that a rebind in between (loop numbers are reused at once)
             // cannot pair one file's path with another's identity.
-            let Some(file) = Self::bound_to(&fd, &device)? else {
-                continue;
+            let file = match inspected {
+                Ok(Some(Some(file))) => file,
+                Ok(_) => continue,
+                Err(e) => {
+                    tracing::warn!(device = %device.display(), backing, error = %e,
+                        "cannot inspect this loop device; skipped");
+                    continue;
+                }
             };
             let again = self.sysfs_backing(&name);
             let same = again

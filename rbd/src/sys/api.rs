@@ -89,6 +89,8 @@ api! {
         fn rados_ioctx_create(RadosT, *const c_char, *mut RadosIoctxT) -> c_int;
         fn rados_ioctx_destroy(RadosIoctxT);
         fn rados_ioctx_pool_stat(RadosIoctxT, *mut RadosPoolStat) -> c_int;
+        fn rados_get_instance_id(RadosT) -> u64;
+        fn rados_wait_for_latest_osdmap(RadosT) -> c_int;
     }
     rbd {
         fn rbd_version(*mut c_int, *mut c_int, *mut c_int);
@@ -139,6 +141,41 @@ api! {
         fn rbd_lock_get_owners(RbdImageT, *mut c_int, *mut *mut c_char, *mut usize) -> c_int;
         fn rbd_lock_get_owners_cleanup(*mut *mut c_char, usize);
         fn rbd_is_exclusive_lock_owner(RbdImageT, *mut c_int) -> c_int;
+        fn rbd_open_by_id(RadosIoctxT, *const c_char, *mut RbdImageT, *const c_char) -> c_int;
+        fn rbd_open_by_id_read_only(
+            RadosIoctxT,
+            *const c_char,
+            *mut RbdImageT,
+            *const c_char
+        ) -> c_int;
+        fn rbd_pool_metadata_get(RadosIoctxT, *const c_char, *mut c_char, *mut usize) -> c_int;
+        fn rbd_pool_metadata_set(RadosIoctxT, *const c_char, *const c_char) -> c_int;
+        fn rbd_pool_metadata_remove(RadosIoctxT, *const c_char) -> c_int;
+        fn rbd_pool_metadata_list(
+            RadosIoctxT,
+            *const c_char,
+            u64,
+            *mut c_char,
+            *mut usize,
+            *mut c_char,
+            *mut usize
+        ) -> c_int;
+        fn rbd_list_lockers(
+            RbdImageT,
+            *mut c_int,
+            *mut c_char,
+            *mut usize,
+            *mut c_char,
+            *mut usize,
+            *mut c_char,
+            *mut usize,
+            *mut c_char,
+            *mut usize
+        ) -> isize;
+        fn rbd_break_lock(RbdImageT, *const c_char, *const c_char) -> c_int;
+        fn rbd_write(RbdImageT, u64, usize, *const c_char) -> isize;
+        fn rbd_read(RbdImageT, u64, usize, *mut c_char) -> isize;
+        fn rbd_flush(RbdImageT) -> c_int;
     }
 }
 

@@ -11,6 +11,7 @@
 //! read as one, next to the function table it calls through.
 
 mod api;
+mod registry;
 mod types;
 
 use std::ffi::{CStr, c_char, c_int};

@@ -1,0 +1,304 @@
+//! The backend of each request: the controller serves the embedded backend and the RBD
+//! backend side by side, chosen per StorageClass by the `backend` parameter (`embedded`, the
+//! default, or `rbd`), and per request by the form of the id it names (RBD ids begin with
+//! `rbd/`). Listings page through one backend and then the other.
+
+use std::fmt;
+
+use crate::backend::{
+    Backend, Capability, Capacity, CapacityQuery, ExpandRequest, NewSnapshot, NewVolume, Page,
+    PageRequest, Parameters, PublishContext, PublishRequest, Snapshot, SnapshotFilter, Volume,
+    VolumeStatus,
+};
+use crate::error::{Error, Result, trunc};
+use crate::rbd::ids::is_rbd_id;
+use crate::rbd::parameters::{BACKEND_KEY, BACKEND_NAME, is_rbd};
+
+/// The value of `backend` that chooses the embedded backend.
+pub const EMBEDDED_NAME: &str = "embedded";
+
+/// The backends a controller serves.
+pub struct Backends {
+    embedded: Option<Box<dyn Backend>>,
+    rbd: Option<Box<dyn Backend>>,
+}
+
+impl fmt::Debug for Backends {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Backends")
+            .field("embedded", &self.embedded.is_some())
+            .field("rbd", &self.rbd.is_some())
+            .finish()
+    }
+}
+
+/// Which backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Which {
+    Embedded,
+    Rbd,
+}
+
+impl Backends {
+    /// Serves these backends (at least one).
+    pub fn new(embedded: Option<Box<dyn Backend>>, rbd: Option<Box<dyn Backend>>) -> Self {
+        Self { embedded, rbd }
+    }
+
+    fn get(&self, which: Which) -> Option<&dyn Backend> {
+        match which {
+            Which::Embedded => self.embedded.as_deref(),
+            Which::Rbd => self.rbd.as_deref(),
+        }
+    }
+
+    /// The backend a StorageClass's raw parameters choose; INVALID_ARGUMENT for one this
+    /// controller does not serve.
+    fn by_raw_parameters(&self, raw: &Parameters) -> Result<(Which, &dyn Backend)> {
+        let which = match raw.get(BACKEND_KEY).map(String::as_str) {
+            Some(BACKEND_NAME) => Which::Rbd,
+            Some(EMBEDDED_NAME) => Which::Embedded,
+            None if self.embedded.is_some() => Which::Embedded,
+            None => Which::Rbd,
+            Some(other) => {
+                return Err(Error::invalid(
+                    "parameters",
+                    format!(
+                        "{BACKEND_KEY}={:?}: moor's backends are {EMBEDDED_NAME} and {BACKEND_NAME}",
+                        trunc(other)
+                    ),
+                ));
+            }
+        };
+        let b = self.get(which).ok_or_else(|| {
+            Error::invalid(
+                "parameters",
+                match which {
+                    Which::Rbd => "the rbd backend is not enabled on this controller \
+                                   (moor-controller --rbd or --rbd-clusters)"
+                        .to_string(),
+                    Which::Embedded => "the embedded backend is disabled on this controller \
+                                        (--no-embedded)"
+                        .to_string(),
+                },
+            )
+        })?;
+        Ok((which, b))
+    }
+
+    /// The backend of normalized parameters.
+    fn by_parameters(&self, params: &Parameters) -> Option<&dyn Backend> {
+        self.get(if is_rbd(params) {
+            Which::Rbd
+        } else {
+            Which::Embedded
+        })
+    }
+
+    /// The backend an id belongs to, if it is served.
+    fn by_id(&self, id: &str) -> Option<&dyn Backend> {
+        self.get(if is_rbd_id(id) {
+            Which::Rbd
+        } else {
+            Which::Embedded
+        })
+    }
+
+    /// Pages through the embedded backend's entries, then the RBD backend's: a token of the
+    /// RBD form starts in the RBD backend.
+    fn list_both<T>(
+        &self,
+        page: &PageRequest,
+        list: impl Fn(&dyn Backend, &PageRequest) -> Result<Page<T>>,
+        token_of: impl Fn(&T) -> String,
+    ) -> Result<Page<T>> {
+        let in_rbd = page.starting_token.as_deref().is_some_and(is_rbd_id);
+        if let Some(t) = &page.starting_token
+            && (if in_rbd {
+                self.rbd.is_none()
+            } else {
+                self.embedded.is_none()
+            })
+        {
+            return Err(Error::InvalidToken {
+                token: trunc(t).to_string(),
+                reason: "it names a backend this controller does not serve".into(),
+            });
+        }
+        let mut entries = Vec::new();
+        if !in_rbd && let Some(e) = self.embedded.as_deref() {
+            let p = list(e, page)?;
+            if p.next_token.is_some() {
+                return Ok(p);
+            }
+            entries = p.entries;
+        }
+        let Some(r) = self.rbd.as_deref() else {
+            return Ok(Page {
+                entries,
+                next_token: None,
+            });
+        };
+        let room = if page.max_entries == 0 {
+            0
+        } else {
+            page.max_entries - entries.len().min(page.max_entries)
+        };
+        if page.max_entries > 0 && room == 0 {
+            // The page is full: the next starts at the first RBD entry, if there is one.
+            let first = list(
+                r,
+                &PageRequest {
+                    max_entries: 1,
+                    starting_token: None,
+                },
+            )?;
+            return Ok(Page {
+                next_token: first.entries.first().map(&token_of),
+                entries,
+            });
+        }
+        let p = list(
+            r,
+            &PageRequest {
+                max_entries: room,
+                starting_token: if in_rbd {
+                    page.starting_token.clone()
+                } else {
+                    None
+                },
+            },
+        )?;
+        entries.extend(p.entries);
+        Ok(Page {
+            entries,
+            next_token: p.next_token,
+        })
+    }
+}
+
+fn volume_not_found(id: &str) -> Error {
+    Error::VolumeNotFound(trunc(id).to_string())
+}
+
+impl Backend for Backends {
+    fn parse_parameters(&self, raw: &Parameters) -> Result<Parameters> {
+        let (which, b) = self.by_raw_parameters(raw)?;
+        match which {
+            // The embedded backend does not know the key that chose it.
+            Which::Embedded => {
+                let mut rest = raw.clone();
+                rest.remove(BACKEND_KEY);
+                b.parse_parameters(&rest)
+            }
+            Which::Rbd => b.parse_parameters(raw),
+        }
+    }
+
+    fn check_capability(&self, cap: &Capability, parameters: &Parameters) -> Result<(), String> {
+        match self.by_parameters(parameters) {
+            Some(b) => b.check_capability(cap, parameters),
+            None => Err("the volume's backend is not enabled on this controller".into()),
+        }
+    }
+
+    fn probe(&self) -> Result<()> {
+        for b in [self.embedded.as_deref(), self.rbd.as_deref()]
+            .into_iter()
+            .flatten()
+        {
+            b.probe()?;
+        }
+        Ok(())
+    }
+
+    fn create_volume(&self, req: &NewVolume) -> Result<Volume> {
+        self.by_parameters(&req.parameters)
+            .ok_or_else(|| Error::invalid("parameters", "the backend is not enabled"))?
+            .create_volume(req)
+    }
+
+    fn delete_volume(&self, volume_id: &str) -> Result<()> {
+        match self.by_id(volume_id) {
+            Some(b) => b.delete_volume(volume_id),
+            None => Ok(()),
+        }
+    }
+
+    fn publish_volume(&self, req: &PublishRequest) -> Result<PublishContext> {
+        self.by_id(&req.volume_id)
+            .ok_or_else(|| volume_not_found(&req.volume_id))?
+            .publish_volume(req)
+    }
+
+    fn unpublish_volume(&self, volume_id: &str, node_id: Option<&str>) -> Result<()> {
+        match self.by_id(volume_id) {
+            Some(b) => b.unpublish_volume(volume_id, node_id),
+            None => Ok(()),
+        }
+    }
+
+    fn get_volume(&self, volume_id: &str) -> Result<VolumeStatus> {
+        self.by_id(volume_id)
+            .ok_or_else(|| volume_not_found(volume_id))?
+            .get_volume(volume_id)
+    }
+
+    fn list_volumes(&self, page: &PageRequest) -> Result<Page<VolumeStatus>> {
+        self.list_both(page, |b, p| b.list_volumes(p), |v| v.volume.id.clone())
+    }
+
+    fn capacity(&self, query: &CapacityQuery) -> Result<Capacity> {
+        match self.by_parameters(&query.parameters) {
+            Some(b) => b.capacity(query),
+            None => Ok(Capacity::default()),
+        }
+    }
+
+    fn expand_volume(&self, req: &ExpandRequest) -> Result<u64> {
+        self.by_id(&req.volume_id)
+            .ok_or_else(|| volume_not_found(&req.volume_id))?
+            .expand_volume(req)
+    }
+
+    fn create_snapshot(&self, req: &NewSnapshot) -> Result<Snapshot> {
+        self.by_id(&req.source_volume_id)
+            .ok_or_else(|| volume_not_found(&req.source_volume_id))?
+            .create_snapshot(req)
+    }
+
+    fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
+        match self.by_id(snapshot_id) {
+            Some(b) => b.delete_snapshot(snapshot_id),
+            None => Ok(()),
+        }
+    }
+
+    fn get_snapshot(&self, snapshot_id: &str) -> Result<Snapshot> {
+        self.by_id(snapshot_id)
+            .ok_or_else(|| Error::SnapshotNotFound(trunc(snapshot_id).to_string()))?
+            .get_snapshot(snapshot_id)
+    }
+
+    fn list_snapshots(
+        &self,
+        filter: &SnapshotFilter,
+        page: &PageRequest,
+    ) -> Result<Page<Snapshot>> {
+        // A filter names an object of one backend.
+        let named = filter
+            .snapshot_id
+            .as_deref()
+            .or(filter.source_volume_id.as_deref());
+        if let Some(id) = named {
+            return match self.by_id(id) {
+                Some(b) => b.list_snapshots(filter, page),
+                None => Ok(Page {
+                    entries: Vec::new(),
+                    next_token: None,
+                }),
+            };
+        }
+        self.list_both(page, |b, p| b.list_snapshots(filter, p), |s| s.id.clone())
+    }
+}
