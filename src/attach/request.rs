@@ -9,7 +9,8 @@ use moor_proto::csi::v1 as csi;
 
 use moor_runtime::contract::{
     RBD_CLUSTER_ID_FIELD, RBD_CLUSTER_ID_KEY, RBD_IMAGE_FIELD, RBD_IMAGE_KEY, RBD_MONITORS_FIELD,
-    RBD_MONITORS_KEY, RBD_POOL_FIELD, RBD_POOL_KEY, RBD_USER_ID_SECRET, RBD_USER_KEY_SECRET,
+    RBD_MONITORS_KEY, RBD_POOL_FIELD, RBD_POOL_KEY, RBD_READ_ONLY_FIELD, RBD_READ_ONLY_KEY,
+    RBD_USER_ID_SECRET, RBD_USER_KEY_SECRET,
 };
 
 use super::{Credentials, ImageSpec, Secret};
@@ -31,6 +32,9 @@ pub struct RbdStage {
     pub monitors: String,
     /// The user it is mapped as.
     pub credentials: Credentials,
+    /// The controller published it read-only (`rbdReadOnly`): mapped and staged read-only,
+    /// whatever the capability.
+    pub read_only: bool,
 }
 
 /// Whether a publish_context names an RBD image.
@@ -56,6 +60,19 @@ pub fn stage(req: &csi::NodeStageVolumeRequest) -> Result<Option<RbdStage>> {
         .filter(|c| !c.is_empty())
         .map(|c| name(RBD_CLUSTER_ID_FIELD, c))
         .transpose()?;
+    let read_only = match ctx.get(RBD_READ_ONLY_KEY).map(String::as_str) {
+        None | Some("" | "false") => false,
+        Some("true") => true,
+        Some(other) => {
+            return Err(Error::invalid(
+                RBD_READ_ONLY_FIELD,
+                format!(
+                    "{:?} is neither \"true\" nor \"false\"",
+                    moor_runtime::limits::trunc(other)
+                ),
+            ));
+        }
+    };
     let credentials = credentials(&req.secrets)?;
     Ok(Some(RbdStage {
         image: ImageSpec {
@@ -65,6 +82,7 @@ pub fn stage(req: &csi::NodeStageVolumeRequest) -> Result<Option<RbdStage>> {
         },
         monitors,
         credentials,
+        read_only,
     }))
 }
 
@@ -219,9 +237,21 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(r.image.to_string(), "ceph-a:moor/csi-vol-1");
+        assert!(!r.read_only);
         assert_eq!(r.credentials.user, "moor");
         assert_eq!(r.credentials.key.expose(), KEY);
         assert!(!format!("{r:?}").contains(KEY), "{r:?}");
+    }
+
+    #[test]
+    fn a_read_only_publication_says_so() {
+        let mut ctx = good_ctx();
+        ctx.push((RBD_READ_ONLY_KEY, "true"));
+        let secrets = [(USER_ID_KEY, "moor"), (USER_KEY_KEY, KEY)];
+        assert!(stage(&req(&ctx, &secrets)).unwrap().unwrap().read_only);
+        ctx.pop();
+        ctx.push((RBD_READ_ONLY_KEY, "false"));
+        assert!(!stage(&req(&ctx, &secrets)).unwrap().unwrap().read_only);
     }
 
     #[test]
@@ -237,6 +267,7 @@ mod tests {
             (MONITORS_KEY, "10.0.0.1:6789 name=admin"),
             (MONITORS_KEY, "10.0.0.1,,10.0.0.2"),
             (CLUSTER_ID_KEY, "a b"),
+            (RBD_READ_ONLY_KEY, "yes"),
         ] {
             let mut ctx = good_ctx();
             ctx.retain(|(k, _)| *k != key);

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::journal::{Durability, Phase, VolumeRecord};
 use crate::reconcile::Action;
 use crate::sys::{HeldDevice, MountState, Os};
-use crate::validate;
+use crate::validate::{self, Access};
 
 /// Less than this written by a mapping's server over a whole unmap deadline is no answer
 /// (an idle rbd-fuse writes a few bytes a minute to wake its own threads).
@@ -134,13 +134,21 @@ impl<O: Os> Engine<O> {
         let mut record = self.record(&req.volume_id);
         self.check_image_owner(&record, image)?;
         let was_mapped = record.mapping.as_ref().is_some_and(|m| m.spec() == *image);
-        let mapping = self.ensure_mapped(&mut record, &attacher, rbd, req.cap.is_reader_only())?;
+        let read_only = req.cap.is_reader_only() || rbd.read_only;
+        let mapping = self.ensure_mapped(&mut record, &attacher, rbd, read_only)?;
         if was_mapped {
             self.rebind_stage(&mut record, &mapping)?;
         }
         let mut on_device = req.clone();
         on_device.device = Some(mapping.device.clone());
         on_device.identity = mapping.identity.clone();
+        if rbd.read_only {
+            // Published read-only: the stage is too (and never formats).
+            match &mut on_device.cap.access {
+                Access::Mount { options, .. } => options.attrs.read_only = true,
+                Access::Block { attrs } => attrs.read_only = true,
+            }
+        }
         let staged = self
             .hold_mapped(&req.volume_id, attacher.as_ref(), image, &mapping)
             .and_then(|_held| self.stage_held(&on_device));

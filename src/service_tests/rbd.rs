@@ -515,3 +515,28 @@ async fn an_unstage_whose_server_stops_answering_aborts_the_mapping() {
     staged(&plain).await;
     assert!(plain.engine.watch_unstage("vol-1").is_none());
 }
+
+#[tokio::test]
+async fn a_read_only_publication_is_mapped_and_staged_read_only() {
+    let r = rbd_harness();
+    stage(&r, ext4()).await.expect("formatted once, read-write");
+    unstage(&r).await.expect("unstage");
+    let mut req = rbd_stage("vol-1", ext4());
+    req.publish_context.insert(
+        moor_runtime::contract::RBD_READ_ONLY_KEY.into(),
+        "true".into(),
+    );
+    r.h.svc
+        .node_stage_volume(Request::new(req))
+        .await
+        .expect("stage read-only");
+    assert_eq!(
+        r.attacher.calls().last(),
+        Some(&AttachCall::Map(image(), true))
+    );
+    let m = r.h.os.calls().into_iter().rev().find_map(|c| match c {
+        Call::MountFs(m) => Some(m),
+        _ => None,
+    });
+    assert!(m.expect("mounted").attrs.read_only);
+}
