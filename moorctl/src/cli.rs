@@ -1,5 +1,6 @@
 //! The command line: every command, its arguments and the documented exit codes.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -32,6 +33,12 @@ pub struct Cli {
     /// Deadline for connecting and for each call, in seconds.
     #[arg(long, global = true, default_value_t = 120)]
     pub timeout: u64,
+    /// The CSI secrets every call that carries secrets is given, as the CSI sidecars pass a
+    /// StorageClass's secrets (an RBD volume's `userID` and `userKey`): a file of KEY=VALUE
+    /// lines (`#` starts a comment), or a JSON object. A file, so that no key shows in the
+    /// process list or the shell's history; it is never printed.
+    #[arg(long, global = true, env = "MOOR_SECRETS")]
+    pub secrets: Option<PathBuf>,
     /// The command.
     #[command(subcommand)]
     pub command: Command,
@@ -199,12 +206,55 @@ pub struct VolumeCreateArgs {
     /// Clone it from this volume.
     #[arg(long)]
     pub from_volume: Option<String>,
+    /// The backend that makes it: `embedded` (the controller's loop devices, its default) or
+    /// `rbd` (an image of a Ceph cluster; with --pool, and --cluster-id or --monitors). Sets
+    /// the storage-class parameter `backend`.
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// The RBD pool (the parameter `pool`).
+    #[arg(long)]
+    pub pool: Option<String>,
+    /// The Ceph cluster, by its clusterID in the controller's cluster list (the parameter
+    /// `clusterID`).
+    #[arg(long)]
+    pub cluster_id: Option<String>,
+    /// The Ceph cluster, by its monitors, comma-separated (the parameter `monitors`).
+    #[arg(long)]
+    pub monitors: Option<String>,
     /// A storage-class parameter KEY=VALUE (repeatable).
     #[arg(long = "param", value_parser = parse_key_value)]
     pub params: Vec<(String, String)>,
     /// Access.
     #[command(flatten)]
     pub cap: CapabilityArgs,
+}
+
+impl VolumeCreateArgs {
+    /// The storage-class parameters: the named options, then `--param`s (which a named
+    /// option given too must agree with).
+    pub fn parameters(&self) -> Result<BTreeMap<String, String>, String> {
+        let named = [
+            ("backend", &self.backend),
+            ("pool", &self.pool),
+            ("clusterID", &self.cluster_id),
+            ("monitors", &self.monitors),
+        ];
+        let mut out: BTreeMap<String, String> = named
+            .iter()
+            .filter_map(|(k, v)| v.as_ref().map(|v| ((*k).to_string(), v.clone())))
+            .collect();
+        for (k, v) in &self.params {
+            match out.get(k) {
+                Some(old) if old != v => {
+                    return Err(format!("--param {k}={v} contradicts {k}={old}"));
+                }
+                _ => {
+                    out.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// `volume expand`.
@@ -407,6 +457,48 @@ mod tests {
     #[test]
     fn the_command_line_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    fn create_args(args: &[&str]) -> VolumeCreateArgs {
+        let cli = Cli::try_parse_from(
+            ["moorctl", "volume", "create", "v", "--size", "1G"]
+                .iter()
+                .chain(args),
+        )
+        .unwrap();
+        match cli.command {
+            Command::Volume(VolumeCommand::Create(a)) => a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_rbd_volume_is_named_by_backend_pool_and_cluster() {
+        let a = create_args(&[
+            "--backend",
+            "rbd",
+            "--pool",
+            "kube",
+            "--cluster-id",
+            "east",
+            "--param",
+            "imageFeatures=layering",
+        ]);
+        let p = a.parameters().unwrap();
+        assert_eq!(p["backend"], "rbd");
+        assert_eq!(p["pool"], "kube");
+        assert_eq!(p["clusterID"], "east");
+        assert_eq!(p["imageFeatures"], "layering");
+        assert!(!p.contains_key("monitors"));
+        // A --param that says the same is fine; one that contradicts is refused.
+        let same = create_args(&["--backend", "rbd", "--param", "backend=rbd"]);
+        assert_eq!(same.parameters().unwrap().len(), 1);
+        let e = create_args(&["--pool", "kube", "--param", "pool=other"])
+            .parameters()
+            .unwrap_err();
+        assert!(e.contains("pool=other") && e.contains("pool=kube"), "{e}");
+        // Without any, the controller's default backend.
+        assert!(create_args(&[]).parameters().unwrap().is_empty());
     }
 
     #[test]

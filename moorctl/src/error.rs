@@ -67,6 +67,17 @@ pub enum CliError {
         /// Why.
         reason: String,
     },
+    /// The secrets file cannot be read or is malformed (never quoted: it holds keys).
+    #[error("cannot read the secrets file {path}: {reason}")]
+    Secrets {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// Arguments that contradict each other.
+    #[error("{0}")]
+    Usage(String),
     /// Something the command needs on this machine is missing.
     #[error("{0}")]
     Local(String),
@@ -80,7 +91,7 @@ impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
             Self::Rpc { .. } | Self::Incomplete { .. } => 1,
-            Self::Endpoint(_) | Self::NotANode { .. } => 2,
+            Self::Endpoint(_) | Self::NotANode { .. } | Self::Secrets { .. } | Self::Usage(_) => 2,
             Self::Connect { .. } => 3,
             Self::Unhealthy(_) => 4,
             Self::Journal(_)

@@ -8,6 +8,7 @@ mod commands;
 mod demo;
 mod error;
 mod output;
+mod secrets;
 mod status;
 mod sys;
 
@@ -21,6 +22,7 @@ use clap::{CommandFactory as _, FromArgMatches as _};
 use crate::cli::{Cli, Command, DEFAULT_STATE_DIR};
 use crate::commands::Clients;
 use crate::error::CliError;
+use crate::secrets::Secrets;
 
 fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
@@ -93,8 +95,12 @@ fn run(cli: &Cli, endpoint_given: bool) -> Result<(), CliError> {
         command => {
             let rt = runtime()?;
             let report = rt.block_on(async {
+                let secrets = match &cli.secrets {
+                    Some(path) => Secrets::load(path)?,
+                    None => Secrets::default(),
+                };
                 let channel = client::connect(&cli.endpoint, timeout).await?;
-                let mut c = Clients::new(channel);
+                let mut c = Clients::new(channel, secrets);
                 match command {
                     Command::Info => commands::info(&mut c, timeout).await,
                     Command::Probe => commands::probe(&mut c, timeout).await,

@@ -11,6 +11,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 pub mod bench;
+pub mod ceph;
 pub mod client;
 pub mod pathgrpc;
 pub mod requests;

@@ -3,9 +3,13 @@
 //!
 //! * map: one `write(2)` of `<mon_addrs> <options> <pool> <image>` to
 //!   `/sys/bus/rbd/add_single_major` (or `add` when the module has no single major); the
-//!   options are `name=<user>,secret=<key>` with `ro` for a read-only mapping and
-//!   `mount_timeout` set to the map deadline. The kernel answers when the device exists:
-//!   `/sys/bus/rbd/devices/<id>/` and `/dev/rbd<id>`.
+//!   options are `name=<user>,secret=<key>`, then `ro` for a read-only mapping or
+//!   `exclusive` for a read-write one, and `mount_timeout` set to the map deadline. The
+//!   kernel answers when the device exists: `/sys/bus/rbd/devices/<id>/` and `/dev/rbd<id>`.
+//!   `exclusive` makes the map take the image's exclusive lock and keep it (no cooperative
+//!   hand-over): while one node has the image mapped read-write, another node's read-write
+//!   map fails instead of taking the lock away from it, so an image is never written by
+//!   two nodes even if the CO's single-writer publication were bypassed.
 //! * find: `/sys/bus/rbd/devices/*/{pool,name,current_snap}` (the image's head, `-`, outside
 //!   any pool namespace), with `major`, `minor` and the block device's `ro`;
 //! * unmap: `<id>` written to `remove_single_major` (or `remove`); EBUSY while anything holds
@@ -210,8 +214,8 @@ fn write_once(file: &Path, bytes: &[u8]) -> io::Result<()> {
     }
 }
 
-/// The request `add` takes: `<mon_addrs> name=<user>,secret=<key>[,ro],mount_timeout=<s>
-/// <pool> <image>`, in a buffer zeroed when dropped.
+/// The request `add` takes: `<mon_addrs> name=<user>,secret=<key>,ro|exclusive,
+/// mount_timeout=<s> <pool> <image>`, in a buffer zeroed when dropped.
 pub fn add_request(req: &MapRequest<'_>, deadline: Duration) -> Secret {
     let mut out = Vec::with_capacity(256);
     out.extend_from_slice(req.monitors.as_bytes());
@@ -219,9 +223,7 @@ pub fn add_request(req: &MapRequest<'_>, deadline: Duration) -> Secret {
     out.extend_from_slice(req.credentials.user.as_bytes());
     out.extend_from_slice(b",secret=");
     out.extend_from_slice(req.credentials.key.expose().as_bytes());
-    if req.read_only {
-        out.extend_from_slice(b",ro");
-    }
+    out.extend_from_slice(if req.read_only { b",ro" } else { b",exclusive" });
     out.extend_from_slice(format!(",mount_timeout={}", deadline.as_secs().max(1)).as_bytes());
     out.push(b' ');
     out.extend_from_slice(req.image.pool.as_bytes());

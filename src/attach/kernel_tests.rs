@@ -109,6 +109,7 @@ fn creds() -> Credentials {
 
 const SECS: Duration = Duration::from_secs(20);
 
+/// A read-write map asks for the exclusive lock, held (no hand-over to another node).
 #[test]
 fn a_map_writes_one_request_and_returns_the_device_it_made() {
     let k = FakeKernel::new("map");
@@ -130,8 +131,8 @@ fn a_map_writes_one_request_and_returns_the_device_it_made() {
         assert_eq!(
             got,
             format!(
-                "10.0.0.1:6789,10.0.0.2:6789 name=moor,secret={KEY},mount_timeout=20 \
-                 moor csi-vol-1"
+                "10.0.0.1:6789,10.0.0.2:6789 name=moor,secret={KEY},exclusive,\
+                 mount_timeout=20 moor csi-vol-1"
             )
         );
         k.add_device(1, "moor", "csi-vol-1", "-", false);

@@ -1,7 +1,8 @@
 //! Fencing a node that still holds an image when the volume is taken from it.
 //!
-//! A client that maps an image read-write watches its header and, once it writes, holds the
-//! image's exclusive lock (explicitly, with moor's attachers). When a volume is unpublished at
+//! A client that maps an image read-write watches its header and holds the image's exclusive
+//! lock: the kernel attacher takes it at the map (`exclusive`), rbd-fuse's librbd at its first
+//! write. When a volume is unpublished at
 //! a node whose clients still do either, the node did not unmap it: it is dead, cut off, or
 //! stuck (Kubernetes force-detaches after a node's `out-of-service` taint, or after
 //! kubelet's wait for unmount ran out). Before the volume can be published anywhere else,

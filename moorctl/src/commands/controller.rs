@@ -48,10 +48,15 @@ pub async fn volume(c: &mut Clients, cmd: &VolumeCommand, t: Duration) -> Result
                 .controller
                 .create_volume(req(
                     csi::CreateVolumeRequest {
+                        secrets: c.secrets.to_map(),
                         name: a.name.clone(),
                         capacity_range: Some(range(a.size)),
                         volume_capabilities: vec![capability(&a.cap)],
-                        parameters: a.params.iter().cloned().collect(),
+                        parameters: a
+                            .parameters()
+                            .map_err(CliError::Usage)?
+                            .into_iter()
+                            .collect(),
                         volume_content_source: source
                             .map(|s| csi::VolumeContentSource { r#type: Some(s) }),
                         ..Default::default()
@@ -83,8 +88,8 @@ pub async fn volume(c: &mut Clients, cmd: &VolumeCommand, t: Duration) -> Result
             c.controller
                 .delete_volume(req(
                     csi::DeleteVolumeRequest {
+                        secrets: c.secrets.to_map(),
                         volume_id: a.id.clone(),
-                        ..Default::default()
                     },
                     t,
                 ))
@@ -194,10 +199,10 @@ pub async fn volume(c: &mut Clients, cmd: &VolumeCommand, t: Duration) -> Result
                 .controller
                 .controller_expand_volume(req(
                     csi::ControllerExpandVolumeRequest {
+                        secrets: c.secrets.to_map(),
                         volume_id: a.id.clone(),
                         capacity_range: Some(range(a.size)),
                         volume_capability: Some(capability(&a.cap)),
-                        ..Default::default()
                     },
                     t,
                 ))
@@ -262,6 +267,7 @@ pub async fn snapshot(
                 .controller
                 .create_snapshot(req(
                     csi::CreateSnapshotRequest {
+                        secrets: c.secrets.to_map(),
                         source_volume_id: a.volume.clone(),
                         name: a.name.clone(),
                         ..Default::default()
@@ -295,8 +301,8 @@ pub async fn snapshot(
             c.controller
                 .delete_snapshot(req(
                     csi::DeleteSnapshotRequest {
+                        secrets: c.secrets.to_map(),
                         snapshot_id: a.id.clone(),
-                        ..Default::default()
                     },
                     t,
                 ))
@@ -315,6 +321,7 @@ pub async fn snapshot(
                     .controller
                     .list_snapshots(req(
                         csi::ListSnapshotsRequest {
+                            secrets: c.secrets.to_map(),
                             source_volume_id: a.volume.clone().unwrap_or_default(),
                             starting_token: token.clone(),
                             ..Default::default()
@@ -357,6 +364,7 @@ pub async fn publish(
         .controller
         .controller_publish_volume(req(
             csi::ControllerPublishVolumeRequest {
+                secrets: c.secrets.to_map(),
                 volume_id: a.volume.clone(),
                 node_id: a.node.clone(),
                 volume_capability: Some(capability(&a.cap)),
@@ -395,9 +403,9 @@ pub async fn unpublish(
     c.controller
         .controller_unpublish_volume(req(
             csi::ControllerUnpublishVolumeRequest {
+                secrets: c.secrets.to_map(),
                 volume_id: a.volume.clone(),
                 node_id: a.node.clone(),
-                ..Default::default()
             },
             t,
         ))

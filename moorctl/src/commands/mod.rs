@@ -21,6 +21,7 @@ use serde_json::{Value, json};
 use tonic::transport::Channel;
 
 use crate::cli::{self, CapabilityArgs};
+use crate::secrets::Secrets;
 
 /// Clients of the three CSI services on one connection.
 #[derive(Debug, Clone)]
@@ -28,15 +29,18 @@ pub struct Clients {
     identity: IdentityClient<Channel>,
     controller: ControllerClient<Channel>,
     node: NodeClient<Channel>,
+    /// What the calls that carry secrets are given.
+    secrets: Secrets,
 }
 
 impl Clients {
-    /// Clients on `channel`.
-    pub fn new(channel: Channel) -> Self {
+    /// Clients on `channel`, whose calls carry `secrets`.
+    pub fn new(channel: Channel, secrets: Secrets) -> Self {
         Self {
             identity: IdentityClient::new(channel.clone()),
             controller: ControllerClient::new(channel.clone()),
             node: NodeClient::new(channel),
+            secrets,
         }
     }
 }

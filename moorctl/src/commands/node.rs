@@ -22,6 +22,7 @@ pub async fn stage(c: &mut Clients, a: &cli::StageArgs, t: Duration) -> Result<R
     c.node
         .node_stage_volume(req(
             csi::NodeStageVolumeRequest {
+                secrets: c.secrets.to_map(),
                 volume_id: a.volume.clone(),
                 publish_context: context,
                 staging_target_path: staging.clone(),
@@ -67,6 +68,7 @@ pub async fn mount(c: &mut Clients, a: &cli::MountArgs, t: Duration) -> Result<R
     c.node
         .node_publish_volume(req(
             csi::NodePublishVolumeRequest {
+                secrets: c.secrets.to_map(),
                 volume_id: a.volume.clone(),
                 staging_target_path: a.staging.display().to_string(),
                 target_path: target.clone(),
