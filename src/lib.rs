@@ -42,6 +42,8 @@ mod fault_injection_tests;
 #[cfg(test)]
 mod fsgroup_tests;
 #[cfg(test)]
+mod power_cut_rbd_tests;
+#[cfg(test)]
 mod power_cut_tests;
 #[cfg(test)]
 mod selinux_tests;

@@ -39,7 +39,8 @@ fn rbd_harness() -> Rbd {
     Rbd { h, attacher }
 }
 
-fn image() -> ImageSpec {
+/// The image the harness's RBD volume maps.
+pub(crate) fn image() -> ImageSpec {
     ImageSpec {
         cluster_id: None,
         pool: "moor".into(),
@@ -47,7 +48,8 @@ fn image() -> ImageSpec {
     }
 }
 
-fn rbd_stage(volume: &str, cap: csi::VolumeCapability) -> csi::NodeStageVolumeRequest {
+/// NodeStageVolume of `volume`, mapping [`image`], at STAGING.
+pub(crate) fn rbd_stage(volume: &str, cap: csi::VolumeCapability) -> csi::NodeStageVolumeRequest {
     csi::NodeStageVolumeRequest {
         volume_id: volume.into(),
         publish_context: HashMap::from([
@@ -62,6 +64,20 @@ fn rbd_stage(volume: &str, cap: csi::VolumeCapability) -> csi::NodeStageVolumeRe
             (USER_KEY_KEY.into(), KEY.into()),
         ]),
         volume_context: HashMap::new(),
+    }
+}
+
+/// [`kubelet_call`] for the harness's RBD volume (its stage maps [`image`]).
+pub(crate) async fn rbd_kubelet_call<O: crate::sys::Os>(
+    svc: &NodeService<O>,
+    call: KubeletCall,
+) -> Result<(), tonic::Status> {
+    match call {
+        KubeletCall::Stage => svc
+            .node_stage_volume(Request::new(rbd_stage("vol-1", ext4())))
+            .await
+            .map(drop),
+        other => kubelet_call(svc, other).await,
     }
 }
 
