@@ -38,6 +38,8 @@ pub mod validate;
 pub mod volume_lock;
 
 #[cfg(test)]
+mod fault_injection_rbd_tests;
+#[cfg(test)]
 mod fault_injection_tests;
 #[cfg(test)]
 mod fsgroup_tests;

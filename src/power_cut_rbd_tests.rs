@@ -14,8 +14,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::attach::fake::{AttachCall, FakeAttacher};
 use crate::attach::Attacher;
+use crate::attach::fake::{AttachCall, FakeAttacher};
 use crate::engine::{Engine, EngineConfig};
 use crate::journal::{self, Journal, Phase};
 use crate::power_cut_tests::{DATA, DATA_AT, GIB, mkfs_runs, power_cut_states, state_dir};
@@ -207,10 +207,27 @@ async fn every_state_a_power_cut_leaves_of_an_rbd_volume_maps_it_once_and_keeps_
         let data = node.attacher.image_data(&image());
         let written = life.get(..=i).is_some_and(|s| s.contains(&Step::Write));
         for (j, state) in power_cut_states(&log, synced).into_iter().enumerate() {
+            // Never "formatting" once mkfs has finished: only that record lets a stage format
+            // an image that is no longer blank.
+            let newest = journal::replay(state)
+                .records
+                .remove("vol-1")
+                .and_then(|r| r.stage);
+            assert!(
+                newest.as_ref().is_none_or(|s| s.phase != Phase::Formatting),
+                "after {step:?} #{i}, state {j}: the newest durable record says formatting: \
+                 {newest:?}"
+            );
             for skip in [0, 1] {
                 states += 1;
                 let name = format!("after {step:?} #{i}, state {j}, devices +{skip}");
-                let after = boot(&format!("cut-{i}-{j}-{skip}"), state, size, data.clone(), skip);
+                let after = boot(
+                    &format!("cut-{i}-{j}-{skip}"),
+                    state,
+                    size,
+                    data.clone(),
+                    skip,
+                );
                 Reconciler::new(Arc::clone(&after.engine), "moor.csi.io")
                     .run()
                     .unwrap_or_else(|e| panic!("{name}: reconcile: {e}"));

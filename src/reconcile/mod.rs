@@ -107,7 +107,7 @@ impl<O: Os> Reconciler<O> {
                 continue;
             };
             // The record as it is now, under the lock.
-            let Some(mut record) = self.engine.journal().get(&record.volume_id) else {
+            let Some(record) = self.engine.journal().get(&record.volume_id) else {
                 continue;
             };
             let volume_id = record.volume_id.clone();
