@@ -36,13 +36,15 @@ enum Step {
 /// the image is mapped.
 type Want = (usize, usize, bool);
 
-/// An RBD volume's life (its image grown on the controller before the expansion).
-const LIFE: [(Step, Want); 13] = [
+/// An RBD volume's life (its image grown on the controller before the expansion; staged
+/// again while staged, as a restarted kubelet does).
+const LIFE: [(Step, Want); 14] = [
     (Step::Kubelet(KubeletCall::Stage), (1, 0, true)),
     (Step::Kubelet(KubeletCall::Publish), (1, 1, true)),
     (Step::Kubelet(KubeletCall::Stats), (1, 1, true)),
     (Step::Kubelet(KubeletCall::Expand), (1, 1, true)),
     (Step::Reconcile, (1, 1, true)),
+    (Step::Kubelet(KubeletCall::Stage), (1, 1, true)),
     (Step::Kubelet(KubeletCall::Unpublish), (1, 0, true)),
     (Step::Kubelet(KubeletCall::Unstage), (0, 0, false)),
     (Step::Kubelet(KubeletCall::Stage), (1, 0, true)),
