@@ -405,6 +405,47 @@ async fn reconciliation_finishes_or_undoes_a_map_a_crash_cut_short() {
 }
 
 #[tokio::test]
+async fn a_mapping_whose_stage_reconciliation_rolls_back_is_unmapped() {
+    let r = rbd_harness();
+    stage(&r, ext4()).await.expect("stage");
+    // An unstage killed after its unmount, before its record said so: the stage is rolled
+    // back, and then the mapping nothing is staged on goes with its record.
+    let mut rec = r.h.engine.journal().get("vol-1").expect("record");
+    if let Some(st) = rec.stage.as_mut() {
+        st.phase = Phase::InProgress;
+    }
+    r.h.engine.journal().put(&rec, Durability::Process).unwrap();
+    r.h.os.force_unmount(STAGING);
+    let actions = reconcile(&r);
+    let unmapped = Action::Unmapped {
+        volume: Some("vol-1".into()),
+        image: image().to_string(),
+    };
+    assert!(
+        actions
+            .iter()
+            .any(|a| matches!(a, Action::RolledBack { .. }))
+            && actions.contains(&unmapped),
+        "{actions:?}"
+    );
+    assert!(r.attacher.mapped().is_empty());
+    assert!(r.h.engine.journal().get("vol-1").is_none());
+
+    // A light pass too unmaps a confirmed mapping nothing uses.
+    stage(&r, ext4()).await.expect("stage");
+    r.h.os.force_unmount(STAGING);
+    let mut rec = r.h.engine.journal().get("vol-1").expect("record");
+    rec.stage = None;
+    r.h.engine.journal().put(&rec, Durability::Process).unwrap();
+    let actions = Reconciler::new(Arc::clone(&r.h.engine), "moor.csi.io")
+        .run_light()
+        .expect("reconcile");
+    assert_eq!(actions, vec![unmapped]);
+    assert!(r.attacher.mapped().is_empty());
+    assert!(r.h.engine.journal().get("vol-1").is_none());
+}
+
+#[tokio::test]
 async fn an_orphaned_mapping_is_unmapped_unless_moor_cannot_tell_it_is_its_own() {
     let r = rbd_harness();
     r.attacher.map_unrecorded(&image(), false);
