@@ -15,10 +15,10 @@ use crate::attach::Attacher;
 use crate::attach::fake::{Failure, FakeAttacher};
 use crate::engine::{Engine, EngineConfig};
 use crate::fault_injection_tests::{ERRNOS, Faulty, retryable};
-use crate::journal::{Journal, Phase};
+use crate::journal::Journal;
 use crate::reconcile::Reconciler;
 use crate::service::NodeService;
-use crate::service_tests::rbd::{image, rbd_kubelet_call};
+use crate::service_tests::rbd::{check_mapping, image, rbd_kubelet_call};
 use crate::service_tests::{K, KubeletCall, STAGING, TARGET};
 use crate::sys::Os as _;
 use crate::sys::fake::FakeOs;
@@ -133,32 +133,8 @@ impl World {
         )
     }
 
-    /// Nothing half-done: the image is mapped exactly when `mapped`, never twice, and the
-    /// journal records that mapping (done, on its device, under the stage) and no other.
     fn check_mapping(&self, name: &str, mapped: bool) {
-        assert_eq!(self.attacher.doubles(), 0, "{name}: mapped twice");
-        let live = self.attacher.mapping_of(&image());
-        assert_eq!(
-            self.attacher.mapped(),
-            if mapped { vec![image()] } else { Vec::new() },
-            "{name}: what is mapped"
-        );
-        let record = self.engine.journal().get("vol-1");
-        let recorded = record.as_ref().and_then(|r| r.mapping.clone());
-        match (&live, &recorded) {
-            (None, None) => {}
-            (Some(live), Some(m)) => {
-                assert_eq!(m.phase, Phase::Done, "{name}: {m:?}");
-                assert_eq!(
-                    (m.device.as_ref(), m.rdev),
-                    (Some(&live.device), Some(live.rdev)),
-                    "{name}: {m:?}"
-                );
-                let st = record.and_then(|r| r.stage).expect("staged");
-                assert_eq!((&st.device, st.rdev), (&live.device, live.rdev), "{name}");
-            }
-            _ => panic!("{name}: mapped {live:?}, while the journal records {recorded:?}"),
-        }
+        check_mapping(&self.engine, &self.attacher, name, mapped);
     }
 }
 

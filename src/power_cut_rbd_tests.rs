@@ -21,7 +21,7 @@ use crate::journal::{self, Journal, Phase};
 use crate::power_cut_tests::{DATA, DATA_AT, GIB, mkfs_runs, power_cut_states, state_dir};
 use crate::reconcile::Reconciler;
 use crate::service::NodeService;
-use crate::service_tests::rbd::{image, rbd_kubelet_call};
+use crate::service_tests::rbd::{check_mapping, image, rbd_kubelet_call};
 use crate::service_tests::{K, KubeletCall, STAGING, TARGET};
 use crate::sys::fake::FakeOs;
 
@@ -124,39 +124,8 @@ impl Node {
             .any(|(o, b)| *o == DATA_AT && b == DATA)
     }
 
-    /// Every mapping the attacher holds is the one the journal records (done, on its device),
-    /// and every mapping the journal records is held: `mapped` says whether the image is.
     fn check_mappings(&self, name: &str, mapped: bool) {
-        let live = self.attacher.mapping_of(&image());
-        assert_eq!(
-            self.attacher.mapped(),
-            if mapped { vec![image()] } else { Vec::new() },
-            "{name}: what is mapped"
-        );
-        let recorded: Vec<_> = self
-            .engine
-            .journal()
-            .all()
-            .into_iter()
-            .filter_map(|r| r.mapping.map(|m| (r.volume_id, r.stage, m)))
-            .collect();
-        match (&live, recorded.as_slice()) {
-            (None, []) => {}
-            (Some(live), [(volume, stage, m)]) => {
-                assert_eq!(volume, "vol-1", "{name}");
-                assert_eq!(m.spec(), image(), "{name}");
-                assert_eq!(m.phase, Phase::Done, "{name}: {m:?}");
-                assert_eq!(m.device.as_ref(), Some(&live.device), "{name}: {m:?}");
-                assert_eq!(m.rdev, Some(live.rdev), "{name}: {m:?}");
-                // And the stage sits on that device.
-                let st = stage.as_ref().expect("a mapped volume is staged");
-                assert_eq!((&st.device, st.rdev), (&live.device, live.rdev), "{name}");
-            }
-            (live, recorded) => {
-                panic!("{name}: mapped {live:?}, while the journal records {recorded:?}")
-            }
-        }
-        assert_eq!(self.attacher.doubles(), 0, "{name}: mapped twice");
+        check_mapping(&self.engine, &self.attacher, name, mapped);
     }
 }
 

@@ -81,6 +81,47 @@ pub(crate) async fn rbd_kubelet_call<O: crate::sys::Os>(
     }
 }
 
+/// Nothing half-done with the image's mapping: it is mapped exactly when `mapped`, never
+/// twice, and the journal records that mapping (done, on its device, under the volume's stage)
+/// and no other.
+pub(crate) fn check_mapping<O: crate::sys::Os>(
+    engine: &Engine<O>,
+    attacher: &FakeAttacher,
+    name: &str,
+    mapped: bool,
+) {
+    assert_eq!(attacher.doubles(), 0, "{name}: mapped twice");
+    let live = attacher.mapping_of(&image());
+    assert_eq!(
+        attacher.mapped(),
+        if mapped { vec![image()] } else { Vec::new() },
+        "{name}: what is mapped"
+    );
+    let recorded: Vec<_> = engine
+        .journal()
+        .all()
+        .into_iter()
+        .filter_map(|r| r.mapping.map(|m| (r.volume_id, r.stage, m)))
+        .collect();
+    match (&live, recorded.as_slice()) {
+        (None, []) => {}
+        (Some(live), [(volume, stage, m)]) => {
+            assert_eq!((volume.as_str(), m.spec()), ("vol-1", image()), "{name}");
+            assert_eq!(m.phase, Phase::Done, "{name}: {m:?}");
+            assert_eq!(
+                (m.device.as_ref(), m.rdev),
+                (Some(&live.device), Some(live.rdev)),
+                "{name}: {m:?}"
+            );
+            let st = stage.as_ref().expect("a mapped volume is staged");
+            assert_eq!((&st.device, st.rdev), (&live.device, live.rdev), "{name}");
+        }
+        (live, recorded) => {
+            panic!("{name}: mapped {live:?}, while the journal records {recorded:?}")
+        }
+    }
+}
+
 async fn stage(r: &Rbd, cap: csi::VolumeCapability) -> Result<(), tonic::Status> {
     r.h.svc
         .node_stage_volume(Request::new(rbd_stage("vol-1", cap)))
