@@ -25,7 +25,7 @@ use crate::sys::{
     OwnershipError, SysError, SysResult, ToolError, ToolRun,
 };
 
-const ERRNOS: [i32; 8] = [
+pub(crate) const ERRNOS: [i32; 8] = [
     libc::EIO,
     libc::EMFILE,
     libc::ENOMEM,
@@ -38,9 +38,9 @@ const ERRNOS: [i32; 8] = [
 
 /// The fake OS, with its `fail_at`-th call (counting from 1) failing with `errno`, and what the
 /// suite watches for recorded.
-struct Faulty {
-    inner: FakeOs,
-    calls: AtomicUsize,
+pub(crate) struct Faulty {
+    pub(crate) inner: Arc<FakeOs>,
+    pub(crate) calls: AtomicUsize,
     fail_at: usize,
     errno: i32,
     /// Problems seen: a format of a device with data, a lazy detach.
@@ -48,6 +48,25 @@ struct Faulty {
 }
 
 impl Faulty {
+    /// `inner`, with its `fail_at`-th call failing with `errno` (never, for 0).
+    pub(crate) fn new(inner: Arc<FakeOs>, fail_at: usize, errno: i32) -> Self {
+        Self {
+            inner,
+            calls: AtomicUsize::new(0),
+            fail_at,
+            errno,
+            violations: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The problems seen so far.
+    pub(crate) fn violations(&self) -> Vec<String> {
+        self.violations
+            .lock()
+            .map(|v| v.clone())
+            .unwrap_or_default()
+    }
+
     fn tick(&self, what: &str, path: &Path) -> SysResult<()> {
         let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
         if n == self.fail_at {
@@ -143,7 +162,9 @@ impl Os for Faulty {
                 program: run.program.clone(),
                 source: e.source,
             })?;
-        if run.program.starts_with("mkfs") && !self.inner.device_data(DEV).is_empty() {
+        // mkfs's device is its last argument.
+        let device = run.args.last().map(String::as_str).unwrap_or_default();
+        if run.program.starts_with("mkfs") && !self.inner.device_data(device).is_empty() {
             self.violation(format!("{} over a device with data", run.program));
         }
         self.inner.run_tool(run)
@@ -209,17 +230,11 @@ impl Drop for World {
 }
 
 fn world(fail_at: usize, errno: i32) -> World {
-    let inner = FakeOs::new();
+    let inner = Arc::new(FakeOs::new());
     inner.add_dir(Path::new(STAGING).parent().unwrap_or(Path::new("/")));
     inner.add_dir(Path::new(TARGET).parent().unwrap_or(Path::new("/")));
     inner.add_device(DEV, (7, 7), 1 << 30);
-    let os = Arc::new(Faulty {
-        inner,
-        calls: AtomicUsize::new(0),
-        fail_at,
-        errno,
-        violations: Mutex::new(Vec::new()),
-    });
+    let os = Arc::new(Faulty::new(inner, fail_at, errno));
     let state = std::env::temp_dir().join(format!(
         "moor-faults-{}-{fail_at}-{errno}",
         std::process::id()
@@ -264,7 +279,7 @@ impl World {
 }
 
 /// Codes that tell kubelet "it did not work this time": it retries.
-fn retryable(code: Code) -> bool {
+pub(crate) fn retryable(code: Code) -> bool {
     matches!(
         code,
         Code::Internal
@@ -320,11 +335,7 @@ async fn every_failing_os_call_of_a_volume_life_is_survived() {
                 }
                 assert_eq!(w.depth(), want, "{}", name(step));
             }
-            let violations =
-                w.os.violations
-                    .lock()
-                    .map(|v| v.clone())
-                    .unwrap_or_default();
+            let violations = w.os.violations();
             assert!(
                 violations.is_empty(),
                 "call {k}, errno {errno}: {violations:?}"

@@ -38,9 +38,13 @@ pub mod validate;
 pub mod volume_lock;
 
 #[cfg(test)]
+mod fault_injection_rbd_tests;
+#[cfg(test)]
 mod fault_injection_tests;
 #[cfg(test)]
 mod fsgroup_tests;
+#[cfg(test)]
+mod power_cut_rbd_tests;
 #[cfg(test)]
 mod power_cut_tests;
 #[cfg(test)]

@@ -14,10 +14,11 @@ use crate::service::NodeService;
 use crate::service_tests::{DEV, K, KubeletCall, STAGING, TARGET, kubelet_call};
 use crate::sys::fake::{Call, FakeOs};
 
-const GIB: u64 = 1 << 30;
+pub(crate) const GIB: u64 = 1 << 30;
 /// Where the pod's data sits on the device (past the windows the blank proof reads).
-const DATA_AT: u64 = 300 << 20;
-const DATA: &[u8] = b"written and fsynced by the pod";
+pub(crate) const DATA_AT: u64 = 300 << 20;
+/// What the pod writes there.
+pub(crate) const DATA: &[u8] = b"written and fsynced by the pod";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Step {
@@ -43,7 +44,7 @@ impl Drop for World {
     }
 }
 
-fn state_dir(name: &str) -> std::path::PathBuf {
+pub(crate) fn state_dir(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("moor-power-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     dir
@@ -80,7 +81,7 @@ fn boot(name: &str, log: &[u8], size: u64, data: &[(u64, Vec<u8>)]) -> World {
     }
 }
 
-fn mkfs_runs(os: &FakeOs) -> usize {
+pub(crate) fn mkfs_runs(os: &FakeOs) -> usize {
     os.calls()
         .iter()
         .filter(|c| matches!(c, Call::Tool(p, _) if p.starts_with("mkfs")))
@@ -118,7 +119,7 @@ impl World {
 
 /// The states a power cut can leave of a log whose first `synced` bytes are on disk: the
 /// synced prefix, and each in-order prefix of the lines after it.
-fn power_cut_states(log: &[u8], synced: usize) -> Vec<&[u8]> {
+pub(crate) fn power_cut_states(log: &[u8], synced: usize) -> Vec<&[u8]> {
     let mut states = vec![log.get(..synced).unwrap_or(log)];
     let mut end = synced;
     for (i, b) in log.iter().enumerate().skip(synced) {

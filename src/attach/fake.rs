@@ -2,7 +2,9 @@
 //! image's file to the [`FakeOs`] (a new device number each time, holding what the image
 //! holds), an unmap removes it, keeping what was written for the next map. An unmap of a
 //! device the fake OS still has mounted is refused as busy, as the real ones are. Failures
-//! are set by the test.
+//! are set by the test: the next map or unmap of a kind, or the n-th call of any step that
+//! can fail (find, map, unmap, verify, refresh, list), for fault injection. An image can grow
+//! (the controller's resize), and its device shows the new size once refreshed.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -43,11 +45,17 @@ struct State {
     calls: Vec<AttachCall>,
     fail_map: Option<Failure>,
     fail_unmap: Option<Failure>,
+    /// Fallible calls made so far (find, map, unmap, verify, refresh, list).
+    steps: usize,
+    /// The fallible call (by its count) that fails, and how.
+    fail_step: Option<(usize, Failure)>,
     next: u32,
     not_owned: bool,
     doubles: usize,
     /// What each image holds while it is not mapped.
     images: BTreeMap<ImageSpec, Vec<(u64, Vec<u8>)>>,
+    /// The size of each image grown past the fake's default.
+    sizes: BTreeMap<ImageSpec, u64>,
     /// What [`Attacher::activity`] reports.
     activity: u64,
     deadlines: Deadlines,
@@ -60,10 +68,13 @@ impl Default for State {
             calls: Vec::new(),
             fail_map: None,
             fail_unmap: None,
+            steps: 0,
+            fail_step: None,
             next: 0,
             not_owned: false,
             doubles: 0,
             images: BTreeMap::new(),
+            sizes: BTreeMap::new(),
             activity: 0,
             deadlines: Deadlines {
                 map: std::time::Duration::from_secs(60),
@@ -138,6 +149,55 @@ impl FakeAttacher {
         self.lock().fail_unmap = Some(f);
     }
 
+    /// Makes the `n`-th fallible call from the start (find, map, unmap, verify, refresh,
+    /// list; counting from 1) do `f`: a map or an unmap as [`fail_next_map`](Self::fail_next_map)
+    /// and [`fail_next_unmap`](Self::fail_next_unmap) say, any other step fails (INTERNAL, or
+    /// DEADLINE_EXCEEDED for a timeout).
+    pub fn fail_step(&self, n: usize, f: Failure) {
+        self.lock().fail_step = Some((n, f));
+    }
+
+    /// How many fallible calls were made so far.
+    pub fn steps(&self) -> usize {
+        self.lock().steps
+    }
+
+    /// Grows the image to `size` bytes, as the controller's resize does: its device shows the
+    /// new size once refreshed (or mapped again).
+    pub fn grow(&self, image: &ImageSpec, size: u64) {
+        self.lock().sizes.insert(image.clone(), size);
+    }
+
+    /// The image's size.
+    pub fn size_of(&self, image: &ImageSpec) -> u64 {
+        self.lock().sizes.get(image).copied().unwrap_or(self.size)
+    }
+
+    /// What the image holds (read through its device while it is mapped).
+    pub fn image_data(&self, image: &ImageSpec) -> Vec<(u64, Vec<u8>)> {
+        let st = self.lock();
+        match st.mapped.get(image) {
+            Some(m) => self.os.device_data(&m.device),
+            None => st.images.get(image).cloned().unwrap_or_default(),
+        }
+    }
+
+    /// Gives an unmapped image `data` (the cluster kept it while this node rebooted).
+    pub fn restore(&self, image: &ImageSpec, data: Vec<(u64, Vec<u8>)>) {
+        self.lock().images.insert(image.clone(), data);
+    }
+
+    /// The mapped image's live mapping.
+    pub fn mapping_of(&self, image: &ImageSpec) -> Option<Mapping> {
+        self.lock().mapped.get(image).cloned()
+    }
+
+    /// Makes the next devices' numbers start `n` higher (as after a reboot, where the loop
+    /// devices are numbered afresh).
+    pub fn skip_devices(&self, n: u32) {
+        self.lock().next += n;
+    }
+
     /// Maps `image` behind moor's back (a mapping the journal does not know).
     pub fn map_unrecorded(&self, image: &ImageSpec, read_only: bool) -> Mapping {
         let mut st = self.lock();
@@ -167,12 +227,42 @@ impl FakeAttacher {
         }
     }
 
+    /// Counts a fallible call: the failure set for it, if any.
+    fn step(st: &mut State) -> Option<Failure> {
+        st.steps += 1;
+        match st.fail_step {
+            Some((n, f)) if n == st.steps => {
+                st.fail_step = None;
+                Some(f)
+            }
+            _ => None,
+        }
+    }
+
+    /// A probe's injected failure (find, verify, refresh, list).
+    fn probe_failure(st: &mut State, step: &'static str, image: String) -> Result<(), AttachError> {
+        match Self::step(st) {
+            None => Ok(()),
+            Some(Failure::Timeout) => Err(AttachError::Timeout {
+                step,
+                image,
+                deadline: std::time::Duration::from_secs(1),
+            }),
+            Some(_) => Err(AttachError::Failed {
+                step,
+                image,
+                reason: "injected".into(),
+            }),
+        }
+    }
+
     fn make(&self, st: &mut State, image: &ImageSpec, read_only: bool) -> Mapping {
         let n = 100 + st.next;
         st.next += 1;
         let device = PathBuf::from(format!("/dev/loop{n}"));
         let rdev = (7, n);
-        self.os.add_device(&device, rdev, self.size);
+        let size = st.sizes.get(image).copied().unwrap_or(self.size);
+        self.os.add_device(&device, rdev, size);
         for (offset, bytes) in st.images.get(image).cloned().unwrap_or_default() {
             self.os.write_device(&device, offset, &bytes);
         }
@@ -202,7 +292,9 @@ impl Attacher for FakeAttacher {
     }
 
     fn find(&self, image: &ImageSpec) -> Result<Option<Mapping>, AttachError> {
-        Ok(self.lock().mapped.get(image).cloned())
+        let mut st = self.lock();
+        Self::probe_failure(&mut st, "find", image.to_string())?;
+        Ok(st.mapped.get(image).cloned())
     }
 
     fn map(&self, req: &MapRequest<'_>) -> Result<Mapping, AttachError> {
@@ -210,7 +302,8 @@ impl Attacher for FakeAttacher {
         st.calls
             .push(AttachCall::Map(req.image.clone(), req.read_only));
         let image = req.image.to_string();
-        match st.fail_map.take() {
+        let injected = Self::step(&mut st);
+        match st.fail_map.take().or(injected) {
             None => {}
             Some(Failure::Timeout) => {
                 self.make(&mut st, req.image, req.read_only);
@@ -241,7 +334,8 @@ impl Attacher for FakeAttacher {
         let mut st = self.lock();
         st.calls.push(AttachCall::Unmap(image.clone()));
         let name = image.to_string();
-        match st.fail_unmap.take() {
+        let injected = Self::step(&mut st);
+        match st.fail_unmap.take().or(injected) {
             None => {}
             Some(Failure::Busy) => {
                 return Err(AttachError::Busy {
@@ -281,7 +375,9 @@ impl Attacher for FakeAttacher {
     }
 
     fn verify(&self, image: &ImageSpec, rdev: (u32, u32)) -> Result<(), AttachError> {
-        match self.lock().mapped.get(image) {
+        let mut st = self.lock();
+        Self::probe_failure(&mut st, "map", image.to_string())?;
+        match st.mapped.get(image) {
             Some(m) if m.rdev == rdev => Ok(()),
             _ => Err(AttachError::Failed {
                 step: "map",
@@ -291,13 +387,20 @@ impl Attacher for FakeAttacher {
         }
     }
 
-    fn refresh(&self, _image: &ImageSpec) -> Result<(), AttachError> {
+    fn refresh(&self, image: &ImageSpec) -> Result<(), AttachError> {
+        let mut st = self.lock();
+        Self::probe_failure(&mut st, "refresh", image.to_string())?;
+        let size = st.sizes.get(image).copied().unwrap_or(self.size);
+        if let Some(m) = st.mapped.get(image) {
+            self.os.resize_device(&m.device, size);
+        }
         Ok(())
     }
 
     fn list(&self) -> Result<Vec<(ImageSpec, Option<PathBuf>)>, AttachError> {
-        Ok(self
-            .lock()
+        let mut st = self.lock();
+        Self::probe_failure(&mut st, "list", "*".into())?;
+        Ok(st
             .mapped
             .iter()
             .map(|(s, m)| (s.clone(), Some(m.device.clone())))

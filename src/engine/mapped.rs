@@ -431,10 +431,12 @@ impl<O: Os> Engine<O> {
             .unwrap_or_default()
     }
 
-    /// The mapping's part of reconciliation, for one volume under its lock. A map or unmap a
-    /// crash cut short is finished (the image is mapped and the volume staged: confirmed) or
-    /// undone (nothing staged: unmapped, record dropped); a full pass also unmaps what nothing
-    /// is staged on, and reports a mapping that is gone (the next stage maps it again).
+    /// The mapping's part of reconciliation, for one volume under its lock, after its mounts'
+    /// (a stage they rolled back no longer holds the mapping). A map or unmap a crash cut
+    /// short is finished (the image is mapped and the volume staged: confirmed) or undone
+    /// (nothing staged: unmapped, record dropped); a mapping nothing is staged on is unmapped
+    /// (its record cleared, also when a reboot took the mapping already); a full pass also
+    /// reports a mapping in use that is gone (the next stage maps it again).
     pub(crate) fn reconcile_mapping(
         &self,
         record: &mut VolumeRecord,
@@ -444,7 +446,9 @@ impl<O: Os> Engine<O> {
         let Some(m) = record.mapping.clone() else {
             return;
         };
-        if m.phase == Phase::Done && !full {
+        let in_use = record.stage.is_some() || !record.publishes.is_empty();
+        // A light pass leaves a confirmed mapping in use alone.
+        if m.phase == Phase::Done && !full && in_use {
             return;
         }
         let volume = record.volume_id.clone();
@@ -471,7 +475,6 @@ impl<O: Os> Engine<O> {
                 return;
             }
         };
-        let in_use = record.stage.is_some() || !record.publishes.is_empty();
         match found {
             Some(f) if in_use => {
                 let before = record.mapping.clone();

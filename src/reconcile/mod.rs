@@ -16,7 +16,8 @@
 //! * a mount on one of moor's kubelet paths that the journal does not know (the journal was
 //!   damaged) is adopted back into the journal, named by kubelet's `vol_data.json`;
 //! * an RBD map or unmap a crash cut short is finished or undone, and a mapping nothing is
-//!   staged on, or that no record names, is unmapped (`engine::mapped`).
+//!   staged on, or that no record names, is unmapped (`engine::mapped`); a volume's mapping
+//!   is reconciled after its mounts, so a stage they roll back no longer holds it.
 //!
 //! The periodic passes are light: a `statx` per recorded path, no table read, no adoption.
 //! Each action is logged on one line; a finding that changes nothing is logged when first seen.
@@ -106,12 +107,16 @@ impl<O: Os> Reconciler<O> {
                 continue;
             };
             // The record as it is now, under the lock.
-            let Some(mut record) = self.engine.journal().get(&record.volume_id) else {
+            let Some(record) = self.engine.journal().get(&record.volume_id) else {
                 continue;
             };
-            self.engine
-                .reconcile_mapping(&mut record, full, &mut actions);
+            let volume_id = record.volume_id.clone();
             self.volume(record, &index, &mut actions);
+            // The mapping after the mounts: a stage they rolled back no longer holds it.
+            if let Some(mut record) = self.engine.journal().get(&volume_id) {
+                self.engine
+                    .reconcile_mapping(&mut record, full, &mut actions);
+            }
         }
         if full {
             self.engine

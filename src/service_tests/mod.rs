@@ -12,7 +12,7 @@ mod hostile;
 mod identity;
 mod paths;
 mod publish;
-mod rbd;
+pub(crate) mod rbd;
 mod stage;
 mod stats;
 

@@ -39,7 +39,8 @@ fn rbd_harness() -> Rbd {
     Rbd { h, attacher }
 }
 
-fn image() -> ImageSpec {
+/// The image the harness's RBD volume maps.
+pub(crate) fn image() -> ImageSpec {
     ImageSpec {
         cluster_id: None,
         pool: "moor".into(),
@@ -47,7 +48,8 @@ fn image() -> ImageSpec {
     }
 }
 
-fn rbd_stage(volume: &str, cap: csi::VolumeCapability) -> csi::NodeStageVolumeRequest {
+/// NodeStageVolume of `volume`, mapping [`image`], at STAGING.
+pub(crate) fn rbd_stage(volume: &str, cap: csi::VolumeCapability) -> csi::NodeStageVolumeRequest {
     csi::NodeStageVolumeRequest {
         volume_id: volume.into(),
         publish_context: HashMap::from([
@@ -62,6 +64,61 @@ fn rbd_stage(volume: &str, cap: csi::VolumeCapability) -> csi::NodeStageVolumeRe
             (USER_KEY_KEY.into(), KEY.into()),
         ]),
         volume_context: HashMap::new(),
+    }
+}
+
+/// [`kubelet_call`] for the harness's RBD volume (its stage maps [`image`]).
+pub(crate) async fn rbd_kubelet_call<O: crate::sys::Os>(
+    svc: &NodeService<O>,
+    call: KubeletCall,
+) -> Result<(), tonic::Status> {
+    match call {
+        KubeletCall::Stage => svc
+            .node_stage_volume(Request::new(rbd_stage("vol-1", ext4())))
+            .await
+            .map(drop),
+        other => kubelet_call(svc, other).await,
+    }
+}
+
+/// Nothing half-done with the image's mapping: it is mapped exactly when `mapped`, never
+/// twice, and the journal records that mapping (done, on its device, under the volume's stage)
+/// and no other.
+pub(crate) fn check_mapping<O: crate::sys::Os>(
+    engine: &Engine<O>,
+    attacher: &FakeAttacher,
+    name: &str,
+    mapped: bool,
+) {
+    assert_eq!(attacher.doubles(), 0, "{name}: mapped twice");
+    let live = attacher.mapping_of(&image());
+    assert_eq!(
+        attacher.mapped(),
+        if mapped { vec![image()] } else { Vec::new() },
+        "{name}: what is mapped"
+    );
+    let recorded: Vec<_> = engine
+        .journal()
+        .all()
+        .into_iter()
+        .filter_map(|r| r.mapping.map(|m| (r.volume_id, r.stage, m)))
+        .collect();
+    match (&live, recorded.as_slice()) {
+        (None, []) => {}
+        (Some(live), [(volume, stage, m)]) => {
+            assert_eq!((volume.as_str(), m.spec()), ("vol-1", image()), "{name}");
+            assert_eq!(m.phase, Phase::Done, "{name}: {m:?}");
+            assert_eq!(
+                (m.device.as_ref(), m.rdev),
+                (Some(&live.device), Some(live.rdev)),
+                "{name}: {m:?}"
+            );
+            let st = stage.as_ref().expect("a mapped volume is staged");
+            assert_eq!((&st.device, st.rdev), (&live.device, live.rdev), "{name}");
+        }
+        (live, recorded) => {
+            panic!("{name}: mapped {live:?}, while the journal records {recorded:?}")
+        }
     }
 }
 
@@ -386,6 +443,47 @@ async fn reconciliation_finishes_or_undoes_a_map_a_crash_cut_short() {
     assert_eq!(mapping(&r), Some(done));
     assert_eq!(r.attacher.mapped(), vec![image()]);
     assert_eq!(r.h.os.mount_depth(STAGING), 1);
+}
+
+#[tokio::test]
+async fn a_mapping_whose_stage_reconciliation_rolls_back_is_unmapped() {
+    let r = rbd_harness();
+    stage(&r, ext4()).await.expect("stage");
+    // An unstage killed after its unmount, before its record said so: the stage is rolled
+    // back, and then the mapping nothing is staged on goes with its record.
+    let mut rec = r.h.engine.journal().get("vol-1").expect("record");
+    if let Some(st) = rec.stage.as_mut() {
+        st.phase = Phase::InProgress;
+    }
+    r.h.engine.journal().put(&rec, Durability::Process).unwrap();
+    r.h.os.force_unmount(STAGING);
+    let actions = reconcile(&r);
+    let unmapped = Action::Unmapped {
+        volume: Some("vol-1".into()),
+        image: image().to_string(),
+    };
+    assert!(
+        actions
+            .iter()
+            .any(|a| matches!(a, Action::RolledBack { .. }))
+            && actions.contains(&unmapped),
+        "{actions:?}"
+    );
+    assert!(r.attacher.mapped().is_empty());
+    assert!(r.h.engine.journal().get("vol-1").is_none());
+
+    // A light pass too unmaps a confirmed mapping nothing uses.
+    stage(&r, ext4()).await.expect("stage");
+    r.h.os.force_unmount(STAGING);
+    let mut rec = r.h.engine.journal().get("vol-1").expect("record");
+    rec.stage = None;
+    r.h.engine.journal().put(&rec, Durability::Process).unwrap();
+    let actions = Reconciler::new(Arc::clone(&r.h.engine), "moor.csi.io")
+        .run_light()
+        .expect("reconcile");
+    assert_eq!(actions, vec![unmapped]);
+    assert!(r.attacher.mapped().is_empty());
+    assert!(r.h.engine.journal().get("vol-1").is_none());
 }
 
 #[tokio::test]
