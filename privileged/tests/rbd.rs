@@ -1,6 +1,7 @@
 //! RBD volumes on a real Ceph cluster (run as root): `moor-node --rbd-attacher fuse` maps
 //! images with rbd-fuse and a loop device, stages, publishes, unstages and unmaps them, and
-//! survives being killed in the middle of a map or an unmap.
+//! survives being killed at any step of a map, a first or a later stage, an unstage or an
+//! unmap.
 //!
 //! The cluster is the one `.ci/ceph-cluster up` prints the environment of (`MOOR_CEPH_CONF`,
 //! `MOOR_CEPH_KEYRING`, `MOOR_CEPH_USER`, `MOOR_CEPH_POOL`, `MOOR_CEPH_MON_HOST`); `.ci/test`
@@ -268,9 +269,10 @@ fn check(w: &World, staging: &Path, staged: bool, round: &str) {
 }
 
 #[test]
-fn a_kill_during_a_map_or_an_unmap_is_converged_by_the_retry() {
-    let Some(ceph) = Ceph::from_env("a_kill_during_a_map_or_an_unmap_is_converged_by_the_retry")
-    else {
+fn a_kill_at_any_step_of_a_map_stage_unstage_or_unmap_is_converged_by_the_retry() {
+    let Some(ceph) = Ceph::from_env(
+        "a_kill_at_any_step_of_a_map_stage_unstage_or_unmap_is_converged_by_the_retry",
+    ) else {
         return;
     };
     let mut w = World::new("rbd-crash", ceph, 1);
@@ -290,8 +292,20 @@ fn a_kill_during_a_map_or_an_unmap_is_converged_by_the_retry() {
             .expect("first unstage");
         check(&w, &staging, false, "first");
 
-        for point in crash_points::MAP_POINTS {
-            let stage = point.starts_with("map.");
+        // Every point of a map and an unmap, and the points of a stage and an unstage of an
+        // image that is formatted already (stage.growing needs a grown image, and the
+        // formatting points a blank one: below).
+        let points = crash_points::MAP_POINTS.iter().chain(&[
+            "stage.mounting",
+            "stage.mounted",
+            "stage.done",
+            "unstage.unmounting",
+            "unstage.unmounted",
+            "unstage.done",
+        ]);
+        for point in points {
+            let point = *point;
+            let stage = point.starts_with("map.") || point.starts_with("stage.");
             if !stage {
                 // An unmap follows a stage.
                 let mut node = w.start(0, CRASH_NODE, &[]).await;
@@ -320,12 +334,16 @@ fn a_kill_during_a_map_or_an_unmap_is_converged_by_the_retry() {
             };
             let before = undone(&w);
             let mut node = w.start(0, CRASH_NODE, &[]).await;
-            assert_eq!(
-                undone(&w),
-                before + 1,
-                "{point}: reconciled at start\n{}",
-                w.log(0)
-            );
+            // A kill in a map or an unmap leaves a mapping with nothing staged on it; one in
+            // a stage or an unstage, a mount whose record says what to do with it.
+            if point.starts_with("map.") || point.starts_with("unmap.") {
+                assert_eq!(
+                    undone(&w),
+                    before + 1,
+                    "{point}: reconciled at start\n{}",
+                    w.log(0)
+                );
+            }
             call(&w, &mut node, stage, &image, &staging)
                 .await
                 .unwrap_or_else(|e| panic!("{point}: kubelet's retry: {e:?}\n{}", w.log(0)));
@@ -336,6 +354,41 @@ fn a_kill_during_a_map_or_an_unmap_is_converged_by_the_retry() {
                     .unwrap_or_else(|e| panic!("{point}: unstage: {e:?}"));
                 check(&w, &staging, false, point);
             }
+        }
+
+        // A first stage killed while it formats a blank image, or just after: the retry
+        // finishes it (one mkfs: what is written after it survives the next stage).
+        for (i, point) in ["stage.formatting", "stage.formatted"]
+            .into_iter()
+            .enumerate()
+        {
+            let blank = w.image(&format!("crash-fmt{i}"), 64);
+            let mut node = w.start(0, CRASH_NODE, &[(crash_points::ENV, point)]).await;
+            let first = call(&w, &mut node, true, &blank, &staging).await;
+            assert!(
+                first.is_err(),
+                "{point}: the call should have been cut short"
+            );
+            let _ = w.nodes[0].daemon.as_mut().map(|d| d.child.wait());
+            let mut node = w.start(0, CRASH_NODE, &[]).await;
+            call(&w, &mut node, true, &blank, &staging)
+                .await
+                .unwrap_or_else(|e| panic!("{point}: kubelet's retry: {e:?}\n{}", w.log(0)));
+            assert_eq!(w.leftovers(0), (1, 1, 1), "{point}");
+            assert_eq!(mount_depth(&staging), 1, "{point}");
+            std::fs::write(staging.join("marker"), MARKER).expect("marker");
+            rustix::fs::sync();
+            call(&w, &mut node, false, &blank, &staging)
+                .await
+                .unwrap_or_else(|e| panic!("{point}: unstage: {e:?}"));
+            call(&w, &mut node, true, &blank, &staging)
+                .await
+                .unwrap_or_else(|e| panic!("{point}: stage again: {e:?}"));
+            check(&w, &staging, true, point);
+            call(&w, &mut node, false, &blank, &staging)
+                .await
+                .unwrap_or_else(|e| panic!("{point}: last unstage: {e:?}"));
+            check(&w, &staging, false, point);
         }
 
         // Kills at random instants of a stage and of an unstage.
