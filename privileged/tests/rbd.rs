@@ -13,11 +13,13 @@ use std::os::unix::fs::FileExt as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use csi::controller_client::ControllerClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::access_mode::Mode;
 use moor_node::crash_points;
 use moor_node::sys::loopdev;
 use moor_privileged::ceph::{Ceph, World, block, ext4, ms, publish};
+use moor_privileged::client::{Daemon, connect};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{fs_cap, mount_depth, runtime};
 use moor_proto::csi::v1 as csi;
@@ -473,6 +475,24 @@ fn an_rbd_fuse_that_died_is_replaced_by_the_next_stage() {
             (0, 1, 1),
             "a dead mapping: its loop and mount remain"
         );
+        // A loop device over a dead FUSE file cannot be inspected (its status answers
+        // ENOTCONN): the embedded backend, which reads every loop device at its start, skips
+        // it and serves. (Once the kernel's cached attributes of the file expire: a second.)
+        std::thread::sleep(Duration::from_secs(2));
+        let data = w.sb.data.join("embedded").display().to_string();
+        let socket = w.sb.root.join("embedded.sock");
+        let mut ctl = Daemon::start_program(
+            "moor-controller",
+            &socket,
+            &["--node-id", "node-0", "--data-dir", data.as_str()],
+        )
+        .await;
+        let mut client = ControllerClient::new(connect(&socket).await.expect("connect"));
+        client
+            .list_volumes(csi::ListVolumesRequest::default())
+            .await
+            .expect("the embedded backend serves beside a dead mapping");
+        assert!(ctl.terminate().success());
         // kubelet stages it again: what is left of the dead mapping goes, and the image is
         // mapped afresh, once, with its bytes.
         let t = Instant::now();
