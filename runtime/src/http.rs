@@ -317,6 +317,10 @@ mod tests {
         server.await.unwrap();
         // The listener is closed: its port can be bound again. (A connect is no test: to a
         // free ephemeral port it can succeed as a TCP self-connect.)
-        drop(tokio::net::TcpListener::bind(addr).await.expect("the port is free"));
+        drop(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .expect("the port is free"),
+        );
     }
 }
