@@ -21,7 +21,7 @@ use std::time::Duration;
 use moor_privileged::bench::{Node, publish_req, quick, stage_req, unpublish_req, unstage_req};
 use moor_privileged::kubelet_calls::{Call, Kubelet};
 use moor_privileged::storm::{
-    Latencies, Volume, fleet, nanos, run_clients, selected, write_result, write_tails,
+    Latencies, Volume, fleet, make_dir, nanos, run_clients, selected, write_result, write_tails,
 };
 use rustix::mount::{MountFlags, UnmountFlags};
 
@@ -30,12 +30,10 @@ const SIZE: u64 = 16 << 20;
 
 fn raw_boot(v: &Volume) -> Result<(), String> {
     let err = |what: &str, e: rustix::io::Errno| format!("{what} {}: {e}", v.id);
-    rustix::fs::mkdir(&v.staging, rustix::fs::Mode::from_raw_mode(0o750))
-        .map_err(|e| err("mkdir", e))?;
+    make_dir(&v.staging).map_err(|e| err("mkdir", e))?;
     rustix::mount::mount(&v.dev, &v.staging, "ext4", MountFlags::empty(), None)
         .map_err(|e| err("mount", e))?;
-    rustix::fs::mkdir(&v.target, rustix::fs::Mode::from_raw_mode(0o750))
-        .map_err(|e| err("mkdir", e))?;
+    make_dir(&v.target).map_err(|e| err("mkdir", e))?;
     rustix::mount::mount_bind(&v.staging, &v.target).map_err(|e| err("bind", e))
 }
 

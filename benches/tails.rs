@@ -17,8 +17,9 @@ use std::time::Instant;
 
 use moor_privileged::bench::{Node, publish_req, quick, stage_req, unpublish_req, unstage_req};
 use moor_privileged::kubelet_calls::{Call, Kubelet};
-use moor_privileged::storm::{Latencies, Volume, fleet, run_threads, selected, write_tails};
-use rustix::fs::Mode;
+use moor_privileged::storm::{
+    Latencies, Volume, fleet, make_dir, run_threads, selected, write_tails,
+};
 use rustix::mount::{MountFlags, UnmountFlags};
 
 const CLIENTS: [usize; 3] = [1, 8, 64];
@@ -43,13 +44,12 @@ fn step(
 }
 
 fn raw_cycle(v: &Volume, l: &mut Latencies) -> Result<(), String> {
-    let mode = Mode::from_raw_mode(0o750);
     step(l, Call::Stage, || {
-        rustix::fs::mkdir(&v.staging, mode)?;
+        make_dir(&v.staging)?;
         rustix::mount::mount(&v.dev, &v.staging, "ext4", MountFlags::empty(), None)
     })?;
     step(l, Call::Publish, || {
-        rustix::fs::mkdir(&v.target, mode)?;
+        make_dir(&v.target)?;
         rustix::mount::mount_bind(&v.staging, &v.target)
     })?;
     step(l, Call::Unpublish, || {

@@ -101,6 +101,15 @@ pub fn selected(name: &str) -> bool {
     filters.is_empty() || filters.iter().any(|f| f.contains(name))
 }
 
+/// mkdir of `dir` (mode 0750), which may be there already (a plugin's unstage may leave
+/// kubelet's staging dir).
+pub fn make_dir(dir: &Path) -> Result<(), rustix::io::Errno> {
+    match rustix::fs::mkdir(dir, rustix::fs::Mode::from_raw_mode(0o750)) {
+        Err(rustix::io::Errno::EXIST) => Ok(()),
+        other => other,
+    }
+}
+
 /// A duration in nanoseconds.
 pub fn nanos(d: Duration) -> f64 {
     d.as_secs_f64() * 1e9
