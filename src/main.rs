@@ -54,10 +54,11 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
 fn main() -> ExitCode {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
-    daemon::run("moor-node", run(args))
+    let workers = daemon::default_workers();
+    daemon::run_on_workers("moor-node", workers, run(args))
 }
 
-async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if let Some(why) =
         moor_runtime::limits::id_problem(&args.node_id, moor_runtime::limits::MAX_NODE_ID_LEN)
     {

@@ -278,6 +278,24 @@ impl Node {
         )
     }
 
+    /// Starts the reference driver `hostpathplugin` (at `program`) in this sandbox on a socket
+    /// of its own, its state in `<sandbox>/hostpath`.
+    pub fn start_hostpath(&self, program: &Path) -> Plugin {
+        let state = self.sb.root.join("hostpath");
+        std::fs::create_dir_all(&state).expect("hostpath state dir");
+        let state_arg = format!("--statedir={}", state.display());
+        Plugin::start(
+            program,
+            self.sb.root.join("hostpath.sock"),
+            &[
+                "--nodeid=bench".as_ref(),
+                "--drivername=hostpath.csi.k8s.io".as_ref(),
+                state_arg.as_ref(),
+            ],
+            &self.sb.root.join("hostpath.log"),
+        )
+    }
+
     /// A staged ext4 volume `vol` on a fresh loop device of `size` bytes (formatted by the
     /// daemon, as a blank device is), and a publish target for it. Returns (staging, target).
     pub fn staged_volume(&mut self, vol: &str, size: u64) -> (PathBuf, PathBuf) {

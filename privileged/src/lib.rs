@@ -13,8 +13,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 pub mod bench;
 pub mod ceph;
 pub mod client;
+pub mod kubelet_calls;
 pub mod pathgrpc;
 pub mod requests;
+pub mod storm;
 
 /// A test's private world.
 #[derive(Debug)]

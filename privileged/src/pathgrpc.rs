@@ -19,12 +19,17 @@ const RST_STREAM: u8 = 0x3;
 const SETTINGS: u8 = 0x4;
 const PING: u8 = 0x6;
 const GOAWAY: u8 = 0x7;
+const WINDOW_UPDATE: u8 = 0x8;
 const CONTINUATION: u8 = 0x9;
 const END_STREAM: u8 = 0x1;
 const ACK: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
 const PADDED: u8 = 0x8;
 const PRIORITY: u8 = 0x20;
+/// How much DATA the connection takes before it gives the server that much window back (a
+/// quarter of HTTP/2's initial window, as grpc-go does): without it, a long-lived connection
+/// stalls once the server has sent 64 KiB of answers.
+const WINDOW_RETURN: u32 = 16_384;
 
 /// HTTP/2's PROTOCOL_ERROR code, which a server that refuses the request's headers resets the
 /// stream with.
@@ -77,6 +82,8 @@ pub struct PathClient {
     authority_indexed: bool,
     next_stream: u32,
     decoder: loona_hpack::Decoder<'static>,
+    /// DATA taken since the connection's window was last given back.
+    unreturned: u32,
 }
 
 impl std::fmt::Debug for PathClient {
@@ -161,6 +168,7 @@ impl PathClient {
             authority_indexed: false,
             next_stream: 1,
             decoder: loona_hpack::Decoder::new(),
+            unreturned: 0,
         })
     }
 
@@ -218,6 +226,18 @@ impl PathClient {
         Resp::decode(payload).map_err(|e| CallError::Protocol(e.to_string()))
     }
 
+    /// Counts `len` bytes of DATA against the connection's window, and gives the window back
+    /// once enough was taken.
+    fn take_data(&mut self, len: usize) -> Result<(), CallError> {
+        self.unreturned += u32::try_from(len).unwrap_or(u32::MAX);
+        if self.unreturned >= WINDOW_RETURN {
+            let increment = std::mem::take(&mut self.unreturned);
+            self.stream
+                .write_all(&frame(WINDOW_UPDATE, 0, 0, &increment.to_be_bytes()))?;
+        }
+        Ok(())
+    }
+
     fn read_frame(&mut self) -> Result<(u8, u8, u32, Vec<u8>), CallError> {
         let mut head = [0u8; 9];
         self.stream.read_exact(&mut head)?;
@@ -256,7 +276,11 @@ impl PathClient {
                         .map_or(0, |c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]));
                     return Err(CallError::Reset(code));
                 }
-                DATA if stream == id => {
+                DATA => {
+                    self.take_data(payload.len())?;
+                    if stream != id {
+                        continue;
+                    }
                     data.extend_from_slice(&payload);
                     if flags & END_STREAM != 0 {
                         return Ok((fields, data));

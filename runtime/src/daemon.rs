@@ -31,6 +31,50 @@ pub fn init_logging(format: LogFormat) {
     }
 }
 
+/// The worker threads a daemon's runtime gets unless told: `TOKIO_WORKER_THREADS`, else one
+/// per CPU.
+pub fn default_workers() -> usize {
+    std::env::var("TOKIO_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .or_else(|| std::thread::available_parallelism().ok().map(usize::from))
+        .unwrap_or(1)
+}
+
+/// Runs `daemon` as a task on a multi-thread runtime of `workers` worker threads, not on the
+/// calling thread: the server it starts accepts its connections on a worker, which then runs
+/// the connection's task itself, where a server on the thread that blocks on the runtime has
+/// to wake a worker for every connection it accepts. Its error is logged as why `name`
+/// stopped.
+pub fn run_on_workers<F>(name: &str, workers: usize, daemon: F) -> ExitCode
+where
+    F: Future<Output = Result<(), Box<dyn std::error::Error + Send + Sync>>> + Send + 'static,
+{
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers.max(1))
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            error!(error = %e, "cannot start the async runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(async {
+        tokio::spawn(daemon)
+            .await
+            .unwrap_or_else(|e| Err(format!("the daemon's task ended: {e}").into()))
+    });
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!(error = %e, "{name} stopped");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// Runs `daemon` on a multi-thread runtime; its error is logged as why `name` stopped.
 pub fn run(
     name: &str,

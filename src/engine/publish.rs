@@ -144,9 +144,14 @@ impl<O: Os> Engine<O> {
         let source = self.bind_source(req, &stage)?;
         check_publications(&record, req, &wanted)?;
         if self.prepare_target(req, &source, wanted.attrs.read_only)? {
-            // A retry, or a crash after the bind: the same mount is there.
-            record.publishes.insert(req.target.clone(), wanted);
-            self.journal.put(&record, Durability::Process)?;
+            // A retry, or a crash after the bind: the same mount is there. The journal is
+            // written only if its record says otherwise (a crash before the confirmation, an
+            // adopted record): a retry that finds it all done (kubelet re-drives every
+            // publication when it restarts) changes nothing, on the node or on disk.
+            if record.publishes.get(&req.target) != Some(&wanted) {
+                record.publishes.insert(req.target.clone(), wanted);
+                self.journal.put(&record, Durability::Process)?;
+            }
             return Ok(());
         }
         if let Access::Mount {

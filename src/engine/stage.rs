@@ -384,14 +384,19 @@ impl<O: Os> Engine<O> {
         self.grow_to_device(content, (&dev.handle, dev.size), &req.staging)
     }
 
-    /// Records the stage done.
+    /// Records the stage done, unless the journal already says so (a retry that found it all
+    /// done: kubelet re-drives every stage when it restarts).
     fn confirm_stage(
         &self,
         record: &mut VolumeRecord,
         st: &Staging<'_>,
         fs_uuid: Option<String>,
     ) -> Result<()> {
-        record.stage = Some(st.record(Phase::Done, fs_uuid));
+        let done = st.record(Phase::Done, fs_uuid);
+        if record.stage.as_ref() == Some(&done) {
+            return Ok(());
+        }
+        record.stage = Some(done);
         self.journal.put(record, Durability::Process)?;
         Ok(())
     }

@@ -27,6 +27,44 @@ async fn publish_binds_the_staging_mount_and_repeats_are_ok() {
     );
 }
 
+/// The journal's log, as written so far.
+fn journal_log(h: &Harness) -> Vec<u8> {
+    std::fs::read(h.state.join(crate::journal::LOG_FILE)).expect("journal log")
+}
+
+#[tokio::test]
+async fn a_stage_and_publish_found_done_write_nothing() {
+    // kubelet re-drives every stage and publication when it restarts: each finds its work
+    // done, and must cost no journal write.
+    let h = harness();
+    staged(&h).await;
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
+    let log = journal_log(&h);
+    let before = h.os.calls().len();
+    staged(&h).await;
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish again");
+    assert_eq!(journal_log(&h), log, "a repeat writes no journal line");
+    assert_eq!(h.os.mount_depth(TARGET), 1);
+    assert_eq!(h.os.mount_depth(STAGING), 1);
+    let repeat = h.os.calls().split_off(before);
+    assert!(
+        !repeat
+            .iter()
+            .any(|c| matches!(c, Call::Bind(_) | Call::MountFs(_) | Call::Unmount(..))),
+        "a repeat mounts and unmounts nothing: {repeat:?}"
+    );
+    // The record still holds both.
+    let record = h.engine.journal().get("vol-1").expect("record");
+    assert!(record.stage.is_some());
+    assert_eq!(record.publishes.len(), 1);
+}
+
 #[tokio::test]
 async fn readonly_publish_is_a_read_only_bind() {
     let h = harness();

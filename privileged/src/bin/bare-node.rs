@@ -3,7 +3,7 @@
 //!     bare-node --endpoint PATH
 //!
 //! It serves the CSI Node service on the Unix socket at PATH with tonic on a multi-thread
-//! runtime, as moor-node does, and does nothing but the syscalls each call stands for:
+//! runtime, from a worker, as moor-node does, and does nothing but the syscalls each call stands for:
 //! * NodeStageVolume: mount(2) of `publish_context["devicePath"]` on the staging path as the
 //!   capability's fs type (xfs with `nouuid`, as moor mounts it); first moor's mkfs command on
 //!   the device when `volume_context["mkfs"]` is `"true"`;
@@ -164,14 +164,20 @@ fn main() -> ExitCode {
         .build()
         .map_err(|e| format!("runtime: {e}"))
         .and_then(|rt| {
+            // Served from a worker, as moor-node is: the accept and the connection it starts
+            // run on the same thread.
             rt.block_on(async {
                 let listener = tokio::net::UnixListener::bind(&socket)
                     .map_err(|e| format!("bind {}: {e}", socket.display()))?;
-                tonic::transport::Server::builder()
-                    .add_service(csi::node_server::NodeServer::new(Bare))
-                    .serve_with_incoming(UnixListenerStream::new(listener))
-                    .await
-                    .map_err(|e| format!("serve: {e}"))
+                tokio::spawn(async move {
+                    tonic::transport::Server::builder()
+                        .add_service(csi::node_server::NodeServer::new(Bare))
+                        .serve_with_incoming(UnixListenerStream::new(listener))
+                        .await
+                        .map_err(|e| format!("serve: {e}"))
+                })
+                .await
+                .map_err(|e| format!("serve: {e}"))?
             })
         });
     match served {

@@ -1,7 +1,9 @@
-//! Prints the performance table (docs/performance.md) from the results of `cargo bench`: the medians in
-//! `target/criterion/<group>/<bench>/new/estimates.json`, each with its reference and ratio,
-//! the target issue 7 sets and whether it holds, and the daemon's memory from
-//! `target/criterion/memory.txt`.
+//! Prints the performance tables (docs/performance.md) from the results of `cargo bench`, one
+//! table per bench: the medians in `target/criterion/<group>/<bench>/new/estimates.json`
+//! (criterion's, or a measured run's written in the same form), each with its reference and
+//! ratio, the target set for it and whether it holds, and the daemon's memory from
+//! `target/criterion/memory.txt`. The rows of the measured benches (storms, restart, tails)
+//! are made in `measured.rs`.
 //!
 //!     bench-report [--criterion DIR] [--note TEXT] [--update FILE]
 //!
@@ -15,7 +17,9 @@ use std::process::ExitCode;
 const BEGIN: &str = "<!-- bench-table:begin -->";
 const END: &str = "<!-- bench-table:end -->";
 
-/// What issue 7 asks of a ratio.
+mod measured;
+
+/// What a row is held to.
 #[derive(Debug, Clone, Copy)]
 enum Target {
     /// The reference itself, or no target.
@@ -24,6 +28,8 @@ enum Target {
     AtMost(f64),
     /// The ratio must be at least this.
     AtLeast(f64),
+    /// The median itself must be at most this many nanoseconds.
+    Within(f64),
 }
 
 impl Target {
@@ -32,16 +38,19 @@ impl Target {
             Target::Unset => "—".into(),
             Target::AtMost(x) => format!("≤ {x}×"),
             Target::AtLeast(x) => format!("≥ {x}×"),
+            Target::Within(ns) => format!("≤ {}", duration(ns)),
         }
     }
 
-    fn holds(self, ratio: f64) -> &'static str {
-        match self {
-            Target::Unset => "",
-            Target::AtMost(x) if ratio <= x => "yes",
-            Target::AtLeast(x) if ratio >= x => "yes",
-            _ => "**no**",
-        }
+    /// Whether it holds for a row of median `value` and ratio `ratio`.
+    fn holds(self, value: Option<f64>, ratio: Option<f64>) -> &'static str {
+        let verdict = match (self, value, ratio) {
+            (Target::AtMost(x), _, Some(r)) => r <= x,
+            (Target::AtLeast(x), _, Some(r)) => r >= x,
+            (Target::Within(ns), Some(v), _) => v <= ns,
+            _ => return "",
+        };
+        if verdict { "yes" } else { "**no**" }
     }
 }
 
@@ -161,6 +170,16 @@ const ROWS: &[Row] = &[
     paired(row("7", "gRPC NodeStage, blank 10 GiB xfs", "first-stage/grpc-xfs", Some("first-stage/raw-xfs"), Time, AtMost(1.1), "stage"), Paired("first-stage-paired/grpc-xfs")),
     paired(row("7", "its floor: bare-node's stage plus the blank proof and the durable intent", "first-stage/bare-xfs+first-stage/proof-xfs", Some("first-stage/raw-xfs"), Time, AtMost(1.1), "stage"), Paired("first-stage-paired/floor-xfs")),
     paired(row("7", "gRPC NodeStage, xfs, against that floor", "first-stage/grpc-xfs", Some("first-stage/bare-xfs+first-stage/proof-xfs"), Time, NoTarget, "stage"), PairedOver("first-stage-paired/grpc-xfs", "first-stage-paired/floor-xfs")),
+    row("K", "raw mkdir+bind+umount2+rmdir: the kernel's share of a publish+unpublish", "kubelet/raw-dir", None, Time, NoTarget, "kubelet"),
+    row("K", "NodeGetCapabilities on an open connection", "kubelet/null-open", None, Time, NoTarget, "kubelet"),
+    row("K", "NodeGetCapabilities on a fresh connection (dial, HTTP/2 set-up, call, close)", "kubelet/null-fresh", Some("kubelet/null-open"), Time, NoTarget, "kubelet"),
+    row("K", "NodePublish+NodeUnpublish on one open connection", "kubelet/pair-open", Some("kubelet/raw-dir"), Time, NoTarget, "kubelet"),
+    paired(row("K", "the same against its floor: mkdir+bind+umount2+rmdir and two null calls on an open connection", "kubelet/pair-open", Some("kubelet/raw-dir+kubelet/null-open+kubelet/null-open"), Time, AtMost(1.3), "kubelet"), Paired("kubelet-paired/pair-open")),
+    row("K", "kubelet-like NodePublish+NodeUnpublish (NodeGetCapabilities first, every call on a fresh connection)", "kubelet/pair-kubelet", Some("kubelet/pair-open"), Time, NoTarget, "kubelet"),
+    row("K", "kubelet-like NodeStage+NodeUnstage, formatted ext4 loop device", "kubelet/stage-kubelet", None, Time, NoTarget, "kubelet"),
+    row("K", "hostpathplugin: NodeGetCapabilities on a fresh connection", "kubelet/hostpath-null-fresh", Some("kubelet/null-fresh"), Time, NoTarget, "kubelet"),
+    paired(row("K", "hostpathplugin: kubelet-like NodePublish+NodeUnpublish, against moor's", "kubelet/hostpath-pair-kubelet", Some("kubelet/pair-kubelet"), Time, AtLeast(50.0), "kubelet"), Paired("kubelet-paired/hostpath-pair")),
+    paired(row("K", "hostpathplugin: kubelet-like NodeStage+NodeUnstage (it mounts nothing at stage), against moor's", "kubelet/hostpath-stage-kubelet", Some("kubelet/stage-kubelet"), Time, NoTarget, "kubelet"), Paired("kubelet-paired/hostpath-stage")),
     row("m", "the machine: a blocked thread run after a send, sent at once", "wake/busy", None, Time, NoTarget, "wake"),
     row("m", "the machine: the same after both threads slept 3 ms, as a plugin's do through a mount", "wake/slept-3ms", Some("wake/busy"), Time, NoTarget, "wake"),
 ];
@@ -248,6 +267,10 @@ fn memory_kib(text: &str, key: &str) -> Option<u64> {
 /// `[^/]+` where the two ids differ: no `|`, which a markdown table cell cannot hold); for a
 /// paired ratio, the row's whole group and its paired group.
 fn reproduce(r: &Row) -> String {
+    if measured::BENCHES.contains(&r.bench) {
+        // A measured run takes no filter: the whole bench.
+        return format!("cargo bench --bench {}", r.bench);
+    }
     if !matches!(r.ratio, Ratio::Medians) {
         // The row's group and its paired group.
         return format!(
@@ -278,49 +301,50 @@ fn group_of(id: &str) -> &str {
     id.split('/').next().unwrap_or(id)
 }
 
-fn table(dir: &Path, note: Option<&str>) -> String {
+/// Every row: the criterion benches' ([`ROWS`]), then the measured benches'.
+fn rows() -> Vec<&'static Row> {
+    ROWS.iter().chain(measured::rows()).collect()
+}
+
+/// One table row of `r`.
+fn table_row(dir: &Path, r: &Row) -> String {
+    let this = median(dir, r.id);
+    let reference = r.reference.map(|id| (id, median(dir, id)));
+    let median_text = this.map_or("not run".into(), |ns| value(r.kind, ns));
+    let ref_text = match reference {
+        None => "—".to_string(),
+        Some((_, Some(ref_ns))) => reference_value(r.kind, ref_ns),
+        Some((id, None)) => format!("`{id}` not run"),
+    };
+    let measured = match (r.ratio, this, reference) {
+        (_, _, None) => None,
+        (Ratio::Medians, Some(ns), Some((_, Some(ref_ns)))) => {
+            Some((ratio(r.kind, ns, ref_ns), ""))
+        }
+        (Ratio::Medians, _, _) => None,
+        (Paired(id), _, _) => median(dir, id).map(|x| (x, " (paired)")),
+        (PairedOver(a, b), _, _) => median(dir, a)
+            .zip(median(dir, b))
+            .map(|(a, b)| (a / b, " (paired)")),
+    };
+    let ratio_text = match (r.reference, measured) {
+        (None, _) => "reference".to_string(),
+        (Some(_), Some((x, how))) => format!("{}×{how}", sig3(x)),
+        (Some(_), None) => "—".to_string(),
+    };
+    let holds = r.target.holds(this, measured.map(|(x, _)| x));
+    format!(
+        "| {} | {} | {median_text} | {ref_text} | {ratio_text} | {} | {holds} | `{}` |\n",
+        r.group,
+        r.label,
+        r.target.text(),
+        reproduce(r),
+    )
+}
+
+/// The daemon's memory rows (the `concurrency` bench writes them).
+fn memory_rows(dir: &Path) -> String {
     let mut out = String::new();
-    if let Some(note) = note {
-        let _ = writeln!(out, "{note}\n");
-    }
-    out.push_str(
-        "| # | bench | median | reference | ratio | target | holds | reproduce |\n\
-         | --- | --- | --- | --- | --- | --- | --- | --- |\n",
-    );
-    for r in ROWS {
-        let this = median(dir, r.id);
-        let reference = r.reference.map(|id| (id, median(dir, id)));
-        let median_text = this.map_or("not run".into(), |ns| value(r.kind, ns));
-        let ref_text = match reference {
-            None => "—".to_string(),
-            Some((_, Some(ref_ns))) => reference_value(r.kind, ref_ns),
-            Some((id, None)) => format!("`{id}` not run"),
-        };
-        let measured = match (r.ratio, this, reference) {
-            (_, _, None) => None,
-            (Ratio::Medians, Some(ns), Some((_, Some(ref_ns)))) => {
-                Some((ratio(r.kind, ns, ref_ns), ""))
-            }
-            (Ratio::Medians, _, _) => None,
-            (Paired(id), _, _) => median(dir, id).map(|x| (x, " (paired)")),
-            (PairedOver(a, b), _, _) => median(dir, a)
-                .zip(median(dir, b))
-                .map(|(a, b)| (a / b, " (paired)")),
-        };
-        let (ratio_text, holds) = match (r.reference, measured) {
-            (None, _) => ("reference".to_string(), ""),
-            (Some(_), Some((x, how))) => (format!("{}×{how}", sig3(x)), r.target.holds(x)),
-            (Some(_), None) => ("—".to_string(), ""),
-        };
-        let _ = writeln!(
-            out,
-            "| {} | {} | {median_text} | {ref_text} | {ratio_text} | {} | {holds} | `{}` |",
-            r.group,
-            r.label,
-            r.target.text(),
-            reproduce(r),
-        );
-    }
     let mem = std::fs::read_to_string(dir.join("memory.txt")).unwrap_or_default();
     for (label, key, limit) in [
         (
@@ -345,6 +369,39 @@ fn table(dir: &Path, note: Option<&str>) -> String {
             out,
             "| mem | {label} | {v} | — | — | < {limit} MiB | {holds} | `cargo bench --bench concurrency` |"
         );
+    }
+    out
+}
+
+/// One table per bench, in the order the benches first appear among the rows, each under a
+/// line with the command that runs the whole bench.
+fn table(dir: &Path, note: Option<&str>) -> String {
+    let mut out = String::new();
+    if let Some(note) = note {
+        let _ = writeln!(out, "{note}\n");
+    }
+    let rows = rows();
+    let mut benches: Vec<&str> = Vec::new();
+    for r in &rows {
+        if !benches.contains(&r.bench) {
+            benches.push(r.bench);
+        }
+    }
+    for (i, bench) in benches.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        let _ = writeln!(out, "**`{bench}`**: `cargo bench --bench {bench}`\n");
+        out.push_str(
+            "| # | bench | median | reference | ratio | target | holds | reproduce |\n\
+             | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        );
+        for r in rows.iter().filter(|r| r.bench == *bench) {
+            out.push_str(&table_row(dir, r));
+        }
+        if *bench == "concurrency" {
+            out.push_str(&memory_rows(dir));
+        }
     }
     out
 }
