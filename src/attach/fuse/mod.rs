@@ -26,13 +26,13 @@
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::io::Write as _;
-use std::os::unix::ffi::OsStrExt as _;
+
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+
 use std::time::{Duration, Instant};
 
-use rustix::process::{Pid, PidfdFlags, Signal};
+use rustix::process::Pid;
 
 use super::{AttachError, Attacher, Deadlines, ImageSpec, MapRequest, Mapping, redact};
 use crate::crash_points;
@@ -40,6 +40,12 @@ use crate::sys::discovery::DeviceIdentity;
 use crate::sys::linux::{find_program, run_with_deadline};
 use crate::sys::loopdev::{self, DetachError, LoopDevice};
 use crate::sys::{ToolError, ToolRun, mount_table};
+
+mod names;
+mod process;
+
+pub use self::names::{dir_name, parse_dir_name};
+use self::process::{bounded, daemons, kill, wait_gone, with_deadline, written};
 
 /// The dir under the state dir where images are mounted.
 pub const DIR: &str = "rbd";
@@ -75,201 +81,6 @@ impl Found {
     fn is_empty(&self) -> bool {
         !self.mounted && self.daemons.is_empty() && self.loops.is_empty()
     }
-}
-
-/// Escapes a name part for a dir name: `[A-Za-z0-9._-]` as is, anything else `%XX`.
-fn escape(part: &str) -> String {
-    let mut out = String::with_capacity(part.len());
-    for b in part.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-') {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-fn unescape(part: &str) -> Option<String> {
-    let bytes = part.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while let Some(&b) = bytes.get(i) {
-        if b == b'%' {
-            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(b);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok().filter(|s| !s.is_empty())
-}
-
-/// The mount dir's name for an image.
-pub fn dir_name(image: &ImageSpec) -> Result<String, AttachError> {
-    let mut parts = Vec::new();
-    if let Some(c) = &image.cluster_id {
-        parts.push(escape(c));
-    }
-    parts.push(escape(&image.pool));
-    parts.push(escape(&image.image));
-    let name = parts.join("+");
-    if name.len() > NAME_MAX || image.image.len() > NAME_MAX {
-        return Err(AttachError::Unsupported {
-            image: image.to_string(),
-            reason: format!(
-                "the names are too long for rbd-fuse's mount dir ({} bytes, at most {NAME_MAX})",
-                name.len()
-            ),
-        });
-    }
-    Ok(name)
-}
-
-/// The image a mount dir's name names.
-pub fn parse_dir_name(name: &str) -> Option<ImageSpec> {
-    let parts: Vec<&str> = name.split('+').collect();
-    match parts.as_slice() {
-        [pool, image] => Some(ImageSpec {
-            cluster_id: None,
-            pool: unescape(pool)?,
-            image: unescape(image)?,
-        }),
-        [cluster, pool, image] => Some(ImageSpec {
-            cluster_id: Some(unescape(cluster)?),
-            pool: unescape(pool)?,
-            image: unescape(image)?,
-        }),
-        _ => None,
-    }
-}
-
-/// The rbd-fuse processes serving mount dir `dir`: their first argument is `dir`.
-fn daemons(dir: &Path) -> Vec<Pid> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut found = Vec::new();
-    for e in entries.flatten() {
-        let Some(pid) = e
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-            .and_then(Pid::from_raw)
-        else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else {
-            continue;
-        };
-        let mut args = cmdline.split(|&b| b == 0);
-        let program = args.next().map(|a| Path::new(OsStr::from_bytes(a)));
-        let first = args.next();
-        if program.and_then(Path::file_name) == Some(OsStr::new(PROGRAM))
-            && first == Some(dir.as_os_str().as_bytes())
-        {
-            found.push(pid);
-        }
-    }
-    found
-}
-
-/// Waits until every process of `pids` has exited, up to `deadline`; whether they all did.
-/// One that is a child of this process is reaped.
-fn wait_gone(pids: &[Pid], deadline: Instant) -> bool {
-    let mut all = true;
-    for &pid in pids {
-        let fd = match rustix::process::pidfd_open(pid, PidfdFlags::empty()) {
-            Ok(fd) => fd,
-            Err(_) => continue, // ESRCH: gone already
-        };
-        let mut exited = false;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let Ok(timeout) = rustix::event::Timespec::try_from(left) else {
-                break;
-            };
-            let mut fds = [rustix::event::PollFd::new(
-                &fd,
-                rustix::event::PollFlags::IN,
-            )];
-            match rustix::event::poll(&mut fds, Some(&timeout)) {
-                Ok(n) if n > 0 => {
-                    exited = true;
-                    break;
-                }
-                Ok(_) => break,
-                Err(rustix::io::Errno::INTR) => {}
-                Err(_) => break,
-            }
-        }
-        if exited {
-            // Reaped here only when it is this process's child (moor-node as PID 1).
-            let _ = rustix::process::waitid(
-                rustix::process::WaitId::PidFd(std::os::fd::AsFd::as_fd(&fd)),
-                rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOHANG,
-            );
-        }
-        all &= exited;
-    }
-    all
-}
-
-fn kill(pids: &[Pid]) {
-    for &pid in pids {
-        // Through a pidfd: the signal reaches this process, never one that took its pid.
-        if let Ok(fd) = rustix::process::pidfd_open(pid, PidfdFlags::empty()) {
-            let _ = rustix::process::pidfd_send_signal(&fd, Signal::KILL);
-        }
-    }
-}
-
-/// Runs `f` on a thread of its own; its result, or None at `deadline` (the thread goes on).
-fn with_deadline<T: Send + 'static>(
-    deadline: Instant,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Option<T> {
-    bounded(deadline, || {}, f)
-}
-
-/// Runs `f`, which may wait on rbd-fuse, on a thread of its own, up to `deadline`; past it
-/// `abort` runs (it kills rbd-fuse, which fails every request waiting on it) and `f` gets
-/// [`KILL_GRACE`] more to end. Its result, or None.
-fn bounded<T: Send + 'static>(
-    deadline: Instant,
-    abort: impl FnOnce(),
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Option<T> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::Builder::new()
-        .name("moor-rbd-fuse".into())
-        .spawn(move || {
-            let _ = tx.send(f());
-        })
-        .ok()?;
-    match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        Ok(v) => Some(v),
-        Err(mpsc::RecvTimeoutError::Timeout) => {
-            abort();
-            rx.recv_timeout(KILL_GRACE).ok()
-        }
-        Err(mpsc::RecvTimeoutError::Disconnected) => None,
-    }
-}
-
-/// What the rbd-fuse processes `pids` have written so far (`wchar`: mostly their answers to
-/// the kernel's FUSE requests).
-fn written(pids: &[Pid]) -> u64 {
-    pids.iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{}/io", p.as_raw_nonzero())).ok())
-        .filter_map(|io| {
-            io.lines()
-                .find_map(|l| l.strip_prefix("wchar:"))
-                .and_then(|v| v.trim().parse::<u64>().ok())
-        })
-        .sum()
 }
 
 impl FuseAttacher {
@@ -696,59 +507,5 @@ impl Attacher for FuseAttacher {
     fn in_flight(&self, _image: &ImageSpec) -> bool {
         // Every step ends by its deadline (rbd-fuse is killed past it).
         false
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dir_names_escape_and_parse_back() {
-        for spec in [
-            ImageSpec {
-                cluster_id: None,
-                pool: "moor".into(),
-                image: "csi-vol-0a1b".into(),
-            },
-            ImageSpec {
-                cluster_id: Some("ceph+east".into()),
-                pool: "p:1".into(),
-                image: "img+x~y".into(),
-            },
-        ] {
-            let name = dir_name(&spec).unwrap();
-            assert!(
-                name.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"._-%+".contains(&b)),
-                "{name}"
-            );
-            assert_eq!(parse_dir_name(&name), Some(spec));
-        }
-        assert_eq!(
-            dir_name(&ImageSpec {
-                cluster_id: None,
-                pool: "moor".into(),
-                image: "a".into()
-            })
-            .unwrap(),
-            "moor+a"
-        );
-        assert_eq!(parse_dir_name("a+b+c+d"), None);
-        assert_eq!(parse_dir_name("a+%zz"), None);
-        assert_eq!(parse_dir_name("+b"), None);
-        let long = ImageSpec {
-            cluster_id: None,
-            pool: "p".into(),
-            image: "x".repeat(200),
-        };
-        assert!(
-            dir_name(&ImageSpec {
-                pool: "~".repeat(30),
-                ..long.clone()
-            })
-            .is_err()
-        );
-        assert!(dir_name(&long).is_ok());
     }
 }
