@@ -38,6 +38,7 @@ mod pool;
 mod secret;
 #[allow(unsafe_code)]
 mod sys;
+pub mod testing;
 
 pub use cluster::{Auth, Cluster, ConnectOptions, DEFAULT_TIMEOUT};
 pub use error::{Errno, Error, Result};

@@ -6,10 +6,10 @@
 //! One file, over the usual length: every operation of the crate against one live cluster,
 //! sharing its connection set-up.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use moor_rbd::testing::TestCluster;
 use moor_rbd::{
     Auth, Cluster, ConnectOptions, Ensured, Error, Features, ImageOptions, LockMode, Pool, Secret,
     Shrink,
@@ -17,44 +17,20 @@ use moor_rbd::{
 
 const MIB: u64 = 1 << 20;
 
-/// Where the test cluster is.
-struct Env {
-    mon_host: String,
-    user: String,
-    keyring: PathBuf,
-    key: Secret,
-    pool: String,
+/// The test cluster, with the connections these tests make.
+struct Env(TestCluster);
+
+impl std::ops::Deref for Env {
+    type Target = TestCluster;
+
+    fn deref(&self) -> &TestCluster {
+        &self.0
+    }
 }
 
 impl Env {
     fn get() -> Option<Env> {
-        let conf = PathBuf::from(std::env::var_os("MOOR_CEPH_CONF")?);
-        let keyring = PathBuf::from(std::env::var_os("MOOR_CEPH_KEYRING")?);
-        let conf_text = std::fs::read_to_string(&conf)
-            .unwrap_or_else(|e| panic!("MOOR_CEPH_CONF={}: {e}", conf.display()));
-        let mon_host = conf_text
-            .lines()
-            .filter_map(|l| l.split_once('='))
-            .find(|(k, _)| matches!(k.trim(), "mon host" | "mon_host"))
-            .map(|(_, v)| v.trim().to_owned())
-            .unwrap_or_else(|| panic!("no mon host in {}", conf.display()));
-        let user = std::env::var("MOOR_CEPH_USER").unwrap_or_else(|_| "moor".into());
-        let keyring_text = std::fs::read_to_string(&keyring)
-            .unwrap_or_else(|e| panic!("MOOR_CEPH_KEYRING={}: {e}", keyring.display()));
-        let key = Secret::from_keyring(&keyring_text, &user)
-            .unwrap_or_else(|| panic!("no key for client.{user} in {}", keyring.display()));
-        let pool = std::env::var("MOOR_CEPH_POOL").unwrap_or_else(|_| "moor".into());
-        Some(Env {
-            mon_host,
-            user,
-            keyring,
-            key,
-            pool,
-        })
-    }
-
-    fn options(&self) -> ConnectOptions {
-        ConnectOptions::new(&self.mon_host, &self.user, Auth::Key(self.key.clone()))
+        TestCluster::from_env().map(Env)
     }
 
     fn connect(&self) -> Cluster {
@@ -64,21 +40,6 @@ impl Env {
     fn pool(&self) -> Pool {
         self.connect().pool(&self.pool).expect("open the test pool")
     }
-}
-
-macro_rules! cluster_or_skip {
-    () => {
-        match Env::get() {
-            Some(env) => env,
-            None => {
-                eprintln!(
-                    "skipped: no Ceph cluster (MOOR_CEPH_CONF and MOOR_CEPH_KEYRING unset; \
-                     `.ci/ceph-cluster up DIR` then `. DIR/env`)"
-                );
-                return;
-            }
-        }
-    };
 }
 
 /// Image names of this test run: unique per process and call.
@@ -138,7 +99,9 @@ fn ms(d: Duration) -> String {
 
 #[test]
 fn connects_with_a_key_or_a_keyring_and_finds_pools() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let started = Instant::now();
     let by_key = env.connect();
     eprintln!("timing: connect {}", ms(started.elapsed()));
@@ -178,7 +141,9 @@ fn connects_with_a_key_or_a_keyring_and_finds_pools() {
 
 #[test]
 fn a_wrong_key_is_refused_and_never_shown() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     // A well-formed cephx key that is not the user's.
     let wrong = "AQBcVdNm8nV7JRAAm0vIYSlZ0yq3xQ0qkQ6y5A==";
     let options = ConnectOptions::new(&env.mon_host, &env.user, Auth::Key(Secret::new(wrong)))
@@ -240,7 +205,9 @@ fn no_monitor_is_an_error_within_the_timeout() {
 
 #[test]
 fn create_is_idempotent_by_name() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let pool = env.pool();
     let mut cleanup = Cleanup::new(&pool);
     let image = cleanup.add(&name("idem"));
@@ -293,7 +260,9 @@ fn create_is_idempotent_by_name() {
 
 #[test]
 fn a_missing_image_is_not_found_naming_the_call() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let pool = env.pool();
     let e = pool.open_image("no-such-image").unwrap_err();
     assert!(
@@ -326,7 +295,9 @@ fn a_missing_image_is_not_found_naming_the_call() {
 
 #[test]
 fn resize_grows_and_shrinks_only_when_allowed() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let pool = env.pool();
     let mut cleanup = Cleanup::new(&pool);
     let image = cleanup.add(&name("resize"));
@@ -358,7 +329,9 @@ fn resize_grows_and_shrinks_only_when_allowed() {
 
 #[test]
 fn images_are_listed_in_pages_by_name() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let pool = env.pool();
     let mut cleanup = Cleanup::new(&pool);
     let prefix = name("list");
@@ -400,7 +373,9 @@ fn images_are_listed_in_pages_by_name() {
 
 #[test]
 fn snapshot_protect_clone_flatten_and_removal_refusals() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let pool = env.pool();
     let mut cleanup = Cleanup::new(&pool);
     let parent = cleanup.add(&name("parent"));
@@ -534,7 +509,9 @@ fn snapshot_protect_clone_flatten_and_removal_refusals() {
 
 #[test]
 fn an_image_open_elsewhere_is_busy_to_remove() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let pool = env.pool();
     let mut cleanup = Cleanup::new(&pool);
     let image = cleanup.add(&name("busy"));
@@ -563,7 +540,9 @@ fn an_image_open_elsewhere_is_busy_to_remove() {
 
 #[test]
 fn trashed_images_are_gone_by_name_and_removed_by_id() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let pool = env.pool();
     let mut cleanup = Cleanup::new(&pool);
     let image = cleanup.add(&name("trash"));
@@ -615,7 +594,9 @@ fn trashed_images_are_gone_by_name_and_removed_by_id() {
 
 #[test]
 fn an_exclusive_lock_held_by_one_client_fails_anothers_acquire_at_once() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let (a, b) = (env.pool(), env.pool());
     let mut cleanup = Cleanup::new(&a);
     let image = cleanup.add(&name("lock"));
@@ -659,7 +640,9 @@ fn an_exclusive_lock_held_by_one_client_fails_anothers_acquire_at_once() {
 
 #[test]
 fn pool_capacity_reports_what_can_be_written() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let cluster = env.connect();
     let pool = cluster.pool(&env.pool).unwrap();
     let capacity = pool.capacity().unwrap();
@@ -674,7 +657,9 @@ fn pool_capacity_reports_what_can_be_written() {
 /// Not a check: the costs the README quotes, printed (run with --nocapture).
 #[test]
 fn timings() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let rounds = 5;
     let started = Instant::now();
     for _ in 0..rounds {

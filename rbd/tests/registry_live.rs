@@ -2,49 +2,32 @@
 //! cluster (`.ci/ceph-cluster up DIR`, then `. DIR/env`). Without one, each test prints
 //! "skipped: no Ceph cluster" and passes.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use moor_rbd::{Auth, Cluster, ConnectOptions, Error, ImageOptions, Pool, Secret};
+use moor_rbd::testing::TestCluster;
+use moor_rbd::{Cluster, Error, ImageOptions, Pool};
 
 const MIB: u64 = 1 << 20;
 
-struct Env {
-    conf: PathBuf,
-    mon_host: String,
-    user: String,
-    key: Secret,
-    pool: String,
+/// The test cluster, with the connections these tests make.
+struct Env(TestCluster);
+
+impl std::ops::Deref for Env {
+    type Target = TestCluster;
+
+    fn deref(&self) -> &TestCluster {
+        &self.0
+    }
 }
 
 impl Env {
     fn get() -> Option<Env> {
-        let conf = PathBuf::from(std::env::var_os("MOOR_CEPH_CONF")?);
-        let keyring = PathBuf::from(std::env::var_os("MOOR_CEPH_KEYRING")?);
-        let text = std::fs::read_to_string(&conf).unwrap();
-        let mon_host = text
-            .lines()
-            .filter_map(|l| l.split_once('='))
-            .find(|(k, _)| matches!(k.trim(), "mon host" | "mon_host"))
-            .map(|(_, v)| v.trim().to_owned())
-            .unwrap();
-        let user = std::env::var("MOOR_CEPH_USER").unwrap_or_else(|_| "moor".into());
-        let key = Secret::from_keyring(&std::fs::read_to_string(&keyring).unwrap(), &user).unwrap();
-        let pool = std::env::var("MOOR_CEPH_POOL").unwrap_or_else(|_| "moor".into());
-        Some(Env {
-            conf,
-            mon_host,
-            user,
-            key,
-            pool,
-        })
+        TestCluster::from_env().map(Env)
     }
 
     fn connect(&self) -> Cluster {
-        let options = ConnectOptions::new(&self.mon_host, &self.user, Auth::Key(self.key.clone()))
-            .option("rbd_cache", "false");
-        Cluster::connect(&options).unwrap()
+        Cluster::connect(&self.options().option("rbd_cache", "false")).unwrap()
     }
 
     fn pool(&self) -> Pool {
@@ -53,30 +36,8 @@ impl Env {
 
     /// The administrator (removing a blocklist entry takes it), when its keyring is there.
     fn admin(&self) -> Option<Cluster> {
-        let keyring = self.conf.parent()?.join("ceph.client.admin.keyring");
-        keyring.exists().then_some(())?;
-        Cluster::connect(&ConnectOptions::new(
-            &self.mon_host,
-            "admin",
-            Auth::Keyring(keyring),
-        ))
-        .ok()
+        Cluster::connect(&self.admin_options()?).ok()
     }
-}
-
-macro_rules! cluster_or_skip {
-    () => {
-        match Env::get() {
-            Some(env) => env,
-            None => {
-                eprintln!(
-                    "skipped: no Ceph cluster (MOOR_CEPH_CONF and MOOR_CEPH_KEYRING unset; \
-                     `.ci/ceph-cluster up DIR` then `. DIR/env`)"
-                );
-                return;
-            }
-        }
-    };
 }
 
 fn name(what: &str) -> String {
@@ -90,7 +51,9 @@ fn name(what: &str) -> String {
 
 #[test]
 fn pool_metadata_is_a_key_value_store_listed_by_prefix_in_pages() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let pool = env.pool();
     let prefix = format!("test.{}.", name("meta"));
     assert_eq!(
@@ -147,7 +110,9 @@ fn pool_metadata_is_a_key_value_store_listed_by_prefix_in_pages() {
 
 #[test]
 fn an_image_in_the_trash_opens_by_id_with_its_snapshots() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let pool = env.pool();
     let image = name("byid");
     pool.create_image(&image, &ImageOptions::new(4 * MIB))
@@ -177,7 +142,9 @@ fn an_image_in_the_trash_opens_by_id_with_its_snapshots() {
 
 #[test]
 fn a_blocklisted_client_cannot_write_and_its_lock_can_be_broken() {
-    let env = cluster_or_skip!();
+    let Some(env) = Env::get() else {
+        return;
+    };
     let pool = env.pool();
     let image = name("fence");
     pool.create_image(&image, &ImageOptions::new(4 * MIB))

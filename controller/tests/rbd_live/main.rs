@@ -7,7 +7,6 @@
 //! snapshots, publications and any blocklist entry, however it ends.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -20,50 +19,26 @@ use moor_controller::rbd::clusters::Clusters;
 use moor_controller::rbd::ids::{SnapshotId, VolumeId};
 use moor_controller::rbd::{self, RbdBackend};
 use moor_controller::secrets::{self, Secrets};
-use moor_rbd::{Auth, Cluster, ConnectOptions, Pool, Secret};
+use moor_rbd::testing::TestCluster;
+use moor_rbd::{Cluster, Pool};
 
 const MIB: u64 = 1 << 20;
 const CLUSTER_ID: &str = "live";
 
-/// Where the test cluster is.
-struct Env {
-    mon_host: String,
-    user: String,
-    keyring: PathBuf,
-    key: String,
-    pool: String,
+/// The test cluster, with what these tests make of it.
+struct Env(TestCluster);
+
+impl std::ops::Deref for Env {
+    type Target = TestCluster;
+
+    fn deref(&self) -> &TestCluster {
+        &self.0
+    }
 }
 
 impl Env {
     fn get() -> Option<Env> {
-        let conf = PathBuf::from(std::env::var_os("MOOR_CEPH_CONF")?);
-        let keyring = PathBuf::from(std::env::var_os("MOOR_CEPH_KEYRING")?);
-        let conf_text = std::fs::read_to_string(&conf)
-            .unwrap_or_else(|e| panic!("MOOR_CEPH_CONF={}: {e}", conf.display()));
-        let mon_host = conf_text
-            .lines()
-            .filter_map(|l| l.split_once('='))
-            .find(|(k, _)| matches!(k.trim(), "mon host" | "mon_host"))
-            .map(|(_, v)| v.trim().to_owned())
-            .unwrap_or_else(|| panic!("no mon host in {}", conf.display()));
-        let user = std::env::var("MOOR_CEPH_USER").unwrap_or_else(|_| "moor".into());
-        let text = std::fs::read_to_string(&keyring)
-            .unwrap_or_else(|e| panic!("MOOR_CEPH_KEYRING={}: {e}", keyring.display()));
-        let key = text
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("key"))
-            .filter_map(|l| l.trim().strip_prefix('='))
-            .map(|k| k.trim().to_string())
-            .next()
-            .unwrap_or_else(|| panic!("no key in {}", keyring.display()));
-        let pool = std::env::var("MOOR_CEPH_POOL").unwrap_or_else(|_| "moor".into());
-        Some(Env {
-            mon_host,
-            user,
-            keyring,
-            key,
-            pool,
-        })
+        TestCluster::from_env().map(Env)
     }
 
     /// The backend, with the cluster in its list as "live"; with the controller's own
@@ -86,7 +61,10 @@ impl Env {
 
     /// The CSI secrets a StorageClass would give.
     fn secrets(&self) -> Secrets {
-        Secrets::from_pairs([("userID", self.user.as_str()), ("userKey", &self.key)])
+        Secrets::from_pairs([
+            ("userID", self.user.as_str()),
+            ("userKey", &self.key_text()),
+        ])
     }
 
     fn params(&self) -> Parameters {
@@ -99,42 +77,18 @@ impl Env {
 
     /// A connection of its own: a "node" or an observer.
     fn client(&self) -> Cluster {
-        let options = ConnectOptions::new(
-            &self.mon_host,
-            &self.user,
-            Auth::Key(Secret::new(self.key.clone())),
-        )
-        .option("rbd_cache", "false");
-        Cluster::connect(&options).expect("connect to the test cluster")
+        Cluster::connect(&self.options().option("rbd_cache", "false"))
+            .expect("connect to the test cluster")
     }
 
     /// The cluster's administrator, when its keyring is next to ceph.conf (`.ci/ceph-cluster`).
     fn admin(&self) -> Option<Cluster> {
-        let conf = PathBuf::from(std::env::var_os("MOOR_CEPH_CONF")?);
-        let keyring = conf.parent()?.join("ceph.client.admin.keyring");
-        keyring.exists().then_some(())?;
-        let options = ConnectOptions::new(&self.mon_host, "admin", Auth::Keyring(keyring));
-        Cluster::connect(&options).ok()
+        Cluster::connect(&self.admin_options()?).ok()
     }
 
     fn pool(&self) -> Pool {
         self.client().pool(&self.pool).unwrap()
     }
-}
-
-macro_rules! cluster_or_skip {
-    () => {
-        match Env::get() {
-            Some(env) => env,
-            None => {
-                eprintln!(
-                    "skipped: no Ceph cluster (MOOR_CEPH_CONF and MOOR_CEPH_KEYRING unset; \
-                     `.ci/ceph-cluster up DIR` then `. DIR/env`)"
-                );
-                return;
-            }
-        }
-    };
 }
 
 /// A name unique to this run.
