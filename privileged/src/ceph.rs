@@ -207,11 +207,26 @@ impl World {
         let mut w = Self::new(name, ceph, nodes);
         for (i, n) in w.nodes.iter_mut().enumerate() {
             let ns = format!("moor-{pid}-{seq}-{i}");
+            // A machine without network namespaces (or without `ip`) cannot simulate nodes.
+            let made = Command::new("ip").args(["netns", "add", &ns]).output();
+            match made {
+                Ok(out) if out.status.success() => {}
+                other => {
+                    eprintln!(
+                        "{name}: skipped: no network namespace for a simulated node \
+                         (ip netns add: {})",
+                        match other {
+                            Ok(out) => String::from_utf8_lossy(&out.stderr).trim().to_string(),
+                            Err(e) => e.to_string(),
+                        }
+                    );
+                    return None;
+                }
+            }
             // At most 15 bytes: "mv", the pid in hex (at most 6), the sequence, the node.
             let veth = format!("mv{pid:x}{}{i}", seq % 100);
             let host = 10 + (seq as usize * 4 + i) % 240;
             let addr = format!("{net}.{host}");
-            crate::run("ip", &["netns", "add", &ns]);
             // Recorded before the veth exists, so that the drop removes the namespace (and
             // with it the veth pair) whatever fails next.
             n.net = Some((ns.clone(), addr.clone()));
