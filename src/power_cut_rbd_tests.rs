@@ -18,22 +18,14 @@ use crate::attach::Attacher;
 use crate::attach::fake::{AttachCall, FakeAttacher};
 use crate::engine::{Engine, EngineConfig};
 use crate::journal::{self, Journal, Phase};
-use crate::power_cut_tests::{DATA, DATA_AT, GIB, mkfs_runs, power_cut_states, state_dir};
+use crate::power_cut_tests::{
+    DATA, DATA_AT, GIB, LIFE, Step, mkfs_runs, power_cut_states, state_dir,
+};
 use crate::reconcile::Reconciler;
 use crate::service::NodeService;
 use crate::service_tests::rbd::{check_mapping, image, rbd_kubelet_call};
 use crate::service_tests::{K, KubeletCall, STAGING, TARGET};
 use crate::sys::fake::FakeOs;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Step {
-    Stage,
-    Publish,
-    Write,
-    Expand,
-    Unpublish,
-    Unstage,
-}
 
 /// One node: a fake OS, the fake attacher over it, and a journal in a state dir of its own.
 struct Node {
@@ -147,18 +139,7 @@ fn check_reconciled(node: &Node, name: &str) {
 
 #[tokio::test]
 async fn every_state_a_power_cut_leaves_of_an_rbd_volume_maps_it_once_and_keeps_its_data() {
-    let life = [
-        Step::Stage,
-        Step::Publish,
-        Step::Write,
-        Step::Expand,
-        Step::Unpublish,
-        Step::Unstage,
-        Step::Stage,
-        Step::Publish,
-        Step::Unpublish,
-        Step::Unstage,
-    ];
+    let life = LIFE;
     let mut size = GIB;
     let node = boot("life", b"", size, Vec::new(), 0);
     let mut mapped = false;

@@ -20,8 +20,9 @@ pub(crate) const DATA_AT: u64 = 300 << 20;
 /// What the pod writes there.
 pub(crate) const DATA: &[u8] = b"written and fsynced by the pod";
 
+/// A step of a volume's life, as kubelet and the pod take it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Step {
+pub(crate) enum Step {
     Stage,
     Publish,
     Write,
@@ -132,20 +133,23 @@ pub(crate) fn power_cut_states(log: &[u8], synced: usize) -> Vec<&[u8]> {
     states
 }
 
+/// A volume's life: stage, publish, write, grow, unpublish, unstage, and again.
+pub(crate) const LIFE: [Step; 10] = [
+    Step::Stage,
+    Step::Publish,
+    Step::Write,
+    Step::Expand,
+    Step::Unpublish,
+    Step::Unstage,
+    Step::Stage,
+    Step::Publish,
+    Step::Unpublish,
+    Step::Unstage,
+];
+
 #[tokio::test]
 async fn every_state_a_power_cut_leaves_keeps_the_data_and_formats_once() {
-    let life = [
-        Step::Stage,
-        Step::Publish,
-        Step::Write,
-        Step::Expand,
-        Step::Unpublish,
-        Step::Unstage,
-        Step::Stage,
-        Step::Publish,
-        Step::Unpublish,
-        Step::Unstage,
-    ];
+    let life = LIFE;
     let mut size = GIB;
     let node = boot("life", b"", size, &[]);
     let mut states = 0;
