@@ -17,6 +17,7 @@ pub mod kubelet_calls;
 pub mod pathgrpc;
 pub mod requests;
 pub mod storm;
+pub mod vm;
 
 /// A test's private world.
 #[derive(Debug)]

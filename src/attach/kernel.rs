@@ -10,6 +10,13 @@
 //!   hand-over): while one node has the image mapped read-write, another node's read-write
 //!   map fails instead of taking the lock away from it, so an image is never written by
 //!   two nodes even if the CO's single-writer publication were bypassed.
+//! * monitors: the kernel client speaks one messenger protocol per map, msgr1 (port 6789)
+//!   unless `ms_mode` asks for msgr2 (port 3300), and takes IP addresses only. Monitors
+//!   named by their msgr2 address (`ip:3300` or `v2:ip`, as `ceph mon dump` shows first) are
+//!   mapped with `ms_mode=prefer-crc`; by `ip:6789`, `v1:ip` or another port, with msgr1; a
+//!   bare address takes 6789. Host names are resolved here. A list that mixes the two
+//!   protocols is refused with INVALID_ARGUMENT before anything is written: a map over the
+//!   wrong protocol would hang until its deadline.
 //! * find: `/sys/bus/rbd/devices/*/{pool,name,current_snap}` (the image's head, `-`, outside
 //!   any pool namespace), with `major`, `minor` and the block device's `ro`;
 //! * unmap: `<id>` written to `remove_single_major` (or `remove`); EBUSY while anything holds
@@ -214,16 +221,102 @@ fn write_once(file: &Path, bytes: &[u8]) -> io::Result<()> {
     }
 }
 
+/// The monitors as the kernel client takes them: `ip:port` (`[ip6]:port`), comma-separated,
+/// and the `ms_mode` option they need (None: msgr1, the kernel's default).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelMonitors {
+    /// The addresses.
+    pub addrs: String,
+    /// `ms_mode`'s value, for monitors that speak msgr2 only on the ports given.
+    pub ms_mode: Option<&'static str>,
+}
+
+/// The monitor port of msgr2.
+const MSGR2_PORT: u16 = 3300;
+/// The monitor port of msgr1.
+const MSGR1_PORT: u16 = 6789;
+
+/// Reads a publish context's monitor list (`host[:port]`, `[ip6][:port]`, each optionally
+/// `v1:`/`v2:`) for the kernel client; the reason when it cannot be mapped as given.
+pub fn kernel_monitors(list: &str) -> Result<KernelMonitors, String> {
+    use std::net::{IpAddr, SocketAddr, ToSocketAddrs as _};
+    let mut v1 = false;
+    let mut v2 = false;
+    let mut found = Vec::new();
+    for raw in list.split(',').map(str::trim) {
+        let (proto, rest) = match (raw.strip_prefix("v2:"), raw.strip_prefix("v1:")) {
+            (Some(r), _) => (Some(2), r),
+            (_, Some(r)) => (Some(1), r),
+            _ => (None, raw),
+        };
+        let (host, port) = if let Some(inner) = rest.strip_prefix('[') {
+            let (h, after) = inner
+                .split_once(']')
+                .ok_or_else(|| format!("monitor {raw:?}: '[' without ']'"))?;
+            (h, after.strip_prefix(':'))
+        } else {
+            match rest.rsplit_once(':') {
+                Some((h, p)) if !h.contains(':') => (h, Some(p)),
+                _ => (rest, None),
+            }
+        };
+        let port: Option<u16> = port
+            .map(|p| {
+                p.parse()
+                    .map_err(|_| format!("monitor {raw:?}: bad port {p:?}"))
+            })
+            .transpose()?;
+        match proto.or(port.map(|p| if p == MSGR2_PORT { 2 } else { 1 })) {
+            Some(2) => v2 = true,
+            Some(_) => v1 = true,
+            None => {}
+        }
+        if host.is_empty() {
+            return Err(format!("monitor {raw:?} names no host"));
+        }
+        let ip: IpAddr = match host.parse() {
+            Ok(ip) => ip,
+            Err(_) => (host, 0)
+                .to_socket_addrs()
+                .map_err(|e| format!("monitor {host:?} does not resolve: {e}"))?
+                .next()
+                .map(|a| a.ip())
+                .ok_or_else(|| format!("monitor {host:?} resolves to no address"))?,
+        };
+        found.push((ip, port));
+    }
+    if v1 && v2 {
+        return Err(format!(
+            "the monitors {list:?} mix msgr2 (port {MSGR2_PORT}, v2:) and msgr1 (port \
+             {MSGR1_PORT}, v1:) addresses; the kernel's RBD client speaks one of them per map: \
+             name every monitor by its {MSGR2_PORT} address, or every one by its {MSGR1_PORT} one"
+        ));
+    }
+    let default = if v2 { MSGR2_PORT } else { MSGR1_PORT };
+    let addrs: Vec<String> = found
+        .into_iter()
+        .map(|(ip, port)| SocketAddr::new(ip, port.unwrap_or(default)).to_string())
+        .collect();
+    Ok(KernelMonitors {
+        addrs: addrs.join(","),
+        ms_mode: v2.then_some("prefer-crc"),
+    })
+}
+
 /// The request `add` takes: `<mon_addrs> name=<user>,secret=<key>,ro|exclusive,
-/// mount_timeout=<s> <pool> <image>`, in a buffer zeroed when dropped.
-pub fn add_request(req: &MapRequest<'_>, deadline: Duration) -> Secret {
+/// [ms_mode=<mode>,]mount_timeout=<s> <pool> <image>`, in a buffer zeroed when dropped.
+pub fn add_request(req: &MapRequest<'_>, monitors: &KernelMonitors, deadline: Duration) -> Secret {
     let mut out = Vec::with_capacity(256);
-    out.extend_from_slice(req.monitors.as_bytes());
+    out.extend_from_slice(monitors.addrs.as_bytes());
     out.extend_from_slice(b" name=");
     out.extend_from_slice(req.credentials.user.as_bytes());
     out.extend_from_slice(b",secret=");
     out.extend_from_slice(req.credentials.key.expose().as_bytes());
     out.extend_from_slice(if req.read_only { b",ro" } else { b",exclusive" });
+    if let Some(mode) = monitors.ms_mode {
+        out.extend_from_slice(b",ms_mode=");
+        out.extend_from_slice(mode.as_bytes());
+    }
     out.extend_from_slice(format!(",mount_timeout={}", deadline.as_secs().max(1)).as_bytes());
     out.push(b' ');
     out.extend_from_slice(req.image.pool.as_bytes());
@@ -269,9 +362,13 @@ impl Attacher for KernelAttacher {
 
     fn map(&self, req: &MapRequest<'_>) -> Result<Mapping, AttachError> {
         let image = req.image;
+        let monitors = kernel_monitors(req.monitors).map_err(|reason| AttachError::Invalid {
+            image: image.to_string(),
+            reason,
+        })?;
         let before: HashSet<u32> = self.entries().iter().map(|e| e.id).collect();
         let deadline = self.deadlines.map;
-        let request = add_request(req, deadline);
+        let request = add_request(req, &monitors, deadline);
         let start = std::time::Instant::now();
         self.write(self.control("add"), request, image, "map", deadline)?
             .map_err(|e| write_error("map", image, &e))?;

@@ -162,7 +162,7 @@ fn a_read_only_map_asks_the_kernel_for_ro() {
         let got = k.take("add_single_major");
         assert_eq!(
             got,
-            format!("10.0.0.1 name=moor,secret={KEY},ro,mount_timeout=20 moor img")
+            format!("10.0.0.1:6789 name=moor,secret={KEY},ro,mount_timeout=20 moor img")
         );
         k.add_device(0, "moor", "img", "-", true);
         assert!(h.join().unwrap().unwrap().read_only);
@@ -267,7 +267,10 @@ fn the_key_is_in_no_error_and_no_debug_output() {
         e.to_string(),
         format!("{e:?}"),
         format!("{req:?}"),
-        format!("{:?}", add_request(&req, SECS)),
+        format!(
+            "{:?}",
+            add_request(&req, &kernel_monitors(req.monitors).unwrap(), SECS)
+        ),
         format!("{a:?}"),
     ] {
         assert!(!text.contains(KEY), "{text}");
@@ -308,4 +311,86 @@ fn without_the_rbd_module_there_is_no_kernel_attacher() {
     let a = KernelAttacher::new(&k.sysfs, &k.dev, deadlines).unwrap();
     assert_eq!(a.control("add"), k.sysfs.join("add"));
     assert_eq!(a.control("remove"), k.sysfs.join("remove"));
+}
+
+/// Monitors as docs write them (`ip:6789`), as `ceph mon dump` shows them first (`ip:3300`,
+/// msgr2, which the kernel speaks only when `ms_mode` asks), with `v1:`/`v2:`, without a port,
+/// by name: each becomes what the kernel client can reach.
+#[test]
+fn monitors_are_given_to_the_kernel_in_the_protocol_their_ports_speak() {
+    let km = |l: &str| kernel_monitors(l).unwrap_or_else(|e| panic!("{l}: {e}"));
+    let v1 = |a: &str| KernelMonitors {
+        addrs: a.into(),
+        ms_mode: None,
+    };
+    let v2 = |a: &str| KernelMonitors {
+        addrs: a.into(),
+        ms_mode: Some("prefer-crc"),
+    };
+    assert_eq!(
+        km("10.0.0.1:6789,10.0.0.2:6789"),
+        v1("10.0.0.1:6789,10.0.0.2:6789")
+    );
+    assert_eq!(km("10.0.0.1"), v1("10.0.0.1:6789"));
+    assert_eq!(km("v1:10.0.0.1"), v1("10.0.0.1:6789"));
+    assert_eq!(km("10.0.0.1:6790"), v1("10.0.0.1:6790"));
+    assert_eq!(
+        km("10.0.0.1:3300,10.0.0.2:3300"),
+        v2("10.0.0.1:3300,10.0.0.2:3300")
+    );
+    assert_eq!(km("v2:10.0.0.1"), v2("10.0.0.1:3300"));
+    assert_eq!(
+        km("10.0.0.1:3300,10.0.0.2"),
+        v2("10.0.0.1:3300,10.0.0.2:3300")
+    );
+    assert_eq!(km("[fd00::1]:3300"), v2("[fd00::1]:3300"));
+    assert_eq!(km("[fd00::1]"), v1("[fd00::1]:6789"));
+    assert_eq!(km("localhost:6789"), v1("127.0.0.1:6789"));
+    for bad in ["10.0.0.1:3300,10.0.0.2:6789", "v2:10.0.0.1,v1:10.0.0.2"] {
+        let e = kernel_monitors(bad).unwrap_err();
+        assert!(e.contains("mix msgr2"), "{bad}: {e}");
+    }
+    assert!(kernel_monitors("10.0.0.1:http").is_err());
+    assert!(kernel_monitors("[fd00::1:3300").is_err());
+    assert!(kernel_monitors("no-such-host.invalid").is_err());
+}
+
+/// A msgr2 list maps with `ms_mode`; a mixed one is refused with INVALID_ARGUMENT and writes
+/// nothing to the kernel (nobody reads the control file: a write would hang the test).
+#[test]
+fn a_msgr2_map_asks_for_ms_mode_and_a_mixed_list_is_refused_before_the_kernel_sees_it() {
+    let k = FakeKernel::new("msgr2");
+    let a = k.attacher(SECS, SECS);
+    let image = spec("moor", "img");
+    let creds = creds();
+    let mixed = a
+        .map(&MapRequest {
+            image: &image,
+            monitors: "10.0.0.1:3300,10.0.0.2:6789",
+            credentials: &creds,
+            read_only: false,
+        })
+        .unwrap_err();
+    assert_eq!(mixed.code(), tonic::Code::InvalidArgument, "{mixed}");
+    assert!(!mixed.may_have_mapped());
+    assert!(!a.in_flight(&image));
+    std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            a.map(&MapRequest {
+                image: &image,
+                monitors: "10.0.0.1:3300",
+                credentials: &creds,
+                read_only: false,
+            })
+        });
+        assert_eq!(
+            k.take("add_single_major"),
+            format!(
+                "10.0.0.1:3300 name=moor,secret={KEY},exclusive,ms_mode=prefer-crc,\
+                 mount_timeout=20 moor img"
+            )
+        );
+        k.add_device(0, "moor", "img", "-", false);
+        h.join().unwrap().unwrap();
+    });
 }

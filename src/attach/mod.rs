@@ -164,6 +164,14 @@ pub enum AttachError {
         /// Why.
         reason: String,
     },
+    /// The request cannot be mapped as given (monitors the client cannot reach as named).
+    #[error("RBD image {image}: {reason}")]
+    Invalid {
+        /// The image.
+        image: String,
+        /// Why.
+        reason: String,
+    },
     /// The client or the kernel refused (authentication, monitors, a tool's failure); the
     /// text never holds the key.
     #[error("{step} of RBD image {image} failed: {reason}")]
@@ -178,7 +186,8 @@ pub enum AttachError {
 }
 
 impl AttachError {
-    /// The gRPC code: a deadline is DEADLINE_EXCEEDED, a missing image NOT_FOUND, a step
+    /// The gRPC code: a deadline is DEADLINE_EXCEEDED, a missing image NOT_FOUND, a request
+    /// that cannot be mapped as given INVALID_ARGUMENT, a step
     /// still running ABORTED (the spec's "operation pending"), what the node cannot do or
     /// holds FAILED_PRECONDITION, the rest INTERNAL. kubelet retries them all.
     pub fn code(&self) -> tonic::Code {
@@ -186,6 +195,7 @@ impl AttachError {
         match self {
             AttachError::Timeout { .. } => Code::DeadlineExceeded,
             AttachError::NotFound(_) => Code::NotFound,
+            AttachError::Invalid { .. } => Code::InvalidArgument,
             AttachError::InFlight { .. } => Code::Aborted,
             AttachError::Unavailable(_)
             | AttachError::Busy { .. }
