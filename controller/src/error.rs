@@ -111,6 +111,9 @@ pub enum Error {
     /// The RPC is not implemented.
     #[error("{0} is not implemented by moor")]
     Unimplemented(&'static str),
+    /// The volume's state forbids the operation now (it is in use in a way that blocks it).
+    #[error("{0}")]
+    FailedPrecondition(String),
     /// The plugin is not healthy or misses a dependency (Probe).
     #[error("not ready: {0}")]
     NotReady(String),
@@ -186,9 +189,10 @@ impl Error {
             Error::VolumeExists { .. }
             | Error::SnapshotExists { .. }
             | Error::PublishedIncompatible { .. } => Code::AlreadyExists,
-            Error::PublishedElsewhere { .. } | Error::VolumeInUse { .. } | Error::NotReady(_) => {
-                Code::FailedPrecondition
-            }
+            Error::PublishedElsewhere { .. }
+            | Error::VolumeInUse { .. }
+            | Error::NotReady(_)
+            | Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::TopologyUnsatisfiable(_) | Error::NoSpace(_) | Error::TooManyAttachments(_) => {
                 Code::ResourceExhausted
             }

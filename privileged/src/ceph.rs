@@ -106,6 +106,16 @@ impl Ceph {
             .unwrap_or_else(|e| panic!("rbd create {image}: {e}"));
     }
 
+    /// The cluster's blocklist, as `ceph osd blocklist ls` shows it (as the admin).
+    pub fn blocklist(&self) -> String {
+        let out = Command::new("timeout")
+            .args(["120", "ceph", "-c", &self.conf, "-n", "client.admin"])
+            .args(["osd", "blocklist", "ls"])
+            .output()
+            .expect("ceph osd blocklist ls");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// Who has the image open (its watchers), as `rbd status` says.
     pub fn watchers(&self, image: &str) -> usize {
         self.rbd(&["status", image])

@@ -266,19 +266,7 @@ fn a_dead_node_is_fenced_before_its_volume_moves_and_its_late_writes_fail() {
         let fenced = t.elapsed();
         let log = w.controller_log();
         assert!(log.contains("fencing"), "{log}");
-        let blocklist = std::process::Command::new("ceph")
-            .args([
-                "-c",
-                &w.ceph.conf,
-                "-n",
-                "client.admin",
-                "osd",
-                "blocklist",
-                "ls",
-            ])
-            .output()
-            .expect("ceph osd blocklist ls");
-        let listed = String::from_utf8_lossy(&blocklist.stdout);
+        let listed = w.ceph.blocklist();
         assert!(
             listed.contains(&format!("{}:", addr(&w, 0))),
             "node A's client is on the blocklist: {listed}"

@@ -106,6 +106,13 @@ publish_context_key!(
     RBD_READ_ONLY_KEY, RBD_READ_ONLY_FIELD = "rbdReadOnly"
 );
 
+publish_context_key!(
+    /// publish_context key: "true" when the node must map the RBD image with the exclusive
+    /// lock held (the StorageClass's `exclusiveLock`): no other client, on any node, may take
+    /// the lock and write while it is mapped; the image grows only while it is not mapped.
+    RBD_EXCLUSIVE_KEY, RBD_EXCLUSIVE_FIELD = "rbdExclusiveLock"
+);
+
 /// The secrets key naming the Ceph user (without `client.`), as ceph-csi names it.
 pub const RBD_USER_ID_SECRET: &str = "userID";
 /// The secrets key giving that user's cephx key.

@@ -3,13 +3,17 @@
 //!
 //! * map: one `write(2)` of `<mon_addrs> <options> <pool> <image>` to
 //!   `/sys/bus/rbd/add_single_major` (or `add` when the module has no single major); the
-//!   options are `name=<user>,secret=<key>`, then `ro` for a read-only mapping or
-//!   `exclusive` for a read-write one, and `mount_timeout` set to the map deadline. The
+//!   options are `name=<user>,secret=<key>`, then `ro` for a read-only mapping, or
+//!   `exclusive` for a read-write one when the volume's StorageClass sets `exclusiveLock`
+//!   (publish_context `rbdExclusiveLock`), and `mount_timeout` set to the map deadline. The
 //!   kernel answers when the device exists: `/sys/bus/rbd/devices/<id>/` and `/dev/rbd<id>`.
 //!   `exclusive` makes the map take the image's exclusive lock and keep it (no cooperative
-//!   hand-over): while one node has the image mapped read-write, another node's read-write
-//!   map fails instead of taking the lock away from it, so an image is never written by
-//!   two nodes even if the CO's single-writer publication were bypassed.
+//!   hand-over): while one node has the image mapped read-write, any other client's write
+//!   fails with EROFS instead of taking the lock away, so the image is never written by two
+//!   nodes even if the CO's single-writer publication were bypassed. Its price, measured on
+//!   a real kernel: librbd's resize needs the lock too, so the controller cannot grow such an
+//!   image while it is mapped. Without it the kernel hands the lock over on request, as
+//!   librbd does, and the image grows online.
 //! * monitors: the kernel client speaks one messenger protocol per map, msgr1 (port 6789)
 //!   unless `ms_mode` asks for msgr2 (port 3300), and takes IP addresses only. Monitors
 //!   named by their msgr2 address (`ip:3300` or `v2:ip`, as `ceph mon dump` shows first) are
@@ -42,6 +46,8 @@ use crate::sys::discovery::DeviceIdentity;
 pub const SYSFS: &str = "/sys/bus/rbd";
 /// Where device nodes are.
 pub const DEV: &str = "/dev";
+/// How long an unmap retries a device that is busy (a probe's brief open) before it says so.
+const UNMAP_BUSY_WINDOW: Duration = Duration::from_secs(3);
 /// The `current_snap` of a mapping of the image itself.
 const HEAD: &str = "-";
 
@@ -303,7 +309,7 @@ pub fn kernel_monitors(list: &str) -> Result<KernelMonitors, String> {
     })
 }
 
-/// The request `add` takes: `<mon_addrs> name=<user>,secret=<key>,ro|exclusive,
+/// The request `add` takes: `<mon_addrs> name=<user>,secret=<key>[,ro|,exclusive],
 /// [ms_mode=<mode>,]mount_timeout=<s> <pool> <image>`, in a buffer zeroed when dropped.
 pub fn add_request(req: &MapRequest<'_>, monitors: &KernelMonitors, deadline: Duration) -> Secret {
     let mut out = Vec::with_capacity(256);
@@ -312,7 +318,11 @@ pub fn add_request(req: &MapRequest<'_>, monitors: &KernelMonitors, deadline: Du
     out.extend_from_slice(req.credentials.user.as_bytes());
     out.extend_from_slice(b",secret=");
     out.extend_from_slice(req.credentials.key.expose().as_bytes());
-    out.extend_from_slice(if req.read_only { b",ro" } else { b",exclusive" });
+    if req.read_only {
+        out.extend_from_slice(b",ro");
+    } else if req.exclusive {
+        out.extend_from_slice(b",exclusive");
+    }
     if let Some(mode) = monitors.ms_mode {
         out.extend_from_slice(b",ms_mode=");
         out.extend_from_slice(mode.as_bytes());
@@ -399,18 +409,33 @@ impl Attacher for KernelAttacher {
 
     fn unmap(&self, image: &ImageSpec) -> Result<(), AttachError> {
         for e in self.matching(image) {
-            let request = Secret::from_bytes(e.id.to_string().into_bytes());
-            match self.write(
-                self.control("remove"),
-                request,
-                image,
-                "unmap",
-                self.deadlines.unmap,
-            )? {
-                Ok(()) => {}
-                // Gone meanwhile.
-                Err(err) if err.raw_os_error() == Some(libc::ENOENT) => {}
-                Err(err) => return Err(write_error("unmap", image, &err)),
+            // EBUSY right after the volume's last unmount is most often a passer-by: udev
+            // probes a block device that was closed after a write (its inotify watch), and
+            // blkid holds it open for a few milliseconds. Retried within a short window; a
+            // device that stays open (mounted, claimed, used) is Busy after it.
+            let start = std::time::Instant::now();
+            let mut pause = Duration::from_millis(10);
+            loop {
+                let request = Secret::from_bytes(e.id.to_string().into_bytes());
+                match self.write(
+                    self.control("remove"),
+                    request,
+                    image,
+                    "unmap",
+                    self.deadlines.unmap,
+                )? {
+                    Ok(()) => break,
+                    // Gone meanwhile.
+                    Err(err) if err.raw_os_error() == Some(libc::ENOENT) => break,
+                    Err(err)
+                        if err.raw_os_error() == Some(libc::EBUSY)
+                            && start.elapsed() + pause < UNMAP_BUSY_WINDOW =>
+                    {
+                        std::thread::sleep(pause);
+                        pause = (pause * 2).min(Duration::from_millis(200));
+                    }
+                    Err(err) => return Err(write_error("unmap", image, &err)),
+                }
             }
         }
         Ok(())

@@ -109,7 +109,8 @@ fn creds() -> Credentials {
 
 const SECS: Duration = Duration::from_secs(20);
 
-/// A read-write map asks for the exclusive lock, held (no hand-over to another node).
+/// A read-write map of a volume whose StorageClass sets exclusiveLock asks for the exclusive
+/// lock, held (no hand-over to another node).
 #[test]
 fn a_map_writes_one_request_and_returns_the_device_it_made() {
     let k = FakeKernel::new("map");
@@ -125,6 +126,7 @@ fn a_map_writes_one_request_and_returns_the_device_it_made() {
                 monitors: "10.0.0.1:6789,10.0.0.2:6789",
                 credentials: &creds,
                 read_only: false,
+                exclusive: true,
             })
         });
         let got = k.take("add_single_major");
@@ -157,6 +159,7 @@ fn a_read_only_map_asks_the_kernel_for_ro() {
                 monitors: "10.0.0.1",
                 credentials: &creds,
                 read_only: true,
+                exclusive: false,
             })
         });
         let got = k.take("add_single_major");
@@ -220,6 +223,7 @@ fn a_map_past_its_deadline_blocks_every_other_map_of_the_image_until_the_kernel_
         monitors: "10.0.0.1",
         credentials: &creds,
         read_only: false,
+        exclusive: true,
     };
     // Nobody reads the request: the kernel is stuck talking to the cluster.
     let e = a.map(&req).unwrap_err();
@@ -260,6 +264,7 @@ fn the_key_is_in_no_error_and_no_debug_output() {
         monitors: "10.0.0.1",
         credentials: &creds,
         read_only: false,
+        exclusive: true,
     };
     let e = a.map(&req).unwrap_err();
     assert_eq!(e.code(), tonic::Code::Internal);
@@ -369,6 +374,7 @@ fn a_msgr2_map_asks_for_ms_mode_and_a_mixed_list_is_refused_before_the_kernel_se
             monitors: "10.0.0.1:3300,10.0.0.2:6789",
             credentials: &creds,
             read_only: false,
+            exclusive: true,
         })
         .unwrap_err();
     assert_eq!(mixed.code(), tonic::Code::InvalidArgument, "{mixed}");
@@ -381,6 +387,7 @@ fn a_msgr2_map_asks_for_ms_mode_and_a_mixed_list_is_refused_before_the_kernel_se
                 monitors: "10.0.0.1:3300",
                 credentials: &creds,
                 read_only: false,
+                exclusive: true,
             })
         });
         assert_eq!(
@@ -389,6 +396,33 @@ fn a_msgr2_map_asks_for_ms_mode_and_a_mixed_list_is_refused_before_the_kernel_se
                 "10.0.0.1:3300 name=moor,secret={KEY},exclusive,ms_mode=prefer-crc,\
                  mount_timeout=20 moor img"
             )
+        );
+        k.add_device(0, "moor", "img", "-", false);
+        h.join().unwrap().unwrap();
+    });
+}
+
+/// Without exclusiveLock a read-write map leaves the lock to the kernel's cooperative
+/// hand-over (so the controller can grow the image while it is mapped).
+#[test]
+fn a_map_without_exclusive_lock_asks_for_no_exclusive() {
+    let k = FakeKernel::new("coop");
+    let a = k.attacher(SECS, SECS);
+    let image = spec("moor", "img");
+    let creds = creds();
+    std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            a.map(&MapRequest {
+                image: &image,
+                monitors: "10.0.0.1:6789",
+                credentials: &creds,
+                read_only: false,
+                exclusive: false,
+            })
+        });
+        assert_eq!(
+            k.take("add_single_major"),
+            format!("10.0.0.1:6789 name=moor,secret={KEY},mount_timeout=20 moor img")
         );
         k.add_device(0, "moor", "img", "-", false);
         h.join().unwrap().unwrap();

@@ -103,6 +103,9 @@ pub struct MapRequest<'a> {
     pub credentials: &'a Credentials,
     /// Map it read-only.
     pub read_only: bool,
+    /// Map it read-write with the exclusive lock held, never handed over (the kernel
+    /// client's `exclusive`); otherwise the lock passes to whoever asks, as librbd's does.
+    pub exclusive: bool,
 }
 
 /// A live mapping: the image as a block device.

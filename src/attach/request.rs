@@ -8,9 +8,9 @@ use std::collections::HashMap;
 use moor_proto::csi::v1 as csi;
 
 use moor_runtime::contract::{
-    RBD_CLUSTER_ID_FIELD, RBD_CLUSTER_ID_KEY, RBD_IMAGE_FIELD, RBD_IMAGE_KEY, RBD_MONITORS_FIELD,
-    RBD_MONITORS_KEY, RBD_POOL_FIELD, RBD_POOL_KEY, RBD_READ_ONLY_FIELD, RBD_READ_ONLY_KEY,
-    RBD_USER_ID_SECRET, RBD_USER_KEY_SECRET,
+    RBD_CLUSTER_ID_FIELD, RBD_CLUSTER_ID_KEY, RBD_EXCLUSIVE_FIELD, RBD_EXCLUSIVE_KEY,
+    RBD_IMAGE_FIELD, RBD_IMAGE_KEY, RBD_MONITORS_FIELD, RBD_MONITORS_KEY, RBD_POOL_FIELD,
+    RBD_POOL_KEY, RBD_READ_ONLY_FIELD, RBD_READ_ONLY_KEY, RBD_USER_ID_SECRET, RBD_USER_KEY_SECRET,
 };
 
 use super::{Credentials, ImageSpec, Secret};
@@ -35,6 +35,8 @@ pub struct RbdStage {
     /// The controller published it read-only (`rbdReadOnly`): mapped and staged read-only,
     /// whatever the capability.
     pub read_only: bool,
+    /// Mapped with the exclusive lock held (`rbdExclusiveLock`; the kernel attacher only).
+    pub exclusive: bool,
 }
 
 /// Whether a publish_context names an RBD image.
@@ -60,19 +62,19 @@ pub fn stage(req: &csi::NodeStageVolumeRequest) -> Result<Option<RbdStage>> {
         .filter(|c| !c.is_empty())
         .map(|c| name(RBD_CLUSTER_ID_FIELD, c))
         .transpose()?;
-    let read_only = match ctx.get(RBD_READ_ONLY_KEY).map(String::as_str) {
-        None | Some("" | "false") => false,
-        Some("true") => true,
-        Some(other) => {
-            return Err(Error::invalid(
-                RBD_READ_ONLY_FIELD,
-                format!(
-                    "{:?} is neither \"true\" nor \"false\"",
-                    moor_runtime::limits::trunc(other)
-                ),
-            ));
-        }
+    let flag = |key: &str, field: &'static str| match ctx.get(key).map(String::as_str) {
+        None | Some("" | "false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(other) => Err(Error::invalid(
+            field,
+            format!(
+                "{:?} is neither \"true\" nor \"false\"",
+                moor_runtime::limits::trunc(other)
+            ),
+        )),
     };
+    let read_only = flag(RBD_READ_ONLY_KEY, RBD_READ_ONLY_FIELD)?;
+    let exclusive = flag(RBD_EXCLUSIVE_KEY, RBD_EXCLUSIVE_FIELD)?;
     let credentials = credentials(&req.secrets)?;
     Ok(Some(RbdStage {
         image: ImageSpec {
@@ -83,6 +85,7 @@ pub fn stage(req: &csi::NodeStageVolumeRequest) -> Result<Option<RbdStage>> {
         monitors,
         credentials,
         read_only,
+        exclusive,
     }))
 }
 
@@ -252,6 +255,19 @@ mod tests {
         ctx.pop();
         ctx.push((RBD_READ_ONLY_KEY, "false"));
         assert!(!stage(&req(&ctx, &secrets)).unwrap().unwrap().read_only);
+    }
+
+    #[test]
+    fn an_exclusive_publication_says_so_and_a_bad_flag_is_refused() {
+        let secrets = [(USER_ID_KEY, "moor"), (USER_KEY_KEY, KEY)];
+        let mut ctx = good_ctx();
+        assert!(!stage(&req(&ctx, &secrets)).unwrap().unwrap().exclusive);
+        ctx.push((RBD_EXCLUSIVE_KEY, "true"));
+        assert!(stage(&req(&ctx, &secrets)).unwrap().unwrap().exclusive);
+        ctx.pop();
+        ctx.push((RBD_EXCLUSIVE_KEY, "yes"));
+        let e = stage(&req(&ctx, &secrets)).unwrap_err();
+        assert!(e.to_string().contains(RBD_EXCLUSIVE_FIELD), "{e}");
     }
 
     #[test]

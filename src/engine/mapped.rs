@@ -243,6 +243,7 @@ impl<O: Os> Engine<O> {
             monitors: &rbd.monitors,
             credentials: &rbd.credentials,
             read_only,
+            exclusive: rbd.exclusive && !read_only,
         });
         let mapping = match mapped {
             Ok(m) => m,

@@ -8,6 +8,7 @@
 //!   pool: kubernetes
 //!   imageFeatures: layering,exclusive-lock   # optional (this is the default)
 //!   dataPool: ec-data                 # optional: an erasure-coded pool for the data
+//!   exclusiveLock: "true"             # optional: nodes map with the lock held (below)
 //!   csi.storage.k8s.io/fstype: ext4   # optional, as for the embedded backend
 //! ```
 //!
@@ -38,6 +39,12 @@ pub const POOL_KEY: &str = "pool";
 pub const IMAGE_FEATURES_KEY: &str = "imageFeatures";
 /// A pool for the images' data.
 pub const DATA_POOL_KEY: &str = "dataPool";
+/// "true": the kernel client maps the image with its exclusive lock held and never hands it
+/// over, so no other client can write while a node has it mapped (a second writer gets
+/// EROFS), at a price: the image cannot grow while it is mapped (librbd's resize needs the
+/// lock), so such volumes expand offline. Default: the lock is handed over on request, as
+/// librbd and ceph-csi do, and volumes grow online.
+pub const EXCLUSIVE_LOCK_KEY: &str = "exclusiveLock";
 /// ceph-csi's image format key: only "2" is taken (and dropped).
 pub const IMAGE_FORMAT_KEY: &str = "imageFormat";
 /// The volume context key naming the image.
@@ -176,6 +183,18 @@ pub fn parse_parameters(raw: &Parameters, clusters: &Clusters) -> Result<Paramet
                 let f = parse_features(value)?;
                 out.insert(IMAGE_FEATURES_KEY.into(), f.names().join(","));
             }
+            EXCLUSIVE_LOCK_KEY => match value.as_str() {
+                "true" => {
+                    out.insert(EXCLUSIVE_LOCK_KEY.into(), "true".into());
+                }
+                "false" => {}
+                other => {
+                    return Err(invalid(format!(
+                        "{EXCLUSIVE_LOCK_KEY}={:?}: \"true\" or \"false\"",
+                        trunc(other)
+                    )));
+                }
+            },
             IMAGE_FORMAT_KEY => {
                 if value != "2" {
                     return Err(invalid(format!(
@@ -192,7 +211,7 @@ pub fn parse_parameters(raw: &Parameters, clusters: &Clusters) -> Result<Paramet
                 return Err(invalid(format!(
                     "unknown key {:?}: the rbd backend takes {BACKEND_KEY}, {CLUSTER_ID_KEY} or \
                      {MONITORS_KEY}, {POOL_KEY}, {IMAGE_FEATURES_KEY}, {DATA_POOL_KEY}, \
-                     {FS_TYPE_KEY} (and ignores {K8S_PREFIX}*)",
+                     {EXCLUSIVE_LOCK_KEY}, {FS_TYPE_KEY} (and ignores {K8S_PREFIX}*)",
                     trunc(key)
                 )));
             }
@@ -207,6 +226,12 @@ pub fn parse_parameters(raw: &Parameters, clusters: &Clusters) -> Result<Paramet
     }
     out.entry(IMAGE_FEATURES_KEY.into())
         .or_insert_with(|| Features::MOOR_DEFAULT.names().join(","));
+    if out.contains_key(EXCLUSIVE_LOCK_KEY) && !features_of(&out).contains(Features::EXCLUSIVE_LOCK)
+    {
+        return Err(invalid(format!(
+            "{EXCLUSIVE_LOCK_KEY}=true needs the exclusive-lock image feature"
+        )));
+    }
     if let Some(loc) = location_of(&out) {
         check_fits(&loc)?;
     }
@@ -287,6 +312,30 @@ mod tests {
         assert_eq!(m["monitors"], "10.0.0.1:6789,10.0.0.2:6789");
         assert_eq!(m["imageFeatures"], "layering,exclusive-lock");
         assert_eq!(features_of(&m), Features::MOOR_DEFAULT);
+    }
+
+    #[test]
+    fn exclusive_lock_is_kept_only_when_true_and_needs_its_feature() {
+        let with = |v: &str, features: &str| {
+            parse_parameters(
+                &params(&[
+                    ("pool", "kube"),
+                    ("clusterID", "prod"),
+                    ("exclusiveLock", v),
+                    ("imageFeatures", features),
+                ]),
+                &clusters(),
+            )
+        };
+        let on = with("true", "layering,exclusive-lock").unwrap();
+        assert_eq!(on[EXCLUSIVE_LOCK_KEY], "true");
+        let off = with("false", "layering,exclusive-lock").unwrap();
+        assert!(!off.contains_key(EXCLUSIVE_LOCK_KEY), "{off:?}");
+        for (v, f) in [("yes", "layering,exclusive-lock"), ("true", "layering")] {
+            let e = with(v, f).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{v} {f}: {e}");
+            assert!(e.to_string().contains(EXCLUSIVE_LOCK_KEY), "{e}");
+        }
     }
 
     #[test]

@@ -24,11 +24,14 @@ use crate::backend::{AccessMode, PublishContext, PublishRequest};
 use crate::error::{Error, Result, trunc};
 
 pub use moor_runtime::contract::{
-    RBD_CLUSTER_ID_KEY as CLUSTER_ID_KEY, RBD_IMAGE_KEY as IMAGE_KEY,
-    RBD_MONITORS_KEY as MONITORS_KEY, RBD_POOL_KEY as POOL_KEY, RBD_READ_ONLY_KEY as READ_ONLY_KEY,
+    RBD_CLUSTER_ID_KEY as CLUSTER_ID_KEY, RBD_EXCLUSIVE_KEY as EXCLUSIVE_KEY,
+    RBD_IMAGE_KEY as IMAGE_KEY, RBD_MONITORS_KEY as MONITORS_KEY, RBD_POOL_KEY as POOL_KEY,
+    RBD_READ_ONLY_KEY as READ_ONLY_KEY,
 };
 
-fn publish_context(s: &Session, id: &VolumeId, readonly: bool) -> PublishContext {
+/// What the node is told: the image, the monitors, how to map it (read-only; with the
+/// exclusive lock held, when the volume's StorageClass asks and the map is read-write).
+fn publish_context(s: &Session, id: &VolumeId, readonly: bool, exclusive: bool) -> PublishContext {
     let mut ctx = PublishContext::from([
         (POOL_KEY.to_string(), id.location.pool.clone()),
         (IMAGE_KEY.to_string(), id.image()),
@@ -37,6 +40,9 @@ fn publish_context(s: &Session, id: &VolumeId, readonly: bool) -> PublishContext
     ]);
     if let ClusterRef::Id(c) = &id.location.cluster {
         ctx.insert(CLUSTER_ID_KEY.to_string(), c.clone());
+    }
+    if exclusive && !readonly {
+        ctx.insert(EXCLUSIVE_KEY.to_string(), "true".to_string());
     }
     ctx
 }
@@ -66,6 +72,7 @@ impl RbdBackend {
             }
         }
         let readonly = req.readonly || req.capability.mode.is_reader_only();
+        let exclusive = rec.parameters.contains_key(parameters::EXCLUSIVE_LOCK_KEY);
         let mode = req.capability.mode.name();
         if let Some(p) = rec.publications.iter().find(|p| p.node_id == req.node_id) {
             if p.readonly != readonly || p.mode != mode {
@@ -75,7 +82,7 @@ impl RbdBackend {
                     reason: format!("it is published {} with {}", access(p.readonly), p.mode),
                 });
             }
-            return Ok(publish_context(&s, &id, readonly));
+            return Ok(publish_context(&s, &id, readonly, exclusive));
         }
         let shared = req.capability.mode == AccessMode::MultiNodeReaderOnly;
         let reader_only = AccessMode::MultiNodeReaderOnly.name();
@@ -94,7 +101,7 @@ impl RbdBackend {
         });
         Registry::new(&pool).put_volume(&id.suffix, &rec)?;
         info!(volume = %id, node = %req.node_id, readonly, mode, "published");
-        Ok(publish_context(&s, &id, readonly))
+        Ok(publish_context(&s, &id, readonly, exclusive))
     }
 
     pub(super) fn unpublish_impl(&self, raw: &str, node_id: Option<&str>) -> Result<()> {

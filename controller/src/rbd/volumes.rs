@@ -481,9 +481,22 @@ impl RbdBackend {
                 },
                 current,
             )?;
-            image
-                .resize(size, Shrink::Refuse)
-                .map_err(|e| self.fail(&s, format!("grow {image_name}"), e))?;
+            image.resize(size, Shrink::Refuse).map_err(|e| {
+                // The lock is held by a node that mapped the image with exclusiveLock, and
+                // never hands it over: such a volume grows while it is not mapped.
+                if e.errno() == Some(libc::EROFS)
+                    && rec.parameters.contains_key(parameters::EXCLUSIVE_LOCK_KEY)
+                {
+                    Error::FailedPrecondition(format!(
+                        "volume {id} cannot grow while a node maps it: its StorageClass sets \
+                         {}=true, so the node holds the image's lock; it grows once its pods \
+                         stop (offline expansion)",
+                        parameters::EXCLUSIVE_LOCK_KEY
+                    ))
+                } else {
+                    self.fail(&s, format!("grow {image_name}"), e)
+                }
+            })?;
             size
         };
         drop(image);
