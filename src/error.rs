@@ -71,6 +71,19 @@ pub enum Error {
     /// A tool ran past its deadline.
     #[error(transparent)]
     ToolTimeout(ToolError),
+    /// An unmount ran past its deadline; it goes on in the kernel.
+    #[error(
+        "the unmount of {} did not finish within {deadline:?}: the filesystem is still writing \
+         back to a device that does not answer (its cluster unreachable?); it goes on, and a \
+         retry finishes the unstage once it ends",
+        path.display()
+    )]
+    UnmountTimeout {
+        /// The mount point.
+        path: std::path::PathBuf,
+        /// The deadline.
+        deadline: std::time::Duration,
+    },
     /// The OS refused an operation the spec has no code for.
     #[error(transparent)]
     Sys(#[from] SysError),
@@ -130,7 +143,7 @@ impl Error {
             Error::OutOfRange(_) => Code::OutOfRange,
             Error::TooManyVolumes(_) => Code::ResourceExhausted,
             Error::Unavailable(_) => Code::Unavailable,
-            Error::ToolTimeout(_) => Code::DeadlineExceeded,
+            Error::ToolTimeout(_) | Error::UnmountTimeout { .. } => Code::DeadlineExceeded,
             // A symlink in a path below the kubelet dir, or a path that leads out of it: the
             // node's state is not what the call needs, not a fault of moor's.
             Error::Sys(e) if matches!(e.errno(), Some(libc::ELOOP | libc::EXDEV)) => {

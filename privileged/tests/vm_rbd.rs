@@ -11,334 +11,14 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use csi::controller_client::ControllerClient;
-use csi::node_client::NodeClient;
 use csi::volume_capability::access_mode::Mode;
-use moor_privileged::ceph::{Ceph, World, block, ext4, ms, publish};
+use moor_privileged::ceph::{World, block, ext4, ms};
+use moor_privileged::krbd_lab::*;
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::runtime;
-use moor_privileged::vm::{Vm, VmOptions};
+use moor_privileged::vm::Vm;
 use moor_proto::csi::v1 as csi;
-use moor_runtime::contract::{RBD_IMAGE_KEY, RBD_MONITORS_KEY};
-use tonic::transport::Channel;
-
-const MIB: u64 = 1 << 20;
-/// moor-node's socket in a guest.
-const SOCKET: &str = "/run/moor-csi.sock";
-
-/// A test's world: the cluster, the controller on the host, and one guest per node.
-struct Lab {
-    world: World,
-    vms: Vec<Vm>,
-    /// The host part of the cluster's /24 (`10.251.77`).
-    net: String,
-}
-
-impl Lab {
-    /// The lab with `nodes` guests at `<net>.<first_host + i>`, or None (the reason printed).
-    fn new(test: &str, nodes: usize, first_host: u8) -> Option<Self> {
-        if !moor_privileged::vm::available(test) {
-            return None;
-        }
-        let ceph = Ceph::from_env(test)?;
-        let Some((bridge, net)) = ceph.bridge.clone() else {
-            eprintln!("{test}: skipped: the cluster has no bridge for guests to join");
-            return None;
-        };
-        let world = World::new(test, ceph, nodes);
-        let vms = (0..nodes)
-            .map(|i| {
-                let n = &world.nodes[i];
-                Vm::boot(VmOptions {
-                    name: n.name.clone(),
-                    bridge: bridge.clone(),
-                    ip: format!("{net}.{}", first_host as usize + i),
-                    rwdirs: vec![n.state.clone(), n.kubelet.clone()],
-                    dir: world.sb.root.join("vm"),
-                    memory: "1G".into(),
-                })
-            })
-            .collect();
-        let lab = Self { world, vms, net };
-        for vm in &lab.vms {
-            vm.sh("modprobe rbd && test -e /sys/bus/rbd/add_single_major");
-        }
-        Some(lab)
-    }
-
-    /// (Re)starts node `i`'s moor-node in its guest (`program`, with `env`) and connects.
-    async fn start_node(&self, i: usize, program: &str, env: &[&str]) -> NodeClient<Channel> {
-        let n = &self.world.nodes[i];
-        let vm = &self.vms[i];
-        let bin = moor_privileged::client::binary(program);
-        let log = n.state.join("node.log");
-        let mut argv: Vec<String> = vec!["env".into()];
-        argv.extend(env.iter().map(|s| (*s).to_string()));
-        argv.extend(
-            [
-                bin.display().to_string().as_str(),
-                "--endpoint",
-                &format!("unix://{SOCKET}"),
-                "--node-id",
-                &n.name,
-                "--state-dir",
-                &n.state.display().to_string(),
-                "--kubelet-dir",
-                &n.kubelet.display().to_string(),
-                "--rbd-attacher",
-                "kernel",
-                "--rbd-map-timeout",
-                "120",
-                "--instance-wait",
-                "0",
-                "--log-format",
-                "json",
-            ]
-            .map(str::to_string),
-        );
-        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-        let pid = vm.spawn(&argv, &log.display().to_string());
-        let start = Instant::now();
-        loop {
-            if let Ok(ch) = vm.channel(SOCKET).await {
-                let mut node = NodeClient::new(ch);
-                if node.node_get_info(csi::NodeGetInfoRequest {}).await.is_ok() {
-                    return node;
-                }
-            }
-            let alive = vm.exec(&["kill", "-0", &pid.to_string()]).ok();
-            assert!(
-                alive,
-                "moor-node in guest {} exited before it answered: {}",
-                n.name,
-                self.log(i)
-            );
-            assert!(
-                start.elapsed() < Duration::from_secs(300),
-                "moor-node in guest {} did not answer NodeGetInfo within 300 s: {}",
-                n.name,
-                self.log(i)
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    /// Kills node `i`'s moor-node (SIGKILL) and waits until it is gone.
-    fn kill_node(&self, i: usize) {
-        self.vms[i].exec(&["pkill", "-KILL", "-x", "moor-node"]);
-        self.vms[i].exec(&["pkill", "-KILL", "-f", "moor-node-crash-points"]);
-        let start = Instant::now();
-        while self.vms[i].exec(&["pgrep", "-f", "moor-node"]).ok() {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "moor-node did not die"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn log(&self, i: usize) -> String {
-        std::fs::read_to_string(self.world.nodes[i].state.join("node.log")).unwrap_or_default()
-    }
-
-    /// The kernel's RBD mappings in guest `i`: (pool/name) per device.
-    fn mappings(&self, i: usize) -> Vec<String> {
-        self.vms[i]
-            .sh("for d in /sys/bus/rbd/devices/*; do [ -e \"$d/name\" ] && \
-                 echo \"$(cat $d/pool)/$(cat $d/name)\"; done; true")
-            .lines()
-            .map(str::to_string)
-            .collect()
-    }
-
-    /// How many times moor-node in guest `i` has formatted volume `vol`'s device, by its log.
-    fn formats(&self, i: usize, vol: &str) -> usize {
-        self.log(i)
-            .lines()
-            .filter(|l| l.contains("formatted blank device") && l.contains(vol))
-            .count()
-    }
-}
-
-/// A volume the controller made.
-struct Volume {
-    id: String,
-    image: String,
-    context: HashMap<String, String>,
-    cap: csi::VolumeCapability,
-}
-
-async fn create(
-    w: &World,
-    ctl: &mut ControllerClient<Channel>,
-    name: &str,
-    cap: csi::VolumeCapability,
-) -> Volume {
-    create_with(w, ctl, name, cap, &[]).await
-}
-
-/// A volume of the StorageClass's parameters and `extra` ones.
-async fn create_with(
-    w: &World,
-    ctl: &mut ControllerClient<Channel>,
-    name: &str,
-    cap: csi::VolumeCapability,
-    extra: &[(&str, &str)],
-) -> Volume {
-    let mut parameters = w.parameters();
-    parameters.extend(
-        extra
-            .iter()
-            .map(|(k, v)| ((*k).to_string(), (*v).to_string())),
-    );
-    let v = ctl
-        .create_volume(csi::CreateVolumeRequest {
-            name: format!("{name}-{}", std::process::id()),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: (256 * MIB) as i64,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![cap.clone()],
-            parameters,
-            secrets: w.secrets(),
-            ..Default::default()
-        })
-        .await
-        .expect("CreateVolume")
-        .into_inner()
-        .volume
-        .expect("a volume");
-    Volume {
-        id: v.volume_id,
-        image: String::new(),
-        context: v.volume_context,
-        cap,
-    }
-}
-
-/// ControllerPublishVolume of `v` at node `i`: its publish context (the image is noted).
-async fn attach(
-    w: &World,
-    ctl: &mut ControllerClient<Channel>,
-    v: &mut Volume,
-    i: usize,
-) -> Result<HashMap<String, String>, tonic::Status> {
-    let ctx = ctl
-        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
-            volume_id: v.id.clone(),
-            node_id: w.nodes[i].name.clone(),
-            volume_capability: Some(v.cap.clone()),
-            readonly: false,
-            secrets: w.secrets(),
-            volume_context: v.context.clone(),
-        })
-        .await?
-        .into_inner()
-        .publish_context;
-    v.image = ctx.get(RBD_IMAGE_KEY).cloned().unwrap_or_default();
-    Ok(ctx)
-}
-
-async fn detach(w: &World, ctl: &mut ControllerClient<Channel>, v: &Volume, i: usize) {
-    ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-        volume_id: v.id.clone(),
-        node_id: w.nodes[i].name.clone(),
-        secrets: w.secrets(),
-    })
-    .await
-    .unwrap_or_else(|e| panic!("ControllerUnpublishVolume at node {i}: {e:?}"));
-}
-
-fn stage_req(
-    w: &World,
-    v: &Volume,
-    ctx: &HashMap<String, String>,
-    i: usize,
-) -> csi::NodeStageVolumeRequest {
-    csi::NodeStageVolumeRequest {
-        volume_id: v.id.clone(),
-        publish_context: ctx.clone(),
-        staging_target_path: w.staging(i, &v.id).display().to_string(),
-        volume_capability: Some(v.cap.clone()),
-        secrets: w.secrets(),
-        volume_context: v.context.clone(),
-    }
-}
-
-fn is_block(v: &Volume) -> bool {
-    matches!(
-        v.cap.access_type,
-        Some(csi::volume_capability::AccessType::Block(_))
-    )
-}
-
-fn target(w: &World, v: &Volume, i: usize) -> std::path::PathBuf {
-    if is_block(v) {
-        w.block_target(i, &v.id)
-    } else {
-        w.target(i, &v.id)
-    }
-}
-
-/// kubelet's NodeStageVolume and NodePublishVolume on node `i`.
-async fn mount(
-    w: &World,
-    node: &mut NodeClient<Channel>,
-    v: &Volume,
-    ctx: &HashMap<String, String>,
-    i: usize,
-) -> Result<Duration, tonic::Status> {
-    let start = Instant::now();
-    node.node_stage_volume(stage_req(w, v, ctx, i)).await?;
-    let staged = start.elapsed();
-    node.node_publish_volume(publish(
-        &v.id,
-        &w.staging(i, &v.id),
-        &target(w, v, i),
-        v.cap.clone(),
-    ))
-    .await?;
-    Ok(staged)
-}
-
-/// kubelet's NodeUnpublishVolume and NodeUnstageVolume on node `i`; on a failure, what in
-/// the guest holds the volume.
-async fn unmount(lab: &Lab, node: &mut NodeClient<Channel>, v: &Volume, i: usize) {
-    let w = &lab.world;
-    let why = |e: tonic::Status| {
-        let holders = lab.vms[i].exec(&[
-            "sh",
-            "-c",
-            "grep -E 'rbd|kubelet' /proc/self/mountinfo; ls -l /proc/[0-9]*/fd 2>/dev/null | \
-             grep rbd; ls /sys/block/*/holders/",
-        ]);
-        format!("{e:?}; in the guest: {}{}", holders.stdout, lab.log(i))
-    };
-    node.node_unpublish_volume(unpublish_req(&v.id, &target(w, v, i)))
-        .await
-        .unwrap_or_else(|e| panic!("NodeUnpublishVolume on node {i}: {}", why(e)));
-    node.node_unstage_volume(unstage_req(&v.id, &w.staging(i, &v.id)))
-        .await
-        .unwrap_or_else(|e| panic!("NodeUnstageVolume on node {i}: {}", why(e)));
-}
-
-/// The pod's file on a mount volume published on node `i`.
-fn pod_file(w: &World, v: &Volume, i: usize) -> String {
-    w.target(i, &v.id).join("data").display().to_string()
-}
-
-/// A pod's write + fsync of `text` to its file (in the guest: the host sees the 9p dir, not
-/// the guest's mount on it).
-fn pod_write(lab: &Lab, v: &Volume, i: usize, text: &str) {
-    let file = pod_file(&lab.world, v, i);
-    lab.vms[i].sh(&format!(
-        "printf %s '{text}' | dd of={file} conv=fsync status=none"
-    ));
-}
-
-fn pod_read(lab: &Lab, v: &Volume, i: usize) -> String {
-    lab.vms[i].read(&pod_file(&lab.world, v, i))
-}
+use moor_runtime::contract::RBD_MONITORS_KEY;
 
 /// The addresses of the clients that have `image` open, as `rbd status` shows them.
 fn watcher_hosts(w: &World, image: &str) -> Vec<String> {
@@ -634,8 +314,11 @@ fn the_kernel_client_on_one_node() {
 /// A node that reboots with the volume staged and published (its QEMU killed, booted again on
 /// the same state and kubelet dirs): the kernel's mapping is gone; moor-node's reconciliation
 /// and kubelet's retries bring the volume back with what the pod synced, never formatting it.
+/// Then the cluster stops answering: the volume's condition says so, an unstage answers by its
+/// deadline (the unmount goes on in the kernel, retries are ABORTED), and once the cluster is
+/// back kubelet's retries finish it with nothing lost, not even what the pod did not sync.
 #[test]
-fn a_rebooted_node_gets_its_volume_back() {
+fn a_rebooted_node_and_a_cluster_that_stops_answering() {
     let test = "vm-krbd-reboot";
     let Some(mut lab) = Lab::new(test, 1, 70) else {
         return;
@@ -665,6 +348,94 @@ fn a_rebooted_node_gets_its_volume_back() {
         assert_eq!(pod_read(&lab, &v, 0), "synced before the reboot");
         assert_eq!(lab.mappings(0).len(), 1, "{:?}", lab.mappings(0));
         assert_eq!(lab.formats(0, &v.id), 1, "formatted once: {}", lab.log(0));
+
+        // The cluster stops answering (the guest drops its packets to the monitors and OSDs):
+        // the volume's condition says so; a pod's last write is still in the page cache.
+        pod_write(&lab, &v, 0, "synced before the cut");
+        let late = w.target(0, &v.id).join("late").display().to_string();
+        lab.vms[0].sh(&format!("printf 'not synced' > {late}"));
+        let host = format!("{}.1", lab.net);
+        lab.vms[0].sh(&format!(
+            "nft add table inet cut && nft add chain inet cut out \
+             '{{ type filter hook output priority 0 ; }}' && nft add rule inet cut out ip daddr \
+             {host} tcp dport '{{ 3300, 6789, 6800-7300 }}' drop"
+        ));
+        let stats_req = csi::NodeGetVolumeStatsRequest {
+            volume_id: v.id.clone(),
+            volume_path: w.target(0, &v.id).display().to_string(),
+            staging_target_path: String::new(),
+        };
+        let stats = node
+            .node_get_volume_stats(stats_req.clone())
+            .await
+            .expect("NodeGetVolumeStats")
+            .into_inner();
+        let condition = stats.volume_condition.expect("a condition");
+        assert!(condition.abnormal, "{condition:?}");
+        assert!(condition.message.contains("no monitor"), "{condition:?}");
+        eprintln!(
+            "{test}: the condition while the cluster is away: {}",
+            condition.message
+        );
+        node.node_unpublish_volume(unpublish_req(&v.id, &w.target(0, &v.id)))
+            .await
+            .expect("unpublish while the cluster is away");
+        // The unmount writes the page cache back, and the cluster does not answer: the call
+        // answers by its deadline instead of hanging, and the unmount goes on.
+        let cut = Instant::now();
+        let e = node
+            .node_unstage_volume(unstage_req(&v.id, &w.staging(0, &v.id)))
+            .await
+            .expect_err("an unstage while the cluster is away");
+        eprintln!(
+            "{test}: unstage while the cluster is away answered {:?} after {}",
+            e.code(),
+            ms(cut.elapsed())
+        );
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+        let again = node
+            .node_unstage_volume(unstage_req(&v.id, &w.staging(0, &v.id)))
+            .await
+            .expect_err("a retry while the unmount goes on");
+        assert_eq!(again.code(), tonic::Code::Aborted, "{again:?}");
+        // The cluster is back: kubelet's retries finish the unstage, and nothing was lost.
+        lab.vms[0].sh("nft delete table inet cut");
+        let back = Instant::now();
+        loop {
+            match node
+                .node_unstage_volume(unstage_req(&v.id, &w.staging(0, &v.id)))
+                .await
+            {
+                Ok(_) => break,
+                Err(e)
+                    if matches!(
+                        e.code(),
+                        tonic::Code::Aborted | tonic::Code::DeadlineExceeded
+                    ) =>
+                {
+                    assert!(
+                        back.elapsed() < Duration::from_secs(600),
+                        "the unstage did not finish within 600 s of the cluster's return: {e:?}"
+                    );
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(e) => panic!("unstage after the cluster came back: {e:?}"),
+            }
+        }
+        eprintln!(
+            "{test}: the unstage finished {} after the cluster came back",
+            ms(back.elapsed())
+        );
+        assert!(lab.mappings(0).is_empty(), "{:?}", lab.mappings(0));
+        mount(w, &mut node, &v, &ctx, 0)
+            .await
+            .expect("stage after the cut");
+        assert_eq!(pod_read(&lab, &v, 0), "synced before the cut");
+        assert_eq!(
+            lab.vms[0].read(&late),
+            "not synced",
+            "written back once the cluster was back"
+        );
         unmount(&lab, &mut node, &v, 0).await;
         assert!(lab.mappings(0).is_empty(), "{:?}", lab.mappings(0));
         detach(w, &mut ctl, &v, 0).await;

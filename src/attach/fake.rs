@@ -287,6 +287,11 @@ impl Attacher for FakeAttacher {
         "fuse"
     }
 
+    /// The fake's clusters always answer (no monitor is asked).
+    fn cluster_answers(&self, _monitors: &str) -> Result<(), String> {
+        Ok(())
+    }
+
     fn deadlines(&self) -> Deadlines {
         self.lock().deadlines
     }

@@ -37,6 +37,10 @@ pub struct MappingRecord {
     /// `InProgress` while a map or an unmap runs (the device may or may not be there);
     /// `Done` once mapped.
     pub phase: Phase,
+    /// The monitors it was mapped through, as the publish context named them (the volume's
+    /// condition asks them whether the cluster answers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub monitors: Option<String>,
 }
 
 impl MappingRecord {
@@ -60,6 +64,7 @@ impl MappingRecord {
             device: None,
             rdev: None,
             phase: Phase::InProgress,
+            monitors: None,
         }
     }
 }

@@ -217,6 +217,33 @@ impl AttachError {
     }
 }
 
+/// How long a monitor may take to accept a connection before the cluster is reported away.
+pub const MONITOR_PROBE_DEADLINE: Duration = Duration::from_secs(2);
+
+/// Connects to each monitor of `monitors` in turn until one accepts; the reasons when none
+/// does within `deadline` each.
+pub fn probe_monitors(monitors: &str, deadline: Duration) -> Result<(), String> {
+    let addrs = kernel::kernel_monitors(monitors)?;
+    let mut why = Vec::new();
+    for addr in addrs.addrs.split(',') {
+        let parsed: std::net::SocketAddr = match addr.parse() {
+            Ok(a) => a,
+            Err(e) => {
+                why.push(format!("{addr}: {e}"));
+                continue;
+            }
+        };
+        match std::net::TcpStream::connect_timeout(&parsed, deadline) {
+            Ok(_) => return Ok(()),
+            Err(e) => why.push(format!("{addr}: {e}")),
+        }
+    }
+    Err(format!(
+        "no monitor of the volume's Ceph cluster answers ({})",
+        why.join("; ")
+    ))
+}
+
 /// Maps and unmaps RBD images on this node.
 pub trait Attacher: Send + Sync + fmt::Debug + 'static {
     /// Its name, as `--rbd-attacher` and the journal say it: "kernel" or "fuse".
@@ -261,6 +288,14 @@ pub trait Attacher: Send + Sync + fmt::Debug + 'static {
     /// killed: its FUSE connection aborts), so a hung unmount or unmap ends. The kernel client
     /// has nothing of the kind.
     fn abort(&self, image: &ImageSpec);
+
+    /// Whether the image's cluster answers: one of `monitors` (as the publish context names
+    /// them) takes a TCP connection within [`MONITOR_PROBE_DEADLINE`]; why not, otherwise.
+    /// What NodeGetVolumeStats reports as the volume's condition: a kernel mapping whose
+    /// cluster is away shows nothing else until its I/O hangs.
+    fn cluster_answers(&self, monitors: &str) -> Result<(), String> {
+        probe_monitors(monitors, MONITOR_PROBE_DEADLINE)
+    }
 }
 
 /// Which attacher `--rbd-attacher` names.

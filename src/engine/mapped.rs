@@ -209,7 +209,7 @@ impl<O: Os> Engine<O> {
         let image = &rbd.image;
         if let Some(found) = attacher.find(image)? {
             if found.read_only == read_only {
-                self.record_mapped(record, attacher.kind(), image, &found)?;
+                self.record_mapped(record, attacher.kind(), image, &found, Some(&rbd.monitors))?;
                 return Ok(found);
             }
             if record.stage.is_some() {
@@ -234,7 +234,10 @@ impl<O: Os> Engine<O> {
             ));
             self.unmap_record(record, attacher.as_ref())?;
         }
-        record.mapping = Some(MappingRecord::intent(attacher.kind(), image, read_only));
+        record.mapping = Some(MappingRecord {
+            monitors: Some(rbd.monitors.clone()),
+            ..MappingRecord::intent(attacher.kind(), image, read_only)
+        });
         self.journal.put(record, Durability::Process)?;
         crash_points::point("map.mapping");
         let start = Instant::now();
@@ -267,22 +270,34 @@ impl<O: Os> Engine<O> {
             ms = start.elapsed().as_secs_f64() * 1e3,
             "mapped RBD image"
         );
-        self.record_mapped(record, attacher.kind(), image, &mapping)?;
+        self.record_mapped(
+            record,
+            attacher.kind(),
+            image,
+            &mapping,
+            Some(&rbd.monitors),
+        )?;
         Ok(mapping)
     }
 
-    /// Records `mapping` of `image` done (written only when it changes the record).
+    /// Records `mapping` of `image` done, through `monitors` (None: those of the record it
+    /// replaces); written only when it changes the record.
     fn record_mapped(
         &self,
         record: &mut VolumeRecord,
         kind: &str,
         image: &ImageSpec,
         mapping: &Mapping,
+        monitors: Option<&str>,
     ) -> Result<()> {
+        let monitors = monitors
+            .map(str::to_string)
+            .or_else(|| record.mapping.as_ref().and_then(|m| m.monitors.clone()));
         let done = MappingRecord {
             device: Some(mapping.device.clone()),
             rdev: Some(mapping.rdev),
             phase: Phase::Done,
+            monitors,
             ..MappingRecord::intent(kind, image, mapping.read_only)
         };
         if record.mapping.as_ref() != Some(&done) {
@@ -411,6 +426,14 @@ impl<O: Os> Engine<O> {
         Ok(())
     }
 
+    /// Why the volume's RBD cluster is away, for its condition: a finished mapping whose
+    /// monitors do not answer. None when it answers, or the volume maps nothing.
+    pub(super) fn cluster_away(&self, record: Option<&VolumeRecord>) -> Option<String> {
+        let m = record?.mapping.as_ref()?;
+        let monitors = m.monitors.as_deref().filter(|_| m.phase == Phase::Done)?;
+        self.attacher.as_ref()?.cluster_answers(monitors).err()
+    }
+
     /// Before NodeExpandVolume grows a filesystem: the mapped device takes the image's new
     /// size.
     pub(super) fn refresh_mapping(&self, volume_id: &str) -> Result<()> {
@@ -479,7 +502,7 @@ impl<O: Os> Engine<O> {
         match found {
             Some(f) if in_use => {
                 let before = record.mapping.clone();
-                if let Err(e) = self.record_mapped(record, attacher.kind(), &image, &f) {
+                if let Err(e) = self.record_mapped(record, attacher.kind(), &image, &f, None) {
                     actions.push(failed(e.to_string()));
                 } else if before != record.mapping {
                     actions.push(Action::Confirmed {
@@ -544,7 +567,7 @@ impl<O: Os> Engine<O> {
                 }
                 match attacher.find(&image) {
                     Ok(Some(f)) => {
-                        match self.record_mapped(&mut now, attacher.kind(), &image, &f) {
+                        match self.record_mapped(&mut now, attacher.kind(), &image, &f, None) {
                             Ok(()) => actions.push(Action::Adopted {
                                 volume: r.volume_id.clone(),
                                 path: f.device,

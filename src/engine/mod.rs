@@ -20,8 +20,10 @@ mod publish;
 mod stage;
 mod stats;
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::attach::Attacher;
@@ -82,6 +84,8 @@ pub struct Engine<O: Os> {
     probe_bufs: BufPool,
     /// What maps RBD images, when the node has one (`mapped`).
     attacher: Option<Arc<dyn Attacher>>,
+    /// Mount points whose unmount ran past its deadline and is still blocked in the kernel.
+    unmounting: Arc<Mutex<HashSet<PathBuf>>>,
 }
 
 impl<O: Os> Engine<O> {
@@ -94,6 +98,7 @@ impl<O: Os> Engine<O> {
             cfg,
             probe_bufs: BufPool::new(superblock::HEAD_LEN + superblock::TAIL_LEN, 1),
             attacher: None,
+            unmounting: Arc::default(),
         }
     }
 
@@ -136,9 +141,36 @@ impl<O: Os> Engine<O> {
         path: &Path,
         is_ours: impl Fn(&MountPoint) -> bool,
     ) -> Result<()> {
+        self.unmount_all_within(path, is_ours, None)
+    }
+
+    /// [`unmount_all`](Self::unmount_all), each unmount within `deadline` when one is given
+    /// (a filesystem on a network device, whose unmount writes back and waits for its
+    /// cluster: see [`unmount_within`](Self::unmount_within)).
+    pub(crate) fn unmount_all_within(
+        &self,
+        path: &Path,
+        is_ours: impl Fn(&MountPoint) -> bool,
+        deadline: Option<Duration>,
+    ) -> Result<()> {
+        if self
+            .unmounting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(path)
+        {
+            return Err(Error::OperationPending(format!(
+                "an earlier unmount of {} is still running: the filesystem is writing back to \
+                 a device that does not answer; retry later",
+                path.display()
+            )));
+        }
         for _ in 0..MAX_STACKED {
             match self.os.mount_state(path)? {
-                MountState::Mounted(mp) if is_ours(&mp) => self.unmount_busy_retry(path)?,
+                MountState::Mounted(mp) if is_ours(&mp) => match deadline {
+                    Some(d) => self.unmount_within(path, d)?,
+                    None => self.unmount_busy_retry(path)?,
+                },
                 MountState::Corrupted { .. } => self.os.unmount(path, true)?,
                 MountState::Mounted(_) | MountState::Absent | MountState::NotMounted { .. } => {
                     return Ok(());
@@ -155,17 +187,64 @@ impl<O: Os> Engine<O> {
     /// another volume briefly holds copies of its descriptors, which pin the mount until it
     /// execs. A mount that stays busy (a process really uses it) fails with the error.
     fn unmount_busy_retry(&self, path: &Path) -> Result<()> {
-        let mut pause = Duration::from_millis(2);
-        for attempt in 0.. {
-            match self.os.unmount(path, false) {
-                Err(e) if e.errno() == Some(libc::EBUSY) && attempt < UNMOUNT_BUSY_RETRIES => {
-                    std::thread::sleep(pause);
-                    pause *= 2;
-                }
-                other => return other.map_err(Error::from),
-            }
+        unmount_busy_retry(self.os.as_ref(), path).map_err(Error::from)
+    }
+
+    /// Unmounts `path` (as [`unmount_busy_retry`](Self::unmount_busy_retry)) on a thread of
+    /// its own, and answers by `deadline`: an unmount writes the filesystem's dirty data back
+    /// first, and on a network device whose cluster does not answer that waits as long as
+    /// the cluster is away (the kernel's RBD client retries forever without
+    /// `osd_request_timeout`). Past the deadline the call is DEADLINE_EXCEEDED and the unmount
+    /// goes on; until it ends, every unmount of the path is ABORTED (kubelet retries), and
+    /// once it has, a retry finds the path unmounted and finishes. Nothing is forced: what
+    /// the filesystem holds reaches the device when the cluster is back.
+    fn unmount_within(&self, path: &Path, deadline: Duration) -> Result<()> {
+        let key = path.to_path_buf();
+        if !self
+            .unmounting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key.clone())
+        {
+            return Err(Error::OperationPending(format!(
+                "an earlier unmount of {} is still running; retry later",
+                path.display()
+            )));
         }
-        Ok(())
+        let (tx, rx) = mpsc::channel();
+        let os = Arc::clone(&self.os);
+        let unmounting = Arc::clone(&self.unmounting);
+        let spawned = std::thread::Builder::new()
+            .name("moor-unmount".into())
+            .spawn(move || {
+                let outcome = unmount_busy_retry(os.as_ref(), &key);
+                unmounting
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&key);
+                let _ = tx.send(outcome);
+            });
+        if let Err(e) = spawned {
+            self.unmounting
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(path);
+            return Err(Error::Unavailable(format!(
+                "cannot start the unmount of {}: {e}",
+                path.display()
+            )));
+        }
+        match rx.recv_timeout(deadline) {
+            Ok(outcome) => outcome.map_err(Error::from),
+            Err(RecvTimeoutError::Timeout) => Err(Error::UnmountTimeout {
+                path: path.to_path_buf(),
+                deadline,
+            }),
+            Err(RecvTimeoutError::Disconnected) => Err(Error::Unavailable(format!(
+                "the unmount of {} ended without an answer",
+                path.display()
+            ))),
+        }
     }
 
     /// Whether the journal has a volume other than `volume_id` staged or published at `path`.
@@ -178,4 +257,19 @@ impl<O: Os> Engine<O> {
                     || r.publishes.contains_key(path))
         })
     }
+}
+
+/// umount2 of `path`, retried a short while on EBUSY (see `Engine::unmount_busy_retry`).
+fn unmount_busy_retry<O: Os>(os: &O, path: &Path) -> crate::sys::SysResult<()> {
+    let mut pause = Duration::from_millis(2);
+    for attempt in 0.. {
+        match os.unmount(path, false) {
+            Err(e) if e.errno() == Some(libc::EBUSY) && attempt < UNMOUNT_BUSY_RETRIES => {
+                std::thread::sleep(pause);
+                pause *= 2;
+            }
+            other => return other,
+        }
+    }
+    Ok(())
 }

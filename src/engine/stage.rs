@@ -458,10 +458,19 @@ impl<O: Os> Engine<O> {
             Some(AccessRecord::Block)
         );
         if !is_block {
+            // A mapped RBD image's filesystem writes back over the network: its unmount
+            // answers by the unmap deadline, whatever the cluster does.
+            let deadline = record
+                .mapping
+                .as_ref()
+                .and(self.attacher.as_ref())
+                .map(|a| a.deadlines().unmap);
             // Without a record the CO's word stands: its staging path for this volume.
-            self.unmount_all(&req.staging, |mp| {
-                staged_dev.is_none_or(|d| mp.dev == d || mp.rdev.is_none())
-            })?;
+            self.unmount_all_within(
+                &req.staging,
+                |mp| staged_dev.is_none_or(|d| mp.dev == d || mp.rdev.is_none()),
+                deadline,
+            )?;
         }
         crash_points::point("unstage.unmounted");
         record.stage = None;

@@ -27,8 +27,26 @@ pub enum VolumeStats {
 }
 
 impl<O: Os> Engine<O> {
-    /// NodeGetVolumeStats: usage and condition of the volume at `path`.
+    /// NodeGetVolumeStats: usage and condition of the volume at `path`. A volume healthy on
+    /// this node whose RBD cluster does not answer is abnormal, saying so.
     pub fn stats(&self, req: &validate::Stats) -> Result<(VolumeStats, Condition)> {
+        let (stats, condition) = self.local_stats(req)?;
+        if !condition.abnormal
+            && let Some(why) = self.cluster_away(self.journal.get(&req.volume_id).as_ref())
+        {
+            return Ok((
+                stats,
+                Condition {
+                    abnormal: true,
+                    message: why,
+                },
+            ));
+        }
+        Ok((stats, condition))
+    }
+
+    /// The usage and condition of the volume at `path`, as this node sees them.
+    fn local_stats(&self, req: &validate::Stats) -> Result<(VolumeStats, Condition)> {
         let record = self.journal.get(&req.volume_id);
         let stage = record.as_ref().and_then(|r| r.stage.as_ref());
         let known = record.as_ref().is_some_and(|r| {

@@ -92,7 +92,12 @@ fn serve(conn: TcpStream) -> std::io::Result<()> {
                 .and_then(|f| Ok((f.try_clone()?, f)))
                 .and_then(|(a, b)| command(&req)?.stdout(a).stderr(b).spawn());
             match spawned {
-                Ok(child) => serde_json::json!({"pid": child.id()}),
+                Ok(mut child) => {
+                    let pid = child.id();
+                    // Reaped when it ends, so that a killed daemon leaves no zombie behind.
+                    std::thread::spawn(move || child.wait());
+                    serde_json::json!({"pid": pid})
+                }
                 Err(e) => serde_json::json!({"error": e.to_string()}),
             }
         }
