@@ -53,6 +53,7 @@ impl Lab {
                     rwdirs: vec![n.state.clone(), n.kubelet.clone()],
                     dir: world.sb.root.join("vm"),
                     memory: "1G".into(),
+                    hotplug: 2,
                 })
             })
             .collect();

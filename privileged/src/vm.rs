@@ -60,6 +60,8 @@ pub struct VmOptions {
     pub dir: PathBuf,
     /// Guest memory.
     pub memory: String,
+    /// Empty PCIe root ports (`hp0`...) for disks hot-plugged through QMP.
+    pub hotplug: usize,
 }
 
 /// A running guest.
@@ -129,6 +131,7 @@ impl Vm {
             .args(["--net", &self.opts.bridge])
             .args(["--ip", &format!("{}/24", self.opts.ip)])
             .args(["--memory", &self.opts.memory])
+            .args(["--hotplug", &self.opts.hotplug.to_string()])
             .arg("--qmp")
             .arg(self.qmp_socket())
             .arg("--pidfile")
