@@ -116,6 +116,16 @@ impl Ceph {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// The addresses of the clients that have `image` open, as `rbd status` shows them.
+    pub fn watcher_hosts(&self, image: &str) -> Vec<String> {
+        self.rbd(&["status", image])
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim_start().strip_prefix("watcher="))
+            .filter_map(|a| a.split(':').next().map(str::to_string))
+            .collect()
+    }
+
     /// Who has the image open (its watchers), as `rbd status` says.
     pub fn watchers(&self, image: &str) -> usize {
         self.rbd(&["status", image])

@@ -123,17 +123,6 @@ fn write_synced(path: &Path, data: &[u8]) -> std::io::Result<()> {
     f.sync_all()
 }
 
-/// The addresses of the clients that have `image` open, as `rbd status` shows them.
-fn watcher_hosts(w: &World, image: &str) -> Vec<String> {
-    w.ceph
-        .rbd(&["status", image])
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.trim_start().strip_prefix("watcher="))
-        .filter_map(|a| a.split(':').next().map(str::to_string))
-        .collect()
-}
-
 fn addr(w: &World, i: usize) -> String {
     w.nodes[i]
         .net
@@ -165,7 +154,7 @@ fn a_volume_moves_between_nodes_with_its_data() {
         write_synced(&target_a.join("marker"), MARKER).expect("write on A");
         // The image is open from node A's address, and only from there.
         assert_eq!(
-            watcher_hosts(&w, &ctx[RBD_IMAGE_KEY]),
+            w.ceph.watcher_hosts(&ctx[RBD_IMAGE_KEY]),
             vec![addr(&w, 0)],
             "node A's client, with node A's address"
         );
@@ -194,7 +183,10 @@ fn a_volume_moves_between_nodes_with_its_data() {
             MARKER,
             "the data moved with the volume"
         );
-        assert_eq!(watcher_hosts(&w, &ctx_b[RBD_IMAGE_KEY]), vec![addr(&w, 1)]);
+        assert_eq!(
+            w.ceph.watcher_hosts(&ctx_b[RBD_IMAGE_KEY]),
+            vec![addr(&w, 1)]
+        );
         assert!(
             !w.controller_log().contains("fencing"),
             "a clean move fences no one: {}",
@@ -252,7 +244,7 @@ fn a_dead_node_is_fenced_before_its_volume_moves_and_its_late_writes_fail() {
         d.child.wait().expect("reap node A");
         drop(a);
         assert_eq!(w.leftovers(0), (1, 1, 1), "node A still holds the image");
-        assert_eq!(watcher_hosts(&w, &image), vec![addr(&w, 0)]);
+        assert_eq!(w.ceph.watcher_hosts(&image), vec![addr(&w, 0)]);
 
         // Until A is detached, B cannot have the volume.
         let e = attach(&w, &mut ctl, &v, 1)

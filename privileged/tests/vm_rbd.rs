@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use csi::controller_client::ControllerClient;
 use csi::volume_capability::access_mode::Mode;
 use moor_privileged::ceph::{World, block, ext4, ms};
 use moor_privileged::krbd_lab::*;
@@ -19,22 +20,31 @@ use moor_privileged::runtime;
 use moor_privileged::vm::Vm;
 use moor_proto::csi::v1 as csi;
 use moor_runtime::contract::RBD_MONITORS_KEY;
-
-/// The addresses of the clients that have `image` open, as `rbd status` shows them.
-fn watcher_hosts(w: &World, image: &str) -> Vec<String> {
-    w.ceph
-        .rbd(&["status", image])
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.trim_start().strip_prefix("watcher="))
-        .filter_map(|a| a.split(':').next().map(str::to_string))
-        .collect()
-}
+use tonic::transport::Channel;
 
 fn with_monitors(ctx: &HashMap<String, String>, mons: &str) -> HashMap<String, String> {
     let mut c = ctx.clone();
     c.insert(RBD_MONITORS_KEY.into(), mons.into());
     c
+}
+
+/// ControllerExpandVolume of `v` to `bytes`, as the external-resizer asks.
+async fn controller_expand(
+    w: &World,
+    ctl: &mut ControllerClient<Channel>,
+    v: &Volume,
+    bytes: u64,
+) -> Result<tonic::Response<csi::ControllerExpandVolumeResponse>, tonic::Status> {
+    ctl.controller_expand_volume(csi::ControllerExpandVolumeRequest {
+        volume_id: v.id.clone(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: bytes as i64,
+            limit_bytes: 0,
+        }),
+        secrets: w.secrets(),
+        volume_capability: Some(v.cap.clone()),
+    })
+    .await
 }
 
 /// One node, one kernel: a filesystem volume's whole life with its monitors named three ways
@@ -87,7 +97,10 @@ fn the_kernel_client_on_one_node() {
         );
         pod_write(&lab, &v, 0, "written on a real kernel");
         // The cluster sees the guest as the image's client.
-        assert_eq!(watcher_hosts(w, &v.image), vec![format!("{}.60", lab.net)]);
+        assert_eq!(
+            w.ceph.watcher_hosts(&v.image),
+            vec![format!("{}.60", lab.net)]
+        );
         unmount(&lab, &mut node, &v, 0).await;
         assert!(
             lab.mappings(0).is_empty(),
@@ -108,17 +121,9 @@ fn the_kernel_client_on_one_node() {
         assert_eq!(lab.formats(0, &v.id), 1, "formatted once: {}", lab.log(0));
 
         // Growth: the controller grows the image, the node the device and the filesystem.
-        ctl.controller_expand_volume(csi::ControllerExpandVolumeRequest {
-            volume_id: v.id.clone(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: (512 * MIB) as i64,
-                limit_bytes: 0,
-            }),
-            secrets: w.secrets(),
-            volume_capability: Some(v.cap.clone()),
-        })
-        .await
-        .expect("ControllerExpandVolume");
+        controller_expand(w, &mut ctl, &v, 512 * MIB)
+            .await
+            .expect("ControllerExpandVolume");
         node.node_expand_volume(csi::NodeExpandVolumeRequest {
             volume_id: v.id.clone(),
             volume_path: w.target(0, &v.id).display().to_string(),
@@ -253,16 +258,7 @@ fn the_kernel_client_on_one_node() {
         ]);
         let refused = second.expect_err("a second writer wrote");
         assert!(refused.contains("Read-only file system"), "{refused}");
-        let grow = ctl
-            .controller_expand_volume(csi::ControllerExpandVolumeRequest {
-                volume_id: x.id.clone(),
-                capacity_range: Some(csi::CapacityRange {
-                    required_bytes: (512 * MIB) as i64,
-                    limit_bytes: 0,
-                }),
-                secrets: w.secrets(),
-                volume_capability: Some(x.cap.clone()),
-            })
+        let grow = controller_expand(w, &mut ctl, &x, 512 * MIB)
             .await
             .expect_err("an exclusively mapped image grew");
         assert_eq!(grow.code(), tonic::Code::FailedPrecondition, "{grow:?}");
