@@ -8,7 +8,9 @@
 //! moved to the test's kubelet dir, inside the container and out (as for a distribution that
 //! keeps it elsewhere), the controller's data dir likewise (the same path inside and out, as
 //! the manifest wants); the state dir maps on the host side only. The test plays kubelet and
-//! the sidecars from the host, whose mount namespace is the test's own.
+//! the sidecars from the host, whose mount namespace is the test's own. With a Ceph cluster in
+//! the environment (`.ci/test`'s Ceph block), an RBD volume goes through the controller's RBD
+//! backend and rbd-fuse in the node container, also across a restart of that container.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -639,7 +641,8 @@ fn the_rbd_backend_and_the_fuse_attacher_in_the_containers() {
     // The cluster is reached on the host's network: this host has no pod network.
     let host_net = PathBuf::from(format!("/proc/{}/ns/net", std::process::id()));
     let _controller = pods.start_controller(&["--rbd"], PodNetwork::Join(host_net));
-    let node = pods.start_node();
+    // In an Option, to be replaced by a new container while the undo below still runs after it.
+    let mut node = Some(pods.start_node());
     let secrets = HashMap::from([
         ("userID".to_owned(), ceph.user.clone()),
         ("userKey".to_owned(), ceph.key.clone()),
@@ -698,11 +701,15 @@ fn the_rbd_backend_and_the_fuse_attacher_in_the_containers() {
         for e in steps.into_iter().flatten() {
             eprintln!("image rbd: undoing {vol}: {e}");
         }
+        for dev in dead_mapping_loops(&vol) {
+            let _ = moor_node::sys::loopdev::detach(&dev);
+        }
     });
     // rbd-fuse maps the image in the node container.
     attach_and_stage(&pods, &vol, EXT4, (&staging, &target), &secrets);
     std::fs::write(target.join("hello"), b"through rbd-fuse").expect("write on the host");
-    let mounts = |c: &Container| {
+    let mounts = |c: &Option<Container>| {
+        let c = c.as_ref().expect("the node container");
         String::from_utf8_lossy(&c.exec(&["cat", "/proc/self/mountinfo"]).stdout).into_owned()
     };
     assert!(
@@ -714,4 +721,42 @@ fn the_rbd_backend_and_the_fuse_attacher_in_the_containers() {
         !mounts(&node).contains("moor-rbd"),
         "unmapped: rbd-fuse's mount is gone"
     );
+
+    // Staged again, then the node container killed and started again: rbd-fuse dies with
+    // its container (docs/ceph.md), which the new moor-node finds at its start; kubelet's
+    // teardown of the volume still succeeds.
+    attach_and_stage(&pods, &vol, EXT4, (&staging, &target), &secrets);
+    node.take().map(Container::kill);
+    node = Some(pods.start_node());
+    let log = node.as_ref().map(Container::output).unwrap_or_default();
+    assert!(
+        log.contains("the volume's RBD mapping is gone"),
+        "the restarted moor-node sees the mapping gone: {log}"
+    );
+    unstage_and_detach(&pods, &vol, (&staging, &target), &secrets);
+    for dev in dead_mapping_loops(&vol) {
+        eprintln!(
+            "image rbd: after the restart, unstaging left {} bound to the dead rbd-fuse's \
+             image file (a moor-node in a new container does not find it)",
+            dev.display()
+        );
+    }
+}
+
+/// The loop devices bound to the image file of the RBD volume `vol` on an rbd-fuse mount that
+/// died with its container: sysfs names the file from that mount's root, `/<image>`.
+fn dead_mapping_loops(vol: &str) -> Vec<PathBuf> {
+    let image = vol.rsplit('/').next().unwrap_or(vol);
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/sys/block")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let backing = std::fs::read_to_string(e.path().join("loop/backing_file"));
+        if backing.is_ok_and(|b| b.trim_end() == format!("/{image}")) {
+            found.push(Path::new("/dev").join(e.file_name()));
+        }
+    }
+    found
 }
