@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 /// The environment variable naming the image archive (default: `target/image/moor-<version>.oci.tar`,
-/// where `.ci/image` writes it).
+/// where `.ci/image` writes it); set and empty, there is none (`.ci/test` when it cannot be
+/// built, so that an older archive is not tested).
 pub const IMAGE_ENV: &str = "MOOR_IMAGE";
 /// The environment variable naming the OCI runtime (default: `runc`, containerd's, else
 /// `crun`, on PATH; crun 1.8 refuses a host whose cgroups are hybrid, as this kind of machine's
@@ -86,6 +87,9 @@ pub fn image() -> Result<&'static Image, String> {
     static IMAGE: OnceLock<Result<Image, String>> = OnceLock::new();
     IMAGE
         .get_or_init(|| {
+            if std::env::var_os(IMAGE_ENV).is_some_and(|v| v.is_empty()) {
+                return Err(format!("no image ({IMAGE_ENV} is empty)"));
+            }
             let archive = archive_path();
             if !archive.is_file() {
                 return Err(format!(
