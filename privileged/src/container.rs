@@ -76,7 +76,7 @@ pub fn runtime() -> Result<String, String> {
                 .output()
                 .is_ok_and(|o| o.status.success())
         })
-        .ok_or_else(|| format!("no OCI runtime (crun or runc, or {RUNTIME_ENV}) is installed"))
+        .ok_or_else(|| format!("no OCI runtime (runc or crun, or {RUNTIME_ENV}) is installed"))
 }
 
 /// The image, unpacked once per process; or why it cannot be had (no archive).

@@ -1,5 +1,5 @@
 //! moor's image run as its pods run (run as root after `bash .ci/image`; skipped without the
-//! image or an OCI runtime). Each daemon runs in a container started by crun (or runc) from
+//! image or an OCI runtime). Each daemon runs in a container started by runc (or crun) from
 //! the OCI runtime configuration its rendered manifest gives ([`moor_deploy::oci`]): moor-node
 //! from the builtin-registration overlay's DaemonSet (privileged, host network, the kubelet
 //! dir Bidirectional, /dev, /sys, /run/udev, the socket, registration and state dirs as host
