@@ -45,6 +45,15 @@ pub const REQUIRED_TOOLS: [&str; 2] = ["mkfs.ext4", "resize2fs"];
 /// Tools for the other filesystems; their absence is logged.
 pub const OPTIONAL_TOOLS: [&str; 3] = ["mkfs.xfs", "xfs_growfs", "mkfs.btrfs"];
 
+/// Every program moor-node may run: the filesystems' tools ([`crate::filesystem::programs`])
+/// and the FUSE attacher's ([`crate::attach::fuse::PROGRAM`]). The image must hold them all.
+#[must_use]
+pub fn programs() -> Vec<String> {
+    let mut out = crate::filesystem::programs();
+    out.push(crate::attach::fuse::PROGRAM.to_owned());
+    out
+}
+
 /// Why the plugin is not ready, or None when it is.
 pub fn readiness<O: Os>(os: &O, state_dir: &std::path::Path) -> Option<String> {
     let missing: Vec<_> = REQUIRED_TOOLS

@@ -4,9 +4,12 @@
 //!
 //! - `resources`: YAML files, and directories holding a `kustomization.yaml`;
 //! - `patches` with a `target` (group, version, kind, name, namespace) and a JSON 6902 patch,
-//!   from a file (`path`) or inline (`patch`).
+//!   from a file (`path`) or inline (`patch`);
+//! - `images` (`name`, with `newName`, `newTag` or `digest`): the image of every container
+//!   and init container named `name` (tag and digest aside) renamed, retagged or pinned,
+//!   after the patches.
 //!
-//! Anything else in a kustomization (images, namePrefix, strategic-merge patches, generators,
+//! Anything else in a kustomization (namePrefix, strategic-merge patches, generators,
 //! label selectors, remote resources, ...) is an error naming the feature, so an overlay never
 //! renders differently here than with `kubectl kustomize`. Like kustomize, two resources with
 //! the same group, kind, namespace and name are an error; unlike it, a patch whose target
@@ -110,10 +113,11 @@ fn build_inner(dir: &Path, depth: usize, errors: &mut Vec<String>) -> Vec<Resour
             "apiVersion" => errors.push(at(format!("apiVersion must be {API_VERSION}"))),
             "kind" if value.as_str() == Some("Kustomization") => {}
             "kind" => errors.push(at("kind must be Kustomization".into())),
-            "resources" | "patches" => {}
+            "resources" | "patches" | "images" => {}
             other => errors.push(at(format!(
                 "field {other:?} is not implemented by deploy's kustomize renderer \
-                 (deploy/src/kustomize.rs): use resources and JSON 6902 patches, or extend it"
+                 (deploy/src/kustomize.rs): use resources, JSON 6902 patches and images, or \
+                 extend it"
             ))),
         }
     }
@@ -164,7 +168,121 @@ fn build_inner(dir: &Path, depth: usize, errors: &mut Vec<String>) -> Vec<Resour
             errors.push(at(format!("patches[{i}]: {e}")));
         }
     }
+    for (i, entry) in list(&k, "images", &at, errors).iter().enumerate() {
+        match ImageEntry::parse(entry) {
+            Ok(image) => {
+                for r in &mut out {
+                    image.apply(&mut r.doc);
+                }
+            }
+            Err(e) => errors.push(at(format!("images[{i}]: {e}"))),
+        }
+    }
     out
+}
+
+/// One entry of a kustomization's `images`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ImageEntry {
+    name: String,
+    new_name: Option<String>,
+    new_tag: Option<String>,
+    digest: Option<String>,
+}
+
+impl ImageEntry {
+    fn parse(entry: &Value) -> Result<Self, String> {
+        let Value::Object(entry) = entry else {
+            return Err("not a mapping".into());
+        };
+        let field = |key: &str| -> Result<Option<String>, String> {
+            match entry.get(key) {
+                None => Ok(None),
+                Some(Value::String(v)) if !v.is_empty() => Ok(Some(v.clone())),
+                Some(_) => Err(format!("{key} must be a non-empty string")),
+            }
+        };
+        let image = Self {
+            name: field("name")?.ok_or("name is missing")?,
+            new_name: field("newName")?,
+            new_tag: field("newTag")?,
+            digest: field("digest")?,
+        };
+        for key in entry.keys() {
+            if !matches!(key.as_str(), "name" | "newName" | "newTag" | "digest") {
+                return Err(format!(
+                    "field {key:?} is not implemented (name, newName, newTag, digest)"
+                ));
+            }
+        }
+        if image.new_name.is_none() && image.new_tag.is_none() && image.digest.is_none() {
+            return Err("give newName, newTag or digest".into());
+        }
+        Ok(image)
+    }
+
+    /// `image` with this entry applied, or None when it names another image.
+    fn rewrite(&self, image: &str) -> Option<String> {
+        let (rest, digest) = match image.split_once('@') {
+            Some((r, d)) => (r, Some(d)),
+            None => (image, None),
+        };
+        // A tag follows the last ':' after the last '/' (a registry's port is not a tag).
+        let slash = rest.rfind('/').map_or(0, |i| i + 1);
+        let (name, tag) = match rest[slash..].rfind(':') {
+            Some(i) => (&rest[..slash + i], Some(&rest[slash + i + 1..])),
+            None => (rest, None),
+        };
+        if name != self.name {
+            return None;
+        }
+        let mut out = self.new_name.clone().unwrap_or_else(|| name.to_owned());
+        if let Some(d) = &self.digest {
+            out.push('@');
+            out.push_str(d);
+        } else if let Some(t) = &self.new_tag {
+            out.push(':');
+            out.push_str(t);
+        } else if let Some(d) = digest {
+            out.push('@');
+            out.push_str(d);
+        } else if let Some(t) = tag {
+            out.push(':');
+            out.push_str(t);
+        }
+        Some(out)
+    }
+
+    /// Applies the entry to every `image` of a container or init container in `doc`.
+    fn apply(&self, doc: &mut Value) {
+        match doc {
+            Value::Object(map) => {
+                for (key, value) in map.iter_mut() {
+                    if matches!(key.as_str(), "containers" | "initContainers")
+                        && let Value::Array(containers) = value
+                    {
+                        for c in containers {
+                            let new = c
+                                .get("image")
+                                .and_then(Value::as_str)
+                                .and_then(|i| self.rewrite(i));
+                            if let (Some(new), Value::Object(c)) = (new, c) {
+                                c.insert("image".into(), Value::String(new));
+                            }
+                        }
+                    } else {
+                        self.apply(value);
+                    }
+                }
+            }
+            Value::Array(items) => {
+                for item in items {
+                    self.apply(item);
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 fn list<'a>(
@@ -475,5 +593,50 @@ mod tests {
         let ops = json!([{"op": "remove", "path": "/a"}, {"op": "test", "path": "/a", "value": 1}]);
         assert!(json_patch(&mut d, ops.as_array().unwrap()).is_err());
         assert_eq!(d, doc);
+    }
+
+    #[test]
+    fn images_rename_retag_and_pin_by_name_only() {
+        let entry = |v: Value| ImageEntry::parse(&v).unwrap();
+        let tag = entry(json!({"name": "moor", "newTag": "0.2.0"}));
+        assert_eq!(tag.rewrite("moor").as_deref(), Some("moor:0.2.0"));
+        assert_eq!(tag.rewrite("moor:0.1.0").as_deref(), Some("moor:0.2.0"));
+        assert_eq!(tag.rewrite("moor@sha256:ab").as_deref(), Some("moor:0.2.0"));
+        assert_eq!(tag.rewrite("moorx:0.1.0"), None);
+        assert_eq!(tag.rewrite("r.example/moor:0.1.0"), None);
+        let name = entry(json!({"name": "moor", "newName": "r.example:5000/moor"}));
+        assert_eq!(
+            name.rewrite("moor:0.1.0").as_deref(),
+            Some("r.example:5000/moor:0.1.0")
+        );
+        let moved = entry(json!({"name": "r.example:5000/moor", "newTag": "1"}));
+        assert_eq!(
+            moved.rewrite("r.example:5000/moor").as_deref(),
+            Some("r.example:5000/moor:1")
+        );
+        let pin = entry(json!({"name": "moor", "digest": "sha256:cd", "newTag": "x"}));
+        assert_eq!(pin.rewrite("moor:0.1.0").as_deref(), Some("moor@sha256:cd"));
+        let mut doc = json!({"spec": {"template": {"spec": {
+            "initContainers": [{"name": "i", "image": "moor"}],
+            "containers": [{"name": "a", "image": "moor"}, {"name": "b", "image": "other:1"}],
+            "volumes": [{"name": "v", "image": "moor"}]
+        }}}});
+        tag.apply(&mut doc);
+        let spec = &doc["spec"]["template"]["spec"];
+        assert_eq!(spec["initContainers"][0]["image"], "moor:0.2.0");
+        assert_eq!(spec["containers"][0]["image"], "moor:0.2.0");
+        assert_eq!(spec["containers"][1]["image"], "other:1");
+        assert_eq!(
+            spec["volumes"][0]["image"], "moor",
+            "only containers' images"
+        );
+        for bad in [
+            json!({"newTag": "1"}),
+            json!({"name": "moor"}),
+            json!({"name": "moor", "newTag": 1}),
+            json!({"name": "moor", "newTag": "1", "tagSuffix": "x"}),
+        ] {
+            assert!(ImageEntry::parse(&bad).is_err(), "{bad}");
+        }
     }
 }

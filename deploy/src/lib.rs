@@ -8,13 +8,16 @@
 //! - [`openapi`]: the Kubernetes OpenAPI documents kept in `deploy/openapi/`, and their trimming;
 //! - [`flags`]: the command-line flags of moor's binaries, read from their clap commands;
 //! - [`checks`]: cross-object checks (socket paths, mounts, RBAC, probes, flags);
-//! - [`containerfile`]: what the container build file installs and builds.
+//! - [`containerfile`]: what the container build file installs and builds;
+//! - [`oci`]: a container's OCI runtime configuration, made from its pod spec as a CRI
+//!   runtime makes it (the image test runs moor's containers with it).
 
 pub mod checks;
 pub mod containerfile;
 pub mod flags;
 pub mod kubectl;
 pub mod kustomize;
+pub mod oci;
 pub mod openapi;
 pub mod schema;
 pub mod yaml;
@@ -120,6 +123,33 @@ pub fn binaries(coming: bool) -> Result<(flags::Cli, flags::Cli, Vec<String>), S
     let node = read(moor_node::args::Args::command())?;
     let controller = read(moor_controller::args::Args::command())?;
     Ok((node, controller, notes))
+}
+
+/// The Debian packages moor's image adds to Debian's minimal root, from `deploy/packages`
+/// (which `.ci/image` installs): each with what it is there for (its line's comment).
+///
+/// # Errors
+/// When the file cannot be read, or a line has more than one package or none and a comment.
+pub fn image_packages() -> Result<Vec<(String, String)>, String> {
+    let text = read_repo_file("deploy/packages")?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let (words, why) = line.split_once('#').unwrap_or((line, ""));
+        let words: Vec<&str> = words.split_whitespace().collect();
+        match words[..] {
+            [] => {}
+            [package] if !why.trim().is_empty() => {
+                out.push((package.to_owned(), why.trim().to_owned()));
+            }
+            _ => {
+                return Err(format!(
+                    "deploy/packages:{}: one package a line, with a comment saying why",
+                    n + 1
+                ));
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Where the Containerfile installs moor's binaries: the destination of the final stage's COPY

@@ -98,6 +98,13 @@ fn containerfile_builds_both_binaries_with_the_pinned_toolchain() {
         "the builder image must carry the toolchain rust-toolchain.toml pins"
     );
     assert_eq!(builder.name.as_deref(), Some("builder"));
+    // libudev-sys (moor-node's udev crate) builds against libudev, found with pkg-config.
+    assert!(
+        read_repo_file("Cargo.lock")
+            .unwrap()
+            .contains("name = \"libudev-sys\"")
+    );
+    assert_eq!(builder.apt_packages(), ["libudev-dev", "pkg-config"]);
     let build: Vec<&str> = builder
         .all("RUN")
         .filter(|r| r.contains("cargo build"))
@@ -137,60 +144,91 @@ fn containerfile_builds_both_binaries_with_the_pinned_toolchain() {
     }
 }
 
-/// Which Debian package provides each tool moor-node runs.
+/// Which Debian package provides each program moor-node runs ([`moor_node::service::programs`]).
 const TOOL_PACKAGES: &[(&str, &str)] = &[
+    ("mkfs.ext2", "e2fsprogs"),
+    ("mkfs.ext3", "e2fsprogs"),
     ("mkfs.ext4", "e2fsprogs"),
+    ("e2fsck", "e2fsprogs"),
     ("resize2fs", "e2fsprogs"),
     ("mkfs.xfs", "xfsprogs"),
     ("xfs_growfs", "xfsprogs"),
     ("mkfs.btrfs", "btrfs-progs"),
     ("btrfs", "btrfs-progs"),
+    ("rbd-fuse", "rbd-fuse"),
 ];
 
-/// The tools named in a `const NAME: [&str; N] = [...]` of moor-node's service.
-fn tools(src: &str, name: &str) -> Vec<String> {
-    let decl = src
-        .split(&format!("const {name}: [&str;"))
-        .nth(1)
-        .unwrap_or_else(|| panic!("src/service.rs has no {name}"));
-    let list = decl
-        .split('[')
-        .nth(1)
-        .and_then(|l| l.split(']').next())
-        .unwrap();
-    list.split(',')
-        .map(|t| t.trim().trim_matches('"').to_owned())
-        .filter(|t| !t.is_empty())
-        .collect()
+/// Which Debian package provides each library the daemons load: the ones the controller's RBD
+/// backend opens ([`moor_rbd::LIBRARIES`]), and libudev, which moor-node links (the `udev`
+/// crate).
+const LIBRARY_PACKAGES: &[(&str, &str)] = &[
+    ("librados.so.2", "librados2"),
+    ("librbd.so.1", "librbd1"),
+    ("libudev.so.1", "libudev1"),
+];
+
+/// The packages the daemons need, each once, in the order they are first needed.
+fn needed_packages() -> Vec<String> {
+    let programs = moor_node::service::programs();
+    let libraries = moor_rbd::LIBRARIES.iter().copied().chain(["libudev.so.1"]);
+    let mut needed: Vec<String> = Vec::new();
+    let wanted = programs
+        .iter()
+        .map(|p| (p.as_str(), TOOL_PACKAGES))
+        .chain(libraries.map(|l| (l, LIBRARY_PACKAGES)));
+    for (what, table) in wanted {
+        let pkg = table
+            .iter()
+            .find(|(t, _)| *t == what)
+            .unwrap_or_else(|| {
+                panic!("which Debian package has {what}? add it to deploy/tests/sources.rs")
+            })
+            .1;
+        if !needed.iter().any(|n| n == pkg) {
+            needed.push(pkg.to_owned());
+        }
+    }
+    needed
 }
 
 #[test]
-fn containerfile_runtime_has_the_binaries_and_the_filesystem_tools() {
+fn the_image_packages_are_exactly_what_the_daemons_run_and_load() {
+    let listed: Vec<String> = moor_deploy::image_packages()
+        .unwrap()
+        .into_iter()
+        .map(|(p, _)| p)
+        .collect();
+    let needed = needed_packages();
+    for n in &needed {
+        assert!(listed.contains(n), "deploy/packages lacks {n}: {listed:?}");
+    }
+    for l in &listed {
+        assert!(
+            needed.contains(l),
+            "deploy/packages lists {l}, which no program or library of the daemons needs"
+        );
+    }
+    assert_eq!(listed.len(), needed.len(), "listed twice? {listed:?}");
+}
+
+#[test]
+fn containerfile_runtime_has_the_binaries_and_the_image_packages() {
     let stages = stages();
     let runtime = &stages[1];
     assert_eq!(runtime.from, "docker.io/library/debian:bookworm-slim");
-    let packages = runtime.apt_packages();
-    assert_eq!(packages, ["e2fsprogs", "xfsprogs", "btrfs-progs"]);
+    let listed: Vec<String> = moor_deploy::image_packages()
+        .unwrap()
+        .into_iter()
+        .map(|(p, _)| p)
+        .collect();
+    assert_eq!(
+        runtime.apt_packages(),
+        listed,
+        "deploy/Containerfile must install the packages of deploy/packages, in its order"
+    );
     assert!(runtime.all("RUN").any(
         |r| r.contains("--no-install-recommends") && r.contains("rm -rf /var/lib/apt/lists/*")
     ));
-    let service = read_repo_file("src/service.rs").unwrap();
-    let mut needed = tools(&service, "REQUIRED_TOOLS");
-    needed.extend(tools(&service, "OPTIONAL_TOOLS"));
-    assert!(needed.len() >= 4, "{needed:?}");
-    // btrfs (for growing) is run by the engine without being in either list.
-    needed.push("btrfs".into());
-    for tool in needed {
-        let pkg = TOOL_PACKAGES
-            .iter()
-            .find(|(t, _)| *t == tool)
-            .unwrap_or_else(|| panic!("which Debian package has {tool}? add it to TOOL_PACKAGES"))
-            .1;
-        assert!(
-            packages.contains(&pkg.to_owned()),
-            "{tool}: {pkg} is not installed"
-        );
-    }
     let copies: Vec<&str> = runtime.all("COPY").collect();
     assert_eq!(
         copies,

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 pub mod bench;
 pub mod ceph;
 pub mod client;
+pub mod container;
 pub mod krbd_lab;
 pub mod kubelet_calls;
 pub mod pathgrpc;

@@ -88,6 +88,28 @@ pub fn ops(fs: Filesystem) -> &'static dyn FilesystemOps {
     }
 }
 
+/// Every program the filesystems' operations run (mkfs, the check, growing), each once, in the
+/// order of [`Filesystem::ALL`].
+#[must_use]
+pub fn programs() -> Vec<String> {
+    let (dev, deadline) = (Path::new("/dev/null"), Duration::ZERO);
+    let mut out: Vec<String> = Vec::new();
+    for fs in Filesystem::ALL {
+        let o = ops(fs);
+        let runs = [
+            Some(o.mkfs(dev, "", false, deadline)),
+            o.fsck(dev, deadline).map(|f| f.run),
+            Some(o.grow(dev, dev, deadline)),
+        ];
+        for run in runs.into_iter().flatten() {
+            if !out.contains(&run.program) {
+                out.push(run.program);
+            }
+        }
+    }
+    out
+}
+
 /// A run of `program` with `args`, then the device or mount point `path` last.
 fn tool(program: String, mut args: Vec<String>, path: &Path, deadline: Duration) -> ToolRun {
     args.push(path.display().to_string());
@@ -114,6 +136,24 @@ mod tests {
 
     fn words(run: &ToolRun) -> String {
         format!("{} {}", run.program, run.args.join(" "))
+    }
+
+    #[test]
+    fn programs_are_every_tool_the_operations_run() {
+        assert_eq!(
+            programs(),
+            [
+                "mkfs.ext2",
+                "e2fsck",
+                "resize2fs",
+                "mkfs.ext3",
+                "mkfs.ext4",
+                "mkfs.xfs",
+                "xfs_growfs",
+                "mkfs.btrfs",
+                "btrfs"
+            ]
+        );
     }
 
     #[test]

@@ -109,3 +109,15 @@ async fn plugin_info_names_the_node_and_its_state_dir() {
         ])
     );
 }
+
+#[test]
+fn the_tools_probe_checks_are_programs_moor_node_runs() {
+    let programs = crate::service::programs();
+    let listed = crate::service::REQUIRED_TOOLS
+        .iter()
+        .chain(crate::service::OPTIONAL_TOOLS.iter());
+    for tool in listed {
+        assert!(programs.iter().any(|p| p == tool), "{tool}: {programs:?}");
+    }
+    assert!(programs.iter().any(|p| p == "rbd-fuse"), "{programs:?}");
+}
