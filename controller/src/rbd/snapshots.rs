@@ -23,6 +23,7 @@ pub(super) fn snapshot_of(id: &SnapshotId, rec: &SnapshotRecord) -> Snapshot {
         size_bytes: rec.size_bytes,
         created_at: rec.created_at(),
         ready_to_use: true,
+        group_snapshot_id: None,
     }
 }
 
