@@ -342,6 +342,96 @@ pub trait MetadataSink {
     fn range(&mut self, offset: u64, length: u64) -> Result<()>;
 }
 
+/// A [`MetadataSink`] that keeps what it is given: for tools and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CollectedBlocks {
+    /// The volume's capacity.
+    pub capacity_bytes: u64,
+    /// The block size.
+    pub block_size: u64,
+    /// The ranges, as given.
+    pub ranges: Vec<(u64, u64)>,
+}
+
+impl MetadataSink for CollectedBlocks {
+    fn begin(&mut self, capacity_bytes: u64, block_size: u64) -> Result<()> {
+        self.capacity_bytes = capacity_bytes;
+        self.block_size = block_size;
+        Ok(())
+    }
+
+    fn range(&mut self, offset: u64, length: u64) -> Result<()> {
+        self.ranges.push((offset, length));
+        Ok(())
+    }
+}
+
+impl CollectedBlocks {
+    /// The offset of every block the ranges cover, in order.
+    pub fn offsets(&self) -> Vec<u64> {
+        let step = usize::try_from(self.block_size.max(1)).unwrap_or(usize::MAX);
+        self.ranges
+            .iter()
+            .flat_map(|&(o, l)| (o..o + l).step_by(step))
+            .collect()
+    }
+}
+
+/// Sends ranges to a [`MetadataSink`] in order, joining those that touch or overlap: what a
+/// backend finds (data segments, changed extents) widened to whole blocks can overlap the
+/// range before it.
+#[derive(Debug)]
+pub struct BlockRanges<'a> {
+    sink: &'a mut dyn MetadataSink,
+    pending: Option<(u64, u64)>,
+}
+
+impl<'a> BlockRanges<'a> {
+    /// Ranges for `sink`.
+    pub fn new(sink: &'a mut dyn MetadataSink) -> Self {
+        Self {
+            sink,
+            pending: None,
+        }
+    }
+
+    /// `[start, end)`, block-aligned, starting at or after the start of everything before.
+    pub fn push(&mut self, start: u64, end: u64) -> Result<()> {
+        if end <= start {
+            return Ok(());
+        }
+        match &mut self.pending {
+            Some((_, e)) if start <= *e => *e = (*e).max(end),
+            _ => {
+                if let Some((s, e)) = self.pending.take() {
+                    self.sink.range(s, e - s)?;
+                }
+                self.pending = Some((start, end));
+            }
+        }
+        Ok(())
+    }
+
+    /// The end of what was pushed so far.
+    pub fn end(&self) -> u64 {
+        self.pending.map_or(0, |(_, e)| e)
+    }
+
+    /// Sends what is pending.
+    pub fn finish(mut self) -> Result<()> {
+        if let Some((s, e)) = self.pending.take() {
+            self.sink.range(s, e - s)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for dyn MetadataSink + '_ {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("MetadataSink")
+    }
+}
+
 /// ListSnapshots filters.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct SnapshotFilter {

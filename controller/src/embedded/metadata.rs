@@ -21,7 +21,7 @@ use moor_runtime::sys::fsctl::{self, Extent};
 use rustix::fs::SeekFrom;
 use rustix::io::Errno;
 
-use crate::backend::MetadataSink;
+use crate::backend::{BlockRanges as Ranges, MetadataSink};
 use crate::error::{Error, Result};
 
 /// The block size of every range reported: 4 KiB, the page size and the usual filesystem
@@ -37,50 +37,6 @@ fn floor(n: u64) -> u64 {
 
 fn ceil(n: u64) -> u64 {
     n.div_ceil(BLOCK).saturating_mul(BLOCK)
-}
-
-/// Sends ranges to a sink in order, joining those that touch and never going back.
-struct Ranges<'a> {
-    sink: &'a mut dyn MetadataSink,
-    pending: Option<(u64, u64)>,
-}
-
-impl<'a> Ranges<'a> {
-    fn new(sink: &'a mut dyn MetadataSink) -> Self {
-        Self {
-            sink,
-            pending: None,
-        }
-    }
-
-    /// `[start, end)`, block-aligned, at or after everything before.
-    fn push(&mut self, start: u64, end: u64) -> Result<()> {
-        if end <= start {
-            return Ok(());
-        }
-        match &mut self.pending {
-            Some((_, e)) if start <= *e => *e = (*e).max(end),
-            _ => {
-                if let Some((s, e)) = self.pending.take() {
-                    self.sink.range(s, e - s)?;
-                }
-                self.pending = Some((start, end));
-            }
-        }
-        Ok(())
-    }
-
-    /// The end of what was pushed so far.
-    fn end(&self) -> u64 {
-        self.pending.map_or(0, |(_, e)| e)
-    }
-
-    fn finish(mut self) -> Result<()> {
-        if let Some((s, e)) = self.pending.take() {
-            self.sink.range(s, e - s)?;
-        }
-        Ok(())
-    }
 }
 
 fn io<'a>(step: &'static str, path: &'a std::path::Path) -> impl FnOnce(Errno) -> Error + 'a {
@@ -324,6 +280,7 @@ pub fn delta(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::CollectedBlocks;
 
     fn ext(logical: u64, physical: u64, length: u64) -> Extent {
         let mut e = Extent::default();
@@ -357,20 +314,6 @@ mod tests {
         assert_eq!(unproven(&base, &unknown, 0, 2 * K), vec![(0, 2 * K)]);
     }
 
-    struct Collect {
-        ranges: Vec<(u64, u64)>,
-    }
-
-    impl MetadataSink for Collect {
-        fn begin(&mut self, _: u64, _: u64) -> Result<()> {
-            Ok(())
-        }
-        fn range(&mut self, offset: u64, length: u64) -> Result<()> {
-            self.ranges.push((offset, length));
-            Ok(())
-        }
-    }
-
     #[test]
     fn delta_names_the_changed_blocks_on_any_filesystem() {
         let dir = crate::embedded::testdir::TestDir::new("metadata-delta");
@@ -394,13 +337,13 @@ mod tests {
             base: (&b, &base_path),
             target: (&t, &target_path),
         };
-        let mut sink = Collect { ranges: Vec::new() };
+        let mut sink = CollectedBlocks::default();
         delta(&pair, 8 << 20, 0, &mut sink).unwrap();
         assert_eq!(sink.ranges, vec![(2 * 4096, 4096), (6 << 20, 4096)]);
-        let mut sink = Collect { ranges: Vec::new() };
+        let mut sink = CollectedBlocks::default();
         delta(&pair, 8 << 20, 3 * 4096, &mut sink).unwrap();
         assert_eq!(sink.ranges, vec![(6 << 20, 4096)]);
-        let mut sink = Collect { ranges: Vec::new() };
+        let mut sink = CollectedBlocks::default();
         allocated(&t, &target_path, 8 << 20, 0, &mut sink).unwrap();
         let covered = |at: u64| sink.ranges.iter().any(|&(o, l)| o <= at && at < o + l);
         for at in [4096, 2 * 4096 + 7, 3 * 4096, 6 << 20] {

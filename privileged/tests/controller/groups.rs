@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use moor_controller::backend::{
-    Backend as _, ContentSource, GroupSnapshot, GroupSnapshotRef, MetadataSink, NewGroupSnapshot,
-    NewSnapshot, Parameters,
+    Backend as _, CollectedBlocks, ContentSource, GroupSnapshot, GroupSnapshotRef,
+    NewGroupSnapshot, NewSnapshot, Parameters,
 };
 use moor_controller::embedded::attach::LoopAttacher;
 use moor_controller::embedded::{Config, EmbeddedBackend};
@@ -386,37 +386,6 @@ fn group_cost() {
     }
 }
 
-/// Collects what a metadata call finds.
-#[derive(Default)]
-struct Blocks {
-    capacity: u64,
-    block: u64,
-    ranges: Vec<(u64, u64)>,
-}
-
-impl MetadataSink for Blocks {
-    fn begin(&mut self, capacity: u64, block: u64) -> moor_controller::error::Result<()> {
-        self.capacity = capacity;
-        self.block = block;
-        Ok(())
-    }
-
-    fn range(&mut self, offset: u64, length: u64) -> moor_controller::error::Result<()> {
-        self.ranges.push((offset, length));
-        Ok(())
-    }
-}
-
-impl Blocks {
-    /// The block offsets named.
-    fn offsets(&self) -> Vec<u64> {
-        self.ranges
-            .iter()
-            .flat_map(|&(o, l)| (o..o + l).step_by(self.block as usize))
-            .collect()
-    }
-}
-
 fn snapshot(b: &Backend, name: &str, volume: &str) -> String {
     b.create_snapshot(&NewSnapshot {
         name: name.into(),
@@ -472,18 +441,18 @@ fn check_metadata(b: &Backend, dir: &Path) {
     write_blocks(&dev, &second);
     let target = snapshot(b, "target", &v);
 
-    let mut delta = Blocks::default();
+    let mut delta = CollectedBlocks::default();
     b.snapshot_delta(&base, &target, 0, &mut delta)
         .expect("delta");
-    assert_eq!(delta.capacity, 64 * MIB);
-    assert_eq!(delta.offsets(), touched(&second, delta.block));
-    let mut allocated = Blocks::default();
+    assert_eq!(delta.capacity_bytes, 64 * MIB);
+    assert_eq!(delta.offsets(), touched(&second, delta.block_size));
+    let mut allocated = CollectedBlocks::default();
     b.snapshot_allocated(&target, 0, &mut allocated)
         .expect("allocated");
     let have = allocated.offsets();
-    for block in touched(&first, allocated.block)
+    for block in touched(&first, allocated.block_size)
         .into_iter()
-        .chain(touched(&second, allocated.block))
+        .chain(touched(&second, allocated.block_size))
     {
         assert!(
             have.binary_search(&block).is_ok(),
@@ -533,13 +502,13 @@ fn delta_speed() {
             .collect();
         write_blocks(&dev, &changed);
         let target = snapshot(b, "target", &v);
-        let mut delta = Blocks::default();
+        let mut delta = CollectedBlocks::default();
         let start = Instant::now();
         b.snapshot_delta(&base, &target, 0, &mut delta)
             .expect("delta");
         let took = start.elapsed();
         assert_eq!(delta.offsets().len(), 2621);
-        let mut allocated = Blocks::default();
+        let mut allocated = CollectedBlocks::default();
         let start = Instant::now();
         b.snapshot_allocated(&target, 0, &mut allocated)
             .expect("allocated");
