@@ -163,20 +163,28 @@ impl Drop for Frozen<'_> {
     }
 }
 
-/// Thaws what a killed controller left frozen (start-up). A filesystem that is not frozen, or
-/// no longer mounted there, is fine.
-pub fn thaw_left_over(store: &RecordStore, rec: &FreezeRecord, problems: &mut Vec<String>) {
+/// Thaws what a killed controller left frozen (start-up); returns the mount points it thawed.
+/// A filesystem that is not frozen, or no longer mounted there, is fine.
+pub fn thaw_left_over(
+    store: &RecordStore,
+    rec: &FreezeRecord,
+    problems: &mut Vec<String>,
+) -> Vec<PathBuf> {
     let mut ok = true;
+    let mut thawed = Vec::new();
     for m in &rec.mounts {
-        let thawed = File::open(m).and_then(|root| match moor_runtime::sys::fsctl::thaw(&root) {
+        let result = File::open(m).and_then(|root| match moor_runtime::sys::fsctl::thaw(&root) {
             Ok(()) => Ok(true),
             Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
                 Ok(false)
             }
             Err(e) => Err(e),
         });
-        match thawed {
-            Ok(true) => info!(mount = %m.display(), "thawed what a group snapshot left frozen"),
+        match result {
+            Ok(true) => {
+                info!(mount = %m.display(), "thawed what a group snapshot left frozen");
+                thawed.push(m.clone());
+            }
             Ok(false) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => {
@@ -188,6 +196,7 @@ pub fn thaw_left_over(store: &RecordStore, rec: &FreezeRecord, problems: &mut Ve
     if ok && let Err(e) = store.remove_freeze() {
         problems.push(format!("remove the freeze record: {e}"));
     }
+    thawed
 }
 
 #[cfg(test)]

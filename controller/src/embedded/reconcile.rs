@@ -118,8 +118,7 @@ pub fn run(
 
     // Filesystems a killed group snapshot left frozen.
     if let Some(rec) = loaded.frozen.take() {
-        super::freeze::thaw_left_over(store, &rec, &mut report.problems);
-        report.thawed = rec.mounts;
+        report.thawed = super::freeze::thaw_left_over(store, &rec, &mut report.problems);
     }
 
     // Members of group snapshots that were never finished: their data goes with the orphans.

@@ -347,6 +347,52 @@ fn a_group_with_a_raw_block_member_in_use_is_refused() {
     assert_eq!(g.snapshots.len(), 2);
 }
 
+/// Thaws a filesystem on drop (a test that fails while one is frozen leaves it usable).
+struct ThawOnDrop(PathBuf);
+
+impl Drop for ThawOnDrop {
+    fn drop(&mut self) {
+        if let Ok(root) = File::open(&self.0) {
+            let _ = moor_runtime::sys::fsctl::thaw(&root);
+        }
+    }
+}
+
+/// A controller killed while a group snapshot held a member's filesystem frozen leaves the
+/// record of it: the next start thaws it, and writes go through again.
+#[test]
+fn filesystems_a_killed_group_snapshot_left_frozen_are_thawed_at_start() {
+    let mut fx = Fixture::new("groups-thaw");
+    moor_runtime::sys::mount_namespace::enter_private_mount_namespace()
+        .expect("private mount namespace");
+    let a = fx.create("pvc-a", 16 * MIB);
+    let dev = fx.publish(&a)[DEVICE_PATH_KEY].clone();
+    let mut mounts = Mounts::default();
+    let at = fx.dir.join("m");
+    mounts.ext4(&dev, &at);
+    let _thaw = ThawOnDrop(at.clone());
+    let record = fx.dir.join("data/records/freezing.json");
+    fs::write(
+        &record,
+        serde_json::json!({"mounts": [at.display().to_string()]}).to_string(),
+    )
+    .expect("write the freeze record");
+    moor_runtime::sys::fsctl::freeze(File::open(&at).expect("open mount")).expect("FIFREEZE");
+
+    let report = fx.restart();
+    assert_eq!(report.thawed, vec![at.clone()], "{report:?}");
+    assert!(!record.exists(), "the freeze record is removed");
+    // Not frozen any more: a thaw is refused (EINVAL), and a write goes through.
+    let e = moor_runtime::sys::fsctl::thaw(File::open(&at).expect("open mount"))
+        .expect_err("not frozen");
+    assert_eq!(e.raw_os_error(), Some(libc::EINVAL));
+    fs::write(at.join("after"), b"written").expect("write after the thaw");
+    // A later start has nothing to do.
+    assert!(fx.restart().is_clean());
+    mounts.unmount(&at);
+    fx.unpublish(&a);
+}
+
 /// The cost of a group snapshot of `n` volumes, mounted and idle, on a reflink data dir.
 #[test]
 #[ignore = "a measurement: cargo test -p moor-privileged --test controller -- --ignored group_cost"]
