@@ -24,7 +24,7 @@ use std::collections::BTreeSet;
 use std::time::SystemTime;
 
 use moor_rbd::Pool;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::ids::{GroupId, Location, SnapshotId, VolumeId, random_suffix};
 use super::records::{
@@ -318,7 +318,20 @@ impl RbdBackend {
         let (created_secs, created_nanos) = SnapshotRecord::time_fields(SystemTime::now());
         rec.created_secs = created_secs;
         rec.created_nanos = created_nanos;
-        self.cut_members(&s, &pool, &loc, &gsuffix, &rec)?;
+        if let Err(e) = self.cut_members(&s, &pool, &loc, &gsuffix, &rec) {
+            // Nothing was handed out: what was cut goes, and the records with it (kept, for
+            // the retry to finish, when that fails too).
+            match self.undo_members(&s, &pool, &loc, &rec) {
+                Ok(()) => {
+                    reg.remove_group(&gsuffix)?;
+                    reg.unname_group(&req.name, &gsuffix)?;
+                }
+                Err(undo) => {
+                    warn!(group = %gid, error = %undo, "cannot undo a group snapshot cut short; its retry will");
+                }
+            }
+            return Err(e);
+        }
         rec.state = GroupState::Ready;
         reg.put_group(&gsuffix, &rec)?;
         info!(group = %gid, members = rec.snapshot_suffixes.len(), "group snapshot cut");

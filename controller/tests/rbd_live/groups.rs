@@ -161,9 +161,13 @@ fn group_snapshots_are_cut_only_while_no_member_is_in_use() {
             false,
         ))
         .unwrap();
-        let e = group(&b, &name("published"), &vols).unwrap_err();
+        let refused = name("published");
+        let e = group(&b, &refused, &vols).unwrap_err();
         assert!(matches!(e, Error::GroupRefused(_)), "{e}");
         assert!(e.to_string().contains("published at node"), "{e}");
+        // A refusal leaves nothing behind.
+        let keys = metadata_keys(&env);
+        assert!(!keys.contains(&format!("moor.gname.{refused}")), "{keys:?}");
         b.unpublish_volume(&vols[1], Some(node)).unwrap();
         let keys_before = metadata_keys(&env);
 
