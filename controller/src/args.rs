@@ -38,6 +38,11 @@ pub struct Args {
     /// Default: off.
     #[arg(long)]
     pub http_endpoint: Option<String>,
+    /// Announce SNAPSHOT_METADATA_SERVICE, for the external-snapshot-metadata sidecar (the
+    /// SnapshotMetadata service is served either way). Off by default: csi-sanity v5.3.1 fails
+    /// a plugin that announces it.
+    #[arg(long)]
+    pub snapshot_metadata: bool,
     /// Do not serve the embedded backend (no volumes on this host's loop devices).
     #[arg(long)]
     pub no_embedded: bool,

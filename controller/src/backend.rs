@@ -253,6 +253,183 @@ pub struct Snapshot {
     pub created_at: SystemTime,
     /// Whether it can be used as a volume source.
     pub ready_to_use: bool,
+    /// The group snapshot it was cut in, if any.
+    pub group_snapshot_id: Option<String>,
+}
+
+/// CreateVolumeGroupSnapshot, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewGroupSnapshot {
+    /// The CO's name for the group snapshot (the idempotency key).
+    pub name: String,
+    /// The volumes to snapshot together: at least one, no repeats, in the request's order.
+    pub source_volume_ids: Vec<String>,
+    /// Group snapshot parameters, unparsed.
+    pub parameters: Parameters,
+}
+
+/// A volume group snapshot: one snapshot of each member volume, all cut at one instant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSnapshot {
+    /// The backend's id for it.
+    pub id: String,
+    /// Its member snapshots (each with `group_snapshot_id` set to `id`), in the order of the
+    /// volumes they were cut from. A member deleted on its own is no longer listed.
+    pub snapshots: Vec<Snapshot>,
+    /// When it was cut.
+    pub created_at: SystemTime,
+}
+
+impl GroupSnapshot {
+    /// Whether every member can be used as a volume source.
+    pub fn ready_to_use(&self) -> bool {
+        self.snapshots.iter().all(|s| s.ready_to_use)
+    }
+}
+
+/// GetVolumeGroupSnapshot and DeleteVolumeGroupSnapshot, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSnapshotRef {
+    /// The group snapshot.
+    pub id: String,
+    /// The member snapshot ids the CO knows (empty: the CO gave none, nothing to compare).
+    pub snapshot_ids: Vec<String>,
+}
+
+impl GroupSnapshotRef {
+    /// INVALID_ARGUMENT when the CO's `snapshot_ids` are not the group's `members` (order
+    /// does not matter; an empty list is not compared).
+    pub fn check_members(&self, members: &[String]) -> Result<()> {
+        if self.snapshot_ids.is_empty() {
+            return Ok(());
+        }
+        let mut theirs: Vec<&str> = self.snapshot_ids.iter().map(String::as_str).collect();
+        let mut ours: Vec<&str> = members.iter().map(String::as_str).collect();
+        theirs.sort_unstable();
+        ours.sort_unstable();
+        if theirs == ours {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "snapshot_ids",
+            format!(
+                "group snapshot {} holds {}, not {}",
+                self.id,
+                ours.join(", "),
+                theirs
+                    .iter()
+                    .map(|s| crate::error::trunc(s))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ))
+    }
+}
+
+/// Where a snapshot metadata call (GetMetadataAllocated, GetMetadataDelta) sends what it finds.
+///
+/// The backend calls [`begin`](Self::begin) once, then [`range`](Self::range) for each
+/// allocated or changed byte range, in ascending order, never overlapping, each a whole number
+/// of blocks. The service cuts the ranges into fixed-length tuples, drops those ending at or
+/// before the request's `starting_offset`, and streams them in messages of at most
+/// `max_results` tuples. An error from the sink (the client went away) stops the backend.
+pub trait MetadataSink {
+    /// The volume's capacity and the block size of every range; OUT_OF_RANGE when the
+    /// request's starting offset lies past the capacity.
+    fn begin(&mut self, capacity_bytes: u64, block_size: u64) -> Result<()>;
+
+    /// `[offset, offset + length)` is allocated (or changed).
+    fn range(&mut self, offset: u64, length: u64) -> Result<()>;
+}
+
+/// A [`MetadataSink`] that keeps what it is given: for tools and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CollectedBlocks {
+    /// The volume's capacity.
+    pub capacity_bytes: u64,
+    /// The block size.
+    pub block_size: u64,
+    /// The ranges, as given.
+    pub ranges: Vec<(u64, u64)>,
+}
+
+impl MetadataSink for CollectedBlocks {
+    fn begin(&mut self, capacity_bytes: u64, block_size: u64) -> Result<()> {
+        self.capacity_bytes = capacity_bytes;
+        self.block_size = block_size;
+        Ok(())
+    }
+
+    fn range(&mut self, offset: u64, length: u64) -> Result<()> {
+        self.ranges.push((offset, length));
+        Ok(())
+    }
+}
+
+impl CollectedBlocks {
+    /// The offset of every block the ranges cover, in order.
+    pub fn offsets(&self) -> Vec<u64> {
+        let step = usize::try_from(self.block_size.max(1)).unwrap_or(usize::MAX);
+        self.ranges
+            .iter()
+            .flat_map(|&(o, l)| (o..o + l).step_by(step))
+            .collect()
+    }
+}
+
+/// Sends ranges to a [`MetadataSink`] in order, joining those that touch or overlap: what a
+/// backend finds (data segments, changed extents) widened to whole blocks can overlap the
+/// range before it.
+#[derive(Debug)]
+pub struct BlockRanges<'a> {
+    sink: &'a mut dyn MetadataSink,
+    pending: Option<(u64, u64)>,
+}
+
+impl<'a> BlockRanges<'a> {
+    /// Ranges for `sink`.
+    pub fn new(sink: &'a mut dyn MetadataSink) -> Self {
+        Self {
+            sink,
+            pending: None,
+        }
+    }
+
+    /// `[start, end)`, block-aligned, starting at or after the start of everything before.
+    pub fn push(&mut self, start: u64, end: u64) -> Result<()> {
+        if end <= start {
+            return Ok(());
+        }
+        match &mut self.pending {
+            Some((_, e)) if start <= *e => *e = (*e).max(end),
+            _ => {
+                if let Some((s, e)) = self.pending.take() {
+                    self.sink.range(s, e - s)?;
+                }
+                self.pending = Some((start, end));
+            }
+        }
+        Ok(())
+    }
+
+    /// The end of what was pushed so far.
+    pub fn end(&self) -> u64 {
+        self.pending.map_or(0, |(_, e)| e)
+    }
+
+    /// Sends what is pending.
+    pub fn finish(mut self) -> Result<()> {
+        if let Some((s, e)) = self.pending.take() {
+            self.sink.range(s, e - s)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for dyn MetadataSink + '_ {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("MetadataSink")
+    }
 }
 
 /// ListSnapshots filters.
@@ -365,6 +542,51 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// A page of snapshots matching the filter.
     fn list_snapshots(&self, filter: &SnapshotFilter, page: &PageRequest)
     -> Result<Page<Snapshot>>;
+
+    /// Cuts one snapshot of every source volume at one instant (write-order consistent across
+    /// them), or returns the group snapshot cut earlier under the same name from the same
+    /// volumes ([`Error::GroupSnapshotExists`] when they differ); [`Error::GroupRefused`]
+    /// when the volumes cannot be snapshotted together.
+    fn create_group_snapshot(&self, req: &NewGroupSnapshot) -> Result<GroupSnapshot> {
+        let _ = req;
+        Err(Error::Unimplemented("CreateVolumeGroupSnapshot"))
+    }
+
+    /// Deletes a group snapshot and its member snapshots; one that does not exist is success.
+    fn delete_group_snapshot(&self, req: &GroupSnapshotRef) -> Result<()> {
+        let _ = req;
+        Err(Error::Unimplemented("DeleteVolumeGroupSnapshot"))
+    }
+
+    /// One group snapshot.
+    fn get_group_snapshot(&self, req: &GroupSnapshotRef) -> Result<GroupSnapshot> {
+        let _ = req;
+        Err(Error::Unimplemented("GetVolumeGroupSnapshot"))
+    }
+
+    /// The allocated blocks of a snapshot from `start` on, into `sink`.
+    fn snapshot_allocated(
+        &self,
+        snapshot_id: &str,
+        start: u64,
+        sink: &mut dyn MetadataSink,
+    ) -> Result<()> {
+        let _ = (snapshot_id, start, sink);
+        Err(Error::Unimplemented("GetMetadataAllocated"))
+    }
+
+    /// The blocks that differ between two snapshots of one volume from `start` on, into
+    /// `sink`.
+    fn snapshot_delta(
+        &self,
+        base_snapshot_id: &str,
+        target_snapshot_id: &str,
+        start: u64,
+        sink: &mut dyn MetadataSink,
+    ) -> Result<()> {
+        let _ = (base_snapshot_id, target_snapshot_id, start, sink);
+        Err(Error::Unimplemented("GetMetadataDelta"))
+    }
 }
 
 /// How a backend sizes volumes.

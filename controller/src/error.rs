@@ -59,6 +59,25 @@ pub enum Error {
         /// What differs.
         reason: String,
     },
+    /// A group snapshot with this name exists but does not match the request.
+    #[error("a group snapshot named {name:?} already exists ({id}) and is incompatible: {reason}")]
+    GroupSnapshotExists {
+        /// The request's name.
+        name: String,
+        /// The existing group snapshot.
+        id: String,
+        /// What differs.
+        reason: String,
+    },
+    /// No group snapshot has this id.
+    #[error("group snapshot {0:?} does not exist")]
+    GroupSnapshotNotFound(String),
+    /// The volumes cannot be snapshotted together.
+    #[error("cannot snapshot these volumes together: {0}")]
+    GroupRefused(String),
+    /// A snapshot metadata request's starting offset lies past the volume.
+    #[error("starting_offset: {0}")]
+    OffsetOutOfRange(String),
     /// The volume is published at the node already, with arguments that do not match.
     #[error("volume {volume} is already published at node {node:?} and is incompatible: {reason}")]
     PublishedIncompatible {
@@ -185,19 +204,22 @@ impl Error {
             Error::VolumeNotFound(_)
             | Error::SnapshotNotFound(_)
             | Error::SourceNotFound { .. }
-            | Error::NodeNotFound { .. } => Code::NotFound,
+            | Error::NodeNotFound { .. }
+            | Error::GroupSnapshotNotFound(_) => Code::NotFound,
             Error::VolumeExists { .. }
             | Error::SnapshotExists { .. }
+            | Error::GroupSnapshotExists { .. }
             | Error::PublishedIncompatible { .. } => Code::AlreadyExists,
             Error::PublishedElsewhere { .. }
             | Error::VolumeInUse { .. }
             | Error::NotReady(_)
-            | Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            | Error::FailedPrecondition(_)
+            | Error::GroupRefused(_) => Code::FailedPrecondition,
             Error::TopologyUnsatisfiable(_) | Error::NoSpace(_) | Error::TooManyAttachments(_) => {
                 Code::ResourceExhausted
             }
             Error::OperationPending(_) | Error::InvalidToken { .. } => Code::Aborted,
-            Error::OutOfRange(_) => Code::OutOfRange,
+            Error::OutOfRange(_) | Error::OffsetOutOfRange(_) => Code::OutOfRange,
             Error::Unimplemented(_) => Code::Unimplemented,
             Error::Unavailable(_) => Code::Unavailable,
             Error::Io { .. } | Error::Backend { .. } | Error::Internal(_) => Code::Internal,
@@ -298,6 +320,17 @@ mod tests {
                 Code::Aborted,
             ),
             (Error::OutOfRange("x".into()), Code::OutOfRange),
+            (Error::OffsetOutOfRange("x".into()), Code::OutOfRange),
+            (Error::GroupSnapshotNotFound("g".into()), Code::NotFound),
+            (
+                Error::GroupSnapshotExists {
+                    name: "n".into(),
+                    id: "g".into(),
+                    reason: "r".into(),
+                },
+                Code::AlreadyExists,
+            ),
+            (Error::GroupRefused("x".into()), Code::FailedPrecondition),
             (Error::Unimplemented("X"), Code::Unimplemented),
             (Error::Internal("x".into()), Code::Internal),
         ];

@@ -1,8 +1,12 @@
 //! The CSI Identity service of the controller.
 //!
 //! It advertises CONTROLLER_SERVICE, VOLUME_ACCESSIBILITY_CONSTRAINTS (volumes live on one
-//! node) and ONLINE volume expansion (attached volumes grow in place), and probes the
-//! backend.
+//! node), GROUP_CONTROLLER_SERVICE (volume group snapshots) and ONLINE volume expansion
+//! (attached volumes grow in place), and probes the backend. The SnapshotMetadata service is
+//! always served; SNAPSHOT_METADATA_SERVICE is announced only when asked
+//! ([`IdentityService::announce_snapshot_metadata`], `--snapshot-metadata`): the
+//! external-snapshot-metadata sidecar requires it, and csi-sanity v5.3.1 fails a plugin that
+//! announces it (it does not know that alpha service), so it is on where the sidecar runs.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,6 +23,7 @@ use crate::backend::Backend;
 pub struct IdentityService<B: Backend> {
     driver_name: String,
     backend: Arc<B>,
+    snapshot_metadata: bool,
 }
 
 impl<B: Backend> IdentityService<B> {
@@ -27,7 +32,14 @@ impl<B: Backend> IdentityService<B> {
         Self {
             driver_name: driver_name.into(),
             backend,
+            snapshot_metadata: false,
         }
+    }
+
+    /// Announces SNAPSHOT_METADATA_SERVICE too (see the module doc).
+    pub fn announce_snapshot_metadata(mut self, on: bool) -> Self {
+        self.snapshot_metadata = on;
+        self
     }
 }
 
@@ -48,8 +60,17 @@ impl<B: Backend> csi::identity_server::Identity for IdentityService<B> {
         &self,
         _: Request<csi::GetPluginCapabilitiesRequest>,
     ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
+        use csi::plugin_capability::{Service, Type, service};
+        let mut capabilities = plugin_capabilities();
+        if self.snapshot_metadata {
+            capabilities.push(csi::PluginCapability {
+                r#type: Some(Type::Service(Service {
+                    r#type: service::Type::SnapshotMetadataService as i32,
+                })),
+            });
+        }
         Ok(Response::new(csi::GetPluginCapabilitiesResponse {
-            capabilities: plugin_capabilities(),
+            capabilities,
         }))
     }
 
@@ -69,5 +90,46 @@ impl<B: Backend> csi::identity_server::Identity for IdentityService<B> {
                 Err(Status::internal("internal error: probe panicked"))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::embedded::fake::FakeAttacher;
+    use crate::embedded::testdir::TestDir;
+    use crate::embedded::{Config, EmbeddedBackend};
+    use csi::identity_server::Identity as _;
+    use csi::plugin_capability::{Type, service};
+
+    #[tokio::test]
+    async fn snapshot_metadata_is_announced_only_when_asked() {
+        let dir = TestDir::new("identity-caps");
+        let (backend, _) = EmbeddedBackend::open(
+            Config {
+                data_dir: dir.path().join("data"),
+                node_id: "n1".into(),
+                topology_key: "topology.moor.csi.io/node".into(),
+            },
+            FakeAttacher::new(),
+        )
+        .unwrap();
+        let backend = Arc::new(backend);
+        let announces = |svc: IdentityService<_>| async move {
+            svc.get_plugin_capabilities(Request::new(csi::GetPluginCapabilitiesRequest {}))
+                .await
+                .unwrap()
+                .into_inner()
+                .capabilities
+                .iter()
+                .any(|c| {
+                    matches!(&c.r#type, Some(Type::Service(s))
+                        if s.r#type == service::Type::SnapshotMetadataService as i32)
+                })
+        };
+        let plain = IdentityService::new("moor.csi.io", Arc::clone(&backend));
+        assert!(!announces(plain).await);
+        let on = IdentityService::new("moor.csi.io", backend).announce_snapshot_metadata(true);
+        assert!(announces(on).await);
     }
 }

@@ -13,7 +13,9 @@ use moor_controller::rbd::{self, RbdBackend};
 use moor_controller::select::Backends;
 use moor_controller::service::ControllerService;
 use moor_proto::csi::v1::controller_server::ControllerServer;
+use moor_proto::csi::v1::group_controller_server::GroupControllerServer;
 use moor_proto::csi::v1::identity_server::IdentityServer;
+use moor_proto::csi::v1::snapshot_metadata_server::SnapshotMetadataServer;
 use moor_runtime::metrics::Metered;
 use moor_runtime::{daemon, http, instance, server};
 use tracing::{info, warn};
@@ -140,8 +142,11 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if let Err(e) = moor_controller::Backend::probe(backend.as_ref()) {
         warn!(error = %e, "not ready");
     }
-    let identity = IdentityService::new(args.driver_name.clone(), Arc::clone(&backend));
+    let identity = IdentityService::new(args.driver_name.clone(), Arc::clone(&backend))
+        .announce_snapshot_metadata(args.snapshot_metadata);
     let controller = ControllerService::new(Arc::clone(&backend));
+    let group_controller = ControllerService::new(Arc::clone(&backend));
+    let snapshot_metadata = ControllerService::new(Arc::clone(&backend));
     let listener = server::bind_unix(&socket)?;
     let http_listener = match &args.http_endpoint {
         Some(e) => Some(http::bind(e).await?),
@@ -157,7 +162,9 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     );
     let router = tonic::transport::Server::builder()
         .add_service(Metered::new(IdentityServer::new(identity)))
-        .add_service(Metered::new(ControllerServer::new(controller)));
+        .add_service(Metered::new(ControllerServer::new(controller)))
+        .add_service(Metered::new(GroupControllerServer::new(group_controller)))
+        .add_service(Metered::new(SnapshotMetadataServer::new(snapshot_metadata)));
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     let grpc = async {
         let r = server::serve(

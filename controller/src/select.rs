@@ -6,9 +6,9 @@
 use std::fmt;
 
 use crate::backend::{
-    Backend, Capability, Capacity, CapacityQuery, ExpandRequest, NewSnapshot, NewVolume, Page,
-    PageRequest, Parameters, PublishContext, PublishRequest, Snapshot, SnapshotFilter, Volume,
-    VolumeStatus,
+    Backend, Capability, Capacity, CapacityQuery, ExpandRequest, GroupSnapshot, GroupSnapshotRef,
+    MetadataSink, NewGroupSnapshot, NewSnapshot, NewVolume, Page, PageRequest, Parameters,
+    PublishContext, PublishRequest, Snapshot, SnapshotFilter, Volume, VolumeStatus,
 };
 use crate::error::{Error, Result, trunc};
 use crate::rbd::ids::is_rbd_id;
@@ -300,5 +300,67 @@ impl Backend for Backends {
             };
         }
         self.list_both(page, |b, p| b.list_snapshots(filter, p), |s| s.id.clone())
+    }
+
+    fn create_group_snapshot(&self, req: &NewGroupSnapshot) -> Result<GroupSnapshot> {
+        // Every member must live in one backend: a group is cut by one storage system.
+        let first = req
+            .source_volume_ids
+            .first()
+            .ok_or_else(|| Error::invalid("source_volume_ids", "must name at least one volume"))?;
+        if req
+            .source_volume_ids
+            .iter()
+            .any(|v| is_rbd_id(v) != is_rbd_id(first))
+        {
+            return Err(Error::GroupRefused(
+                "the volumes live in different backends (embedded and rbd)".into(),
+            ));
+        }
+        self.by_id(first)
+            .ok_or_else(|| volume_not_found(first))?
+            .create_group_snapshot(req)
+    }
+
+    fn delete_group_snapshot(&self, req: &GroupSnapshotRef) -> Result<()> {
+        match self.by_id(&req.id) {
+            Some(b) => b.delete_group_snapshot(req),
+            None => Ok(()),
+        }
+    }
+
+    fn get_group_snapshot(&self, req: &GroupSnapshotRef) -> Result<GroupSnapshot> {
+        self.by_id(&req.id)
+            .ok_or_else(|| Error::GroupSnapshotNotFound(trunc(&req.id).to_string()))?
+            .get_group_snapshot(req)
+    }
+
+    fn snapshot_allocated(
+        &self,
+        snapshot_id: &str,
+        start: u64,
+        sink: &mut dyn MetadataSink,
+    ) -> Result<()> {
+        self.by_id(snapshot_id)
+            .ok_or_else(|| Error::SnapshotNotFound(trunc(snapshot_id).to_string()))?
+            .snapshot_allocated(snapshot_id, start, sink)
+    }
+
+    fn snapshot_delta(
+        &self,
+        base_snapshot_id: &str,
+        target_snapshot_id: &str,
+        start: u64,
+        sink: &mut dyn MetadataSink,
+    ) -> Result<()> {
+        if is_rbd_id(base_snapshot_id) != is_rbd_id(target_snapshot_id) {
+            return Err(Error::invalid(
+                "target_snapshot_id",
+                "the two snapshots live in different backends: not snapshots of one volume",
+            ));
+        }
+        self.by_id(target_snapshot_id)
+            .ok_or_else(|| Error::SnapshotNotFound(trunc(target_snapshot_id).to_string()))?
+            .snapshot_delta(base_snapshot_id, target_snapshot_id, start, sink)
     }
 }

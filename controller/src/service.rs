@@ -139,7 +139,7 @@ pub fn csi_snapshot(s: &Snapshot) -> csi::Snapshot {
         source_volume_id: s.source_volume_id.clone(),
         creation_time: Some(prost_types::Timestamp::from(s.created_at)),
         ready_to_use: s.ready_to_use,
-        group_snapshot_id: String::new(),
+        group_snapshot_id: s.group_snapshot_id.clone().unwrap_or_default(),
     }
 }
 
@@ -458,5 +458,7 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
     }
 }
 
+pub mod group;
+pub mod metadata;
 #[cfg(test)]
 mod tests;

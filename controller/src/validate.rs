@@ -12,9 +12,9 @@ use moor_proto::csi::v1 as csi;
 use moor_runtime::limits;
 
 use crate::backend::{
-    AccessMode, AccessType, Capability, CapacityRange, ContentSource, ExpandRequest, NewSnapshot,
-    NewVolume, PageRequest, Parameters, PublishRequest, Segment, SnapshotFilter,
-    TopologyRequirement,
+    AccessMode, AccessType, Capability, CapacityRange, ContentSource, ExpandRequest,
+    GroupSnapshotRef, NewGroupSnapshot, NewSnapshot, NewVolume, PageRequest, Parameters,
+    PublishRequest, Segment, SnapshotFilter, TopologyRequirement,
 };
 use crate::error::{Error, Result, trunc};
 
@@ -442,6 +442,118 @@ pub fn list_snapshots(req: &csi::ListSnapshotsRequest) -> Result<(SnapshotFilter
         snapshot_id: optional_id("snapshot_id", &req.snapshot_id)?,
     };
     Ok((filter, page(req.max_entries, &req.starting_token)?))
+}
+
+/// Most volumes in one group snapshot.
+pub const MAX_GROUP_MEMBERS: usize = 64;
+
+/// Checks a list of ids (each as [`id`]) of at most `max` entries, without repeats.
+fn id_list(field: &'static str, raw: &[String], max: usize) -> Result<Vec<String>> {
+    if raw.len() > max {
+        return Err(Error::invalid(field, format!("more than {max} ids")));
+    }
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::with_capacity(raw.len());
+    for r in raw {
+        let id = id(field, r)?;
+        if !seen.insert(id.clone()) {
+            return Err(Error::invalid(
+                field,
+                format!("{:?} is named twice", trunc(&id)),
+            ));
+        }
+        out.push(id);
+    }
+    Ok(out)
+}
+
+/// Validates CreateVolumeGroupSnapshot.
+pub fn create_group_snapshot(
+    req: &csi::CreateVolumeGroupSnapshotRequest,
+) -> Result<NewGroupSnapshot> {
+    let name = name("name", &req.name)?;
+    map_size("secrets", &req.secrets)?;
+    let source_volume_ids = id_list(
+        "source_volume_ids",
+        &req.source_volume_ids,
+        MAX_GROUP_MEMBERS,
+    )?;
+    if source_volume_ids.is_empty() {
+        return Err(Error::invalid(
+            "source_volume_ids",
+            "must name at least one volume",
+        ));
+    }
+    Ok(NewGroupSnapshot {
+        name,
+        source_volume_ids,
+        parameters: map("parameters", &req.parameters)?,
+    })
+}
+
+/// Validates GetVolumeGroupSnapshot.
+pub fn get_group_snapshot(req: &csi::GetVolumeGroupSnapshotRequest) -> Result<GroupSnapshotRef> {
+    map_size("secrets", &req.secrets)?;
+    Ok(GroupSnapshotRef {
+        id: id("group_snapshot_id", &req.group_snapshot_id)?,
+        snapshot_ids: id_list("snapshot_ids", &req.snapshot_ids, MAX_GROUP_MEMBERS)?,
+    })
+}
+
+/// Validates DeleteVolumeGroupSnapshot.
+pub fn delete_group_snapshot(
+    req: &csi::DeleteVolumeGroupSnapshotRequest,
+) -> Result<GroupSnapshotRef> {
+    map_size("secrets", &req.secrets)?;
+    Ok(GroupSnapshotRef {
+        id: id("group_snapshot_id", &req.group_snapshot_id)?,
+        snapshot_ids: id_list("snapshot_ids", &req.snapshot_ids, MAX_GROUP_MEMBERS)?,
+    })
+}
+
+/// A snapshot metadata request, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetadataRequest {
+    /// The base snapshot (GetMetadataDelta only).
+    pub base_snapshot_id: Option<String>,
+    /// The snapshot whose blocks are asked for (the target of a delta).
+    pub snapshot_id: String,
+    /// No tuple may end at or before it.
+    pub starting_offset: u64,
+    /// Most tuples in one message (0: the plugin's choice).
+    pub max_results: usize,
+}
+
+fn starting_offset(raw: i64) -> Result<u64> {
+    u64::try_from(raw).map_err(|_| Error::OffsetOutOfRange(format!("{raw} is negative")))
+}
+
+fn max_results(raw: i32) -> Result<usize> {
+    usize::try_from(raw).map_err(|_| Error::invalid("max_results", "must not be negative"))
+}
+
+/// Validates GetMetadataAllocated.
+pub fn metadata_allocated(req: &csi::GetMetadataAllocatedRequest) -> Result<MetadataRequest> {
+    map_size("secrets", &req.secrets)?;
+    Ok(MetadataRequest {
+        base_snapshot_id: None,
+        snapshot_id: id("snapshot_id", &req.snapshot_id)?,
+        starting_offset: starting_offset(req.starting_offset)?,
+        max_results: max_results(req.max_results)?,
+    })
+}
+
+/// Validates GetMetadataDelta.
+pub fn metadata_delta(req: &csi::GetMetadataDeltaRequest) -> Result<MetadataRequest> {
+    map_size("secrets", &req.secrets)?;
+    let base = id("base_snapshot_id", &req.base_snapshot_id)?;
+    let target = id("target_snapshot_id", &req.target_snapshot_id)?;
+    Ok(MetadataRequest {
+        base_snapshot_id: Some(base),
+        snapshot_id: target,
+        starting_offset: starting_offset(req.starting_offset)?,
+        max_results: max_results(req.max_results)?,
+    })
 }
 
 /// Validates ListVolumes.

@@ -10,8 +10,11 @@ use std::time::Duration;
 use csi::controller_client::ControllerClient;
 use csi::controller_server::ControllerServer;
 use csi::group_controller_client::GroupControllerClient;
+use csi::group_controller_server::GroupControllerServer;
 use csi::identity_client::IdentityClient;
 use csi::identity_server::IdentityServer;
+use csi::snapshot_metadata_client::SnapshotMetadataClient;
+use csi::snapshot_metadata_server::SnapshotMetadataServer;
 use moor_controller::embedded::fake::FakeAttacher;
 use moor_controller::embedded::{Config, EmbeddedBackend};
 use moor_controller::identity::IdentityService;
@@ -87,11 +90,19 @@ async fn serve(
     let socket = dir.join("csi.sock");
     let listener = moor_runtime::server::bind_unix(&socket).unwrap();
     let router = tonic::transport::Server::builder()
-        .add_service(IdentityServer::new(IdentityService::new(
-            "moor.csi.io",
-            Arc::clone(&backend),
-        )))
-        .add_service(ControllerServer::new(ControllerService::new(backend)));
+        .add_service(IdentityServer::new(
+            IdentityService::new("moor.csi.io", Arc::clone(&backend))
+                .announce_snapshot_metadata(true),
+        ))
+        .add_service(ControllerServer::new(ControllerService::new(Arc::clone(
+            &backend,
+        ))))
+        .add_service(moor_runtime::metrics::Metered::new(
+            GroupControllerServer::new(ControllerService::new(Arc::clone(&backend))),
+        ))
+        .add_service(moor_runtime::metrics::Metered::new(
+            SnapshotMetadataServer::new(ControllerService::new(backend)),
+        ));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let path = socket.clone();
     let task = tokio::spawn(async move {
@@ -148,6 +159,8 @@ async fn identity_over_the_socket() {
         .collect();
     assert!(services.contains(&(service::Type::ControllerService as i32)));
     assert!(services.contains(&(service::Type::VolumeAccessibilityConstraints as i32)));
+    assert!(services.contains(&(service::Type::GroupControllerService as i32)));
+    assert!(services.contains(&(service::Type::SnapshotMetadataService as i32)));
     assert!(caps.iter().any(|c| matches!(
         &c.r#type,
         Some(Type::VolumeExpansion(e)) if e.r#type == volume_expansion::Type::Online as i32
@@ -231,11 +244,10 @@ async fn volume_lifecycle_over_the_socket() {
 }
 
 #[tokio::test]
-async fn group_snapshots_and_modify_are_unimplemented() {
+async fn modify_is_unimplemented() {
     let dir = TempDir::new("unimplemented");
     let (socket, stop, task) = serve(&dir.0).await;
-    let channel = connect(&socket).await;
-    let mut c = ControllerClient::new(channel.clone());
+    let mut c = ControllerClient::new(connect(&socket).await);
     let e = c
         .controller_modify_volume(csi::ControllerModifyVolumeRequest {
             volume_id: "vol-0000000000000001".into(),
@@ -244,21 +256,122 @@ async fn group_snapshots_and_modify_are_unimplemented() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::Unimplemented);
-    let mut g = GroupControllerClient::new(channel);
-    let e = g
+    stop.send(()).unwrap();
+    task.await.unwrap();
+}
+
+/// The value of one line of the process's gRPC metrics, 0 when absent.
+fn counted(method: &str, code: &str) -> u64 {
+    let want = format!("moor_grpc_requests_total{{method=\"{method}\",code=\"{code}\"}} ");
+    moor_runtime::metrics::render_grpc()
+        .lines()
+        .find_map(|l| l.strip_prefix(want.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn group_snapshots_and_metadata_over_the_socket() {
+    let dir = TempDir::new("group");
+    let (socket, stop, task) = serve(&dir.0).await;
+    let channel = connect(&socket).await;
+    let mut c = ControllerClient::new(channel.clone());
+    let mut vols = Vec::new();
+    for name in ["pvc-a", "pvc-b"] {
+        let v = c
+            .create_volume(csi::CreateVolumeRequest {
+                name: name.into(),
+                capacity_range: Some(csi::CapacityRange {
+                    required_bytes: 1 << 20,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![mount_cap()],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        vols.push(v.volume_id);
+    }
+    let mut g = GroupControllerClient::new(channel.clone());
+    let caps = g
+        .group_controller_get_capabilities(csi::GroupControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(caps.capabilities.len(), 1);
+    let group = g
         .create_volume_group_snapshot(csi::CreateVolumeGroupSnapshotRequest {
             name: "g".into(),
-            source_volume_ids: vec!["vol-0000000000000001".into()],
+            source_volume_ids: vols.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    assert_eq!(group.snapshots.len(), 2);
+    let got = g
+        .get_volume_group_snapshot(csi::GetVolumeGroupSnapshotRequest {
+            group_snapshot_id: group.group_snapshot_id.clone(),
+            snapshot_ids: group
+                .snapshots
+                .iter()
+                .map(|s| s.snapshot_id.clone())
+                .collect(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(got.group_snapshot.as_ref(), Some(&group));
+
+    // A stream, and its errors as the call's status (and as the metrics count them).
+    let mut m = SnapshotMetadataClient::new(channel);
+    let snap = group.snapshots[0].snapshot_id.clone();
+    let mut stream = m
+        .get_metadata_allocated(csi::GetMetadataAllocatedRequest {
+            snapshot_id: snap.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert_eq!(first.volume_capacity_bytes, 1 << 20);
+    assert!(first.block_metadata.is_empty());
+    assert!(stream.message().await.unwrap().is_none());
+    let before = counted("GetMetadataAllocated", "OutOfRange");
+    let e = m
+        .get_metadata_allocated(csi::GetMetadataAllocatedRequest {
+            snapshot_id: snap,
+            starting_offset: 2 << 20,
             ..Default::default()
         })
         .await
         .unwrap_err();
-    assert_eq!(e.code(), Code::Unimplemented);
-    let e = g
-        .group_controller_get_capabilities(csi::GroupControllerGetCapabilitiesRequest {})
+    assert_eq!(e.code(), Code::OutOfRange);
+    assert_eq!(counted("GetMetadataAllocated", "OutOfRange"), before + 1);
+    let e = m
+        .get_metadata_delta(csi::GetMetadataDeltaRequest {
+            base_snapshot_id: "snap-00000000000000aa".into(),
+            target_snapshot_id: group.snapshots[1].snapshot_id.clone(),
+            ..Default::default()
+        })
         .await
         .unwrap_err();
-    assert_eq!(e.code(), Code::Unimplemented);
+    assert_eq!(e.code(), Code::NotFound);
+
+    g.delete_volume_group_snapshot(csi::DeleteVolumeGroupSnapshotRequest {
+        group_snapshot_id: group.group_snapshot_id.clone(),
+        snapshot_ids: Vec::new(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     stop.send(()).unwrap();
     task.await.unwrap();
 }

@@ -50,6 +50,16 @@ pub fn moor_image() -> String {
 /// The schema of `snapshot.storage.k8s.io/v1` VolumeSnapshotClass, a custom resource the
 /// Kubernetes documents do not have: written by hand from the external-snapshotter v8 CRD.
 pub fn volume_snapshot_class_schema() -> serde_json::Value {
+    snapshot_class_schema("snapshot.storage.k8s.io", "VolumeSnapshotClass")
+}
+
+/// The schema of `groupsnapshot.storage.k8s.io/v1` VolumeGroupSnapshotClass (external-snapshotter
+/// v8.6 CRD, written by hand): the same fields as a VolumeSnapshotClass.
+pub fn volume_group_snapshot_class_schema() -> serde_json::Value {
+    snapshot_class_schema("groupsnapshot.storage.k8s.io", "VolumeGroupSnapshotClass")
+}
+
+fn snapshot_class_schema(group: &str, kind: &str) -> serde_json::Value {
     serde_json::json!({
         "type": "object",
         "required": ["driver", "deletionPolicy"],
@@ -64,12 +74,13 @@ pub fn volume_snapshot_class_schema() -> serde_json::Value {
             "parameters": {"type": "object", "additionalProperties": {"type": "string"}}
         },
         "x-kubernetes-group-version-kind": [
-            {"group": "snapshot.storage.k8s.io", "version": "v1", "kind": "VolumeSnapshotClass"}
+            {"group": group, "version": "v1", "kind": kind}
         ]
     })
 }
 
-/// The Kubernetes schemas ([`openapi_dir`]) plus the hand-written VolumeSnapshotClass and the
+/// The Kubernetes schemas ([`openapi_dir`]) plus the hand-written VolumeSnapshotClass,
+/// VolumeGroupSnapshotClass and the
 /// fields of later releases the manifests use ([`schema::LATER_FIELDS`]).
 ///
 /// # Errors
@@ -82,6 +93,10 @@ pub fn load_schemas() -> Result<schema::Schemas, String> {
     s.add(
         "io.k8s.storage.snapshot.v1.VolumeSnapshotClass",
         volume_snapshot_class_schema(),
+    )?;
+    s.add(
+        "io.k8s.storage.groupsnapshot.v1.VolumeGroupSnapshotClass",
+        volume_group_snapshot_class_schema(),
     )?;
     Ok(s)
 }

@@ -1,4 +1,4 @@
-//! The Controller service's request validator: the first byte picks an RPC, the rest is
+//! The Controller, GroupController and SnapshotMetadata services' request validator: the first byte picks an RPC, the rest is
 //! decoded as that RPC's protobuf request; whatever decodes is validated without a panic, and
 //! every refusal renders as a message.
 #![no_main]
@@ -24,7 +24,7 @@ fuzz_target!(|data: &[u8]| {
     let Some((&which, msg)) = data.split_first() else {
         return;
     };
-    match which % 13 {
+    match which % 18 {
         0 => run::<csi::CreateVolumeRequest, _, _>(msg, validate::create_volume),
         1 => run::<csi::DeleteVolumeRequest, _, _>(msg, validate::delete_volume),
         2 => run::<csi::ControllerPublishVolumeRequest, _, _>(msg, validate::publish),
@@ -40,6 +40,15 @@ fuzz_target!(|data: &[u8]| {
         9 => run::<csi::CreateSnapshotRequest, _, _>(msg, validate::create_snapshot),
         10 => run::<csi::DeleteSnapshotRequest, _, _>(msg, validate::delete_snapshot),
         11 => run::<csi::ListSnapshotsRequest, _, _>(msg, validate::list_snapshots),
-        _ => run::<csi::GetSnapshotRequest, _, _>(msg, validate::get_snapshot),
+        12 => run::<csi::GetSnapshotRequest, _, _>(msg, validate::get_snapshot),
+        13 => {
+            run::<csi::CreateVolumeGroupSnapshotRequest, _, _>(msg, validate::create_group_snapshot)
+        }
+        14 => run::<csi::GetVolumeGroupSnapshotRequest, _, _>(msg, validate::get_group_snapshot),
+        15 => {
+            run::<csi::DeleteVolumeGroupSnapshotRequest, _, _>(msg, validate::delete_group_snapshot)
+        }
+        16 => run::<csi::GetMetadataAllocatedRequest, _, _>(msg, validate::metadata_allocated),
+        _ => run::<csi::GetMetadataDeltaRequest, _, _>(msg, validate::metadata_delta),
     }
 });

@@ -26,3 +26,27 @@ impl Image {
             .map_err(|f| Error::from_failure(f, format!("image {}", self.spec())))
     }
 }
+
+/// What a diff walk's closure answers for one extent: go on, or stop.
+pub use std::ops::ControlFlow;
+
+impl Image {
+    /// Walks the extents of `[offset, offset + len)` of the image, as open (at a snapshot, or
+    /// its head), that changed since its snapshot `from`, or that hold data when `from` is
+    /// None (with the parent's data, for a clone): `each(offset, length, exists)` in order,
+    /// `exists` false for an extent discarded since `from`. Returns whether `each` stopped
+    /// the walk (with [`ControlFlow::Break`]). librbd may call `each` on a thread of its own
+    /// (one extent at a time, in order), hence `Send`.
+    pub fn diff(
+        &self,
+        from: Option<&str>,
+        offset: u64,
+        len: u64,
+        each: &mut (dyn FnMut(u64, u64, bool) -> ControlFlow<()> + Send),
+    ) -> Result<bool> {
+        let from = from.map(crate::pool::image_name).transpose()?;
+        self.raw
+            .diff_iterate(from.as_deref(), offset, len, true, each)
+            .map_err(|f| Error::from_failure(f, format!("image {}", self.spec())))
+    }
+}

@@ -48,6 +48,7 @@ pub use info::{
     ClusterUsage, ImageInfo, ImageSpec, LinkedImage, LockMode, LockOwners, Parent, PoolCapacity,
     PoolUsage, SnapInfo, TrashEntry, Watcher,
 };
+pub use io::ControlFlow;
 pub use lockers::{Locker, Lockers};
 pub use pool::{Ensured, ImagePage, Pool};
 pub use secret::Secret;

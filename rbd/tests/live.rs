@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use moor_rbd::testing::TestCluster;
 use moor_rbd::{
-    Auth, Cluster, ConnectOptions, Ensured, Error, Features, ImageOptions, LockMode, Pool, Secret,
-    Shrink,
+    Auth, Cluster, ConnectOptions, ControlFlow, Ensured, Error, Features, ImageOptions, LockMode,
+    Pool, Secret, Shrink,
 };
 
 const MIB: u64 = 1 << 20;
@@ -636,6 +636,70 @@ fn an_exclusive_lock_held_by_one_client_fails_anothers_acquire_at_once() {
     assert_ne!(now.owners, owners.owners, "the lock changed hands");
     let e = at_a.acquire_exclusive_lock().unwrap_err();
     assert!(matches!(e, Error::LockHeld { .. }), "{e:?}");
+}
+
+#[test]
+fn diff_walks_the_extents_written_since_a_snapshot_or_at_all() {
+    let Some(env) = Env::get() else {
+        return;
+    };
+    let pool = env.pool();
+    let mut cleanup = Cleanup::new(&pool);
+    let image = cleanup.add(&name("diff"));
+    pool.create_image(&image, &ImageOptions::new(16 * MIB))
+        .unwrap();
+    let open = pool.open_image(&image).unwrap();
+    open.write(0, &[1u8; 8192]).unwrap();
+    open.write(5 * MIB, &[2u8; 4096]).unwrap();
+    open.flush().unwrap();
+    open.create_snapshot("s").unwrap();
+    open.write(4096, &[3u8; 4096]).unwrap();
+    open.flush().unwrap();
+
+    let walk = |from: Option<&str>, at: &moor_rbd::Image| {
+        let mut seen = Vec::new();
+        let stopped = at
+            .diff(from, 0, 16 * MIB, &mut |offset, len, exists| {
+                seen.push((offset, len, exists));
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+        assert!(!stopped);
+        seen
+    };
+    let covers = |seen: &[(u64, u64, bool)], at: u64| {
+        seen.iter().any(|&(o, l, e)| e && o <= at && at < o + l)
+    };
+    // Everything written, at the head.
+    let all = walk(None, &open);
+    for at in [0, 4096, 5 * MIB] {
+        assert!(covers(&all, at), "{at} not in {all:?}");
+    }
+    assert!(!covers(&all, 9 * MIB), "{all:?}");
+    // Since the snapshot: the one block rewritten, not the block written before it.
+    let since = walk(Some("s"), &open);
+    assert!(covers(&since, 4096), "{since:?}");
+    assert!(!covers(&since, 5 * MIB), "{since:?}");
+    // The snapshot itself, opened at it, holds what was written before it.
+    let at_snap = pool.open_snapshot(&image, "s").unwrap();
+    assert!(covers(&walk(None, &at_snap), 5 * MIB));
+    // The closure can stop the walk.
+    let mut n = 0;
+    let stopped = open
+        .diff(None, 0, 16 * MIB, &mut |_, _, _| {
+            n += 1;
+            ControlFlow::Break(())
+        })
+        .unwrap();
+    assert!(stopped);
+    assert_eq!(n, 1);
+    // A snapshot that does not exist names the call.
+    let e = open.diff(Some("nope"), 0, MIB, &mut |_, _, _| {
+        ControlFlow::Continue(())
+    });
+    assert!(e.is_err());
+    drop(at_snap);
+    drop(open);
 }
 
 #[test]

@@ -120,8 +120,9 @@ pub const RBD_USER_KEY_SECRET: &str = "userKey";
 
 /// The plugin capabilities: the same from the node and the controller, as the spec has every
 /// instance of a version answer, whichever services it serves. The controller service,
-/// volumes that live on one node (accessibility constraints), and volumes that grow while
-/// in use.
+/// volumes that live on one node (accessibility constraints), volume group snapshots (the
+/// group controller service), and volumes that grow while in use. (moor-controller adds
+/// SNAPSHOT_METADATA_SERVICE when told to: see its `--snapshot-metadata`.)
 pub fn plugin_capabilities() -> Vec<csi::PluginCapability> {
     use csi::plugin_capability::{Service, Type, VolumeExpansion, service, volume_expansion};
     let service = |t: service::Type| csi::PluginCapability {
@@ -130,6 +131,7 @@ pub fn plugin_capabilities() -> Vec<csi::PluginCapability> {
     vec![
         service(service::Type::ControllerService),
         service(service::Type::VolumeAccessibilityConstraints),
+        service(service::Type::GroupControllerService),
         csi::PluginCapability {
             r#type: Some(Type::VolumeExpansion(VolumeExpansion {
                 r#type: volume_expansion::Type::Online as i32,

@@ -84,7 +84,7 @@ async fn probe_answers_failed_precondition_when_a_required_tool_is_missing() {
         .into_inner()
         .capabilities;
     assert_eq!(caps, moor_runtime::contract::plugin_capabilities());
-    assert_eq!(caps.len(), 3);
+    assert_eq!(caps.len(), 4);
 }
 
 #[tokio::test]

@@ -84,6 +84,7 @@ macro_rules! id_type {
 
 id_type!(VolumeId, "vol-", "volume");
 id_type!(SnapshotId, "snap-", "snapshot");
+id_type!(GroupId, "group-", "group snapshot");
 
 #[cfg(test)]
 mod tests {

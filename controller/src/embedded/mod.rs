@@ -9,6 +9,8 @@
 //! snapshots/<snap-id>.img         the snapshots' data
 //! records/volumes/<vol-id>.json   one record per volume (name, size, parameters, publication)
 //! records/snapshots/<snap-id>.json
+//! records/groups/<group-id>.json  one record per group snapshot (its members are snapshots)
+//! records/freezing.json           filesystems a group snapshot holds frozen (module freeze)
 //! tmp/                            data being copied; emptied at start
 //! lock                            flock'ed while a backend has the dir open
 //! ```
@@ -23,7 +25,10 @@
 pub mod attach;
 pub mod copy;
 pub mod fake;
+pub mod freeze;
+mod groups;
 pub mod ids;
+pub mod metadata;
 mod operations;
 mod parameters;
 pub mod reconcile;
@@ -170,6 +175,20 @@ fn size_error(path: &Path, size: u64, e: io::Error) -> Error {
     }
 }
 
+/// INVALID_ARGUMENT for a parameter that is not the CO's own: moor takes none for `what`.
+fn no_parameters(parameters: &Parameters, what: &str) -> Result<()> {
+    match parameters.keys().find(|k| !k.starts_with(K8S_PREFIX)) {
+        Some(key) => Err(Error::invalid(
+            "parameters",
+            format!(
+                "unknown key {:?}: moor takes no {what} parameters",
+                trunc(key)
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 fn volume_key(id: &VolumeId) -> String {
     format!("volume:{id}")
 }
@@ -183,6 +202,7 @@ fn snapshot_key(id: &SnapshotId) -> String {
 struct State {
     volumes: BTreeMap<String, VolumeRecord>,
     snapshots: BTreeMap<String, SnapshotRecord>,
+    groups: BTreeMap<String, records::GroupRecord>,
     /// Ids whose record was set aside: their data is never treated as an orphan.
     protected: BTreeSet<String>,
 }
@@ -263,6 +283,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
         let state = State {
             volumes: loaded.volumes,
             snapshots: loaded.snapshots,
+            groups: loaded.groups,
             protected: loaded
                 .set_aside
                 .iter()
@@ -346,6 +367,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
             size_bytes: rec.size_bytes,
             created_at: rec.created_at(),
             ready_to_use: true,
+            group_snapshot_id: rec.group_snapshot_id.clone(),
         }
     }
 
@@ -435,13 +457,9 @@ impl<A: Attacher> EmbeddedBackend<A> {
         }
     }
 
-    /// Creates `tmp/<name>`, fills it (`fill`), fsyncs it and renames it to `target`.
-    fn write_data_file(
-        &self,
-        name: &str,
-        target: &Path,
-        fill: impl FnOnce(&File) -> Result<()>,
-    ) -> Result<()> {
+    /// Creates `tmp/<name>` (new, private), removed when the returned [`TempFile`] is dropped
+    /// unless kept.
+    fn create_temp(&self, name: &str) -> Result<(TempFile, File)> {
         let tmp = TempFile {
             path: self.layout.tmp.join(name),
             keep: false,
@@ -453,6 +471,17 @@ impl<A: Attacher> EmbeddedBackend<A> {
             .mode(0o600)
             .open(&tmp.path)
             .map_err(|e| Error::io("create", &tmp.path, e))?;
+        Ok((tmp, file))
+    }
+
+    /// Creates `tmp/<name>`, fills it (`fill`), fsyncs it and renames it to `target`.
+    fn write_data_file(
+        &self,
+        name: &str,
+        target: &Path,
+        fill: impl FnOnce(&File) -> Result<()>,
+    ) -> Result<()> {
+        let (tmp, file) = self.create_temp(name)?;
         fill(&file)?;
         file.sync_all()
             .map_err(|e| Error::io("fsync", &tmp.path, e))?;

@@ -11,13 +11,14 @@ use super::attach::{AttachError, Attacher, Detach, FileId};
 use super::ids::{SnapshotId, VolumeId};
 use super::records::{Publication, SnapshotRecord, VolumeRecord};
 use super::{
-    EmbeddedBackend, K8S_PREFIX, POLICY, check_capability, copy, parse_parameters, records,
+    EmbeddedBackend, POLICY, check_capability, copy, no_parameters, parse_parameters, records,
     size_error, snapshot_key, volume_key,
 };
 use crate::backend::{
-    self, Backend, Capability, Capacity, CapacityQuery, ExpandRequest, NewSnapshot, NewVolume,
-    Page, PageRequest, Parameters, PublishContext, PublishRequest, SizePolicy, Snapshot,
-    SnapshotFilter, Volume, VolumeStatus,
+    self, Backend, Capability, Capacity, CapacityQuery, ExpandRequest, GroupSnapshot,
+    GroupSnapshotRef, MetadataSink, NewGroupSnapshot, NewSnapshot, NewVolume, Page, PageRequest,
+    Parameters, PublishContext, PublishRequest, SizePolicy, Snapshot, SnapshotFilter, Volume,
+    VolumeStatus,
 };
 use crate::error::{Error, Result, trunc};
 
@@ -372,22 +373,14 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
     }
 
     fn create_snapshot(&self, req: &NewSnapshot) -> Result<Snapshot> {
-        if let Some(key) = req.parameters.keys().find(|k| !k.starts_with(K8S_PREFIX)) {
-            return Err(Error::invalid(
-                "parameters",
-                format!(
-                    "unknown key {:?}: moor takes no snapshot parameters",
-                    trunc(key)
-                ),
-            ));
-        }
+        no_parameters(&req.parameters, "snapshot")?;
         let name_key = format!("snapshot-name:{}", req.name);
         let _claim = self.inflight.claim(&[&name_key], &[])?;
         let existing = self
             .state()
             .snapshots
             .values()
-            .find(|s| s.name == req.name)
+            .find(|s| s.group_snapshot_id.is_none() && s.name == req.name)
             .cloned();
         if let Some(existing) = existing {
             if existing.source_volume_id != req.source_volume_id {
@@ -429,6 +422,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             size_bytes: size,
             created_secs,
             created_nanos,
+            group_snapshot_id: None,
         };
         if let Err(e) = self.store.put_snapshot(&rec) {
             let _ = Self::remove_data_file(&target);
@@ -493,5 +487,70 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             entries: page.entries.iter().map(Self::snapshot_of).collect(),
             next_token: page.next_token,
         })
+    }
+
+    fn create_group_snapshot(&self, req: &NewGroupSnapshot) -> Result<GroupSnapshot> {
+        self.create_group(req)
+    }
+
+    fn delete_group_snapshot(&self, req: &GroupSnapshotRef) -> Result<()> {
+        self.delete_group(req)
+    }
+
+    fn get_group_snapshot(&self, req: &GroupSnapshotRef) -> Result<GroupSnapshot> {
+        self.get_group(req)
+    }
+
+    fn snapshot_allocated(
+        &self,
+        snapshot_id: &str,
+        start: u64,
+        sink: &mut dyn MetadataSink,
+    ) -> Result<()> {
+        let (rec, path, file) = self.open_snapshot(snapshot_id)?;
+        super::metadata::allocated(&file, &path, rec.size_bytes, start, sink)
+    }
+
+    fn snapshot_delta(
+        &self,
+        base_snapshot_id: &str,
+        target_snapshot_id: &str,
+        start: u64,
+        sink: &mut dyn MetadataSink,
+    ) -> Result<()> {
+        let (base, base_path, base_file) = self.open_snapshot(base_snapshot_id)?;
+        let (target, target_path, target_file) = self.open_snapshot(target_snapshot_id)?;
+        if base.source_volume_id != target.source_volume_id {
+            return Err(Error::invalid(
+                "target_snapshot_id",
+                format!(
+                    "snapshot {} is of volume {}, the base snapshot {} of volume {}",
+                    target.id, target.source_volume_id, base.id, base.source_volume_id
+                ),
+            ));
+        }
+        let pair = super::metadata::Pair {
+            base: (&base_file, &base_path),
+            target: (&target_file, &target_path),
+        };
+        super::metadata::delta(&pair, target.size_bytes, start, sink)
+    }
+}
+
+impl<A: Attacher> EmbeddedBackend<A> {
+    /// A snapshot's record and its data file, open (a delete meanwhile does not disturb a
+    /// reader); NOT_FOUND for one that does not exist.
+    fn open_snapshot(&self, raw: &str) -> Result<(SnapshotRecord, std::path::PathBuf, File)> {
+        let not_found = || Error::SnapshotNotFound(trunc(raw).to_string());
+        let id = SnapshotId::parse(raw).ok_or_else(not_found)?;
+        let rec = self
+            .state()
+            .snapshots
+            .get(id.as_str())
+            .cloned()
+            .ok_or_else(not_found)?;
+        let path = self.layout.snapshot_file(&id);
+        let file = File::open(&path).map_err(|e| Error::io("open", &path, e))?;
+        Ok((rec, path, file))
     }
 }

@@ -11,6 +11,10 @@
 //! * A record saying a volume is attached whose device is gone or bound elsewhere is corrected
 //!   to "not published" (the CO notices through ListVolumes' published nodes and attaches
 //!   again, getting the new device).
+//! * Filesystems a group snapshot froze and a crash left frozen are thawed.
+//! * Member snapshots of a group snapshot whose group record was never written (a crash in the
+//!   middle of CreateVolumeGroupSnapshot) are removed: the create never answered, its retry
+//!   cuts the group afresh.
 //! * Data files without a record (a crash between writing the data and its record, or between
 //!   removing the record and the data) are removed, unless a set-aside record claims them.
 //!
@@ -45,6 +49,10 @@ pub struct Report {
     pub resized: Vec<(String, u64)>,
     /// Data files without a record, removed.
     pub orphans_removed: Vec<PathBuf>,
+    /// Snapshots of group snapshots that were never finished, removed.
+    pub unfinished_members: Vec<String>,
+    /// Filesystems a killed group snapshot left frozen, thawed.
+    pub thawed: Vec<PathBuf>,
     /// Volumes on record whose data file is missing.
     pub missing_data: Vec<String>,
     /// Records that could not be read.
@@ -61,6 +69,8 @@ impl Report {
             && self.corrected.is_empty()
             && self.resized.is_empty()
             && self.orphans_removed.is_empty()
+            && self.unfinished_members.is_empty()
+            && self.thawed.is_empty()
             && self.missing_data.is_empty()
             && self.set_aside.is_empty()
             && self.problems.is_empty()
@@ -105,6 +115,24 @@ pub fn run(
         .filter_map(|a| a.id.clone())
         .collect();
     let mut changed: BTreeSet<String> = BTreeSet::new();
+
+    // Filesystems a killed group snapshot left frozen.
+    if let Some(rec) = loaded.frozen.take() {
+        report.thawed = super::freeze::thaw_left_over(store, &rec, &mut report.problems);
+    }
+
+    // Members of group snapshots that were never finished: their data goes with the orphans.
+    for id in
+        super::groups::incomplete_members(loaded.snapshots.values(), &loaded.groups, &protected)
+    {
+        let Some(sid) = SnapshotId::parse(&id) else {
+            continue;
+        };
+        store.remove_snapshot(&sid)?;
+        loaded.snapshots.remove(&id);
+        super::groups::log_incomplete(&id, &layout.snapshot_file(&sid));
+        report.unfinished_members.push(id);
+    }
 
     // Unfinished copies.
     if let Ok(entries) = fs::read_dir(&layout.tmp) {

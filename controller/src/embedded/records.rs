@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use super::ids::{SnapshotId, VolumeId};
+use super::ids::{GroupId, SnapshotId, VolumeId};
 use crate::backend::{ContentSource, Parameters};
 
 /// The record format version this code writes.
@@ -106,6 +106,45 @@ pub struct SnapshotRecord {
     pub created_secs: u64,
     /// When it was cut: nanoseconds within the second.
     pub created_nanos: u32,
+    /// The group snapshot it was cut in, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_snapshot_id: Option<String>,
+}
+
+/// One group snapshot. Its member snapshots have records of their own (naming the group), all
+/// written before this one: a member whose group has no record is what a crash in the middle
+/// of a create left, and start-up removes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupRecord {
+    /// Record format version.
+    pub version: u32,
+    /// The group snapshot id.
+    pub id: String,
+    /// The CO's name.
+    pub name: String,
+    /// The volumes, in the request's order.
+    pub source_volume_ids: Vec<String>,
+    /// The member snapshots, one per volume, in the same order.
+    pub snapshot_ids: Vec<String>,
+    /// When it was cut: seconds since the epoch.
+    pub created_secs: u64,
+    /// When it was cut: nanoseconds within the second.
+    pub created_nanos: u32,
+}
+
+impl GroupRecord {
+    /// When it was cut.
+    pub fn created_at(&self) -> SystemTime {
+        UNIX_EPOCH + Duration::new(self.created_secs, self.created_nanos.min(999_999_999))
+    }
+}
+
+/// The filesystems a group snapshot froze: written before the first freeze, removed after the
+/// last thaw, so that a controller killed in between thaws them at its next start.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct FreezeRecord {
+    /// Mount points, one per frozen filesystem.
+    pub mounts: Vec<PathBuf>,
 }
 
 impl SnapshotRecord {
@@ -139,6 +178,10 @@ pub struct Loaded {
     pub volumes: BTreeMap<String, VolumeRecord>,
     /// Snapshots by id.
     pub snapshots: BTreeMap<String, SnapshotRecord>,
+    /// Group snapshots by id.
+    pub groups: BTreeMap<String, GroupRecord>,
+    /// Filesystems left frozen by a group snapshot that never finished.
+    pub frozen: Option<FreezeRecord>,
     /// Unreadable records.
     pub set_aside: Vec<SetAside>,
 }
@@ -146,76 +189,88 @@ pub struct Loaded {
 /// The record directories.
 #[derive(Debug, Clone)]
 pub struct RecordStore {
+    root: PathBuf,
     volumes: PathBuf,
     snapshots: PathBuf,
+    groups: PathBuf,
 }
 
+/// The freeze record's file name, in the records dir.
+const FREEZE_FILE: &str = "freezing.json";
+
 impl RecordStore {
-    /// Opens (creating) `root/volumes` and `root/snapshots` and reads every record.
+    /// Opens (creating) `root/volumes`, `root/snapshots` and `root/groups` and reads every
+    /// record.
     pub fn open(root: &Path) -> Result<(Self, Loaded), RecordError> {
         let store = Self {
+            root: root.to_path_buf(),
             volumes: root.join("volumes"),
             snapshots: root.join("snapshots"),
+            groups: root.join("groups"),
         };
-        for dir in [root, &store.volumes, &store.snapshots] {
+        for dir in [root, &store.volumes, &store.snapshots, &store.groups] {
             fs::create_dir_all(dir).map_err(io("create dir", dir))?;
         }
         let mut loaded = Loaded::default();
-        for (path, id, data) in read_dir_records(&store.volumes, &mut loaded.set_aside)? {
-            match VolumeId::from_file_name(&id, "json") {
-                Some(vid) => match serde_json::from_slice::<VolumeRecord>(&data) {
-                    Ok(rec) if rec.id == vid.as_str() && rec.version <= FORMAT_VERSION => {
-                        loaded.volumes.insert(rec.id.clone(), rec);
-                    }
-                    Ok(rec) => set_aside(
-                        &path,
-                        Some(vid.to_string()),
-                        format!("record says id {:?} version {}", rec.id, rec.version),
-                        &mut loaded.set_aside,
-                    ),
-                    Err(e) => set_aside(
-                        &path,
-                        Some(vid.to_string()),
-                        e.to_string(),
-                        &mut loaded.set_aside,
-                    ),
-                },
-                None => set_aside(
-                    &path,
-                    None,
-                    "not a volume record name".into(),
-                    &mut loaded.set_aside,
-                ),
-            }
-        }
-        for (path, id, data) in read_dir_records(&store.snapshots, &mut loaded.set_aside)? {
-            match SnapshotId::from_file_name(&id, "json") {
-                Some(sid) => match serde_json::from_slice::<SnapshotRecord>(&data) {
-                    Ok(rec) if rec.id == sid.as_str() && rec.version <= FORMAT_VERSION => {
-                        loaded.snapshots.insert(rec.id.clone(), rec);
-                    }
-                    Ok(rec) => set_aside(
-                        &path,
-                        Some(sid.to_string()),
-                        format!("record says id {:?} version {}", rec.id, rec.version),
-                        &mut loaded.set_aside,
-                    ),
-                    Err(e) => set_aside(
-                        &path,
-                        Some(sid.to_string()),
-                        e.to_string(),
-                        &mut loaded.set_aside,
-                    ),
-                },
-                None => set_aside(
-                    &path,
-                    None,
-                    "not a snapshot record name".into(),
-                    &mut loaded.set_aside,
-                ),
-            }
+        loaded.volumes = load_dir(
+            &store.volumes,
+            |name| VolumeId::from_file_name(name, "json").map(|i| i.to_string()),
+            |r: &VolumeRecord| (r.id.clone(), r.version),
+            "volume",
+            &mut loaded.set_aside,
+        )?;
+        loaded.snapshots = load_dir(
+            &store.snapshots,
+            |name| SnapshotId::from_file_name(name, "json").map(|i| i.to_string()),
+            |r: &SnapshotRecord| (r.id.clone(), r.version),
+            "snapshot",
+            &mut loaded.set_aside,
+        )?;
+        loaded.groups = load_dir(
+            &store.groups,
+            |name| GroupId::from_file_name(name, "json").map(|i| i.to_string()),
+            |r: &GroupRecord| (r.id.clone(), r.version),
+            "group snapshot",
+            &mut loaded.set_aside,
+        )?;
+        let freeze = root.join(FREEZE_FILE);
+        match fs::read(&freeze) {
+            Ok(data) => match serde_json::from_slice::<FreezeRecord>(&data) {
+                Ok(rec) => loaded.frozen = Some(rec),
+                Err(e) => set_aside(&freeze, None, e.to_string(), &mut loaded.set_aside),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io("read", &freeze)(e)),
         }
         Ok((store, loaded))
+    }
+
+    /// Writes a group snapshot record durably.
+    pub fn put_group(&self, rec: &GroupRecord) -> Result<(), RecordError> {
+        let data = serde_json::to_vec_pretty(rec).map_err(|source| RecordError::Encode {
+            id: rec.id.clone(),
+            source,
+        })?;
+        write_atomic(&self.groups, &format!("{}.json", rec.id), &data)
+    }
+
+    /// Removes a group snapshot record durably (absent: success).
+    pub fn remove_group(&self, id: &GroupId) -> Result<(), RecordError> {
+        remove_durable(&self.groups, &id.record_file())
+    }
+
+    /// Records, durably, the filesystems about to be frozen.
+    pub fn put_freeze(&self, rec: &FreezeRecord) -> Result<(), RecordError> {
+        let data = serde_json::to_vec_pretty(rec).map_err(|source| RecordError::Encode {
+            id: FREEZE_FILE.into(),
+            source,
+        })?;
+        write_atomic(&self.root, FREEZE_FILE, &data)
+    }
+
+    /// Removes the freeze record (absent: success).
+    pub fn remove_freeze(&self) -> Result<(), RecordError> {
+        remove_durable(&self.root, FREEZE_FILE)
     }
 
     /// Writes a volume record durably.
@@ -245,6 +300,40 @@ impl RecordStore {
     pub fn remove_snapshot(&self, id: &SnapshotId) -> Result<(), RecordError> {
         remove_durable(&self.snapshots, &id.record_file())
     }
+}
+
+/// Reads the records of one kind in `dir`: a record is kept when its file name is an id of
+/// that kind (`id_of`) and the record says the same id and a version this code reads;
+/// anything else is set aside.
+fn load_dir<R: serde::de::DeserializeOwned>(
+    dir: &Path,
+    id_of: impl Fn(&str) -> Option<String>,
+    id_version: impl Fn(&R) -> (String, u32),
+    what: &str,
+    aside: &mut Vec<SetAside>,
+) -> Result<BTreeMap<String, R>, RecordError> {
+    let mut out = BTreeMap::new();
+    for (path, name, data) in read_dir_records(dir, aside)? {
+        let Some(id) = id_of(&name) else {
+            set_aside(&path, None, format!("not a {what} record name"), aside);
+            continue;
+        };
+        match serde_json::from_slice::<R>(&data) {
+            Ok(rec) => match id_version(&rec) {
+                (rid, version) if rid == id && version <= FORMAT_VERSION => {
+                    out.insert(id, rec);
+                }
+                (rid, version) => set_aside(
+                    &path,
+                    Some(id),
+                    format!("record says id {rid:?} version {version}"),
+                    aside,
+                ),
+            },
+            Err(e) => set_aside(&path, Some(id), e.to_string(), aside),
+        }
+    }
+    Ok(out)
 }
 
 /// Reads every `*.json` in `dir`; removes leftover temporary files; sets aside anything else
@@ -378,6 +467,7 @@ mod tests {
             size_bytes: 5,
             created_secs: t,
             created_nanos: c,
+            group_snapshot_id: None,
         };
         store.put_snapshot(&s).unwrap();
         let (_, loaded) = RecordStore::open(dir.path()).unwrap();

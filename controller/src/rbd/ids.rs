@@ -6,6 +6,7 @@
 //! ```text
 //! rbd/<cluster>/<pool>/moor-vol-<24 hex>      a volume: the image's name is the last part
 //! rbd/<cluster>/<pool>/moor-snap-<24 hex>     a snapshot
+//! rbd/<cluster>/<pool>/moor-group-<24 hex>    a volume group snapshot (its members are snapshots)
 //! ```
 //!
 //! `<cluster>` is a `clusterID` of the controller's cluster list, or `@` and the monitors
@@ -23,6 +24,8 @@ pub const ID_PREFIX: &str = "rbd/";
 pub const VOLUME_IMAGE_PREFIX: &str = "moor-vol-";
 /// The RBD snapshot behind a CSI snapshot is named this and its suffix.
 pub const SNAPSHOT_PREFIX: &str = "moor-snap-";
+/// Group snapshots' ids end in this and their suffix (nothing in Ceph is named after them).
+pub const GROUP_PREFIX: &str = "moor-group-";
 /// The RBD snapshot a volume is cloned from (a volume as content source) is named this and
 /// the clone's suffix.
 pub const CLONE_SOURCE_PREFIX: &str = "moor-src-";
@@ -119,6 +122,7 @@ pub struct Location {
 enum Kind {
     Volume,
     Snapshot,
+    Group,
 }
 
 impl Kind {
@@ -126,6 +130,7 @@ impl Kind {
         match self {
             Kind::Volume => VOLUME_IMAGE_PREFIX,
             Kind::Snapshot => SNAPSHOT_PREFIX,
+            Kind::Group => GROUP_PREFIX,
         }
     }
 }
@@ -237,6 +242,28 @@ impl SnapshotId {
 impl fmt::Display for SnapshotId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&format_id(&self.location, Kind::Snapshot, &self.suffix))
+    }
+}
+
+/// A volume group snapshot of the RBD backend: its record is in the pool of its members.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GroupId {
+    /// The pool of its members.
+    pub location: Location,
+    /// Its random part.
+    pub suffix: String,
+}
+
+impl GroupId {
+    /// The group snapshot `s` names, if it is an id of this form.
+    pub fn parse(s: &str) -> Option<Self> {
+        parse_id(s, Kind::Group).map(|(location, suffix)| Self { location, suffix })
+    }
+}
+
+impl fmt::Display for GroupId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&format_id(&self.location, Kind::Group, &self.suffix))
     }
 }
 

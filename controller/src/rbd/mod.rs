@@ -10,6 +10,8 @@
 //!   metadata so that it survives the controller;
 //! * `volumes`, `snapshots`, `listing`: the RPCs; `reap`: images and snapshots kept for their
 //!   clones after the CO deleted them, removed with the last clone;
+//! * `groups`: volume group snapshots (every member's lock held while they are cut);
+//!   `metadata`: allocated and changed blocks of snapshots, from librbd's diff iteration;
 //! * `publish` and `fence`: which node may map an image, and fencing a node that still holds
 //!   it when it is taken away.
 //!
@@ -20,8 +22,10 @@
 pub mod clusters;
 pub mod credentials;
 mod fence;
+mod groups;
 pub mod ids;
 mod listing;
+mod metadata;
 pub mod parameters;
 mod publish;
 mod reap;
@@ -40,9 +44,9 @@ use self::credentials::{Connections, Credentials};
 use self::ids::ClusterRef;
 use self::records::RecordError;
 use crate::backend::{
-    Backend, Capability, Capacity, CapacityQuery, ExpandRequest, NewSnapshot, NewVolume, Page,
-    PageRequest, Parameters, PublishContext, PublishRequest, SizePolicy, Snapshot, SnapshotFilter,
-    Volume, VolumeStatus,
+    Backend, Capability, Capacity, CapacityQuery, ExpandRequest, GroupSnapshot, GroupSnapshotRef,
+    MetadataSink, NewGroupSnapshot, NewSnapshot, NewVolume, Page, PageRequest, Parameters,
+    PublishContext, PublishRequest, SizePolicy, Snapshot, SnapshotFilter, Volume, VolumeStatus,
 };
 use crate::error::{Error, Result};
 use crate::inflight::InFlight;
@@ -305,5 +309,36 @@ impl Backend for RbdBackend {
         page: &PageRequest,
     ) -> Result<Page<Snapshot>> {
         self.list_snapshots_impl(filter, page)
+    }
+
+    fn create_group_snapshot(&self, req: &NewGroupSnapshot) -> Result<GroupSnapshot> {
+        self.create_group_impl(req)
+    }
+
+    fn delete_group_snapshot(&self, req: &GroupSnapshotRef) -> Result<()> {
+        self.delete_group_impl(req)
+    }
+
+    fn get_group_snapshot(&self, req: &GroupSnapshotRef) -> Result<GroupSnapshot> {
+        self.get_group_impl(req)
+    }
+
+    fn snapshot_allocated(
+        &self,
+        snapshot_id: &str,
+        start: u64,
+        sink: &mut dyn MetadataSink,
+    ) -> Result<()> {
+        self.allocated_impl(snapshot_id, start, sink)
+    }
+
+    fn snapshot_delta(
+        &self,
+        base_snapshot_id: &str,
+        target_snapshot_id: &str,
+        start: u64,
+        sink: &mut dyn MetadataSink,
+    ) -> Result<()> {
+        self.delta_impl(base_snapshot_id, target_snapshot_id, start, sink)
     }
 }

@@ -7,6 +7,8 @@
 //! moor.vol.<suffix>      → VolumeRecord       (parameters, publications, fencing, state)
 //! moor.sname.<CO name>   → snapshot suffix
 //! moor.snap.<suffix>     → SnapshotRecord
+//! moor.gname.<CO name>   → group snapshot suffix
+//! moor.group.<suffix>    → GroupRecord        (its members are snapshots naming it)
 //! ```
 //!
 //! Why there: the records live in the cluster, next to the images, so they survive the
@@ -35,6 +37,8 @@ const VOLUME_PREFIX: &str = "moor.vol.";
 const VOLUME_NAME_PREFIX: &str = "moor.vname.";
 const SNAPSHOT_PREFIX: &str = "moor.snap.";
 const SNAPSHOT_NAME_PREFIX: &str = "moor.sname.";
+const GROUP_PREFIX: &str = "moor.group.";
+const GROUP_NAME_PREFIX: &str = "moor.gname.";
 
 /// Reading or writing a record failed.
 #[derive(Debug, thiserror::Error)]
@@ -157,6 +161,48 @@ pub struct SnapshotRecord {
     pub created_secs: u64,
     /// And nanoseconds.
     pub created_nanos: u32,
+    /// The suffix of the group snapshot it was cut in, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_suffix: Option<String>,
+}
+
+/// Where a group snapshot is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupState {
+    /// Being cut: some members' RBD snapshots may exist; a retry removes them and cuts all
+    /// again (they must be of one instant).
+    Creating,
+    /// Cut; the CO knows it.
+    Ready,
+    /// Being deleted.
+    Deleting,
+}
+
+/// A volume group snapshot: one snapshot per member volume, all in this pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupRecord {
+    /// [`FORMAT_VERSION`].
+    pub version: u32,
+    /// The CO's name.
+    pub name: String,
+    /// Where it is in its life.
+    pub state: GroupState,
+    /// The member volumes' suffixes, in the request's order.
+    pub volume_suffixes: Vec<String>,
+    /// The member snapshots' suffixes, one per volume, in the same order.
+    pub snapshot_suffixes: Vec<String>,
+    /// When it was cut: seconds since the epoch.
+    pub created_secs: u64,
+    /// And nanoseconds.
+    pub created_nanos: u32,
+}
+
+impl GroupRecord {
+    /// When it was cut.
+    pub fn created_at(&self) -> SystemTime {
+        UNIX_EPOCH + Duration::new(self.created_secs, self.created_nanos)
+    }
 }
 
 impl SnapshotRecord {
@@ -316,6 +362,46 @@ impl<'a> Registry<'a> {
         }
         Ok(())
     }
+
+    /// A group snapshot's record.
+    pub fn group(&self, suffix: &str) -> Result<Option<GroupRecord>, RecordError> {
+        self.get(&format!("{GROUP_PREFIX}{suffix}"))
+    }
+
+    /// Writes a group snapshot's record.
+    pub fn put_group(&self, suffix: &str, rec: &GroupRecord) -> Result<(), RecordError> {
+        self.put(&format!("{GROUP_PREFIX}{suffix}"), rec)
+    }
+
+    /// Removes a group snapshot's record.
+    pub fn remove_group(&self, suffix: &str) -> Result<(), RecordError> {
+        self.pool
+            .metadata_remove(&format!("{GROUP_PREFIX}{suffix}"))?;
+        Ok(())
+    }
+
+    /// The suffix of the group snapshot named `name`.
+    pub fn group_named(&self, name: &str) -> Result<Option<String>, RecordError> {
+        Ok(self
+            .pool
+            .metadata_get(&format!("{GROUP_NAME_PREFIX}{name}"))?)
+    }
+
+    /// Records that `name` is the group snapshot of `suffix`.
+    pub fn name_group(&self, name: &str, suffix: &str) -> Result<(), RecordError> {
+        Ok(self
+            .pool
+            .metadata_set(&format!("{GROUP_NAME_PREFIX}{name}"), suffix)?)
+    }
+
+    /// Forgets that `name` is the group snapshot of `suffix`.
+    pub fn unname_group(&self, name: &str, suffix: &str) -> Result<(), RecordError> {
+        if self.group_named(name)?.as_deref() == Some(suffix) {
+            self.pool
+                .metadata_remove(&format!("{GROUP_NAME_PREFIX}{name}"))?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -363,7 +449,12 @@ mod tests {
             size_bytes: 1,
             created_secs: secs,
             created_nanos: nanos,
+            group_suffix: None,
         };
         assert_eq!(rec.created_at(), t);
+        // Records written before group snapshots read back as lone snapshots.
+        let text = serde_json::to_string(&rec).unwrap();
+        assert!(!text.contains("group"), "{text}");
+        assert_eq!(serde_json::from_str::<SnapshotRecord>(&text).unwrap(), rec);
     }
 }

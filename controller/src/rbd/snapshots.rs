@@ -10,7 +10,7 @@ use super::parameters::{CLUSTER_ID_KEY, POOL_KEY};
 use super::records::{FORMAT_VERSION, Registry, SnapshotRecord, SnapshotState, VolumeState};
 use super::volumes::{snapshot_key, volume_key};
 use super::{RbdBackend, Session};
-use crate::backend::{NewSnapshot, Snapshot};
+use crate::backend::{NewSnapshot, Parameters, Snapshot};
 use crate::embedded::K8S_PREFIX;
 use crate::error::{Error, Result, trunc};
 
@@ -23,14 +23,48 @@ pub(super) fn snapshot_of(id: &SnapshotId, rec: &SnapshotRecord) -> Snapshot {
         size_bytes: rec.size_bytes,
         created_at: rec.created_at(),
         ready_to_use: true,
+        group_snapshot_id: rec.group_suffix.as_ref().map(|suffix| {
+            super::ids::GroupId {
+                location: id.location.clone(),
+                suffix: suffix.clone(),
+            }
+            .to_string()
+        }),
     }
+}
+
+/// Protects `snap` of `image` (to clone it, clone format 1) unless it is, and returns its
+/// size; `fail` maps a Ceph failure of a step.
+pub(super) fn protect_and_size(
+    image: &moor_rbd::Image,
+    snap: &str,
+    fail: impl Fn(&str, moor_rbd::Error) -> Error,
+) -> Result<u64> {
+    if !image
+        .is_snapshot_protected(snap)
+        .map_err(|e| fail("snapshot", e))?
+    {
+        image
+            .protect_snapshot(snap)
+            .map_err(|e| fail("protect", e))?;
+    }
+    image
+        .snapshots()
+        .map_err(|e| fail("snapshots of", e))?
+        .into_iter()
+        .find(|x| x.name == snap)
+        .map(|x| x.size)
+        .ok_or_else(|| Error::Internal(format!("snapshot {}@{snap} vanished", image.name())))
 }
 
 impl RbdBackend {
     /// Snapshot parameters: the CO's own, and (for VolumeSnapshotClasses written for
     /// ceph-csi) clusterID and pool when they are the source volume's.
-    fn check_snapshot_parameters(req: &NewSnapshot, source: &VolumeId) -> Result<()> {
-        for (key, value) in &req.parameters {
+    pub(super) fn check_snapshot_parameters(
+        parameters: &Parameters,
+        source: &VolumeId,
+    ) -> Result<()> {
+        for (key, value) in parameters {
             let same = match key.as_str() {
                 CLUSTER_ID_KEY => Some(source.location.cluster.encode() == *value),
                 POOL_KEY => Some(source.location.pool == *value),
@@ -67,7 +101,7 @@ impl RbdBackend {
     pub(super) fn create_snapshot_impl(&self, req: &NewSnapshot) -> Result<Snapshot> {
         let not_found = || Error::VolumeNotFound(trunc(&req.source_volume_id).to_string());
         let vid = VolumeId::parse(&req.source_volume_id).ok_or_else(not_found)?;
-        Self::check_snapshot_parameters(req, &vid)?;
+        Self::check_snapshot_parameters(&req.parameters, &vid)?;
         let name_key = format!("rbd-snapshot-name:{}", req.name);
         let _claim = self.inflight.claim(&[&name_key], &[])?;
         let s = self.session(&vid.location.cluster)?;
@@ -139,6 +173,7 @@ impl RbdBackend {
                     size_bytes: vrec.capacity_bytes,
                     created_secs,
                     created_nanos,
+                    group_suffix: None,
                 };
                 reg.put_snapshot(&suffix, &rec)?;
                 rec
@@ -151,21 +186,7 @@ impl RbdBackend {
             Ok(()) | Err(moor_rbd::Error::AlreadyExists { .. }) => {}
             Err(e) => return Err(fail("snapshot", e)),
         }
-        if !image
-            .is_snapshot_protected(&snap)
-            .map_err(|e| fail("snapshot", e))?
-        {
-            image
-                .protect_snapshot(&snap)
-                .map_err(|e| fail("protect", e))?;
-        }
-        let size = image
-            .snapshots()
-            .map_err(|e| fail("snapshots of", e))?
-            .into_iter()
-            .find(|x| x.name == snap)
-            .map(|x| x.size)
-            .ok_or_else(|| Error::Internal(format!("snapshot {image_name}@{snap} vanished")))?;
+        let size = protect_and_size(&image, &snap, fail)?;
         rec.size_bytes = size;
         rec.state = SnapshotState::Ready;
         reg.put_snapshot(&suffix, &rec)?;

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use moor_controller::backend::{
     AccessMode, AccessType, Backend, Capability, CapacityQuery, CapacityRange, ContentSource,
-    ExpandRequest, NewSnapshot, NewVolume, PageRequest, Parameters, PublishRequest, SnapshotFilter,
+    ExpandRequest, GroupSnapshotRef, NewSnapshot, NewVolume, PageRequest, Parameters,
+    PublishRequest, SnapshotFilter,
 };
 use moor_controller::error::Error;
 use moor_controller::rbd::clusters::Clusters;
@@ -139,6 +140,7 @@ struct Cleanup<'a> {
     backend: &'a RbdBackend,
     volumes: Vec<String>,
     snapshots: Vec<String>,
+    groups: Vec<String>,
     fenced: Vec<String>,
 }
 
@@ -149,6 +151,7 @@ impl<'a> Cleanup<'a> {
             backend,
             volumes: Vec::new(),
             snapshots: Vec::new(),
+            groups: Vec::new(),
             fenced: Vec::new(),
         }
     }
@@ -162,6 +165,11 @@ impl<'a> Cleanup<'a> {
         self.snapshots.push(id.to_string());
         id.to_string()
     }
+
+    fn group(&mut self, id: &str) -> String {
+        self.groups.push(id.to_string());
+        id.to_string()
+    }
 }
 
 impl Drop for Cleanup<'_> {
@@ -169,6 +177,12 @@ impl Drop for Cleanup<'_> {
         secrets::scope(self.env.secrets(), || {
             for v in &self.volumes {
                 let _ = self.backend.unpublish_volume(v, None);
+            }
+            for g in self.groups.iter().rev() {
+                let _ = self.backend.delete_group_snapshot(&GroupSnapshotRef {
+                    id: g.clone(),
+                    snapshot_ids: Vec::new(),
+                });
             }
             for s in self.snapshots.iter().rev() {
                 let _ = self.backend.delete_snapshot(s);
@@ -215,6 +229,7 @@ fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
 
+mod groups;
 mod publish;
 mod snapshots;
 mod volumes;

@@ -45,6 +45,7 @@ pub const SCOPES: &[(&str, bool)] = &[
     ("CSIDriver", false),
     ("StorageClass", false),
     ("VolumeSnapshotClass", false),
+    ("VolumeGroupSnapshotClass", false),
     ("ClusterRole", false),
     ("ClusterRoleBinding", false),
     ("ServiceAccount", true),
@@ -90,13 +91,15 @@ pub fn check_all(res: &[Resource], ctx: &Context) -> Vec<String> {
             ));
         }
     }
-    for vsc in of_kind(res, "VolumeSnapshotClass") {
-        let d = vsc.get("driver").and_then(Value::as_str);
-        if d != Some(driver) {
-            p.push(format!(
-                "VolumeSnapshotClass {:?}: driver {d:?}, not {driver}",
-                name(vsc)
-            ));
+    for kind in ["VolumeSnapshotClass", "VolumeGroupSnapshotClass"] {
+        for class in of_kind(res, kind) {
+            let d = class.get("driver").and_then(Value::as_str);
+            if d != Some(driver) {
+                p.push(format!(
+                    "{kind} {:?}: driver {d:?}, not {driver}",
+                    name(class)
+                ));
+            }
         }
     }
     let mut needs: BTreeMap<(String, String), Vec<Need>> = BTreeMap::new();

@@ -156,7 +156,7 @@ pub const SIDECARS: &[Sidecar] = &[
     },
     Sidecar {
         repo: "registry.k8s.io/sig-storage/csi-snapshotter",
-        tag: "v8.2.0",
+        tag: "v8.6.0",
         flags: &[
             COMMON[0],
             COMMON[1],
@@ -167,8 +167,12 @@ pub const SIDECARS: &[Sidecar] = &[
             ("worker-threads", false),
             ("extra-create-metadata", true),
             ("snapshot-name-prefix", false),
+            ("feature-gates", false),
+            ("group-snapshot-name-prefix", false),
         ],
         leader_election: true,
+        // With --feature-gates=CSIVolumeGroupSnapshot=true (the base passes it): the group
+        // snapshot kinds, and creating the contents of a group's members.
         needs: &[
             need(
                 "snapshot.storage.k8s.io",
@@ -178,11 +182,26 @@ pub const SIDECARS: &[Sidecar] = &[
             need(
                 "snapshot.storage.k8s.io",
                 "volumesnapshotcontents",
-                &["get", "list", "watch", "update", "patch"],
+                &["create", "get", "list", "watch", "update", "patch"],
             ),
             need(
                 "snapshot.storage.k8s.io",
                 "volumesnapshotcontents/status",
+                &["update", "patch"],
+            ),
+            need(
+                "groupsnapshot.storage.k8s.io",
+                "volumegroupsnapshotclasses",
+                GET_LIST_WATCH,
+            ),
+            need(
+                "groupsnapshot.storage.k8s.io",
+                "volumegroupsnapshotcontents",
+                &["get", "list", "watch", "update", "patch"],
+            ),
+            need(
+                "groupsnapshot.storage.k8s.io",
+                "volumegroupsnapshotcontents/status",
                 &["update", "patch"],
             ),
             EVENTS,

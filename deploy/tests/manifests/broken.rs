@@ -52,6 +52,21 @@ fn node_pod(res: &mut [Resource]) -> &mut Value {
 #[test]
 fn checks_catch_broken_manifests() {
     expect_problem(
+        "a group snapshot class of another driver",
+        |r| find_mut(r, "VolumeGroupSnapshotClass", "moor")["driver"] = json!("other.csi.io"),
+        "VolumeGroupSnapshotClass \"moor\": driver Some(\"other.csi.io\"), not moor.csi.io",
+    );
+    expect_problem(
+        "group snapshots without their RBAC",
+        |r| {
+            find_mut(r, "ClusterRole", "moor-controller")["rules"]
+                .as_array_mut()
+                .unwrap()
+                .retain(|rule| rule["apiGroups"][0] != "groupsnapshot.storage.k8s.io");
+        },
+        "volumegroupsnapshotcontents",
+    );
+    expect_problem(
         "no Bidirectional",
         |r| {
             let m = &mut container_mut(find_mut(r, "DaemonSet", "moor-node"), "moor-node")["volumeMounts"]
@@ -245,7 +260,7 @@ fn checks_catch_broken_manifests() {
             container_mut(dep, "csi-snapshotter")["image"] =
                 json!("registry.k8s.io/sig-storage/csi-snapshotter:v8.1.0");
         },
-        "registry.k8s.io/sig-storage/csi-snapshotter must be pinned at v8.2.0",
+        "registry.k8s.io/sig-storage/csi-snapshotter must be pinned at v8.6.0",
     );
     expect_problem(
         "driver name mismatch",

@@ -103,6 +103,7 @@ fn base_objects_are_as_specified() {
             "ServiceAccount/moor-system/moor-controller",
             "ServiceAccount/moor-system/moor-node",
             "StorageClass/moor",
+            "VolumeGroupSnapshotClass/moor",
             "VolumeSnapshotClass/moor",
         ]
     );
@@ -139,6 +140,12 @@ fn base_objects_are_as_specified() {
     assert_eq!(vsc["apiVersion"], "snapshot.storage.k8s.io/v1");
     assert_eq!(
         (&vsc["driver"], &vsc["deletionPolicy"]),
+        (&json!("moor.csi.io"), &json!("Delete"))
+    );
+    let vgsc = find(&res, "VolumeGroupSnapshotClass", "moor");
+    assert_eq!(vgsc["apiVersion"], "groupsnapshot.storage.k8s.io/v1");
+    assert_eq!(
+        (&vgsc["driver"], &vgsc["deletionPolicy"]),
         (&json!("moor.csi.io"), &json!("Delete"))
     );
 
@@ -206,7 +213,7 @@ fn base_objects_are_as_specified() {
             "registry.k8s.io/sig-storage/csi-provisioner:v5.2.0",
             "registry.k8s.io/sig-storage/csi-attacher:v4.8.0",
             "registry.k8s.io/sig-storage/csi-resizer:v1.13.1",
-            "registry.k8s.io/sig-storage/csi-snapshotter:v8.2.0",
+            "registry.k8s.io/sig-storage/csi-snapshotter:v8.6.0",
             "registry.k8s.io/sig-storage/livenessprobe:v2.15.0",
         ]
     );

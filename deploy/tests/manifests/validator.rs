@@ -219,4 +219,25 @@ fn validator_rejects_unknown_kinds_and_checks_hand_written_ones() {
     assert!(p.contains("metadata.nmespace: unknown field"), "{p}");
     assert!(p.contains("deletionPolicy: \"Keep\" is not one of"), "{p}");
     assert!(p.contains("parameter: unknown field"), "{p}");
+    let p = validate(&json!({
+        "apiVersion": "groupsnapshot.storage.k8s.io/v1",
+        "kind": "VolumeGroupSnapshotClass",
+        "metadata": {"name": "x"},
+        "driver": "moor.csi.io",
+        "deletionPolicy": "Keep"
+    }))
+    .join("\n");
+    assert!(p.contains("deletionPolicy: \"Keep\" is not one of"), "{p}");
+    let p = validate(&json!({
+        "apiVersion": "groupsnapshot.storage.k8s.io/v1beta1",
+        "kind": "VolumeGroupSnapshotClass",
+        "driver": "moor.csi.io",
+        "deletionPolicy": "Delete"
+    }));
+    assert_eq!(
+        p,
+        [
+            "kind groupsnapshot.storage.k8s.io/v1beta1/VolumeGroupSnapshotClass is not in the schemas"
+        ]
+    );
 }

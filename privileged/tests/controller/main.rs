@@ -7,6 +7,7 @@
 //! under test.
 
 mod fixture;
+mod groups;
 mod grpc;
 mod killed;
 mod reflink;

@@ -13,21 +13,26 @@ use crate::fixture::*;
 /// An XFS filesystem (with reflinks) on a loop device, mounted in this thread's private mount
 /// namespace. Drop unmounts it and releases the device; the device is also marked to go away
 /// on last close at once, so even a killed test leaves nothing behind.
-struct ReflinkFs {
-    dir: PathBuf,
-    mnt: PathBuf,
+pub(crate) struct ReflinkFs {
+    pub(crate) dir: PathBuf,
+    pub(crate) mnt: PathBuf,
     _held: File,
 }
 
 impl ReflinkFs {
-    fn new(tag: &str) -> Self {
+    pub(crate) fn new(tag: &str) -> Self {
+        Self::sized(tag, 512 * MIB)
+    }
+
+    /// An XFS filesystem of `bytes` (a sparse image: only what is written takes space).
+    pub(crate) fn sized(tag: &str, bytes: u64) -> Self {
         moor_privileged::require_root();
         moor_runtime::sys::mount_namespace::enter_private_mount_namespace()
             .expect("private mount namespace");
         let dir = temp_dir(tag);
         let image = dir.join("xfs.img");
         File::create(&image)
-            .and_then(|f| f.set_len(512 * MIB))
+            .and_then(|f| f.set_len(bytes))
             .expect("image");
         moor_privileged::run(
             "mkfs.xfs",

@@ -176,6 +176,16 @@ api! {
         fn rbd_write(RbdImageT, u64, usize, *const c_char) -> isize;
         fn rbd_read(RbdImageT, u64, usize, *mut c_char) -> isize;
         fn rbd_flush(RbdImageT) -> c_int;
+        fn rbd_diff_iterate2(
+            RbdImageT,
+            *const c_char,
+            u64,
+            u64,
+            u8,
+            c_int,
+            DiffFn,
+            *mut c_void
+        ) -> c_int;
     }
 }
 

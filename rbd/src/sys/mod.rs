@@ -11,6 +11,7 @@
 //! read as one, next to the function table it calls through.
 
 mod api;
+mod diff;
 mod registry;
 mod types;
 

@@ -9,6 +9,9 @@ pub(crate) type RbdImageT = *mut c_void;
 pub(crate) type RbdImageOptionsT = *mut c_void;
 /// `librbd_progress_fn_t`. librbd calls it unconditionally: never pass a null one.
 pub(crate) type ProgressFn = unsafe extern "C" fn(u64, u64, *mut c_void) -> c_int;
+/// The callback of `rbd_diff_iterate2`: (offset, length, exists, argument); a nonzero return
+/// stops the iteration, which then returns it.
+pub(crate) type DiffFn = unsafe extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
 
 /// `RBD_IMAGE_OPTION_*`.
 pub(crate) const RBD_IMAGE_OPTION_FEATURES: c_int = 1;

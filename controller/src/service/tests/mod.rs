@@ -8,7 +8,9 @@ mod expand_volume;
 mod get_capabilities;
 mod get_capacity;
 mod get_volume;
+mod groups;
 mod list_volumes;
+mod metadata;
 mod modify_volume;
 mod publish;
 mod snapshots;
@@ -87,6 +89,16 @@ impl Fx {
 
     fn volume_path(&self, id: &str) -> std::path::PathBuf {
         self.backend.layout().volumes.join(format!("{id}.img"))
+    }
+
+    /// Writes into a volume's file, as a workload would through its device.
+    fn write_at(&self, volume: &str, offset: u64, data: &[u8]) {
+        use std::os::unix::fs::FileExt as _;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(self.volume_path(volume))
+            .unwrap();
+        f.write_all_at(data, offset).unwrap();
     }
 
     async fn create(&self, name: &str, bytes: i64) -> csi::Volume {
