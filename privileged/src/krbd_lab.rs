@@ -67,9 +67,23 @@ impl Lab {
     /// (Re)starts node `i`'s moor-node in its guest (`program`, with `env`) and connects.
     pub async fn start_node(&self, i: usize, program: &str, env: &[&str]) -> NodeClient<Channel> {
         let n = &self.world.nodes[i];
+        self.start_node_at(i, program, env, &n.state, &n.state.join("node.log"))
+            .await
+    }
+
+    /// [`start_node`](Self::start_node) with its state dir at `state` (a guest path) and its
+    /// log appended to `log` (a host path the guest writes through a shared dir).
+    pub async fn start_node_at(
+        &self,
+        i: usize,
+        program: &str,
+        env: &[&str],
+        state: &std::path::Path,
+        log: &std::path::Path,
+    ) -> NodeClient<Channel> {
+        let n = &self.world.nodes[i];
         let vm = &self.vms[i];
         let bin = crate::client::binary(program);
-        let log = n.state.join("node.log");
         let mut argv: Vec<String> = vec!["env".into()];
         argv.extend(env.iter().map(|s| (*s).to_string()));
         argv.extend(
@@ -80,7 +94,7 @@ impl Lab {
                 "--node-id",
                 &n.name,
                 "--state-dir",
-                &n.state.display().to_string(),
+                &state.display().to_string(),
                 "--kubelet-dir",
                 &n.kubelet.display().to_string(),
                 "--rbd-attacher",
@@ -96,6 +110,7 @@ impl Lab {
         );
         let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
         let pid = vm.spawn(&argv, &log.display().to_string());
+        let log_text = || std::fs::read_to_string(log).unwrap_or_default();
         let start = Instant::now();
         loop {
             if let Ok(ch) = vm.channel(SOCKET).await {
@@ -109,13 +124,13 @@ impl Lab {
                 alive,
                 "moor-node in guest {} exited before it answered: {}",
                 n.name,
-                self.log(i)
+                log_text()
             );
             assert!(
                 start.elapsed() < Duration::from_secs(300),
                 "moor-node in guest {} did not answer NodeGetInfo within 300 s: {}",
                 n.name,
-                self.log(i)
+                log_text()
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }

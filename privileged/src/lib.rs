@@ -16,6 +16,7 @@ pub mod client;
 pub mod container;
 pub mod krbd_lab;
 pub mod kubelet_calls;
+pub mod logwrites;
 pub mod pathgrpc;
 pub mod requests;
 pub mod storm;
