@@ -209,6 +209,7 @@ impl<O: Os> Engine<O> {
         if let Some(s) = &record.stage
             && s.rdev != dev.rdev
             && s.phase == Phase::Done
+            && !self.renumbered(s, st)?
         {
             return Err(Error::FailedPrecondition(format!(
                 "volume {:?} was staged from device {}:{}, but {} is now {}:{}",
@@ -244,6 +245,39 @@ impl<O: Os> Engine<O> {
             )));
         }
         Ok(interrupted.is_some())
+    }
+
+    /// Whether the device `st` holds is the recorded stage's, renumbered: a reboot (a power
+    /// cut) hands out device numbers afresh, so a volume staged from 253:2 may come back as
+    /// 253:1 at the same path. It is the volume's own device when nothing is mounted on the
+    /// staging path any more (the record is one a reboot left) and the device carries the
+    /// filesystem moor made for the volume, by the UUID it chose at mkfs. Anything else (a
+    /// filesystem moor did not make, another UUID, a blank device) stays refused: the path
+    /// may name another disk now.
+    fn renumbered(&self, s: &StageRecord, st: &Staging<'_>) -> Result<bool> {
+        let Some(want) = s.fs_uuid.as_deref() else {
+            return Ok(false);
+        };
+        if matches!(
+            self.os.mount_state(&st.req.staging)?,
+            MountState::Mounted(_)
+        ) {
+            return Ok(false);
+        }
+        let same = matches!(
+            self.probe_device(&st.dev.handle, st.dev.size)?,
+            Content::Filesystem { uuid: Some(u), .. } if u == want
+        );
+        if same {
+            warn!(
+                volume = st.req.volume_id,
+                from = ?s.rdev,
+                to = ?st.dev.rdev,
+                uuid = want,
+                "the volume's device was renumbered (a reboot): it carries the volume's filesystem"
+            );
+        }
+        Ok(same)
     }
 
     /// Readies the staging dir, which the CO creates (its absence is tolerated): a corrupted

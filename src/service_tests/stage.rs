@@ -399,3 +399,52 @@ async fn unstage_of_a_corrupted_staging_mount_detaches_it() {
         .expect("unstage");
     assert!(h.os.calls().contains(&Call::Unmount(STAGING.into(), true)));
 }
+
+/// A reboot hands out device numbers afresh: the volume's device may come back at the same path
+/// with another number. The filesystem moor made for the volume (by its UUID) is staged again,
+/// unformatted; another filesystem at that path is refused, and so is a blank device.
+#[tokio::test]
+async fn a_device_renumbered_by_a_reboot_is_staged_again_by_its_filesystem() {
+    let h = harness();
+    staged(&h).await;
+    let data = h.os.device_data(DEV);
+    let reboot = |rdev: (u32, u32), data: &[(u64, Vec<u8>)]| {
+        h.os.force_unmount(STAGING);
+        h.os.remove_device(DEV);
+        h.os.add_device(DEV, rdev, GIB);
+        for (offset, bytes) in data {
+            h.os.write_device(DEV, *offset, bytes);
+        }
+    };
+    reboot((7, 99), &data);
+    h.os.clear_calls();
+    staged(&h).await;
+    assert_eq!(mkfs_calls(&h), 0);
+    assert_eq!(h.os.mount_depth(STAGING), 1);
+    // The record follows the device: a second reboot renumbers it again.
+    let data = h.os.device_data(DEV);
+    reboot((7, 98), &data);
+    staged(&h).await;
+    for other in [
+        crate::sys::fake::superblock_with_uuid(
+            "ext4",
+            Some("0b1c2d3e-4f50-4617-8293-a4b5c6d7e8f9"),
+        ),
+        Vec::new(),
+    ] {
+        reboot((7, 97), &other);
+        h.os.clear_calls();
+        let e = h
+            .svc
+            .node_stage_volume(Request::new(stage_req(mount_cap(
+                "ext4",
+                &[],
+                Mode::SingleNodeWriter,
+            ))))
+            .await
+            .expect_err("another device at the path");
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+        assert_eq!(mkfs_calls(&h), 0);
+        assert_eq!(h.os.mount_depth(STAGING), 0);
+    }
+}
