@@ -210,10 +210,10 @@ impl Plugin {
 
 impl Drop for Plugin {
     fn drop(&mut self) {
-        if let Some(pid) = rustix::process::Pid::from_raw(self.daemon.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let _ = self.daemon.child.wait();
+        // On the runtime that holds the client's connection, so that it answers the plugin's
+        // graceful stop and the plugin stops at once.
+        let daemon = &mut self.daemon;
+        let _ = self.rt.block_on(daemon.stop());
     }
 }
 

@@ -169,12 +169,54 @@ impl Daemon {
         }
     }
 
-    /// Sends SIGTERM and waits for the exit status.
+    /// The exit status once the process has exited; panics once it has run `since` 60 s
+    /// after `why`.
+    fn exited_within(&mut self, since: Instant, why: &str) -> Option<std::process::ExitStatus> {
+        let status = self.child.try_wait().expect("wait");
+        assert!(
+            status.is_some() || since.elapsed() < Duration::from_secs(60),
+            "the daemon of {} still runs 60 s after {why}",
+            self.socket.display()
+        );
+        status
+    }
+
+    /// Waits for the process to exit by itself (after `why`), up to 60 s.
+    pub fn wait_exit(&mut self, why: &str) -> std::process::ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.exited_within(start, why) {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Sends SIGTERM and waits for the exit status. The daemon stops once every connection to
+    /// it has closed (or after its grace period): a test that still holds a client's
+    /// connection on a runtime it does not run drops that runtime first, or calls
+    /// [`Daemon::stop`] on it.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
         }
         self.child.wait().expect("wait moor-node")
+    }
+
+    /// [`Daemon::terminate`] from within the test's runtime, which runs on meanwhile: the
+    /// test's open connections answer the daemon's graceful stop (HTTP/2's GOAWAY and PING),
+    /// so they close at once.
+    pub async fn stop(&mut self) -> std::process::ExitStatus {
+        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.exited_within(start, "SIGTERM") {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }
 

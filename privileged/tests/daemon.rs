@@ -310,7 +310,7 @@ fn stages_stuck_in_mkfs_leave_the_server_answering() {
             let status = s.await.expect("task").expect_err("the fake mkfs fails");
             assert!(status.message().contains("mkfs"), "{status:?}");
         }
-        assert!(daemon.terminate().success());
+        assert!(daemon.stop().await.success());
     });
     assert!(processes_mentioning(&mkfs.display().to_string()).is_empty());
 }
@@ -365,7 +365,7 @@ fn a_second_moor_node_on_the_state_dir_waits_and_takes_over() {
             .expect("the first serves");
     });
 
-    assert!(first.terminate().success());
+    assert!(rt.block_on(first.stop()).success());
     rt.block_on(async {
         second.wait_answering().await;
         let mut node = NodeClient::new(connect(&second_socket).await.expect("connect"));
@@ -420,7 +420,7 @@ fn a_second_instance_that_waits_too_long_exits_naming_the_holder() {
             .await
             .expect("the first serves");
     });
-    assert!(first.terminate().success());
+    assert!(rt.block_on(first.stop()).success());
 
     let data = sb.data.join("controller").display().to_string();
     let csocket = sb.root.join("controller.sock");

@@ -345,7 +345,7 @@ fn a_daemon_out_of_file_descriptors_keeps_every_mount() {
             .node_unstage_volume(unstage_req("vol", &staging))
             .await
             .expect("unstage");
-        d.terminate();
+        d.stop().await;
     });
     assert!(sb.mounts().is_empty(), "{:?}", sb.mounts());
 }

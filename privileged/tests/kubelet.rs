@@ -487,15 +487,58 @@ fn a_refused_registration_stops_moor_node_with_a_failure() {
         assert_eq!(info.endpoint, host_path);
         notify(&mut client, false, "plugin version not supported")
             .expect("the notification is answered before moor-node stops");
+        // moor-node begins to stop only once kubelet has that answer, which it shows by
+        // closing the connection (kubelet's plugin watcher does after its last call): until
+        // then the connection is served as before, with no GOAWAY ahead of an answer.
+        let again: reg::PluginInfo = client
+            .unary(GET_INFO, &reg::InfoRequest {})
+            .expect("moor-node does not stop while kubelet's connection is open");
+        assert_eq!(again.endpoint, host_path);
+        assert!(
+            matches!(daemon.child.try_wait(), Ok(None)),
+            "moor-node does not stop while kubelet's connection is open"
+        );
     });
     drop(rt);
-    let status = daemon.child.wait().expect("wait");
+    let status = daemon.wait_exit("a refused registration");
     assert!(
         !status.success(),
         "a refused registration ends moor-node with a failure: {status:?}"
     );
     assert!(status.code().is_some(), "an exit, not a crash: {status:?}");
     assert!(!reg_socket.exists(), "the registration socket is removed");
+    assert!(!socket.exists(), "the CSI socket is removed");
+}
+
+#[test]
+fn a_refusal_on_a_connection_kubelet_keeps_open_stops_moor_node_after_the_grace() {
+    let sb = Sandbox::new("kubelet-refused-open");
+    let k = Kubelet::new(&sb);
+    let socket = k.csi_socket();
+    let registry = k.registry.display().to_string();
+    let args = sb.node_args(
+        "node-k",
+        &[
+            "--driver-name",
+            DRIVER,
+            "--registration-dir",
+            &registry,
+            "--shutdown-grace",
+            "1",
+        ],
+    );
+    let rt = runtime();
+    let mut daemon = rt.block_on(start_node(&socket, &args));
+    // The connection stays open until moor-node has gone (a client that never closes it).
+    let _client = rt.block_on(async {
+        let (_, mut client, _) = k.discover().await;
+        notify(&mut client, false, "refused").expect("answered");
+        client
+    });
+    drop(rt);
+    // After --shutdown-grace for kubelet to take the answer, and as much for the graceful stop.
+    let status = daemon.wait_exit("a refusal on a connection kept open");
+    assert!(!status.success() && status.code().is_some(), "{status:?}");
     assert!(!socket.exists(), "the CSI socket is removed");
 }
 

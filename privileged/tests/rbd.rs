@@ -492,7 +492,7 @@ fn an_rbd_fuse_that_died_is_replaced_by_the_next_stage() {
             .list_volumes(csi::ListVolumesRequest::default())
             .await
             .expect("the embedded backend serves beside a dead mapping");
-        assert!(ctl.terminate().success());
+        assert!(ctl.stop().await.success());
         // kubelet stages it again: what is left of the dead mapping goes, and the image is
         // mapped afresh, once, with its bytes.
         let t = Instant::now();

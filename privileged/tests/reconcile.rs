@@ -89,7 +89,7 @@ impl Node {
     /// it would clean up damage a test means to show the calls meeting.
     async fn start_with_interval(&mut self, secs: u32) -> NodeClient<Channel> {
         if let Some(mut d) = self.daemon.take() {
-            d.terminate();
+            d.stop().await;
         }
         let interval = secs.to_string();
         self.daemon = Some(
@@ -225,7 +225,7 @@ fn a_corrupted_target_found_at_start_is_detached_and_reported_until_kubelet_acts
         n.stage(&mut node).await.expect("stage");
         n.publish(&mut node).await.expect("publish");
         if let Some(mut d) = n.daemon.take() {
-            d.terminate();
+            d.stop().await;
         }
         // The bind itself goes, and a dead FUSE takes its place.
         rustix::mount::unmount(&n.target, rustix::mount::UnmountFlags::empty()).expect("umount");
@@ -252,7 +252,7 @@ async fn rebuilt_after(n: &mut Node, damage: impl Fn(&Path)) {
     std::fs::write(n.target.join("data"), b"survives").expect("write");
     n.write_vol_data();
     if let Some(mut d) = n.daemon.take() {
-        d.terminate();
+        d.stop().await;
     }
     damage(&n.sb.state.join(journal::LOG_FILE));
     let mut node = n.start().await;
@@ -320,7 +320,7 @@ fn a_pass_over_ten_thousand_mounts() {
         n.stage(&mut node).await.expect("stage");
         n.publish(&mut node).await.expect("publish");
         if let Some(mut d) = n.daemon.take() {
-            d.terminate();
+            d.stop().await;
         }
     });
     // Half the mounts elsewhere on the node, half in pods' CSI volume dirs of other drivers.

@@ -1,10 +1,15 @@
 //! Serving gRPC on a Unix socket, with graceful shutdown.
 
 use std::future::Future;
+use std::io;
 use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixListener;
+use tokio::sync::watch;
 use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
 
@@ -103,9 +108,93 @@ pub fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
     Ok(listener)
 }
 
-/// Serves `router` on the socket until `shutdown` resolves, lets in-flight calls finish for
-/// up to `grace` (a client that never closes its connection cannot hold the process), then
-/// removes the socket.
+/// What a handler can know of the connection its call came on: every request carries it in
+/// its extensions (`request.extensions().get::<Connection>()`).
+#[derive(Debug, Clone)]
+pub struct Connection {
+    open: watch::Receiver<()>,
+}
+
+impl Connection {
+    /// Resolves once the connection is closed, by the client or by the server.
+    pub async fn closed(&self) {
+        let mut open = self.open.clone();
+        // Nothing is ever sent: `changed` returns only once the connection's sender is dropped.
+        while open.changed().await.is_ok() {}
+    }
+}
+
+/// An accepted connection that tells its [`Connection`] when it is closed (dropped).
+struct Tracked<S> {
+    inner: S,
+    _open: watch::Sender<()>,
+    info: Connection,
+}
+
+impl<S> Tracked<S> {
+    fn new(inner: S) -> Self {
+        let (open, rx) = watch::channel(());
+        Self {
+            inner,
+            _open: open,
+            info: Connection { open: rx },
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+impl<S> tonic::transport::server::Connected for Tracked<S> {
+    type ConnectInfo = Connection;
+
+    fn connect_info(&self) -> Connection {
+        self.info.clone()
+    }
+}
+
+/// Serves `router` on the socket until `shutdown` resolves, then stops gracefully: no new
+/// connection is accepted, each open one is told to go (an HTTP/2 GOAWAY), every call in
+/// flight finishes and its answer is sent, and each connection closes once it has nothing
+/// left to send. Returns when every connection is closed, or after `grace` (a client that
+/// never lets its connection go cannot hold the process); then removes the socket.
 pub async fn serve(
     router: tonic::transport::server::Router,
     listener: UnixListener,
@@ -121,40 +210,26 @@ pub async fn serve(
     };
     // Every connection through AuthorityFix: clients such as kubelet's plugin watcher send an
     // :authority the HTTP/2 server would refuse (see crate::authority).
-    let incoming = UnixListenerStream::new(listener).map(|c| c.map(AuthorityFix::new));
+    let incoming =
+        UnixListenerStream::new(listener).map(|c| c.map(|s| Tracked::new(AuthorityFix::new(s))));
     let serving = router.serve_with_incoming_shutdown(incoming, signal);
+    // Not "no call in flight, then a moment for the answers to go out": an answer the server
+    // has taken can still wait in the connection's buffer, and the moment is a guess a busy
+    // machine can exceed. A connection closes only once it has sent everything.
     let result = tokio::select! {
-        r = serving => r.map_err(ServeError::from),
-        drained = async {
+        r = serving => {
+            tracing::info!("every call answered and every connection closed: stopping");
+            r.map_err(ServeError::from)
+        }
+        () = async {
             stopping.notified().await;
-            // Clients such as kubelet keep their connections open for good: once no call is in
-            // flight there is nothing left to wait for.
-            // A call counts until the server has taken all of its answer (the response body
-            // is dropped), which then still has to go from the connection's buffer to the
-            // socket: stop only once no call has been in flight for a short linger.
-            let deadline = tokio::time::Instant::now() + grace;
-            let linger = std::time::Duration::from_millis(100);
-            let mut idle_since = None;
-            loop {
-                let now = tokio::time::Instant::now();
-                if crate::metrics::calls_in_flight() > 0 {
-                    idle_since = None;
-                } else if idle_since.is_some_and(|t| now >= t + linger) {
-                    return true;
-                } else if idle_since.is_none() {
-                    idle_since = Some(now);
-                }
-                if now >= deadline {
-                    return false;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-            }
+            tokio::time::sleep(grace).await;
         } => {
-            if drained {
-                tracing::info!("no call in flight: stopping");
-            } else {
-                tracing::warn!(?grace, "in-flight calls outlived the grace period");
-            }
+            tracing::warn!(
+                ?grace,
+                calls_in_flight = crate::metrics::calls_in_flight(),
+                "calls still in flight or connections still open after the grace period: stopping anyway"
+            );
             Ok(())
         }
     };
@@ -199,6 +274,113 @@ mod tests {
         );
         assert!(parse_endpoint("tcp://0.0.0.0:10000").is_err());
         assert!(parse_endpoint("unix://relative").is_err());
+    }
+
+    /// An Identity service whose GetPluginInfo hands the test the connection the call came on.
+    struct Handing(tokio::sync::mpsc::UnboundedSender<Option<Connection>>);
+
+    #[tonic::async_trait]
+    impl moor_proto::csi::v1::identity_server::Identity for Handing {
+        async fn get_plugin_info(
+            &self,
+            request: tonic::Request<moor_proto::csi::v1::GetPluginInfoRequest>,
+        ) -> Result<tonic::Response<moor_proto::csi::v1::GetPluginInfoResponse>, tonic::Status>
+        {
+            let _ = self
+                .0
+                .send(request.extensions().get::<Connection>().cloned());
+            Ok(tonic::Response::new(Default::default()))
+        }
+
+        async fn get_plugin_capabilities(
+            &self,
+            _: tonic::Request<moor_proto::csi::v1::GetPluginCapabilitiesRequest>,
+        ) -> Result<
+            tonic::Response<moor_proto::csi::v1::GetPluginCapabilitiesResponse>,
+            tonic::Status,
+        > {
+            Err(tonic::Status::unimplemented("not in this test"))
+        }
+
+        async fn probe(
+            &self,
+            _: tonic::Request<moor_proto::csi::v1::ProbeRequest>,
+        ) -> Result<tonic::Response<moor_proto::csi::v1::ProbeResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not in this test"))
+        }
+    }
+
+    async fn channel(path: &Path) -> tonic::transport::Channel {
+        let path = path.to_path_buf();
+        tonic::transport::Endpoint::from_static("http://moor.invalid")
+            .connect_with_connector(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move {
+                    tokio::net::UnixStream::connect(path)
+                        .await
+                        .map(hyper_util::rt::TokioIo::new)
+                }
+            }))
+            .await
+            .expect("connect")
+    }
+
+    #[tokio::test]
+    async fn a_call_knows_when_its_connection_closes() {
+        use moor_proto::csi::v1::identity_client::IdentityClient;
+        use moor_proto::csi::v1::identity_server::IdentityServer;
+        let dir = std::env::temp_dir().join(format!("moor-conn-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.sock");
+        let listener = bind_unix(&path).unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let router =
+            tonic::transport::Server::builder().add_service(IdentityServer::new(Handing(tx)));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn({
+            let path = path.clone();
+            async move {
+                serve(
+                    router,
+                    listener,
+                    &path,
+                    async {
+                        let _ = stopped.await;
+                    },
+                    std::time::Duration::from_secs(60),
+                )
+                .await
+            }
+        });
+        let mut client = IdentityClient::new(channel(&path).await);
+        client
+            .get_plugin_info(moor_proto::csi::v1::GetPluginInfoRequest {})
+            .await
+            .expect("answered");
+        let connection = rx
+            .recv()
+            .await
+            .expect("handed over")
+            .expect("the call carries its connection");
+        tokio::select! {
+            biased;
+            () = connection.closed() => panic!("closed while the client holds it"),
+            () = std::future::ready(()) => {}
+        }
+        drop(client);
+        tokio::time::timeout(std::time::Duration::from_secs(60), connection.closed())
+            .await
+            .expect("the server never saw the client close its connection");
+        // With no connection left, the stop is immediate: no grace period to wait out.
+        stop.send(()).unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(30), served)
+            .await
+            .expect("the server did not stop with no connection open")
+            .unwrap()
+            .unwrap();
+        assert!(!path.exists(), "the socket is removed");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]
