@@ -76,36 +76,130 @@ fn answers(path: &Path) -> bool {
     }
 }
 
-/// Binds a Unix socket at `path`: a stale socket (one nothing accepts on) is replaced, a live
-/// one is not; the mode is 0660.
+/// What is at a socket path.
+enum AtPath {
+    Nothing,
+    /// A socket nothing accepts on: left by a daemon that is gone.
+    Stale,
+    /// A socket something accepts on.
+    Live,
+    NotASocket,
+}
+
+fn at_path(path: &Path) -> AtPath {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            if answers(path) {
+                AtPath::Live
+            } else {
+                AtPath::Stale
+            }
+        }
+        Ok(_) => AtPath::NotASocket,
+        Err(_) => AtPath::Nothing,
+    }
+}
+
+/// Binds a Unix socket at `path`, listening before the path names it: the socket is bound and
+/// listens under a temporary name in the same dir (a dot file, which kubelet's plugin watcher
+/// ignores), then is renamed into place, so whoever sees the file can connect (between bind(2)
+/// and listen(2) a socket file refuses connections). A stale socket (one nothing accepts on)
+/// is replaced in that one rename, a live one never; the mode is 0660.
 pub fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
     let sock_err = |step, source| ServeError::Socket {
         step,
         path: path.to_path_buf(),
         source,
     };
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => {
-            if answers(path) {
-                return Err(ServeError::InUse(path.to_path_buf()));
-            }
-            std::fs::remove_file(path).map_err(|e| sock_err("remove stale socket", e))?;
-        }
-        Ok(_) => return Err(ServeError::NotASocket(path.to_path_buf())),
-        Err(_) => {}
+    match at_path(path) {
+        AtPath::Live => return Err(ServeError::InUse(path.to_path_buf())),
+        AtPath::NotASocket => return Err(ServeError::NotASocket(path.to_path_buf())),
+        AtPath::Nothing | AtPath::Stale => {}
     }
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| sock_err("create socket dir", e))?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("/"),
+    };
+    std::fs::create_dir_all(dir).map_err(|e| sock_err("create socket dir", e))?;
+    static TEMP: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let temp = dir.join(format!(
+        ".{:x}-{:x}",
+        std::process::id(),
+        TEMP.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let temp_err = |step, source| ServeError::Socket {
+        step,
+        path: temp.clone(),
+        source,
+    };
+    // One a process with this pid left when it was killed between its bind and its rename.
+    if let AtPath::Stale = at_path(&temp) {
+        std::fs::remove_file(&temp).map_err(|e| temp_err("remove stale temporary socket", e))?;
     }
     // No window in which the socket has a looser mode than 0660: bind under a umask that
     // already gives it that mode, then set it explicitly as well.
     let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o117));
-    let bound = UnixListener::bind(path);
+    // bind(2) and listen(2).
+    let bound = UnixListener::bind(&temp);
     rustix::process::umask(old);
-    let listener = bound.map_err(|e| sock_err("bind", e))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .map_err(|e| sock_err("chmod", e))?;
-    Ok(listener)
+    let listener = bound.map_err(|e| temp_err("bind", e))?;
+    let placed = std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o660))
+        .map_err(|e| temp_err("chmod", e))
+        .and_then(|()| rename_into_place(&temp, path));
+    if placed.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    placed.map(|()| listener)
+}
+
+/// Renames the listening socket at `temp` to `path`: where nothing is, without replacing what
+/// another process put there meanwhile; over a stale socket, in one step; never over a live
+/// one or something else.
+fn rename_into_place(temp: &Path, path: &Path) -> Result<(), ServeError> {
+    let sock_err = |step, source: rustix::io::Errno| ServeError::Socket {
+        step,
+        path: path.to_path_buf(),
+        source: source.into(),
+    };
+    let cwd = rustix::fs::CWD;
+    // Twice at most: a socket that appears between the look and the rename is looked at again.
+    for _ in 0..2 {
+        match at_path(path) {
+            AtPath::Live => return Err(ServeError::InUse(path.to_path_buf())),
+            AtPath::NotASocket => return Err(ServeError::NotASocket(path.to_path_buf())),
+            AtPath::Stale => {
+                return rustix::fs::renameat(cwd, temp, cwd, path)
+                    .map_err(|e| sock_err("rename over the stale socket", e));
+            }
+            AtPath::Nothing => {
+                match rustix::fs::renameat_with(
+                    cwd,
+                    temp,
+                    cwd,
+                    path,
+                    rustix::fs::RenameFlags::NOREPLACE,
+                ) {
+                    Ok(()) => return Ok(()),
+                    Err(rustix::io::Errno::EXIST) => {}
+                    // A filesystem without RENAME_NOREPLACE: nothing was there a moment ago.
+                    Err(rustix::io::Errno::INVAL) => {
+                        return rustix::fs::renameat(cwd, temp, cwd, path)
+                            .map_err(|e| sock_err("rename into place", e));
+                    }
+                    Err(e) => return Err(sock_err("rename into place", e)),
+                }
+            }
+        }
+    }
+    Err(ServeError::InUse(path.to_path_buf()))
+}
+
+/// What tells the socket at `path` from another put there later: its device and inode.
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// What a handler can know of the connection its call came on: every request carries it in
@@ -194,7 +288,8 @@ impl<S> tonic::transport::server::Connected for Tracked<S> {
 /// connection is accepted, each open one is told to go (an HTTP/2 GOAWAY), every call in
 /// flight finishes and its answer is sent, and each connection closes once it has nothing
 /// left to send. Returns when every connection is closed, or after `grace` (a client that
-/// never lets its connection go cannot hold the process); then removes the socket.
+/// never lets its connection go cannot hold the process); then removes the socket, unless
+/// another daemon has bound one there since.
 pub async fn serve(
     router: tonic::transport::server::Router,
     listener: UnixListener,
@@ -202,6 +297,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
     grace: std::time::Duration,
 ) -> Result<(), ServeError> {
+    // The socket this server removes when it stops: not one another daemon bound there since.
+    let ours = identity(path);
     let stopping = std::sync::Arc::new(tokio::sync::Notify::new());
     let notify = std::sync::Arc::clone(&stopping);
     let signal = async move {
@@ -233,7 +330,9 @@ pub async fn serve(
             Ok(())
         }
     };
-    let _ = std::fs::remove_file(path);
+    if ours.is_some() && identity(path) == ours {
+        let _ = std::fs::remove_file(path);
+    }
     result
 }
 
@@ -409,6 +508,64 @@ mod tests {
             bind_unix(&dir.join("file")),
             Err(ServeError::NotASocket(_))
         ));
+        assert_eq!(
+            entries(&dir),
+            ["file", "s.sock"],
+            "no temporary socket is left"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn entries(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[tokio::test]
+    async fn the_socket_path_names_a_listening_socket_from_its_first_instant() {
+        use rustix::fs::inotify;
+        let dir = std::env::temp_dir().join(format!("moor-listen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.sock");
+        let watch =
+            inotify::init(inotify::CreateFlags::NONBLOCK | inotify::CreateFlags::CLOEXEC).unwrap();
+        inotify::add_watch(
+            &watch,
+            &dir,
+            inotify::WatchFlags::CREATE | inotify::WatchFlags::MOVED_TO,
+        )
+        .unwrap();
+        // Where nothing was, then over the stale socket the first one leaves.
+        drop(bind_unix(&path).expect("bound"));
+        let live = bind_unix(&path).expect("the stale socket is replaced");
+        assert!(answers(&path));
+        let mut buf = [std::mem::MaybeUninit::uninit(); 4096];
+        let mut events = inotify::Reader::new(&watch, &mut buf);
+        let mut arrivals = Vec::new();
+        loop {
+            match events.next() {
+                Ok(e) if e.file_name().is_some_and(|n| n.to_bytes() == b"s.sock") => {
+                    arrivals.push(e.events());
+                }
+                Ok(_) => {}
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(e) => panic!("inotify: {e}"),
+            }
+        }
+        // Created by bind(2), the name would refuse connections until listen(2): it must
+        // arrive only by a rename of a socket that already listens.
+        assert_eq!(
+            arrivals,
+            [inotify::ReadFlags::MOVED_TO, inotify::ReadFlags::MOVED_TO],
+            "the path appears by a rename only, never by bind(2)"
+        );
+        assert_eq!(entries(&dir), ["s.sock"], "no temporary socket is left");
+        drop(live);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
