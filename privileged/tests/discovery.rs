@@ -17,7 +17,8 @@ use moor_node::service::{NodeService, PluginInfo};
 use moor_node::sys::discovery::{UDEV_CONTROL_SOCKET, udevd_running};
 use moor_node::sys::linux::Linux;
 use moor_node::sys::loopinfo;
-use moor_privileged::{Sandbox, is_mount_point, read_at};
+use moor_privileged::client::DEADLINE;
+use moor_privileged::{Sandbox, is_mount_point, loops_under, no_loops_under, read_at};
 use moor_proto::csi::v1 as csi;
 use moor_proto::csi::v1::node_server::Node as _;
 use tonic::{Code, Request};
@@ -137,20 +138,23 @@ impl Udevd {
         .expect("systemd-udevd is installed (package udev)");
         let made_run_dir = !Path::new("/run/udev").exists();
         let dev_before = DevState::read();
-        let child = Command::new(program)
-            .stdin(Stdio::null())
+        let mut cmd = Command::new(program);
+        cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .expect("start systemd-udevd");
+            .process_group(0);
+        // Not left running on the host if the test process is killed: it stops its workers
+        // on SIGTERM.
+        moor_runtime::sys::parent_death::die_with_parent(&mut cmd, rustix::process::Signal::TERM);
+        let child = cmd.spawn().expect("start systemd-udevd");
         let mut udevd = Self {
             child,
             made_run_dir,
             dev_before,
         };
         // Wait for its control socket to accept connections (a condition, not a time).
-        for _ in 0..3000 {
+        let start = std::time::Instant::now();
+        while start.elapsed() < DEADLINE {
             if udevd_running() {
                 return Some(udevd);
             }
@@ -159,7 +163,7 @@ impl Udevd {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        panic!("systemd-udevd never opened {UDEV_CONTROL_SOCKET}");
+        panic!("systemd-udevd did not open {UDEV_CONTROL_SOCKET} within {DEADLINE:?}");
     }
 }
 
@@ -354,7 +358,8 @@ fn a_device_attached_while_stage_waits_is_found(events: Events) {
         let file = file.clone();
         std::thread::spawn(move || {
             // Attach only once stage is subscribed (its event socket is bound).
-            for _ in 0..6000 {
+            let start = std::time::Instant::now();
+            while start.elapsed() < DEADLINE {
                 if watching_uevents() {
                     return attach(&file, None);
                 }
@@ -395,12 +400,18 @@ fn a_reused_device_number_is_refused(events: Events) {
     let staging = sb.staging("pv-a");
 
     // Attach A, detach it, and give its number to B (another test may take the number in
-    // between: then try again).
+    // between: then try again). A detach is done once the device's last user (udev's probe,
+    // say) closes it: until then A is still bound, and would be found.
     let (reused, dev) = (0..20)
         .find_map(|_| {
             let a = attach(&vol_a, None)?;
             let dev = a.0.clone();
             drop(a);
+            assert!(
+                no_loops_under(&vol_a),
+                "vol-a.img still bound: {:?}",
+                loops_under(&vol_a)
+            );
             attach(&vol_b, Some(&dev)).map(|b| (b, dev))
         })
         .expect("reattach a loop number to another file");

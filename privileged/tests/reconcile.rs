@@ -14,7 +14,7 @@ use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::{self, Journal};
 use moor_node::reconcile::{Action, Reconciler};
 use moor_node::sys::linux::Linux;
-use moor_privileged::client::{Daemon, connect};
+use moor_privileged::client::{DEADLINE, Daemon, connect};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, fs_cap, is_mount_point, mount_depth, runtime};
 use moor_proto::csi::v1 as csi;
@@ -193,11 +193,11 @@ fn dead_fuse_mounts_are_cleaned_by_unpublish_unstage_and_reconciliation() {
         std::fs::write(n.target.join("f"), b"kept").expect("write");
         let mut node = n.start_with_interval(1).await;
         dead_fuse(&n.target);
-        let deadline = Instant::now() + std::time::Duration::from_secs(20);
+        let deadline = Instant::now() + DEADLINE;
         while mount_depth(&n.target) > 1 {
             assert!(
                 Instant::now() < deadline,
-                "reconciliation did not clean the target"
+                "the periodic reconciliation did not clean the target within {DEADLINE:?}"
             );
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }

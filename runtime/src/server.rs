@@ -409,21 +409,6 @@ mod tests {
         }
     }
 
-    async fn channel(path: &Path) -> tonic::transport::Channel {
-        let path = path.to_path_buf();
-        tonic::transport::Endpoint::from_static("http://moor.invalid")
-            .connect_with_connector(tower::service_fn(move |_| {
-                let path = path.clone();
-                async move {
-                    tokio::net::UnixStream::connect(path)
-                        .await
-                        .map(hyper_util::rt::TokioIo::new)
-                }
-            }))
-            .await
-            .expect("connect")
-    }
-
     #[tokio::test]
     async fn a_call_knows_when_its_connection_closes() {
         use moor_proto::csi::v1::identity_client::IdentityClient;
@@ -452,7 +437,12 @@ mod tests {
                 .await
             }
         });
-        let mut client = IdentityClient::new(channel(&path).await);
+        // Answered (UNIMPLEMENTED counts) once served.
+        let channel =
+            crate::client::wait_answering(&path, std::time::Duration::from_secs(60), || None)
+                .await
+                .expect("answers");
+        let mut client = IdentityClient::new(channel);
         client
             .get_plugin_info(moor_proto::csi::v1::GetPluginInfoRequest {})
             .await
