@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
@@ -27,10 +27,22 @@ const MIB: u64 = 1 << 20;
 /// NETLINK_KOBJECT_UEVENT, the protocol of both the kernel's and udevd's event sockets.
 const NETLINK_KOBJECT_UEVENT: u32 = 15;
 
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner)
+/// One of these tests at a time on the host, not only in this process: whether systemd-udevd
+/// runs, and what it does to /dev, is the host's, and another checkout's test run (another
+/// engineer's, CI's) starts and stops udevd too. An exclusive flock on a file every run
+/// opens, held until the guard drops (also when the test fails); it also orders this
+/// process's threads, as each takes the lock through an open of its own.
+fn one_at_a_time() -> std::fs::File {
+    let path = std::env::temp_dir().join("moor-discovery-tests.lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)
+        .unwrap_or_else(|e| panic!("flock {}: {e}", path.display()));
+    lock
 }
 
 /// Whether the test can run with these events: without udevd only if none runs on the host.
