@@ -11,7 +11,7 @@ use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::Journal;
 use moor_node::metrics::MeteredOs;
 use moor_node::reconcile::Reconciler;
-use moor_node::registration::{self, Progress, RegistrationService};
+use moor_node::registration::{self, Progress, Refusal, RegistrationService};
 use moor_node::service::{IdentityService, NodeService, OPTIONAL_TOOLS, PluginInfo, readiness};
 use moor_node::sys::Os;
 use moor_node::sys::linux::Linux;
@@ -168,17 +168,36 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         .add_service(Metered::new(IdentityServer::new(identity)))
         .add_service(Metered::new(NodeServer::new(node)));
 
-    // One stop for every server: SIGTERM/SIGINT, or kubelet refusing the registration.
+    // One stop for every server: SIGTERM/SIGINT, or kubelet refusing the registration (once
+    // kubelet has the answer to that call: the stop would otherwise race it to the client).
+    let grace = Duration::from_secs(args.shutdown_grace);
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_tx = Arc::new(stop_tx);
-    let (failed_tx, failed_rx) = watch::channel(None::<String>);
+    let (failed_tx, failed_rx) = watch::channel(None::<Refusal>);
     {
         let stop_tx = Arc::clone(&stop_tx);
         let mut failed = failed_rx.clone();
+        let refused = async move {
+            let refusal = match failed.wait_for(Option::is_some).await {
+                Ok(r) => r.clone(),
+                Err(_) => None,
+            };
+            match refusal {
+                Some(r) => {
+                    if !r.answered(grace).await {
+                        warn!(
+                            ?grace,
+                            "kubelet kept the connection of its refusal open: stopping anyway"
+                        );
+                    }
+                }
+                None => std::future::pending().await,
+            }
+        };
         tokio::spawn(async move {
             tokio::select! {
                 () = server::termination() => {}
-                Ok(_) = failed.wait_for(Option::is_some) => {}
+                () = refused => {}
             }
             stop_tx.send_replace(true);
         });
@@ -217,7 +236,6 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         journal,
         registration: progress,
     };
-    let grace = Duration::from_secs(args.shutdown_grace);
     let grpc = async {
         let r = server::serve(router, listener, &socket, stopped(stop_rx.clone()), grace).await;
         stop_tx.send_replace(true);
@@ -247,8 +265,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
     };
     let (grpc, reg, ()) = tokio::join!(grpc, reg, web);
     drop(failed_tx);
-    if let Some(why) = failed_rx.borrow().clone() {
-        return Err(format!("kubelet refused the registration: {why}").into());
+    if let Some(refusal) = failed_rx.borrow().clone() {
+        return Err(format!("kubelet refused the registration: {}", refusal.why).into());
     }
     if let Some(task) = periodic {
         task.abort();

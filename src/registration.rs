@@ -5,8 +5,9 @@
 //! calls GetInfo (type `CSIPlugin`, the driver name, the CSI socket path kubelet must dial, and
 //! the CSI versions), validates the answer, then calls NotifyRegistrationStatus. When kubelet
 //! reports a failed registration, moor-node logs it and stops with a failure exit code, so the
-//! pod restarts and registration is tried afresh. Removing the socket (on shutdown) makes
-//! kubelet deregister the plugin.
+//! pod restarts and registration is tried afresh; it begins to stop only once kubelet has the
+//! answer to that call ([`Refusal::answered`]). Removing the socket (on shutdown) makes kubelet
+//! deregister the plugin.
 //!
 //! Until kubelet has confirmed the registration, [`Progress`] says how far it got: moor-node
 //! logs that it waits (ever less often, see [`log_while_waiting`]), `/metrics` has
@@ -20,6 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use moor_proto::registration::v1 as reg;
+use moor_runtime::server::Connection;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 use tracing::{error, info, warn};
@@ -48,6 +50,29 @@ pub fn socket_path(dir: &Path, driver_name: &str) -> Result<PathBuf, Registratio
         return Err(RegistrationError::DriverName(driver_name.to_string()));
     }
     Ok(dir.join(format!("{driver_name}-reg.sock")))
+}
+
+/// kubelet's refusal of the registration (NotifyRegistrationStatus, not registered).
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    /// kubelet's reason.
+    pub why: String,
+    /// The connection the call came on (None for a call that did not come over a socket).
+    connection: Option<Connection>,
+}
+
+impl Refusal {
+    /// Resolves once kubelet has the answer to the call that refused the registration, so that
+    /// moor-node's stop (which tells every connection to go) cannot overtake that answer: kubelet
+    /// closes its connection once the call is answered, and a closed connection has delivered
+    /// what was sent on it. At most `bound` later, for a client that keeps its connection open
+    /// (false then); the graceful stop still sends the answer before closing the connection.
+    pub async fn answered(&self, bound: Duration) -> bool {
+        match &self.connection {
+            Some(c) => tokio::time::timeout(bound, c.closed()).await.is_ok(),
+            None => true,
+        }
+    }
 }
 
 /// How far kubelet got with registering the plugin.
@@ -156,7 +181,7 @@ pub async fn log_while_waiting(progress: Arc<Progress>, socket: PathBuf) {
 pub struct RegistrationService {
     driver_name: String,
     endpoint: String,
-    failed: watch::Sender<Option<String>>,
+    failed: watch::Sender<Option<Refusal>>,
     progress: Arc<Progress>,
 }
 
@@ -167,7 +192,7 @@ impl RegistrationService {
     pub fn new(
         driver_name: impl Into<String>,
         endpoint: impl Into<String>,
-        failed: watch::Sender<Option<String>>,
+        failed: watch::Sender<Option<Refusal>>,
         progress: Arc<Progress>,
     ) -> Self {
         Self {
@@ -207,6 +232,7 @@ impl reg::registration_server::Registration for RegistrationService {
         &self,
         request: Request<reg::RegistrationStatus>,
     ) -> Result<Response<reg::RegistrationStatusResponse>, Status> {
+        let connection = request.extensions().get::<Connection>().cloned();
         let status = request.into_inner();
         if status.plugin_registered {
             self.progress.registered.store(true, Ordering::Relaxed);
@@ -226,7 +252,7 @@ impl reg::registration_server::Registration for RegistrationService {
                 error = why,
                 "kubelet refused the registration; stopping so the pod restarts"
             );
-            self.failed.send_replace(Some(why));
+            self.failed.send_replace(Some(Refusal { why, connection }));
         }
         Ok(Response::new(reg::RegistrationStatusResponse {}))
     }
@@ -271,7 +297,7 @@ mod tests {
         }))
         .await
         .unwrap();
-        assert_eq!(*rx.borrow(), None);
+        assert!(rx.borrow().is_none());
         assert!(progress.registered());
         s.notify_registration_status(Request::new(reg::RegistrationStatus {
             plugin_registered: false,
@@ -279,14 +305,16 @@ mod tests {
         }))
         .await
         .unwrap();
-        assert_eq!(rx.borrow().as_deref(), Some("version 0.9 not supported"));
+        let why =
+            |rx: &watch::Receiver<Option<Refusal>>| rx.borrow().as_ref().map(|r| r.why.clone());
+        assert_eq!(why(&rx).as_deref(), Some("version 0.9 not supported"));
         s.notify_registration_status(Request::new(reg::RegistrationStatus {
             plugin_registered: false,
             error: String::new(),
         }))
         .await
         .unwrap();
-        assert_eq!(rx.borrow().as_deref(), Some("kubelet gave no reason"));
+        assert_eq!(why(&rx).as_deref(), Some("kubelet gave no reason"));
     }
 
     #[tokio::test]

@@ -22,7 +22,7 @@ use moor_controller::service::ControllerService;
 use moor_proto::csi::v1 as csi;
 use moor_runtime::contract::DEVICE_PATH_KEY;
 use tonic::Code;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::Channel;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
@@ -48,25 +48,15 @@ impl Drop for TempDir {
     }
 }
 
+/// How long a server or the daemon may take to answer its first call, or to stop: a bound on a
+/// hang, generous for a busy machine.
+const DEADLINE: Duration = Duration::from_secs(120);
+
+/// A channel to the socket, once a call on it is answered.
 async fn connect(socket: &Path) -> Channel {
-    let socket = socket.to_path_buf();
-    for _ in 0..200 {
-        if socket.exists() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    Endpoint::try_from("http://localhost")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let socket = socket.clone();
-            async move {
-                let stream = tokio::net::UnixStream::connect(socket).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
-            }
-        }))
+    moor_runtime::client::wait_answering(socket, DEADLINE, || None)
         .await
-        .unwrap()
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Serves the controller on a socket in `dir` until the returned sender fires.
@@ -418,27 +408,43 @@ async fn binary_stops_gracefully_on_sigterm() {
     }
     let dir = TempDir::new("binary");
     let socket = dir.0.join("csi.sock");
-    let mut child = std::process::Command::new(binary())
-        .args(["--endpoint", &format!("unix://{}", socket.display())])
-        .args(["--node-id", "node-1", "--log-format", "json"])
-        .arg("--data-dir")
-        .arg(dir.0.join("data"))
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut id = IdentityClient::new(connect(&socket).await);
+    // Killed if the test fails (dropped as it unwinds), and by the kernel if the test process
+    // dies: never left serving.
+    let mut child = moor_runtime::child::Guarded::spawn(
+        std::process::Command::new(binary())
+            .args(["--endpoint", &format!("unix://{}", socket.display())])
+            .args(["--node-id", "node-1", "--log-format", "json"])
+            .arg("--data-dir")
+            .arg(dir.0.join("data"))
+            .stderr(std::process::Stdio::null()),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let channel = moor_runtime::client::wait_answering(&socket, DEADLINE, || {
+        moor_runtime::client::exited(&mut child)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("moor-controller: {e}"));
+    let mut id = IdentityClient::new(channel);
     let info = id
         .get_plugin_info(csi::GetPluginInfoRequest {})
         .await
         .unwrap()
         .into_inner();
     assert_eq!(info.name, "moor.csi.io");
-    let pid = rustix::process::Pid::from_child(&child);
-    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
-    let status = tokio::task::spawn_blocking(move || child.wait())
-        .await
-        .unwrap()
-        .unwrap();
+    rustix::process::kill_process(child.pid(), rustix::process::Signal::TERM).unwrap();
+    // The runtime runs on while it stops: this client's connection answers its graceful stop.
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "moor-controller still runs {DEADLINE:?} after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert!(status.success(), "{status:?}");
     assert!(!socket.exists(), "the socket is removed on SIGTERM");
 }

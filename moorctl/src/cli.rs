@@ -61,7 +61,7 @@ pub enum Command {
     Info,
     /// Asks the plugin whether it is ready (Probe).
     #[command(after_help = EXIT_CODES)]
-    Probe,
+    Probe(ProbeArgs),
     /// Volumes on the controller.
     #[command(subcommand)]
     Volume(VolumeCommand),
@@ -370,6 +370,20 @@ pub struct UnmountArgs {
     /// The pod's target path.
     #[arg(long)]
     pub target: PathBuf,
+}
+
+/// `probe`.
+#[derive(Debug, Args)]
+pub struct ProbeArgs {
+    /// Waits up to SECONDS for the socket to answer a call, as for a daemon that is starting
+    /// (its socket may not exist yet, or refuse connections); without it a socket that does not
+    /// answer at once is exit code 3.
+    #[arg(long, value_name = "SECONDS")]
+    pub wait: Option<u64>,
+    /// With --wait: stop waiting as soon as process PID (the daemon, started a moment ago)
+    /// has exited.
+    #[arg(long, value_name = "PID", requires = "wait")]
+    pub wait_pid: Option<u32>,
 }
 
 /// `stats`.

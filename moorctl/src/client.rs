@@ -3,7 +3,6 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::CliError;
@@ -31,18 +30,38 @@ pub async fn connect(endpoint: &str, timeout: Duration) -> Result<Channel, CliEr
         })
 }
 
+/// Waits until the socket of `endpoint` answers a call, up to `deadline`: a daemon that is
+/// starting (the socket may not exist yet). With `pid`, only while that process runs.
+pub async fn wait(
+    endpoint: &str,
+    deadline: Duration,
+    pid: Option<u32>,
+) -> Result<Channel, CliError> {
+    let socket = socket_path(endpoint)?;
+    moor_runtime::client::wait_answering(&socket, deadline, || pid.and_then(exited))
+        .await
+        .map_err(|e| CliError::Connect {
+            endpoint: endpoint.to_string(),
+            reason: e.to_string(),
+        })
+}
+
+/// Why process `pid` will not answer: it is gone, or has exited and awaits its parent's wait.
+fn exited(pid: u32) -> Option<String> {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // "pid (comm) state ...": the command may hold anything but the last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X']))
+            .then(|| format!("process {pid} exited")),
+        Err(_) => Some(format!("process {pid} is gone")),
+    }
+}
+
 /// Connects to a socket path; the error is a sentence.
 pub async fn connect_path(socket: &Path, timeout: Duration) -> Result<Channel, String> {
-    let path = socket.to_path_buf();
     let endpoint = Endpoint::from_static("http://moor.invalid").timeout(timeout);
-    let connecting = endpoint.connect_with_connector(tower::service_fn(move |_| {
-        let path = path.clone();
-        async move {
-            tokio::net::UnixStream::connect(path)
-                .await
-                .map(TokioIo::new)
-        }
-    }));
+    let connecting = moor_runtime::client::connect_endpoint(endpoint, socket);
     match tokio::time::timeout(timeout, connecting).await {
         Ok(Ok(channel)) => Ok(channel),
         Ok(Err(e)) => Err(error_chain(&e)),

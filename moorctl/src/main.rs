@@ -10,7 +10,6 @@ mod error;
 mod output;
 mod secrets;
 mod status;
-mod sys;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -19,7 +18,7 @@ use std::time::Duration;
 use clap::parser::ValueSource;
 use clap::{CommandFactory as _, FromArgMatches as _};
 
-use crate::cli::{Cli, Command, DEFAULT_STATE_DIR};
+use crate::cli::{Cli, Command, DEFAULT_STATE_DIR, ProbeArgs};
 use crate::commands::Clients;
 use crate::error::CliError;
 use crate::secrets::Secrets;
@@ -99,11 +98,19 @@ fn run(cli: &Cli, endpoint_given: bool) -> Result<(), CliError> {
                     Some(path) => Secrets::load(path)?,
                     None => Secrets::default(),
                 };
-                let channel = client::connect(&cli.endpoint, timeout).await?;
+                let channel = match command {
+                    Command::Probe(ProbeArgs {
+                        wait: Some(wait),
+                        wait_pid,
+                    }) => {
+                        client::wait(&cli.endpoint, Duration::from_secs(*wait), *wait_pid).await?
+                    }
+                    _ => client::connect(&cli.endpoint, timeout).await?,
+                };
                 let mut c = Clients::new(channel, secrets);
                 match command {
                     Command::Info => commands::info(&mut c, timeout).await,
-                    Command::Probe => commands::probe(&mut c, timeout).await,
+                    Command::Probe(_) => commands::probe(&mut c, timeout).await,
                     Command::Volume(v) => commands::volume(&mut c, v, timeout).await,
                     Command::Snapshot(s) => commands::snapshot(&mut c, s, timeout).await,
                     Command::Publish(a) => commands::publish(&mut c, a, timeout).await,

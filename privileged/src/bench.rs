@@ -20,7 +20,7 @@ use moor_node::journal::Journal;
 use moor_node::sys::linux::Linux;
 
 use crate::Sandbox;
-use crate::client::{Daemon, binary, connect};
+use crate::client::{DEADLINE, Daemon, binary, connect};
 pub use crate::requests::{cap, publish_req, stage_req, unpublish_req, unstage_req};
 
 /// One mebibyte.
@@ -110,40 +110,33 @@ impl Plugin {
             .enable_all()
             .build()
             .expect("tokio runtime");
-        // Through setpriv, so that the plugin dies with the bench even when the bench is
-        // killed (its cleanup then never runs): the bench's main thread starts it and lives
-        // as long as the run.
-        let child = Command::new("setpriv")
-            .args(["--pdeathsig", "KILL", "--"])
-            .arg(program)
-            .arg("--endpoint")
-            .arg(format!("unix://{}", socket.display()))
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(File::create(log).expect("plugin log"))
-            .spawn()
-            .expect("spawn the plugin");
+        // Dies with the bench even when the bench is killed (its cleanup then never runs): the
+        // bench's main thread starts it and lives as long as the run.
+        let child = crate::client::spawn_guarded(
+            Command::new(program)
+                .arg("--endpoint")
+                .arg(format!("unix://{}", socket.display()))
+                .args(args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(File::create(log).expect("plugin log")),
+        );
         let mut daemon = Daemon { child, socket };
         let client = rt.block_on(async {
-            let start = Instant::now();
-            loop {
-                if let Ok(ch) = connect(&daemon.socket).await {
-                    break NodeClient::new(ch);
-                }
-                if let Ok(Some(status)) = daemon.child.try_wait() {
-                    panic!(
-                        "{} exited ({status}): {}",
-                        program.display(),
-                        std::fs::read_to_string(log).unwrap_or_default()
-                    );
-                }
-                assert!(
-                    start.elapsed() < Duration::from_secs(30),
-                    "{} did not come up",
-                    program.display()
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
+            let channel = {
+                let child = &mut daemon.child;
+                moor_runtime::client::wait_answering(&daemon.socket, DEADLINE, || {
+                    moor_runtime::client::exited(child)
+                })
+                .await
+            };
+            match channel {
+                Ok(ch) => NodeClient::new(ch),
+                Err(e) => panic!(
+                    "{}: {e}: {}",
+                    program.display(),
+                    std::fs::read_to_string(log).unwrap_or_default()
+                ),
             }
         });
         Self { client, daemon, rt }
@@ -210,10 +203,10 @@ impl Plugin {
 
 impl Drop for Plugin {
     fn drop(&mut self) {
-        if let Some(pid) = rustix::process::Pid::from_raw(self.daemon.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let _ = self.daemon.child.wait();
+        // On the runtime that holds the client's connection, so that it answers the plugin's
+        // graceful stop and the plugin stops at once.
+        let daemon = &mut self.daemon;
+        let _ = self.rt.block_on(daemon.stop());
     }
 }
 

@@ -302,14 +302,14 @@ impl World {
         .collect();
         all.extend(args.iter().map(|s| (*s).to_string()));
         let log = std::fs::File::create(dir.join("controller.log")).expect("log");
-        let child = Command::new(crate::client::binary("moor-controller"))
-            .arg("--endpoint")
-            .arg(format!("unix://{}", socket.display()))
-            .args(&all)
-            .stdin(std::process::Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn moor-controller");
+        let child = crate::client::spawn_guarded(
+            Command::new(crate::client::binary("moor-controller"))
+                .arg("--endpoint")
+                .arg(format!("unix://{}", socket.display()))
+                .args(&all)
+                .stdin(std::process::Stdio::null())
+                .stderr(log),
+        );
         let mut d = Daemon { child, socket };
         d.wait_answering().await;
         let channel = connect(&d.socket).await.expect("connect");
@@ -395,15 +395,14 @@ impl World {
             }
             None => Command::new(bin),
         };
-        let child = cmd
-            .arg("--endpoint")
-            .arg(format!("unix://{}", n.socket.display()))
-            .args(&args)
-            .envs(env.iter().copied())
-            .stdin(std::process::Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn moor-node");
+        let child = crate::client::spawn_guarded(
+            cmd.arg("--endpoint")
+                .arg(format!("unix://{}", n.socket.display()))
+                .args(&args)
+                .envs(env.iter().copied())
+                .stdin(std::process::Stdio::null())
+                .stderr(log),
+        );
         let mut d = Daemon {
             child,
             socket: n.socket.clone(),

@@ -2,28 +2,26 @@
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use hyper_util::rt::TokioIo;
 use moor_proto::csi::v1 as csi;
-use tonic::transport::{Channel, Endpoint};
+use moor_runtime::child::Guarded;
+pub use moor_runtime::client::connect;
+use tonic::transport::Channel;
 
 use crate::requests::{unpublish_req, unstage_req};
 
-/// Connects a gRPC channel to a Unix socket.
-pub async fn connect(socket: &Path) -> Result<Channel, tonic::transport::Error> {
-    let socket = socket.to_path_buf();
-    Endpoint::from_static("http://moor.invalid")
-        .connect_with_connector(tower::service_fn(move |_| {
-            let socket = socket.clone();
-            async move {
-                tokio::net::UnixStream::connect(socket)
-                    .await
-                    .map(TokioIo::new)
-            }
-        }))
-        .await
+/// How long a daemon a test starts may take to answer its first call, a log line to come, or
+/// a daemon to exit once told to: a bound on a hang, generous for a machine that is busy (a
+/// deadline here does not measure speed).
+pub const DEADLINE: Duration = Duration::from_secs(120);
+
+/// Starts `cmd` as a test's daemon: killed when dropped (also when the test panics), and by
+/// the kernel when the test's thread or process ends.
+pub fn spawn_guarded(cmd: &mut Command) -> Guarded {
+    Guarded::spawn(cmd, rustix::process::Signal::KILL)
+        .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"))
 }
 
 /// kubelet's teardown of a mount volume: NodeUnpublishVolume of `target`, then
@@ -42,11 +40,12 @@ pub async fn unpublish_and_unstage(
         .expect("unstage");
 }
 
-/// A running `moor-node` (killed on drop if still running).
+/// A running `moor-node` or `moor-controller`: killed when dropped, or by the kernel when the
+/// test's thread ends.
 #[derive(Debug)]
 pub struct Daemon {
     /// The process.
-    pub child: Child,
+    pub child: Guarded,
     /// Its socket.
     pub socket: PathBuf,
 }
@@ -100,28 +99,33 @@ impl Daemon {
         // when it died holds a copy of its descriptors until that child's exec closes them.
         // Only a socket bound after this point is the new daemon's.
         let stale = socket_identity(socket);
-        let child = Command::new(bin)
-            .arg("--endpoint")
-            .arg(format!("unix://{}", socket.display()))
-            .args(args)
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
-        let d = Self {
+        let child = spawn_guarded(
+            Command::new(bin)
+                .arg("--endpoint")
+                .arg(format!("unix://{}", socket.display()))
+                .args(args)
+                .envs(env.iter().copied())
+                .stdin(Stdio::null()),
+        );
+        let mut d = Self {
             child,
             socket: socket.to_path_buf(),
         };
-        let start = Instant::now();
-        while (stale.is_some() && socket_identity(socket) == stale)
-            || connect(socket).await.is_err()
-        {
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "moor-node did not come up"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        if stale.is_some() {
+            let start = Instant::now();
+            while socket_identity(socket) == stale {
+                if let Some(why) = moor_runtime::client::exited(&mut d.child) {
+                    panic!("{program}: {why} before it replaced {}", socket.display());
+                }
+                assert!(
+                    start.elapsed() < DEADLINE,
+                    "{program} did not bind {} within {DEADLINE:?}",
+                    socket.display()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
+        d.wait_answering().await;
         d
     }
 
@@ -139,56 +143,89 @@ impl Daemon {
             "{} is not built (cargo build --bins)",
             bin.display()
         );
-        let child = Command::new(bin)
-            .arg("--endpoint")
-            .arg(format!("unix://{}", socket.display()))
-            .args(args)
-            .stdin(Stdio::null())
-            .stderr(std::fs::File::create(log).expect("log file"))
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+        let child = spawn_guarded(
+            Command::new(bin)
+                .arg("--endpoint")
+                .arg(format!("unix://{}", socket.display()))
+                .args(args)
+                .stdin(Stdio::null())
+                .stderr(std::fs::File::create(log).expect("log file")),
+        );
         Self {
             child,
             socket: socket.to_path_buf(),
         }
     }
 
-    /// Waits until the socket answers; panics if the process exits first (or after 30 s).
+    /// Waits until a call on the socket is answered; panics if the process exits first (or
+    /// after [`DEADLINE`]).
     pub async fn wait_answering(&mut self) {
+        let socket = self.socket.clone();
+        self.wait_answering_at(&socket).await;
+    }
+
+    /// Waits until a call on another socket it serves (moor-node's registration socket) is
+    /// answered; panics if the process exits first (or after [`DEADLINE`]).
+    pub async fn wait_answering_at(&mut self, socket: &Path) {
+        let child = &mut self.child;
+        if let Err(e) = moor_runtime::client::wait_answering(socket, DEADLINE, || {
+            moor_runtime::client::exited(child)
+        })
+        .await
+        {
+            panic!("{e}");
+        }
+    }
+
+    /// The exit status once the process has exited; panics once it has run on for
+    /// [`DEADLINE`] since `since` (after `why`).
+    fn exited_within(&mut self, since: Instant, why: &str) -> Option<std::process::ExitStatus> {
+        let status = self.child.try_wait().expect("wait");
+        assert!(
+            status.is_some() || since.elapsed() < DEADLINE,
+            "the daemon of {} still runs {DEADLINE:?} after {why}",
+            self.socket.display()
+        );
+        status
+    }
+
+    /// Waits for the process to exit by itself (after `why`), up to [`DEADLINE`].
+    pub fn wait_exit(&mut self, why: &str) -> std::process::ExitStatus {
         let start = Instant::now();
-        while connect(&self.socket).await.is_err() {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("exited before it served: {status}");
+        loop {
+            if let Some(status) = self.exited_within(start, why) {
+                return status;
             }
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "{} never answered",
-                self.socket.display()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
-    /// Sends SIGTERM and waits for the exit status.
+    /// Sends SIGTERM and waits for the exit status, up to [`DEADLINE`]. The daemon stops once
+    /// every connection to it has closed (or after its grace period): a test that still holds
+    /// a client's connection on a runtime it does not run drops that runtime first, or calls
+    /// [`Daemon::stop`] on it.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
-        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        self.child.wait().expect("wait moor-node")
+        let _ = rustix::process::kill_process(self.child.pid(), rustix::process::Signal::TERM);
+        self.wait_exit("SIGTERM")
     }
-}
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+    /// [`Daemon::terminate`] from within the test's runtime, which runs on meanwhile: the
+    /// test's open connections answer the daemon's graceful stop (HTTP/2's GOAWAY and PING),
+    /// so they close at once.
+    pub async fn stop(&mut self) -> std::process::ExitStatus {
+        let _ = rustix::process::kill_process(self.child.pid(), rustix::process::Signal::TERM);
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.exited_within(start, "SIGTERM") {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 }
 
 /// Waits until `log` has a line containing `needle`; panics if `daemon` exits first (or after
-/// 30 s).
+/// [`DEADLINE`]).
 pub fn wait_for_log(log: &Path, needle: &str, daemon: &mut Daemon) -> String {
     let start = Instant::now();
     loop {
@@ -200,19 +237,36 @@ pub fn wait_for_log(log: &Path, needle: &str, daemon: &mut Daemon) -> String {
             panic!("exited ({status}) before logging {needle:?}: {text}");
         }
         assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "no {needle:?} in: {text}"
+            start.elapsed() < DEADLINE,
+            "no {needle:?} within {DEADLINE:?} in: {text}"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago (bound, read, released).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+/// The address the HTTP endpoint of `daemon` (started with `--http-endpoint 127.0.0.1:0`, its
+/// log in `log`) was given by the kernel, read from the line it logs once it serves: a port
+/// picked by the test and bound later could be taken by anyone in between.
+pub fn http_address(log: &Path, daemon: &mut Daemon) -> String {
+    let text = wait_for_log(log, "http endpoint serving", daemon);
+    logged_http_address(&text)
+        .unwrap_or_else(|| panic!("no address in the http endpoint's log line: {text}"))
+}
+
+/// The address in the last "http endpoint serving" line of a daemon's log `text`, if any.
+pub fn logged_http_address(text: &str) -> Option<String> {
+    text.lines()
+        .rev()
+        .find(|l| l.contains("http endpoint serving"))
+        .and_then(|l| l.split("address").nth(1))
+        .map(|rest| {
+            rest.trim_start_matches(['=', '"', ':'])
+                .split(|c: char| c == '"' || c.is_whitespace())
+                .next()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .filter(|a| a.parse::<std::net::SocketAddr>().is_ok())
 }
 
 /// An HTTP response as the tests see it.

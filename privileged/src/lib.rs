@@ -197,6 +197,67 @@ impl Drop for Sandbox {
     }
 }
 
+/// Loop devices (`/dev/loopN`) whose backing file lies under `root`, read from sysfs.
+pub fn loops_under(root: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/sys/block")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file"))
+            && Path::new(b.trim_end().trim_end_matches(" (deleted)")).starts_with(root)
+        {
+            found.push(Path::new("/dev").join(e.file_name()));
+        }
+    }
+    found
+}
+
+/// Waits until no loop device is backed by a file under `root` (a detached device is freed
+/// once its last user, udev's probe say, closes it: longer on a busy machine), up to
+/// [`client::DEADLINE`]; whether none is.
+pub fn no_loops_under(root: &Path) -> bool {
+    let start = std::time::Instant::now();
+    while !loops_under(root).is_empty() {
+        if start.elapsed() > client::DEADLINE {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    true
+}
+
+/// Mount points under `root` in this thread's mount namespace.
+pub fn mounts_under(root: &Path) -> Vec<PathBuf> {
+    let table = std::fs::read("/proc/thread-self/mountinfo").expect("mountinfo");
+    moor_node::sys::mountinfo::parse(&table)
+        .expect("parse mountinfo")
+        .into_iter()
+        .map(|m| m.mount_point)
+        .filter(|p| p.starts_with(root))
+        .collect()
+}
+
+/// On drop: unmounts (lazily, deepest first) everything under its dir in this thread's mount
+/// namespace, then detaches every loop device backed by a file under it (those a daemon
+/// attached, or the test with losetup): what a failed test leaves.
+#[derive(Debug)]
+pub struct LoopSweep(pub PathBuf);
+
+impl Drop for LoopSweep {
+    fn drop(&mut self) {
+        let mut mounts = mounts_under(&self.0);
+        mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for m in mounts {
+            let _ = rustix::mount::unmount(m.as_path(), rustix::mount::UnmountFlags::DETACH);
+        }
+        for dev in loops_under(&self.0) {
+            let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+        }
+    }
+}
+
 /// The command lines (NULs as spaces) of the running processes that mention `needle`.
 pub fn processes_mentioning(needle: &str) -> Vec<String> {
     let mut found = Vec::new();

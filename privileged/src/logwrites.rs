@@ -15,7 +15,7 @@ use std::os::unix::fs::FileExt as _;
 use std::path::Path;
 
 /// The super's magic.
-pub const MAGIC: u64 = 0x6a73_6677_7368_72;
+pub const MAGIC: u64 = 0x006a_7366_7773_6872;
 /// A flush: what was written before it is durable.
 pub const FLUSH: u64 = 1 << 0;
 /// A write that was durable when it completed.

@@ -65,12 +65,8 @@ fn moor_node_sockets_answer_any_authority() {
         &socket,
         &sb.node_args("node-a", &["--registration-dir", &registry_arg]),
     ));
-    // The registration socket is bound right after the CSI socket.
-    let start = std::time::Instant::now();
-    while !reg_socket.exists() {
-        assert!(start.elapsed() < std::time::Duration::from_secs(30));
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    // The registration socket is bound after the CSI socket.
+    rt.block_on(daemon.wait_answering_at(&reg_socket));
 
     identity_answers_any_authority(&socket, "node");
     for authority in authorities(&reg_socket) {

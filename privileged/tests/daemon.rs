@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
-use moor_privileged::client::{Daemon, connect, unpublish_and_unstage, wait_for_log};
+use moor_privileged::client::{DEADLINE, Daemon, connect, unpublish_and_unstage, wait_for_log};
 use moor_privileged::requests::unstage_req;
 use moor_privileged::{Sandbox, is_mount_point, processes_mentioning};
 use moor_proto::csi::v1 as csi;
@@ -273,8 +273,8 @@ fn stages_stuck_in_mkfs_leave_the_server_answering() {
         let start = std::time::Instant::now();
         while processes_mentioning(&needle).len() < devs.len() {
             assert!(
-                start.elapsed() < std::time::Duration::from_secs(60),
-                "the three stages never reached mkfs (as when the server stalls)"
+                start.elapsed() < DEADLINE,
+                "the three stages never reached mkfs within {DEADLINE:?} (as when the server stalls)"
             );
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
@@ -282,7 +282,7 @@ fn stages_stuck_in_mkfs_leave_the_server_answering() {
         // Three calls held in the kernel's hands, more than the daemon's workers: it answers.
         // (A server with no worker left would never answer: the bound turns a hang into a
         // failure.)
-        let answered = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        let answered = tokio::time::timeout(DEADLINE, async {
             let channel = connect(&socket).await.expect("connect");
             let probe = IdentityClient::new(channel.clone())
                 .probe(csi::ProbeRequest {})
@@ -298,7 +298,7 @@ fn stages_stuck_in_mkfs_leave_the_server_answering() {
         .await;
         if answered.is_err() {
             let _ = std::fs::write(&release, b"");
-            panic!("the server did not answer while stages were stuck in mkfs");
+            panic!("the server did not answer within {DEADLINE:?} while stages were stuck in mkfs");
         }
         assert!(
             stages.iter().all(|s| !s.is_finished()),
@@ -310,7 +310,7 @@ fn stages_stuck_in_mkfs_leave_the_server_answering() {
             let status = s.await.expect("task").expect_err("the fake mkfs fails");
             assert!(status.message().contains("mkfs"), "{status:?}");
         }
-        assert!(daemon.terminate().success());
+        assert!(daemon.stop().await.success());
     });
     assert!(processes_mentioning(&mkfs.display().to_string()).is_empty());
 }
@@ -365,7 +365,7 @@ fn a_second_moor_node_on_the_state_dir_waits_and_takes_over() {
             .expect("the first serves");
     });
 
-    assert!(first.terminate().success());
+    assert!(rt.block_on(first.stop()).success());
     rt.block_on(async {
         second.wait_answering().await;
         let mut node = NodeClient::new(connect(&second_socket).await.expect("connect"));
@@ -420,7 +420,7 @@ fn a_second_instance_that_waits_too_long_exits_naming_the_holder() {
             .await
             .expect("the first serves");
     });
-    assert!(first.terminate().success());
+    assert!(rt.block_on(first.stop()).success());
 
     let data = sb.data.join("controller").display().to_string();
     let csocket = sb.root.join("controller.sock");

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
@@ -17,7 +17,8 @@ use moor_node::service::{NodeService, PluginInfo};
 use moor_node::sys::discovery::{UDEV_CONTROL_SOCKET, udevd_running};
 use moor_node::sys::linux::Linux;
 use moor_node::sys::loopinfo;
-use moor_privileged::{Sandbox, is_mount_point, read_at};
+use moor_privileged::client::DEADLINE;
+use moor_privileged::{Sandbox, is_mount_point, loops_under, no_loops_under, read_at};
 use moor_proto::csi::v1 as csi;
 use moor_proto::csi::v1::node_server::Node as _;
 use tonic::{Code, Request};
@@ -26,10 +27,22 @@ const MIB: u64 = 1 << 20;
 /// NETLINK_KOBJECT_UEVENT, the protocol of both the kernel's and udevd's event sockets.
 const NETLINK_KOBJECT_UEVENT: u32 = 15;
 
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner)
+/// One of these tests at a time on the host, not only in this process: whether systemd-udevd
+/// runs, and what it does to /dev, is the host's, and another checkout's test run (another
+/// engineer's, CI's) starts and stops udevd too. An exclusive flock on a file every run
+/// opens, held until the guard drops (also when the test fails); it also orders this
+/// process's threads, as each takes the lock through an open of its own.
+fn one_at_a_time() -> std::fs::File {
+    let path = std::env::temp_dir().join("moor-discovery-tests.lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)
+        .unwrap_or_else(|e| panic!("flock {}: {e}", path.display()));
+    lock
 }
 
 /// Whether the test can run with these events: without udevd only if none runs on the host.
@@ -137,20 +150,23 @@ impl Udevd {
         .expect("systemd-udevd is installed (package udev)");
         let made_run_dir = !Path::new("/run/udev").exists();
         let dev_before = DevState::read();
-        let child = Command::new(program)
-            .stdin(Stdio::null())
+        let mut cmd = Command::new(program);
+        cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .expect("start systemd-udevd");
+            .process_group(0);
+        // Not left running on the host if the test process is killed: it stops its workers
+        // on SIGTERM.
+        moor_runtime::sys::parent_death::die_with_parent(&mut cmd, rustix::process::Signal::TERM);
+        let child = cmd.spawn().expect("start systemd-udevd");
         let mut udevd = Self {
             child,
             made_run_dir,
             dev_before,
         };
         // Wait for its control socket to accept connections (a condition, not a time).
-        for _ in 0..3000 {
+        let start = std::time::Instant::now();
+        while start.elapsed() < DEADLINE {
             if udevd_running() {
                 return Some(udevd);
             }
@@ -159,7 +175,7 @@ impl Udevd {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        panic!("systemd-udevd never opened {UDEV_CONTROL_SOCKET}");
+        panic!("systemd-udevd did not open {UDEV_CONTROL_SOCKET} within {DEADLINE:?}");
     }
 }
 
@@ -354,7 +370,8 @@ fn a_device_attached_while_stage_waits_is_found(events: Events) {
         let file = file.clone();
         std::thread::spawn(move || {
             // Attach only once stage is subscribed (its event socket is bound).
-            for _ in 0..6000 {
+            let start = std::time::Instant::now();
+            while start.elapsed() < DEADLINE {
                 if watching_uevents() {
                     return attach(&file, None);
                 }
@@ -395,12 +412,18 @@ fn a_reused_device_number_is_refused(events: Events) {
     let staging = sb.staging("pv-a");
 
     // Attach A, detach it, and give its number to B (another test may take the number in
-    // between: then try again).
+    // between: then try again). A detach is done once the device's last user (udev's probe,
+    // say) closes it: until then A is still bound, and would be found.
     let (reused, dev) = (0..20)
         .find_map(|_| {
             let a = attach(&vol_a, None)?;
             let dev = a.0.clone();
             drop(a);
+            assert!(
+                no_loops_under(&vol_a),
+                "vol-a.img still bound: {:?}",
+                loops_under(&vol_a)
+            );
             attach(&vol_b, Some(&dev)).map(|b| (b, dev))
         })
         .expect("reattach a loop number to another file");

@@ -14,7 +14,9 @@ use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, access_mode::Mode};
 use moor_privileged::client::{Daemon, connect};
 use moor_privileged::requests::{unpublish_req, unstage_req};
-use moor_privileged::{Sandbox, fs_cap, is_block_device, is_mount_point};
+use moor_privileged::{
+    LoopSweep, Sandbox, fs_cap, is_block_device, is_mount_point, loops_under, no_loops_under,
+};
 use moor_proto::csi::v1 as csi;
 use tonic::transport::Channel;
 
@@ -35,23 +37,6 @@ fn block_cap() -> csi::VolumeCapability {
     }
 }
 
-/// Every bound loop device whose backing file lies under `root`, from sysfs.
-fn loops_under(root: &Path) -> Vec<(PathBuf, String)> {
-    let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/sys/block") else {
-        return out;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file"))
-            && b.starts_with(&*root.to_string_lossy())
-        {
-            out.push((PathBuf::from("/dev").join(&name), b.trim_end().to_string()));
-        }
-    }
-    out
-}
-
 /// Every file (not directory) below `dir`.
 fn files_below(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
@@ -67,21 +52,6 @@ fn files_below(dir: &Path) -> Vec<PathBuf> {
         }
     }
     out
-}
-
-/// Detaches, when dropped, any loop device still bound to a file under the test's dir (only
-/// after a failed test; a busy device is cleared by the kernel once its mounts go).
-struct LoopSweep(PathBuf);
-
-impl Drop for LoopSweep {
-    fn drop(&mut self) {
-        for (dev, _) in loops_under(&self.0) {
-            let _ = std::process::Command::new("losetup")
-                .arg("-d")
-                .arg(dev)
-                .status();
-        }
-    }
 }
 
 /// What the test made, to undo in reverse.
@@ -468,7 +438,8 @@ fn life(name: &str, body: for<'a> fn(&'a mut Cluster, &'a Sandbox) -> BoxedLife<
 
     // Nothing remains: no mount, no loop device, no file but the daemons' own records.
     assert_eq!(sb.mounts(), Vec::<PathBuf>::new());
-    assert_eq!(loops_under(&sb.root), Vec::new());
+    // A detached device goes once its last user (udev's probe, say) closes it.
+    assert!(no_loops_under(&sb.root), "{:?}", loops_under(&sb.root));
     let stray: Vec<_> = files_below(&sb.root)
         .into_iter()
         .filter(|f| !f.starts_with(&ctl_data) && !f.starts_with(&sb.state))

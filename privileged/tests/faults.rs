@@ -13,7 +13,7 @@ use moor_node::journal::{self, Journal};
 use moor_node::reconcile::Reconciler;
 use moor_node::service::{NodeService, PluginInfo};
 use moor_node::sys::linux::Linux;
-use moor_privileged::client::{Daemon, connect};
+use moor_privileged::client::{DEADLINE, Daemon, connect};
 use moor_privileged::requests::{publish_req, unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, fs_cap, is_mount_point, run};
 use moor_proto::csi::v1 as csi;
@@ -276,6 +276,41 @@ fn a_power_cut_after_any_step_keeps_the_data_on_a_real_device() {
     assert!(sb.mounts().is_empty(), "{:?}", sb.mounts());
 }
 
+/// How many reconciliation passes the daemon's `log` tells of: each ends with one line.
+fn passes(log: &Path) -> usize {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| {
+            [
+                "reconciled the journal with the mount table",
+                "reconciliation failed",
+                "reconciliation pass panicked",
+            ]
+            .iter()
+            .any(|m| l.contains(m))
+        })
+        .count()
+}
+
+/// Waits until the daemon's `log` tells of `n` reconciliation passes (up to [`DEADLINE`]).
+async fn wait_for_passes(log: &Path, n: usize, d: &mut Daemon) {
+    let start = std::time::Instant::now();
+    while passes(log) < n {
+        assert!(
+            matches!(d.child.try_wait(), Ok(None)),
+            "the daemon died: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        assert!(
+            start.elapsed() < DEADLINE,
+            "{} of {n} reconciliation passes within {DEADLINE:?}",
+            passes(log)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[test]
 fn a_daemon_out_of_file_descriptors_keeps_every_mount() {
     let sb = Sandbox::new("nofile");
@@ -283,12 +318,15 @@ fn a_daemon_out_of_file_descriptors_keeps_every_mount() {
     let staging = sb.staging("pv");
     let target = sb.target("pod", "pv");
     let socket = sb.root.join("csi.sock");
+    let log = sb.root.join("node.log");
     rt().block_on(async {
-        let mut d = Daemon::start(
+        let mut d = Daemon::spawn_logged(
+            "moor-node",
             &socket,
             &sb.node_args("nofile", &["--reconcile-interval", "1"]),
-        )
-        .await;
+            &log,
+        );
+        d.wait_answering().await;
         let mut client =
             csi::node_client::NodeClient::new(connect(&socket).await.expect("connect"));
         client
@@ -305,13 +343,14 @@ fn a_daemon_out_of_file_descriptors_keeps_every_mount() {
             .expect("fds")
             .count() as u64;
         // (The soft limit only: raising a hard limit back takes CAP_SYS_RESOURCE.)
-        let before = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        let own = rustix::process::getrlimit(rustix::process::Resource::Nofile);
         let limit = rustix::process::Rlimit {
             current: Some(open + 2),
-            maximum: before.maximum,
+            maximum: own.maximum,
         };
-        let before = rustix::process::prlimit(Some(pid), rustix::process::Resource::Nofile, limit)
-            .expect("prlimit");
+        let limit_before =
+            rustix::process::prlimit(Some(pid), rustix::process::Resource::Nofile, limit)
+                .expect("prlimit");
         let mut hogs = Vec::new();
         for _ in 0..8 {
             if let Ok(s) = std::os::unix::net::UnixStream::connect(&socket) {
@@ -319,7 +358,8 @@ fn a_daemon_out_of_file_descriptors_keeps_every_mount() {
             }
         }
         // Several reconciliation passes and stats calls (on a connection made before).
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        let before = passes(&log);
+        wait_for_passes(&log, before + 3, &mut d).await;
         let _ = client
             .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
                 volume_id: "vol".into(),
@@ -330,9 +370,11 @@ fn a_daemon_out_of_file_descriptors_keeps_every_mount() {
         assert!(is_mount_point(&staging), "the staging mount was detached");
         assert!(is_mount_point(&target), "the publication was detached");
         drop(hogs);
-        rustix::process::prlimit(Some(pid), rustix::process::Resource::Nofile, before)
+        rustix::process::prlimit(Some(pid), rustix::process::Resource::Nofile, limit_before)
             .expect("prlimit back");
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Passes with descriptors to spare again.
+        let back = passes(&log);
+        wait_for_passes(&log, back + 2, &mut d).await;
         assert!(is_mount_point(&staging) && is_mount_point(&target));
         assert!(matches!(d.child.try_wait(), Ok(None)), "the daemon lives");
         let mut client =
@@ -345,7 +387,7 @@ fn a_daemon_out_of_file_descriptors_keeps_every_mount() {
             .node_unstage_volume(unstage_req("vol", &staging))
             .await
             .expect("unstage");
-        d.terminate();
+        d.stop().await;
     });
     assert!(sb.mounts().is_empty(), "{:?}", sb.mounts());
 }

@@ -111,7 +111,8 @@ struct Pods {
     /// Where the controller's data dir is, inside its container and out.
     data: PathBuf,
     /// moor-node's /healthz and /metrics (host network: a free port of the host's).
-    node_http: String,
+    /// The node's HTTP endpoint, as its last start logged it (the kernel picks the port).
+    node_http: std::sync::Mutex<String>,
     started: AtomicU32,
 }
 
@@ -136,7 +137,7 @@ impl Pods {
             &data.display().to_string(),
         );
         Self {
-            node_http: format!("127.0.0.1:{}", client::free_port()),
+            node_http: std::sync::Mutex::new(String::new()),
             sb,
             image,
             runtime,
@@ -216,14 +217,33 @@ impl Pods {
     /// Starts moor-node's container and waits until it answers kubelet's first call.
     fn start_node(&self) -> Container {
         let mut config = self.config(&self.node, "moor-node", PodNetwork::Own);
-        set_arg(&mut config, "--http-endpoint", &self.node_http);
+        set_arg(&mut config, "--http-endpoint", "127.0.0.1:0");
         let id = self.id("node");
         let mut c = Container::start(&self.runtime, self.image, &self.sb.root, &id, config);
         let socket = self.node_socket();
         c.wait_until("moor-node answering NodeGetCapabilities", START, || {
             Kubelet::new(&socket).capabilities().err()
         });
+        let log = c.log.clone();
+        let logged =
+            move || client::logged_http_address(&std::fs::read_to_string(&log).unwrap_or_default());
+        let address = logged.clone();
+        c.wait_until("moor-node logging its http endpoint", START, move || {
+            logged()
+                .is_none()
+                .then(|| "no \"http endpoint serving\" line yet".to_string())
+        });
+        let address = address().expect("the http endpoint's address");
+        *self.node_http.lock().unwrap_or_else(|e| e.into_inner()) = address;
         c
+    }
+
+    /// The node's HTTP endpoint.
+    fn node_http(&self) -> String {
+        self.node_http
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Starts moor-controller's container (with `extra` arguments) and waits until Probe says
@@ -511,7 +531,7 @@ fn a_volume_life_through_the_containers_survives_a_restart_of_the_node_container
     let controller = pods.start_controller(&["--rbd"], PodNetwork::Own);
     let node = pods.start_node();
     register(&pods);
-    let healthz = client::http_get(&pods.node_http, "/healthz").expect("/healthz");
+    let healthz = client::http_get(&pods.node_http(), "/healthz").expect("/healthz");
     assert_eq!(healthz.status, 200, "{}", healthz.body);
     every_tool_runs(&node);
 

@@ -20,7 +20,7 @@ use csi::identity_client::IdentityClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
 use moor_privileged::client::{
-    Daemon, connect, free_port, http_get, unpublish_and_unstage, wait_for_log,
+    DEADLINE, Daemon, connect, http_address, http_get, unpublish_and_unstage, wait_for_log,
 };
 use moor_privileged::pathgrpc::{CallError, PathClient};
 use moor_privileged::requests::{unpublish_req, unstage_req};
@@ -131,7 +131,7 @@ impl<'a> Kubelet<'a> {
                 }
             }
             assert!(
-                start.elapsed() < Duration::from_secs(30),
+                start.elapsed() < DEADLINE,
                 "no registration socket answered in {} ({last})",
                 self.registry.display()
             );
@@ -487,9 +487,20 @@ fn a_refused_registration_stops_moor_node_with_a_failure() {
         assert_eq!(info.endpoint, host_path);
         notify(&mut client, false, "plugin version not supported")
             .expect("the notification is answered before moor-node stops");
+        // moor-node begins to stop only once kubelet has that answer, which it shows by
+        // closing the connection (kubelet's plugin watcher does after its last call): until
+        // then the connection is served as before, with no GOAWAY ahead of an answer.
+        let again: reg::PluginInfo = client
+            .unary(GET_INFO, &reg::InfoRequest {})
+            .expect("moor-node does not stop while kubelet's connection is open");
+        assert_eq!(again.endpoint, host_path);
+        assert!(
+            matches!(daemon.child.try_wait(), Ok(None)),
+            "moor-node does not stop while kubelet's connection is open"
+        );
     });
     drop(rt);
-    let status = daemon.child.wait().expect("wait");
+    let status = daemon.wait_exit("a refused registration");
     assert!(
         !status.success(),
         "a refused registration ends moor-node with a failure: {status:?}"
@@ -499,17 +510,67 @@ fn a_refused_registration_stops_moor_node_with_a_failure() {
     assert!(!socket.exists(), "the CSI socket is removed");
 }
 
+#[test]
+fn a_refusal_on_a_connection_kubelet_keeps_open_stops_moor_node_after_the_grace() {
+    let sb = Sandbox::new("kubelet-refused-open");
+    let k = Kubelet::new(&sb);
+    let socket = k.csi_socket();
+    let registry = k.registry.display().to_string();
+    let args = sb.node_args(
+        "node-k",
+        &[
+            "--driver-name",
+            DRIVER,
+            "--registration-dir",
+            &registry,
+            "--shutdown-grace",
+            "1",
+        ],
+    );
+    let rt = runtime();
+    let mut daemon = rt.block_on(start_node(&socket, &args));
+    // The connection stays open until moor-node has gone (a client that never closes it).
+    let _client = rt.block_on(async {
+        let (_, mut client, _) = k.discover().await;
+        notify(&mut client, false, "refused").expect("answered");
+        client
+    });
+    drop(rt);
+    // After --shutdown-grace for kubelet to take the answer, and as much for the graceful stop.
+    let status = daemon.wait_exit("a refusal on a connection kept open");
+    assert!(!status.success() && status.code().is_some(), "{status:?}");
+    assert!(!socket.exists(), "the CSI socket is removed");
+}
+
 /// Waits for the HTTP endpoint to answer (it is bound before the gRPC server serves, but
 /// the tests must not rely on ordering they do not see).
 fn wait_http(addr: &str) {
     let start = Instant::now();
     while http_get(addr, "/healthz").is_err() {
         assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "{addr} never answered"
+            start.elapsed() < DEADLINE,
+            "{addr} did not answer GET /healthz within {DEADLINE:?}"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Starts `program` with `--http-endpoint 127.0.0.1:0` and `args`, its log in the sandbox;
+/// returns it once it answers, with the address its HTTP endpoint was given.
+fn start_with_http(
+    sb: &Sandbox,
+    program: &str,
+    socket: &Path,
+    args: &[String],
+) -> (Daemon, String) {
+    let log = sb.root.join(format!("{program}.log"));
+    let mut all = args.to_vec();
+    all.extend(["--http-endpoint".to_string(), "127.0.0.1:0".to_string()]);
+    let mut daemon = Daemon::spawn_logged(program, socket, &all, &log);
+    runtime().block_on(daemon.wait_answering());
+    let addr = http_address(&log, &mut daemon);
+    wait_http(&addr);
+    (daemon, addr)
 }
 
 fn metric_line<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
@@ -522,11 +583,9 @@ fn moor_node_health_and_metrics_over_http() {
     let dev = sb.loop_device("m.img", 256 * MIB);
     let k = Kubelet::new(&sb);
     let socket = k.csi_socket();
-    let addr = format!("127.0.0.1:{}", free_port());
-    let args = node_args(&sb, &k, &["--http-endpoint", &addr]);
+    let args = node_args(&sb, &k, &[]);
+    let (mut daemon, addr) = start_with_http(&sb, "moor-node", &socket, &args);
     let rt = runtime();
-    let mut daemon = rt.block_on(start_node(&socket, &args));
-    wait_http(&addr);
     let health = http_get(&addr, "/healthz").expect("healthz");
     assert_eq!((health.status, health.body.as_str()), (200, "ok\n"));
 
@@ -629,17 +688,10 @@ fn registration_not_done_in_time_is_reported() {
     let sb = Sandbox::new("kubelet-late");
     let k = Kubelet::new(&sb);
     let socket = k.csi_socket();
-    let addr = format!("127.0.0.1:{}", free_port());
-    let args = node_args(
-        &sb,
-        &k,
-        &["--http-endpoint", &addr, "--registration-timeout", "1"],
-    );
-    let log = sb.root.join("node.log");
-    let mut daemon = Daemon::spawn_logged("moor-node", &socket, &args, &log);
+    let args = node_args(&sb, &k, &["--registration-timeout", "1"]);
+    let log = sb.root.join("moor-node.log");
+    let (mut daemon, addr) = start_with_http(&sb, "moor-node", &socket, &args);
     let rt = runtime();
-    rt.block_on(daemon.wait_answering());
-    wait_http(&addr);
     let gauge = |addr: &str| {
         let m = http_get(addr, "/metrics").expect("metrics").body;
         metric_line(&m, "moor_registration_registered ")
@@ -680,22 +732,14 @@ fn moor_controller_health_and_metrics_over_http() {
     let sb = Sandbox::new("controller-http");
     let socket = sb.root.join("controller.sock");
     let data = sb.data.join("controller");
-    let addr = format!("127.0.0.1:{}", free_port());
+    let args = [
+        "--node-id".to_string(),
+        "node-c".to_string(),
+        "--data-dir".to_string(),
+        data.display().to_string(),
+    ];
+    let (mut daemon, addr) = start_with_http(&sb, "moor-controller", &socket, &args);
     let rt = runtime();
-    let data_arg = data.display().to_string();
-    let mut daemon = rt.block_on(Daemon::start_program(
-        "moor-controller",
-        &socket,
-        &[
-            "--node-id",
-            "node-c",
-            "--data-dir",
-            &data_arg,
-            "--http-endpoint",
-            &addr,
-        ],
-    ));
-    wait_http(&addr);
     assert_eq!(http_get(&addr, "/healthz").expect("healthz").status, 200);
     rt.block_on(async {
         let channel = connect(&socket).await.expect("connect");

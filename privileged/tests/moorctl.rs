@@ -11,8 +11,10 @@ use std::os::fd::AsRawFd as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use moor_privileged::client::{Daemon, binary};
-use moor_privileged::{Sandbox, processes_mentioning};
+use moor_privileged::client::{DEADLINE, Daemon, binary, spawn_guarded};
+use moor_privileged::{
+    LoopSweep, Sandbox, loops_under, mounts_under, no_loops_under, processes_mentioning,
+};
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
@@ -57,64 +59,6 @@ fn json(args: &[&str]) -> Value {
     all.extend(["--output", "json"]);
     let out = ok(&all);
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("moorctl {args:?}: {e}: {out}"))
-}
-
-/// Loop devices whose backing file lies under `root` (read from sysfs, not from moorctl).
-fn loops_under(root: &Path) -> Vec<String> {
-    let mut found = Vec::new();
-    for e in std::fs::read_dir("/sys/block")
-        .expect("/sys/block")
-        .flatten()
-    {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file"))
-            && Path::new(b.trim_end().trim_end_matches(" (deleted)")).starts_with(root)
-        {
-            found.push(format!("/dev/{name}"));
-        }
-    }
-    found
-}
-
-/// Waits (up to 10 s) until no loop device is backed by a file under `root`: a detached
-/// device is freed once its last user (udev's probe, say) closes it.
-fn no_loops_under(root: &Path) -> bool {
-    let start = std::time::Instant::now();
-    while !loops_under(root).is_empty() {
-        if start.elapsed() > std::time::Duration::from_secs(10) {
-            return false;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    true
-}
-
-/// Mount points under `root` in this thread's mount namespace.
-fn mounts_under(root: &Path) -> Vec<PathBuf> {
-    let table = std::fs::read("/proc/thread-self/mountinfo").expect("mountinfo");
-    moor_node::sys::mountinfo::parse(&table)
-        .expect("parse mountinfo")
-        .into_iter()
-        .map(|m| m.mount_point)
-        .filter(|p| p.starts_with(root))
-        .collect()
-}
-
-/// On drop: unmounts everything under `root`, then detaches every loop device backed by a
-/// file under it (those the controller daemon attached, or the test with losetup).
-struct LoopSweep(PathBuf);
-
-impl Drop for LoopSweep {
-    fn drop(&mut self) {
-        let mut mounts = mounts_under(&self.0);
-        mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-        for m in mounts {
-            let _ = rustix::mount::unmount(m.as_path(), rustix::mount::UnmountFlags::DETACH);
-        }
-        for dev in loops_under(&self.0) {
-            let _ = Command::new("losetup").arg("-d").arg(&dev).status();
-        }
-    }
 }
 
 /// A sandbox with moor-controller and moor-node running in it. Fields drop in order: the
@@ -195,6 +139,67 @@ fn verdict_of<'a>(status: &'a Value, volume: &str) -> &'a str {
         .and_then(|vs| vs.iter().find(|v| v["volume_id"] == volume))
         .and_then(|v| v["verdict"].as_str())
         .unwrap_or_else(|| panic!("no {volume} in {status:#}"))
+}
+
+/// `probe --wait`: what the test command's scripts wait for a daemon with.
+#[test]
+fn probe_waits_until_a_starting_daemon_answers_and_no_longer_than_it_lives() {
+    let sb = Sandbox::new("moorctl-wait");
+    let socket = sb.root.join("node.sock");
+    let ep = format!("unix://{}", socket.display());
+    let out = moorctl(&["--endpoint", &ep, "probe", "--wait", "1"]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains(&format!(
+            "nothing answered a call on {} within 1s",
+            socket.display()
+        )),
+        "{}",
+        text(&out.stderr)
+    );
+    // A daemon that is gone ends the wait at once, not after the 120 s.
+    let mut gone = spawn_guarded(&mut Command::new("true"));
+    let pid = gone.id().to_string();
+    let start = std::time::Instant::now();
+    let out = moorctl(&[
+        "--endpoint",
+        &ep,
+        "probe",
+        "--wait",
+        "120",
+        "--wait-pid",
+        &pid,
+    ]);
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(60),
+        "waited {:?} for a process that had exited",
+        start.elapsed()
+    );
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        text(&out.stderr).contains(&format!("process {pid} exited before it answered")),
+        "{}",
+        text(&out.stderr)
+    );
+    let _ = gone.wait();
+    // moorctl started beside the daemon answers once the daemon does.
+    let mut waiting = spawn_guarded(
+        Command::new(binary("moorctl"))
+            .args(["--endpoint", &ep, "probe", "--wait", "120"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped()),
+    );
+    let rt = moor_privileged::runtime();
+    let mut node = rt.block_on(Daemon::start(&socket, &sb.node_args(NODE, &[])));
+    let status = waiting.wait().expect("wait");
+    let mut said = String::new();
+    if let Some(mut o) = waiting.stdout.take() {
+        let _ = std::io::Read::read_to_string(&mut o, &mut said);
+    }
+    assert!(status.success(), "{status}: {said}");
+    assert!(said.contains("the plugin is ready"), "{said}");
+    drop(rt);
+    assert!(node.terminate().success());
 }
 
 #[test]
@@ -517,12 +522,12 @@ fn status_verdicts_for_real_drift_corruption_and_a_lost_device() {
         d4.trim_start_matches("/dev/")
     );
     let start = std::time::Instant::now();
-    while Path::new(&bound).exists() && start.elapsed() < std::time::Duration::from_secs(5) {
+    while Path::new(&bound).exists() && start.elapsed() < DEADLINE {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     assert!(
         !Path::new(&bound).exists(),
-        "the loop device is still attached"
+        "the loop device is still attached {DEADLINE:?} after its detach"
     );
 
     let (code, status, table) = w.status();
@@ -726,13 +731,13 @@ fn the_demo_walks_a_volume_life_and_leaves_nothing_behind() {
 #[test]
 fn an_interrupted_demo_cleans_up_and_says_where_it_stopped() {
     moor_privileged::require_root();
-    let mut child = Command::new(binary("moorctl"))
-        .arg("demo")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn demo");
+    let mut child = spawn_guarded(
+        Command::new(binary("moorctl"))
+            .arg("demo")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let first = lines.next().and_then(Result::ok).unwrap_or_default();
     let dir = demo_dir(&first);
@@ -817,13 +822,13 @@ fn a_failing_demo_step_is_named_with_its_reason_and_cleaned_up() {
 #[test]
 fn a_killed_demo_takes_its_daemons_and_mounts_with_it() {
     moor_privileged::require_root();
-    let mut child = Command::new(binary("moorctl"))
-        .arg("demo")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn demo");
+    let mut child = spawn_guarded(
+        Command::new(binary("moorctl"))
+            .arg("demo")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let dir = demo_dir(&lines.next().and_then(Result::ok).unwrap_or_default());
     // The sweep detaches what the killed demo could not (its controller's loop devices).
@@ -844,9 +849,7 @@ fn a_killed_demo_takes_its_daemons_and_mounts_with_it() {
     let _ = child.wait();
     drop(lines);
     let start = std::time::Instant::now();
-    while !processes_mentioning(&needle).is_empty()
-        && start.elapsed() < std::time::Duration::from_secs(30)
-    {
+    while !processes_mentioning(&needle).is_empty() && start.elapsed() < DEADLINE {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert!(

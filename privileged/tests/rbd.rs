@@ -19,7 +19,7 @@ use csi::volume_capability::access_mode::Mode;
 use moor_node::crash_points;
 use moor_node::sys::loopdev;
 use moor_privileged::ceph::{Ceph, World, block, ext4, ms, publish};
-use moor_privileged::client::{Daemon, connect};
+use moor_privileged::client::{DEADLINE, Daemon, connect};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{fs_cap, mount_depth, runtime};
 use moor_proto::csi::v1 as csi;
@@ -445,7 +445,7 @@ fn an_rbd_fuse_that_died_is_replaced_by_the_next_stage() {
         node.node_stage_volume(w.stage_req("vol", &image, &staging, cap()))
             .await
             .expect("stage");
-        let (old, _) = loopdev::bound_under(&w.nodes[0].state.join("rbd"))
+        let (old, backing) = loopdev::bound_under(&w.nodes[0].state.join("rbd"))
             .pop()
             .expect("loop");
         moor_privileged::write_at(&old.path, MIB, MARKER);
@@ -464,10 +464,8 @@ fn an_rbd_fuse_that_died_is_replaced_by_the_next_stage() {
                 rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("kill");
             }
         }
-        for _ in 0..500 {
-            if w.leftovers(0).0 == 0 {
-                break;
-            }
+        let start = Instant::now();
+        while w.leftovers(0).0 != 0 && start.elapsed() < DEADLINE {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert_eq!(
@@ -477,8 +475,19 @@ fn an_rbd_fuse_that_died_is_replaced_by_the_next_stage() {
         );
         // A loop device over a dead FUSE file cannot be inspected (its status answers
         // ENOTCONN): the embedded backend, which reads every loop device at its start, skips
-        // it and serves. (Once the kernel's cached attributes of the file expire: a second.)
-        std::thread::sleep(Duration::from_secs(2));
+        // it and serves. (Once the kernel's cached attributes of the file expire: about a
+        // second; waited for, not slept.)
+        let start = Instant::now();
+        while std::fs::metadata(&backing).map_err(|e| e.raw_os_error()).err()
+            != Some(Some(libc::ENOTCONN))
+        {
+            assert!(
+                start.elapsed() < DEADLINE,
+                "the dead FUSE file {} still answers after {DEADLINE:?}",
+                backing.display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let data = w.sb.data.join("embedded").display().to_string();
         let socket = w.sb.root.join("embedded.sock");
         let mut ctl = Daemon::start_program(
@@ -492,7 +501,7 @@ fn an_rbd_fuse_that_died_is_replaced_by_the_next_stage() {
             .list_volumes(csi::ListVolumesRequest::default())
             .await
             .expect("the embedded backend serves beside a dead mapping");
-        assert!(ctl.terminate().success());
+        assert!(ctl.stop().await.success());
         // kubelet stages it again: what is left of the dead mapping goes, and the image is
         // mapped afresh, once, with its bytes.
         let t = Instant::now();

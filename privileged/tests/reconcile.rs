@@ -14,7 +14,7 @@ use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::{self, Journal};
 use moor_node::reconcile::{Action, Reconciler};
 use moor_node::sys::linux::Linux;
-use moor_privileged::client::{Daemon, connect};
+use moor_privileged::client::{DEADLINE, Daemon, connect};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, fs_cap, is_mount_point, mount_depth, runtime};
 use moor_proto::csi::v1 as csi;
@@ -89,7 +89,7 @@ impl Node {
     /// it would clean up damage a test means to show the calls meeting.
     async fn start_with_interval(&mut self, secs: u32) -> NodeClient<Channel> {
         if let Some(mut d) = self.daemon.take() {
-            d.terminate();
+            d.stop().await;
         }
         let interval = secs.to_string();
         self.daemon = Some(
@@ -193,11 +193,11 @@ fn dead_fuse_mounts_are_cleaned_by_unpublish_unstage_and_reconciliation() {
         std::fs::write(n.target.join("f"), b"kept").expect("write");
         let mut node = n.start_with_interval(1).await;
         dead_fuse(&n.target);
-        let deadline = Instant::now() + std::time::Duration::from_secs(20);
+        let deadline = Instant::now() + DEADLINE;
         while mount_depth(&n.target) > 1 {
             assert!(
                 Instant::now() < deadline,
-                "reconciliation did not clean the target"
+                "the periodic reconciliation did not clean the target within {DEADLINE:?}"
             );
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
@@ -225,7 +225,7 @@ fn a_corrupted_target_found_at_start_is_detached_and_reported_until_kubelet_acts
         n.stage(&mut node).await.expect("stage");
         n.publish(&mut node).await.expect("publish");
         if let Some(mut d) = n.daemon.take() {
-            d.terminate();
+            d.stop().await;
         }
         // The bind itself goes, and a dead FUSE takes its place.
         rustix::mount::unmount(&n.target, rustix::mount::UnmountFlags::empty()).expect("umount");
@@ -252,7 +252,7 @@ async fn rebuilt_after(n: &mut Node, damage: impl Fn(&Path)) {
     std::fs::write(n.target.join("data"), b"survives").expect("write");
     n.write_vol_data();
     if let Some(mut d) = n.daemon.take() {
-        d.terminate();
+        d.stop().await;
     }
     damage(&n.sb.state.join(journal::LOG_FILE));
     let mut node = n.start().await;
@@ -320,7 +320,7 @@ fn a_pass_over_ten_thousand_mounts() {
         n.stage(&mut node).await.expect("stage");
         n.publish(&mut node).await.expect("publish");
         if let Some(mut d) = n.daemon.take() {
-            d.terminate();
+            d.stop().await;
         }
     });
     // Half the mounts elsewhere on the node, half in pods' CSI volume dirs of other drivers.

@@ -7,15 +7,15 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
 
 use csi::controller_client::ControllerClient;
 use csi::node_client::NodeClient;
 use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use moor_privileged::Sandbox;
-use moor_privileged::client::{binary, connect, unpublish_and_unstage};
+use moor_privileged::client::{DEADLINE, binary, connect, spawn_guarded, unpublish_and_unstage};
 use moor_proto::csi::v1 as csi;
+use moor_runtime::child::Guarded;
 
 const MARKER: &str = "zq-secret-marker-5e9b1";
 
@@ -26,19 +26,10 @@ fn secrets() -> HashMap<String, String> {
     ])
 }
 
-/// A daemon whose stderr goes to a file; killed on drop if still running.
+/// A daemon whose output goes to a file; killed on drop if still running.
 struct Logged {
-    child: Child,
+    child: Guarded,
     log: PathBuf,
-}
-
-impl Drop for Logged {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
 }
 
 impl Logged {
@@ -49,33 +40,29 @@ impl Logged {
         args: &[impl AsRef<std::ffi::OsStr>],
     ) -> Self {
         let file = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(binary(program))
-            .arg("--endpoint")
-            .arg(format!("unix://{}", socket.display()))
-            .args(args)
-            .env("RUST_LOG", "trace")
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().expect("dup"))
-            .stderr(file)
-            .spawn()
-            .expect("spawn");
-        let d = Self { child, log };
-        let start = Instant::now();
-        while connect(socket).await.is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "{program} did not come up"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let mut child = spawn_guarded(
+            Command::new(binary(program))
+                .arg("--endpoint")
+                .arg(format!("unix://{}", socket.display()))
+                .args(args)
+                .env("RUST_LOG", "trace")
+                .stdin(Stdio::null())
+                .stdout(file.try_clone().expect("dup"))
+                .stderr(file),
+        );
+        if let Err(e) = moor_runtime::client::wait_answering(socket, DEADLINE, || {
+            moor_runtime::client::exited(&mut child)
+        })
+        .await
+        {
+            panic!("{program}: {e}");
         }
-        d
+        Self { child, log }
     }
 
     /// Stops the daemon (SIGTERM) and returns everything it logged.
     fn stop(mut self) -> String {
-        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
+        let _ = rustix::process::kill_process(self.child.pid(), rustix::process::Signal::TERM);
         let _ = self.child.wait();
         String::from_utf8_lossy(&std::fs::read(&self.log).expect("read log")).into_owned()
     }

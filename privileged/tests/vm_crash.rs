@@ -247,7 +247,7 @@ fn every_state_a_power_cut_can_leave_keeps_what_the_pod_synced() {
                     .expect("work");
                 let mut r = Rng(drop_seed);
                 for e in &log.entries[durable..=point] {
-                    if r.next() % 3 == 0 {
+                    if r.next().is_multiple_of(3) {
                         dropped += 1;
                     } else {
                         log.apply(e, &w).expect("replay");

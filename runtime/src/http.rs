@@ -297,10 +297,21 @@ mod tests {
         assert_eq!(route("GET", "/", ok).await.code, 404);
     }
 
+    /// Whether a descriptor of this process refers to the socket of inode `ino`.
+    fn socket_open(ino: u64) -> bool {
+        let want = format!("socket:[{ino}]");
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.as_os_str() == want.as_str()))
+    }
+
     #[tokio::test]
     async fn serves_over_tcp_and_stops() {
         let listener = bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let ino = rustix::fs::fstat(&listener).unwrap().st_ino;
+        assert!(socket_open(ino));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(serve(listener, Arc::new(Fixed(true)), async {
             let _ = rx.await;
@@ -315,12 +326,10 @@ mod tests {
         assert!(got.ends_with("\r\n\r\nok\n"), "{got}");
         let _ = tx.send(());
         server.await.unwrap();
-        // The listener is closed: its port can be bound again. (A connect is no test: to a
-        // free ephemeral port it can succeed as a TCP self-connect.)
-        drop(
-            tokio::net::TcpListener::bind(addr)
-                .await
-                .expect("the port is free"),
-        );
+        // The listener is closed. Not shown by binding its port again (any process on the
+        // machine may take a free port meanwhile, for a connection of its own) nor by a
+        // connect (to a free port it can succeed as a TCP self-connect): no descriptor of
+        // this process refers to the listening socket any more.
+        assert!(!socket_open(ino), "the listener is still open");
     }
 }

@@ -7,9 +7,13 @@
 //!   dir;
 //! * [`server`] serves gRPC on a Unix socket with a graceful stop, through [`authority`], which
 //!   lets any client's `:authority` in;
-//! * [`metrics`] counts the gRPC calls, and [`http`] serves `/healthz` and `/metrics`.
+//! * [`metrics`] counts the gRPC calls, and [`http`] serves `/healthz` and `/metrics`;
+//! * [`client`] dials a daemon's socket and waits until a starting daemon answers, and
+//!   [`child`] starts a daemon that cannot outlive what started it (moorctl's demo, the tests).
 
 pub mod authority;
+pub mod child;
+pub mod client;
 pub mod contract;
 pub mod daemon;
 pub mod http;

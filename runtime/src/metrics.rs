@@ -362,8 +362,8 @@ where
                     &method
                 };
                 registry().observe_rpc(method, code_name(code), start.elapsed());
-                // The call stays in flight until the server has taken its whole answer (a
-                // graceful stop waits for that), not only until the handler returned.
+                // The call stays in flight until the server has taken its whole answer, not
+                // only until the handler returned.
                 resp.map(|body| tonic::body::Body::new(CountedBody::new(body, in_flight)))
             })
         })

@@ -1,10 +1,15 @@
 //! Serving gRPC on a Unix socket, with graceful shutdown.
 
 use std::future::Future;
+use std::io;
 use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixListener;
+use tokio::sync::watch;
 use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
 
@@ -71,41 +76,220 @@ fn answers(path: &Path) -> bool {
     }
 }
 
-/// Binds a Unix socket at `path`: a stale socket (one nothing accepts on) is replaced, a live
-/// one is not; the mode is 0660.
+/// What is at a socket path.
+enum AtPath {
+    Nothing,
+    /// A socket nothing accepts on: left by a daemon that is gone.
+    Stale,
+    /// A socket something accepts on.
+    Live,
+    NotASocket,
+}
+
+fn at_path(path: &Path) -> AtPath {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            if answers(path) {
+                AtPath::Live
+            } else {
+                AtPath::Stale
+            }
+        }
+        Ok(_) => AtPath::NotASocket,
+        Err(_) => AtPath::Nothing,
+    }
+}
+
+/// Binds a Unix socket at `path`, listening before the path names it: the socket is bound and
+/// listens under a temporary name in the same dir (a dot file, which kubelet's plugin watcher
+/// ignores), then is renamed into place, so whoever sees the file can connect (between bind(2)
+/// and listen(2) a socket file refuses connections). A stale socket (one nothing accepts on)
+/// is replaced in that one rename, a live one never; the mode is 0660.
 pub fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
     let sock_err = |step, source| ServeError::Socket {
         step,
         path: path.to_path_buf(),
         source,
     };
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => {
-            if answers(path) {
-                return Err(ServeError::InUse(path.to_path_buf()));
-            }
-            std::fs::remove_file(path).map_err(|e| sock_err("remove stale socket", e))?;
-        }
-        Ok(_) => return Err(ServeError::NotASocket(path.to_path_buf())),
-        Err(_) => {}
+    match at_path(path) {
+        AtPath::Live => return Err(ServeError::InUse(path.to_path_buf())),
+        AtPath::NotASocket => return Err(ServeError::NotASocket(path.to_path_buf())),
+        AtPath::Nothing | AtPath::Stale => {}
     }
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| sock_err("create socket dir", e))?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("/"),
+    };
+    std::fs::create_dir_all(dir).map_err(|e| sock_err("create socket dir", e))?;
+    static TEMP: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let temp = dir.join(format!(
+        ".{:x}-{:x}",
+        std::process::id(),
+        TEMP.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let temp_err = |step, source| ServeError::Socket {
+        step,
+        path: temp.clone(),
+        source,
+    };
+    // One a process with this pid left when it was killed between its bind and its rename.
+    if let AtPath::Stale = at_path(&temp) {
+        std::fs::remove_file(&temp).map_err(|e| temp_err("remove stale temporary socket", e))?;
     }
     // No window in which the socket has a looser mode than 0660: bind under a umask that
     // already gives it that mode, then set it explicitly as well.
     let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o117));
-    let bound = UnixListener::bind(path);
+    // bind(2) and listen(2).
+    let bound = UnixListener::bind(&temp);
     rustix::process::umask(old);
-    let listener = bound.map_err(|e| sock_err("bind", e))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .map_err(|e| sock_err("chmod", e))?;
-    Ok(listener)
+    let listener = bound.map_err(|e| temp_err("bind", e))?;
+    let placed = std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o660))
+        .map_err(|e| temp_err("chmod", e))
+        .and_then(|()| rename_into_place(&temp, path));
+    if placed.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    placed.map(|()| listener)
 }
 
-/// Serves `router` on the socket until `shutdown` resolves, lets in-flight calls finish for
-/// up to `grace` (a client that never closes its connection cannot hold the process), then
-/// removes the socket.
+/// Renames the listening socket at `temp` to `path`: where nothing is, without replacing what
+/// another process put there meanwhile; over a stale socket, in one step; never over a live
+/// one or something else.
+fn rename_into_place(temp: &Path, path: &Path) -> Result<(), ServeError> {
+    let sock_err = |step, source: rustix::io::Errno| ServeError::Socket {
+        step,
+        path: path.to_path_buf(),
+        source: source.into(),
+    };
+    let cwd = rustix::fs::CWD;
+    // Twice at most: a socket that appears between the look and the rename is looked at again.
+    for _ in 0..2 {
+        match at_path(path) {
+            AtPath::Live => return Err(ServeError::InUse(path.to_path_buf())),
+            AtPath::NotASocket => return Err(ServeError::NotASocket(path.to_path_buf())),
+            AtPath::Stale => {
+                return rustix::fs::renameat(cwd, temp, cwd, path)
+                    .map_err(|e| sock_err("rename over the stale socket", e));
+            }
+            AtPath::Nothing => {
+                match rustix::fs::renameat_with(
+                    cwd,
+                    temp,
+                    cwd,
+                    path,
+                    rustix::fs::RenameFlags::NOREPLACE,
+                ) {
+                    Ok(()) => return Ok(()),
+                    Err(rustix::io::Errno::EXIST) => {}
+                    // A filesystem without RENAME_NOREPLACE: nothing was there a moment ago.
+                    Err(rustix::io::Errno::INVAL) => {
+                        return rustix::fs::renameat(cwd, temp, cwd, path)
+                            .map_err(|e| sock_err("rename into place", e));
+                    }
+                    Err(e) => return Err(sock_err("rename into place", e)),
+                }
+            }
+        }
+    }
+    Err(ServeError::InUse(path.to_path_buf()))
+}
+
+/// What tells the socket at `path` from another put there later: its device and inode.
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
+}
+
+/// What a handler can know of the connection its call came on: every request carries it in
+/// its extensions (`request.extensions().get::<Connection>()`).
+#[derive(Debug, Clone)]
+pub struct Connection {
+    open: watch::Receiver<()>,
+}
+
+impl Connection {
+    /// Resolves once the connection is closed, by the client or by the server.
+    pub async fn closed(&self) {
+        let mut open = self.open.clone();
+        // Nothing is ever sent: `changed` returns only once the connection's sender is dropped.
+        while open.changed().await.is_ok() {}
+    }
+}
+
+/// An accepted connection that tells its [`Connection`] when it is closed (dropped).
+struct Tracked<S> {
+    inner: S,
+    _open: watch::Sender<()>,
+    info: Connection,
+}
+
+impl<S> Tracked<S> {
+    fn new(inner: S) -> Self {
+        let (open, rx) = watch::channel(());
+        Self {
+            inner,
+            _open: open,
+            info: Connection { open: rx },
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+impl<S> tonic::transport::server::Connected for Tracked<S> {
+    type ConnectInfo = Connection;
+
+    fn connect_info(&self) -> Connection {
+        self.info.clone()
+    }
+}
+
+/// Serves `router` on the socket until `shutdown` resolves, then stops gracefully: no new
+/// connection is accepted, each open one is told to go (an HTTP/2 GOAWAY), every call in
+/// flight finishes and its answer is sent, and each connection closes once it has nothing
+/// left to send. Returns when every connection is closed, or after `grace` (a client that
+/// never lets its connection go cannot hold the process); then removes the socket, unless
+/// another daemon has bound one there since.
 pub async fn serve(
     router: tonic::transport::server::Router,
     listener: UnixListener,
@@ -113,6 +297,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
     grace: std::time::Duration,
 ) -> Result<(), ServeError> {
+    // The socket this server removes when it stops: not one another daemon bound there since.
+    let ours = identity(path);
     let stopping = std::sync::Arc::new(tokio::sync::Notify::new());
     let notify = std::sync::Arc::clone(&stopping);
     let signal = async move {
@@ -121,44 +307,32 @@ pub async fn serve(
     };
     // Every connection through AuthorityFix: clients such as kubelet's plugin watcher send an
     // :authority the HTTP/2 server would refuse (see crate::authority).
-    let incoming = UnixListenerStream::new(listener).map(|c| c.map(AuthorityFix::new));
+    let incoming =
+        UnixListenerStream::new(listener).map(|c| c.map(|s| Tracked::new(AuthorityFix::new(s))));
     let serving = router.serve_with_incoming_shutdown(incoming, signal);
+    // Not "no call in flight, then a moment for the answers to go out": an answer the server
+    // has taken can still wait in the connection's buffer, and the moment is a guess a busy
+    // machine can exceed. A connection closes only once it has sent everything.
     let result = tokio::select! {
-        r = serving => r.map_err(ServeError::from),
-        drained = async {
+        r = serving => {
+            tracing::info!("every call answered and every connection closed: stopping");
+            r.map_err(ServeError::from)
+        }
+        () = async {
             stopping.notified().await;
-            // Clients such as kubelet keep their connections open for good: once no call is in
-            // flight there is nothing left to wait for.
-            // A call counts until the server has taken all of its answer (the response body
-            // is dropped), which then still has to go from the connection's buffer to the
-            // socket: stop only once no call has been in flight for a short linger.
-            let deadline = tokio::time::Instant::now() + grace;
-            let linger = std::time::Duration::from_millis(100);
-            let mut idle_since = None;
-            loop {
-                let now = tokio::time::Instant::now();
-                if crate::metrics::calls_in_flight() > 0 {
-                    idle_since = None;
-                } else if idle_since.is_some_and(|t| now >= t + linger) {
-                    return true;
-                } else if idle_since.is_none() {
-                    idle_since = Some(now);
-                }
-                if now >= deadline {
-                    return false;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-            }
+            tokio::time::sleep(grace).await;
         } => {
-            if drained {
-                tracing::info!("no call in flight: stopping");
-            } else {
-                tracing::warn!(?grace, "in-flight calls outlived the grace period");
-            }
+            tracing::warn!(
+                ?grace,
+                calls_in_flight = crate::metrics::calls_in_flight(),
+                "calls still in flight or connections still open after the grace period: stopping anyway"
+            );
             Ok(())
         }
     };
-    let _ = std::fs::remove_file(path);
+    if ours.is_some() && identity(path) == ours {
+        let _ = std::fs::remove_file(path);
+    }
     result
 }
 
@@ -201,6 +375,103 @@ mod tests {
         assert!(parse_endpoint("unix://relative").is_err());
     }
 
+    /// An Identity service whose GetPluginInfo hands the test the connection the call came on.
+    struct Handing(tokio::sync::mpsc::UnboundedSender<Option<Connection>>);
+
+    #[tonic::async_trait]
+    impl moor_proto::csi::v1::identity_server::Identity for Handing {
+        async fn get_plugin_info(
+            &self,
+            request: tonic::Request<moor_proto::csi::v1::GetPluginInfoRequest>,
+        ) -> Result<tonic::Response<moor_proto::csi::v1::GetPluginInfoResponse>, tonic::Status>
+        {
+            let _ = self
+                .0
+                .send(request.extensions().get::<Connection>().cloned());
+            Ok(tonic::Response::new(Default::default()))
+        }
+
+        async fn get_plugin_capabilities(
+            &self,
+            _: tonic::Request<moor_proto::csi::v1::GetPluginCapabilitiesRequest>,
+        ) -> Result<
+            tonic::Response<moor_proto::csi::v1::GetPluginCapabilitiesResponse>,
+            tonic::Status,
+        > {
+            Err(tonic::Status::unimplemented("not in this test"))
+        }
+
+        async fn probe(
+            &self,
+            _: tonic::Request<moor_proto::csi::v1::ProbeRequest>,
+        ) -> Result<tonic::Response<moor_proto::csi::v1::ProbeResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not in this test"))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_knows_when_its_connection_closes() {
+        use moor_proto::csi::v1::identity_client::IdentityClient;
+        use moor_proto::csi::v1::identity_server::IdentityServer;
+        let dir = std::env::temp_dir().join(format!("moor-conn-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.sock");
+        let listener = bind_unix(&path).unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let router =
+            tonic::transport::Server::builder().add_service(IdentityServer::new(Handing(tx)));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn({
+            let path = path.clone();
+            async move {
+                serve(
+                    router,
+                    listener,
+                    &path,
+                    async {
+                        let _ = stopped.await;
+                    },
+                    std::time::Duration::from_secs(60),
+                )
+                .await
+            }
+        });
+        // Answered (UNIMPLEMENTED counts) once served.
+        let channel =
+            crate::client::wait_answering(&path, std::time::Duration::from_secs(60), || None)
+                .await
+                .expect("answers");
+        let mut client = IdentityClient::new(channel);
+        client
+            .get_plugin_info(moor_proto::csi::v1::GetPluginInfoRequest {})
+            .await
+            .expect("answered");
+        let connection = rx
+            .recv()
+            .await
+            .expect("handed over")
+            .expect("the call carries its connection");
+        tokio::select! {
+            biased;
+            () = connection.closed() => panic!("closed while the client holds it"),
+            () = std::future::ready(()) => {}
+        }
+        drop(client);
+        tokio::time::timeout(std::time::Duration::from_secs(60), connection.closed())
+            .await
+            .expect("the server never saw the client close its connection");
+        // With no connection left, the stop is immediate: no grace period to wait out.
+        stop.send(()).unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(30), served)
+            .await
+            .expect("the server did not stop with no connection open")
+            .unwrap()
+            .unwrap();
+        assert!(!path.exists(), "the socket is removed");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[tokio::test]
     async fn a_stale_socket_is_replaced_and_a_live_one_is_not() {
         let dir = std::env::temp_dir().join(format!("moor-bind-{}", std::process::id()));
@@ -227,6 +498,64 @@ mod tests {
             bind_unix(&dir.join("file")),
             Err(ServeError::NotASocket(_))
         ));
+        assert_eq!(
+            entries(&dir),
+            ["file", "s.sock"],
+            "no temporary socket is left"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn entries(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[tokio::test]
+    async fn the_socket_path_names_a_listening_socket_from_its_first_instant() {
+        use rustix::fs::inotify;
+        let dir = std::env::temp_dir().join(format!("moor-listen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.sock");
+        let watch =
+            inotify::init(inotify::CreateFlags::NONBLOCK | inotify::CreateFlags::CLOEXEC).unwrap();
+        inotify::add_watch(
+            &watch,
+            &dir,
+            inotify::WatchFlags::CREATE | inotify::WatchFlags::MOVED_TO,
+        )
+        .unwrap();
+        // Where nothing was, then over the stale socket the first one leaves.
+        drop(bind_unix(&path).expect("bound"));
+        let live = bind_unix(&path).expect("the stale socket is replaced");
+        assert!(answers(&path));
+        let mut buf = [std::mem::MaybeUninit::uninit(); 4096];
+        let mut events = inotify::Reader::new(&watch, &mut buf);
+        let mut arrivals = Vec::new();
+        loop {
+            match events.next() {
+                Ok(e) if e.file_name().is_some_and(|n| n.to_bytes() == b"s.sock") => {
+                    arrivals.push(e.events());
+                }
+                Ok(_) => {}
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(e) => panic!("inotify: {e}"),
+            }
+        }
+        // Created by bind(2), the name would refuse connections until listen(2): it must
+        // arrive only by a rename of a socket that already listens.
+        assert_eq!(
+            arrivals,
+            [inotify::ReadFlags::MOVED_TO, inotify::ReadFlags::MOVED_TO],
+            "the path appears by a rename only, never by bind(2)"
+        );
+        assert_eq!(entries(&dir), ["s.sock"], "no temporary socket is left");
+        drop(live);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -46,9 +46,10 @@ pub(super) fn sweep(root: &Path) -> Vec<String> {
         let _ = rustix::mount::unmount(m.as_path(), rustix::mount::UnmountFlags::DETACH);
         left.push(format!("mount {}", m.display()));
     }
-    // A detached loop device is freed when its last user (udev's probe, say) closes it.
+    // A detached loop device is freed when its last user (udev's probe, say) closes it: a
+    // moment, longer on a busy machine.
     let start = Instant::now();
-    while !loops_below(root).is_empty() && start.elapsed() < Duration::from_secs(5) {
+    while !loops_below(root).is_empty() && start.elapsed() < Duration::from_secs(60) {
         std::thread::sleep(Duration::from_millis(20));
     }
     for dev in loops_below(root) {

@@ -15,6 +15,7 @@ use moor_controller::backend::{
 use moor_controller::embedded::attach::{Attacher as _, LoopAttacher};
 use moor_controller::embedded::reconcile::Report;
 use moor_controller::embedded::{Config, EmbeddedBackend};
+use moor_privileged::client::DEADLINE;
 
 pub(crate) const MIB: u64 = 1 << 20;
 pub(crate) const NODE: &str = "node-1";
@@ -59,9 +60,7 @@ impl Fixture {
                 LoopAttacher::new(),
             );
             match opened {
-                Err(moor_controller::Error::Unavailable(_))
-                    if start.elapsed() < Duration::from_secs(10) =>
-                {
+                Err(moor_controller::Error::Unavailable(_)) if start.elapsed() < DEADLINE => {
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 other => break other.expect("open backend"),
@@ -191,7 +190,7 @@ pub(crate) fn device_size(dev: &str) -> u64 {
 pub(crate) fn wait_unbound(dev: &str, dir: &Path) -> bool {
     let ours = |b: &str| Path::new(b).starts_with(dir);
     let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(5) {
+    while start.elapsed() < DEADLINE {
         if !sysfs_backing(dev).is_some_and(|b| ours(&b)) {
             return true;
         }

@@ -39,16 +39,7 @@ async fn grpc_publish_context_over_a_socket() {
         )
         .await
     });
-    let connect_to = socket.clone();
-    let channel = tonic::transport::Endpoint::try_from("http://localhost")
-        .expect("endpoint")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let p = connect_to.clone();
-            async move {
-                let s = tokio::net::UnixStream::connect(p).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
-            }
-        }))
+    let channel = moor_runtime::client::connect(&socket)
         .await
         .expect("connect");
     let mut c = csi::controller_client::ControllerClient::new(channel);

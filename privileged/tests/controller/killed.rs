@@ -4,10 +4,11 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use moor_controller::embedded::attach::{Attacher as _, LoopAttacher};
 use moor_controller::embedded::{Config, EmbeddedBackend};
+use moor_privileged::client::DEADLINE;
 use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
 
 use crate::fixture::*;
@@ -62,42 +63,30 @@ fn controller_child_process() {
 }
 
 /// A controller child process, killed (SIGKILL) on drop if still running.
-struct Child(std::process::Child);
+struct Child(moor_runtime::child::Guarded);
 
 impl Child {
     async fn start(dir: &Path) -> (Self, tonic::transport::Channel) {
         let socket = dir.join("csi.sock");
         let _ = fs::remove_file(&socket);
-        let child = std::process::Command::new(std::env::current_exe().expect("test binary"))
-            .args(["--exact", "killed::controller_child_process", "--nocapture"])
-            .env(CHILD_DIR_ENV, dir)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .expect("spawn child controller");
-        let child = Self(child);
-        let start = Instant::now();
-        loop {
-            if let Ok(ch) = moor_privileged::client::connect(&socket).await {
-                return (child, ch);
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "the child controller did not come up"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let mut child = moor_privileged::client::spawn_guarded(
+            std::process::Command::new(std::env::current_exe().expect("test binary"))
+                .args(["--exact", "killed::controller_child_process", "--nocapture"])
+                .env(CHILD_DIR_ENV, dir)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null()),
+        );
+        let channel = moor_runtime::client::wait_answering(&socket, DEADLINE, || {
+            moor_runtime::client::exited(&mut child)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("the child controller: {e}"));
+        (Self(child), channel)
     }
 
     fn kill(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-    }
-}
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 

@@ -493,15 +493,5 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
     }
 }
 
-impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
-    for AuthorityFix<S>
-{
-    type ConnectInfo = S::ConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
-    }
-}
-
 #[cfg(test)]
 mod tests;
