@@ -139,6 +139,9 @@ impl Vm {
         for d in &self.opts.rwdirs {
             cmd.arg("--rwdir").arg(d);
         }
+        // If the test dies without dropping the guest (killed), the script is told, and its
+        // trap takes QEMU with it.
+        moor_runtime::sys::parent_death::die_with_parent(&mut cmd, rustix::process::Signal::TERM);
         cmd.arg("--").arg(format!(
             "exec {} --listen {}:{AGENT_PORT}",
             agent.display(),
