@@ -42,6 +42,8 @@ use std::time::Duration;
 use super::{AttachError, Attacher, Deadlines, ImageSpec, MapRequest, Mapping, Secret};
 use crate::sys::discovery::DeviceIdentity;
 
+/// The attacher's name, as `--rbd-attacher` and the journal say it.
+pub const KIND: &str = "kernel";
 /// Where the kernel's RBD client shows itself.
 pub const SYSFS: &str = "/sys/bus/rbd";
 /// Where device nodes are.
@@ -359,7 +361,7 @@ fn write_error(step: &'static str, image: &ImageSpec, e: &io::Error) -> AttachEr
 
 impl Attacher for KernelAttacher {
     fn kind(&self) -> &'static str {
-        "kernel"
+        KIND
     }
 
     fn deadlines(&self) -> Deadlines {

@@ -492,11 +492,14 @@ impl<O: Os> Engine<O> {
             Some(AccessRecord::Block)
         );
         if !is_block {
-            // A mapped RBD image's filesystem writes back over the network: its unmount
-            // answers by the unmap deadline, whatever the cluster does.
+            // A kernel mapping's filesystem writes back over the network and the kernel has
+            // no way to abort it: its unmount answers by the unmap deadline, whatever the
+            // cluster does. (rbd-fuse's is watched instead, and rbd-fuse killed when it stops
+            // answering: `watch_unstage`, which needs the unmount waited for.)
             let deadline = record
                 .mapping
                 .as_ref()
+                .filter(|m| m.attacher == crate::attach::kernel::KIND)
                 .and(self.attacher.as_ref())
                 .map(|a| a.deadlines().unmap);
             // Without a record the CO's word stands: its staging path for this volume.
