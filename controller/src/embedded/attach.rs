@@ -139,8 +139,11 @@ pub trait Attacher: Send + Sync + fmt::Debug + 'static {
     /// Writes `device`'s cached data through to its backing file (`expect`).
     fn flush(&self, device: &Path, expect: FileId) -> Result<(), AttachError>;
 
-    /// Every bound device on this host.
-    fn list(&self) -> Result<Vec<Attachment>, AttachError>;
+    /// Every device on this host bound to a file under `root` (the data dir), as the kernel
+    /// names the file. No device bound to anything else is looked at: inspecting a device
+    /// reads its file's attributes, and another user's file may never answer (a FUSE file
+    /// whose server hangs), which would hold the controller with it.
+    fn list(&self, root: &Path) -> Result<Vec<Attachment>, AttachError>;
 
     /// Whether attaching can work at all (for Probe).
     fn check(&self) -> Result<(), AttachError>;
@@ -162,8 +165,8 @@ impl<A: Attacher> Attacher for Arc<A> {
     fn flush(&self, device: &Path, expect: FileId) -> Result<(), AttachError> {
         (**self).flush(device, expect)
     }
-    fn list(&self) -> Result<Vec<Attachment>, AttachError> {
-        (**self).list()
+    fn list(&self, root: &Path) -> Result<Vec<Attachment>, AttachError> {
+        (**self).list(root)
     }
     fn check(&self) -> Result<(), AttachError> {
         (**self).check()
@@ -402,7 +405,7 @@ impl Attacher for LoopAttacher {
         rustix::fs::fsync(&fd).map_err(|e| AttachError::sys("fsync", device, e))
     }
 
-    fn list(&self) -> Result<Vec<Attachment>, AttachError> {
+    fn list(&self, root: &Path) -> Result<Vec<Attachment>, AttachError> {
         let entries = std::fs::read_dir(&self.sys_block)
             .map_err(|e| AttachError::sys("read dir", &self.sys_block, e))?;
         let mut out = Vec::new();
@@ -423,11 +426,14 @@ impl Attacher for LoopAttacher {
                 Some(b) => (b.to_string(), true),
                 None => (backing, false),
             };
+            // Someone else's device is not opened at all (sysfs names its file without
+            // touching it): its status read could wait on a file that never answers.
+            if !Path::new(&backing).starts_with(root) {
+                continue;
+            }
             let device = self.dev_dir.join(&name);
-            // A device this host cannot inspect (bound to a file on a dead FUSE mount, its
-            // status answers ENOTCONN) is skipped, not fatal: one broken device of someone
-            // else's must not stop the controller. moor's own files live on its data dir,
-            // whose status reads never fail that way.
+            // A device under the data dir that cannot be inspected (its status answers an
+            // error) is skipped, not fatal.
             let inspected = Self::open_existing(&device)
                 .and_then(|fd| fd.map(|fd| Self::bound_to(&fd, &device)).transpose());
             // The path comes from sysfs and the identity from the device: read the path again
@@ -464,5 +470,61 @@ impl Attacher for LoopAttacher {
         rustix::fs::open(&path, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
             .map(drop)
             .map_err(|e| AttachError::sys("open", &path, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::embedded::testdir::TestDir;
+
+    #[test]
+    fn a_device_bound_outside_the_data_dir_is_not_opened() {
+        let t = TestDir::new("attach-scope");
+        let (sys, dev, data) = (
+            t.path().join("sys"),
+            t.path().join("dev"),
+            t.path().join("data"),
+        );
+        for (name, backing) in [
+            ("loop3", data.join("volumes/v.img")),
+            ("loop7", PathBuf::from("/elsewhere/fuse/file.img")),
+        ] {
+            std::fs::create_dir_all(sys.join(name).join("loop")).unwrap();
+            std::fs::write(
+                sys.join(name).join("loop/backing_file"),
+                format!("{}\n", backing.display()),
+            )
+            .unwrap();
+        }
+        std::fs::create_dir_all(&dev).unwrap();
+        // Someone else's device whose open never returns (as a status read of a file on a
+        // hung FUSE mount would not): a FIFO nobody writes to.
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            dev.join("loop7"),
+            rustix::fs::FileType::Fifo,
+            Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let a = LoopAttacher {
+            dev_dir: dev.clone(),
+            sys_block: sys,
+            races_lost: Arc::new(AtomicU64::new(0)),
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let root = data.clone();
+        std::thread::spawn(move || tx.send(a.list(&root).map(|l| l.len())));
+        let listed = rx.recv_timeout(Duration::from_secs(60));
+        if listed.is_err() {
+            // Let the stuck open return, then fail.
+            let _ = std::fs::OpenOptions::new()
+                .write(true)
+                .open(dev.join("loop7"));
+            panic!("list opened a device bound outside the data dir, and waited on it");
+        }
+        // Ours has no device node here: listed as nothing, and no error.
+        assert_eq!(listed.unwrap().unwrap(), 0);
     }
 }

@@ -230,11 +230,12 @@ impl Attacher for FakeAttacher {
         Ok(())
     }
 
-    fn list(&self) -> Result<Vec<Attachment>, AttachError> {
+    fn list(&self, root: &Path) -> Result<Vec<Attachment>, AttachError> {
         let st = self.lock();
         Ok(st
             .devices
             .iter()
+            .filter(|(_, d)| d.backing.starts_with(root))
             .map(|(n, d)| {
                 // A device whose file was unlinked reports it as the kernel does.
                 let deleted = FileId::of_path(&d.backing).ok() != Some(d.file);

@@ -647,7 +647,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
         let Ok(file) = FileId::of_path(path) else {
             return Ok(());
         };
-        for a in self.attacher.list()? {
+        for a in self.attacher.list(&self.layout.root)? {
             if a.file == file {
                 let r = self.attacher.detach(&a.device, a.file)?;
                 info!(device = %a.device.display(), result = ?r, "detached");

@@ -139,7 +139,11 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
         }
         let path = self.layout.volume_file(&id);
         if let Ok(file) = FileId::of_path(&path)
-            && let Some(a) = self.attacher.list()?.into_iter().find(|a| a.file == file)
+            && let Some(a) = self
+                .attacher
+                .list(&self.layout.root)?
+                .into_iter()
+                .find(|a| a.file == file)
         {
             return Err(Error::VolumeInUse {
                 volume: id.to_string(),

@@ -165,7 +165,7 @@ pub fn run(
     }
 
     // Loop devices bound to our volume files.
-    let attachments = attacher.list().map_err(Error::from)?;
+    let attachments = attacher.list(&layout.root).map_err(Error::from)?;
     let mut matched: BTreeSet<String> = BTreeSet::new();
     for a in &attachments {
         let Some(vid) = our_volume(layout, &a.backing) else {

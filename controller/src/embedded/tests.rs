@@ -445,5 +445,5 @@ fn clone_of_a_published_volume_flushes_and_copies() {
         FileId::of_path(&path).unwrap()
     );
     assert!(b.layout().tmp.read_dir().unwrap().next().is_none());
-    assert!(fake.list().unwrap().len() == 1);
+    assert!(fake.list(Path::new("/")).unwrap().len() == 1);
 }

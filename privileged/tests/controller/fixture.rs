@@ -110,11 +110,9 @@ impl Drop for Fixture {
     fn drop(&mut self) {
         self.backend = None;
         let attacher = LoopAttacher::new();
-        if let Ok(list) = attacher.list() {
+        if let Ok(list) = attacher.list(&self.dir) {
             for a in list {
-                if a.backing.starts_with(&self.dir) {
-                    let _ = attacher.detach(&a.device, a.file);
-                }
+                let _ = attacher.detach(&a.device, a.file);
             }
         }
         let _ = fs::remove_dir_all(&self.dir);

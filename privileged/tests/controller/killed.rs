@@ -96,11 +96,9 @@ struct DirGuard(PathBuf);
 impl Drop for DirGuard {
     fn drop(&mut self) {
         let attacher = LoopAttacher::new();
-        if let Ok(list) = attacher.list() {
+        if let Ok(list) = attacher.list(&self.0) {
             for a in list {
-                if a.backing.starts_with(&self.0) {
-                    let _ = attacher.detach(&a.device, a.file);
-                }
+                let _ = attacher.detach(&a.device, a.file);
             }
         }
         let _ = fs::remove_dir_all(&self.0);

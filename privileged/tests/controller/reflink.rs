@@ -66,11 +66,9 @@ impl Drop for ReflinkFs {
     fn drop(&mut self) {
         // Loop devices of volumes kept on this filesystem first, then the filesystem.
         let attacher = LoopAttacher::new();
-        if let Ok(list) = attacher.list() {
+        if let Ok(list) = attacher.list(&self.mnt) {
             for a in list {
-                if a.backing.starts_with(&self.mnt) {
-                    let _ = attacher.detach(&a.device, a.file);
-                }
+                let _ = attacher.detach(&a.device, a.file);
             }
         }
         let _ = rustix::mount::unmount(self.mnt.as_path(), rustix::mount::UnmountFlags::DETACH);

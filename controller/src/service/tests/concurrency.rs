@@ -25,5 +25,11 @@ async fn concurrent_publishes_of_many_volumes() {
     devices.dedup();
     assert_eq!(devices.len(), 8);
     assert_eq!(fx.fake.devices().len(), 8);
-    assert!(fx.fake.list().unwrap().iter().all(|a| !a.deleted));
+    assert!(
+        fx.fake
+            .list(std::path::Path::new("/"))
+            .unwrap()
+            .iter()
+            .all(|a| !a.deleted)
+    );
 }
