@@ -257,6 +257,17 @@ pub async fn attach(
     Ok(ctx)
 }
 
+/// DeleteVolume of `v`, as the external-provisioner asks once its claim is gone.
+pub async fn delete(w: &World, ctl: &mut ControllerClient<Channel>, v: &Volume) {
+    ctl.delete_volume(csi::DeleteVolumeRequest {
+        volume_id: v.id.clone(),
+        secrets: w.secrets(),
+    })
+    .await
+    .unwrap_or_else(|e| panic!("DeleteVolume {}: {e:?}", v.id));
+}
+
+/// ControllerUnpublishVolume of `v` at node `i`.
 pub async fn detach(w: &World, ctl: &mut ControllerClient<Channel>, v: &Volume, i: usize) {
     ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
         volume_id: v.id.clone(),

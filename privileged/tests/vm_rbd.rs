@@ -296,12 +296,7 @@ fn the_kernel_client_on_one_node() {
         detach(w, &mut ctl, &b, 0).await;
         detach(w, &mut ctl, &v, 0).await;
         for vol in [&v, &b, &x] {
-            ctl.delete_volume(csi::DeleteVolumeRequest {
-                volume_id: vol.id.clone(),
-                secrets: w.secrets(),
-            })
-            .await
-            .expect("DeleteVolume");
+            delete(w, &mut ctl, vol).await;
         }
     });
     lab.vms.clear();
@@ -435,12 +430,7 @@ fn a_rebooted_node_and_a_cluster_that_stops_answering() {
         unmount(&lab, &mut node, &v, 0).await;
         assert!(lab.mappings(0).is_empty(), "{:?}", lab.mappings(0));
         detach(w, &mut ctl, &v, 0).await;
-        ctl.delete_volume(csi::DeleteVolumeRequest {
-            volume_id: v.id.clone(),
-            secrets: w.secrets(),
-        })
-        .await
-        .expect("DeleteVolume");
+        delete(w, &mut ctl, &v).await;
     });
     lab.vms.clear();
 }
@@ -580,12 +570,7 @@ fn a_volume_moves_between_two_kernels_and_a_cut_off_node_is_fenced() {
         assert_eq!(pod_read(&lab, &v, 1), "synced before A died");
         unmount(&lab, &mut b, &v, 1).await;
         detach(w, &mut ctl, &v, 1).await;
-        ctl.delete_volume(csi::DeleteVolumeRequest {
-            volume_id: v.id.clone(),
-            secrets: w.secrets(),
-        })
-        .await
-        .expect("DeleteVolume");
+        delete(w, &mut ctl, &v).await;
     });
     lab.vms.clear();
 }
