@@ -144,6 +144,10 @@ impl Os for Faulty {
         self.tick("fs_usage", path)?;
         self.inner.fs_usage(path)
     }
+    fn fs_errors(&self, dev: (u32, u32)) -> SysResult<Option<u64>> {
+        self.tick("fs_errors", Path::new("/sys/fs/ext4"))?;
+        self.inner.fs_errors(dev)
+    }
     fn share_with_group(
         &self,
         path: &Path,

@@ -273,6 +273,10 @@ impl<O: Os> Os for MeteredOs<O> {
         self.inner.fs_usage(path)
     }
 
+    fn fs_errors(&self, dev: (u32, u32)) -> SysResult<Option<u64>> {
+        self.inner.fs_errors(dev)
+    }
+
     fn share_with_group(
         &self,
         path: &Path,

@@ -1,9 +1,11 @@
 //! NodeGetVolumeStats: usage and condition of a volume at a path.
 
+use std::path::Path;
+
 use super::Engine;
 use crate::error::{Error, Result};
-use crate::journal::{AccessRecord, StageRecord};
-use crate::sys::{FsUsage, MountState, Os, Presence, is_corruption_errno};
+use crate::journal::{AccessRecord, StageRecord, VolumeRecord};
+use crate::sys::{FsUsage, MountPoint, MountState, Os, Presence, is_corruption_errno};
 use crate::validate;
 
 /// The health of a volume at a path, for NodeGetVolumeStats.
@@ -89,7 +91,7 @@ impl<O: Os> Engine<O> {
             MountState::Mounted(mp) if mp.rdev.is_some() || is_block => {
                 self.block_stats(stage, mp.rdev)
             }
-            MountState::Mounted(_) => {
+            MountState::Mounted(mp) => {
                 let usage = match self.os.fs_usage(&req.path) {
                     Ok(u) => u,
                     Err(e) if e.errno().is_some_and(is_corruption_errno) => {
@@ -112,13 +114,53 @@ impl<O: Os> Engine<O> {
                             s.device.display()
                         ),
                     },
-                    _ => Condition {
-                        abnormal: false,
-                        message: "volume is mounted and healthy".into(),
-                    },
+                    _ => self.fs_condition(record.as_ref(), &req.path, mp),
                 };
                 Ok((VolumeStats::Filesystem(usage), condition))
             }
+        }
+    }
+
+    /// The health of the mounted filesystem at `path` whose device is there: a filesystem the
+    /// kernel made read-only under a read-write mount (ext4's answer to I/O errors: its journal
+    /// aborted, or `errors=remount-ro`), or one with errors recorded since its last check, is
+    /// failing until it is checked again (the next stage's fsck). Reads only what the kernel
+    /// already knows (statvfs, sysfs): never waits for the device.
+    fn fs_condition(
+        &self,
+        record: Option<&VolumeRecord>,
+        path: &Path,
+        mp: MountPoint,
+    ) -> Condition {
+        let attrs = record.and_then(|r| match &r.stage {
+            Some(s) if s.path == path => Some(s.attrs),
+            _ => r.publishes.get(path).map(|p| p.attrs),
+        });
+        let failing = |message: String| Condition {
+            abnormal: true,
+            message,
+        };
+        if mp.read_only && attrs.is_some_and(|a| !a.read_only) {
+            return failing(format!(
+                "the filesystem at {} was mounted read-write and is read-only now: the kernel \
+                 stopped writing to it after errors",
+                path.display()
+            ));
+        }
+        match self.os.fs_errors(mp.dev) {
+            Ok(Some(n)) if n > 0 => failing(format!(
+                "the filesystem at {} has recorded {n} error(s) since its last check; the next \
+                 stage checks it",
+                path.display()
+            )),
+            Ok(_) => Condition {
+                abnormal: false,
+                message: "volume is mounted and healthy".into(),
+            },
+            Err(e) => failing(format!(
+                "the errors of the filesystem at {} cannot be read: {e}",
+                path.display()
+            )),
         }
     }
 

@@ -82,6 +82,7 @@ struct State {
     backing: HashMap<(u32, u32), PathBuf>,
     deleted_backing: BTreeSet<(u32, u32)>,
     serials: HashMap<(u32, u32), String>,
+    fs_errors: HashMap<(u32, u32), u64>,
     arrivals: Vec<Arrival>,
     selinux: bool,
     next_mount_id: u64,
@@ -192,6 +193,18 @@ impl FakeOs {
     /// Gives the device `rdev` a serial number.
     pub fn set_serial(&self, rdev: (u32, u32), serial: &str) {
         self.lock().serials.insert(rdev, serial.to_string());
+    }
+
+    /// Makes the filesystem on device `rdev` fail as ext4 does on I/O errors: `errors`
+    /// recorded, and every mount of it read-only when `read_only` (the kernel's remount).
+    pub fn fail_filesystem(&self, rdev: (u32, u32), errors: u64, read_only: bool) {
+        let mut st = self.lock();
+        st.fs_errors.insert(rdev, errors);
+        if read_only {
+            for m in st.mounts.values_mut().flatten().filter(|m| m.dev == rdev) {
+                m.read_only = true;
+            }
+        }
     }
 
     /// Queues a loop device (`path`, `rdev`, `size` bytes, backed by `backing`) that appears
@@ -552,6 +565,12 @@ impl Os for FakeOs {
             free_inodes: 900,
             used_inodes: 100,
         })
+    }
+
+    fn fs_errors(&self, dev: (u32, u32)) -> SysResult<Option<u64>> {
+        let mut st = self.lock();
+        Self::take_failure(&mut st, "fs_errors", Path::new("/sys/fs/ext4"))?;
+        Ok(st.fs_errors.get(&dev).copied())
     }
 
     fn share_with_group(

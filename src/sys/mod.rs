@@ -444,6 +444,10 @@ pub trait Os: Send + Sync + 'static {
     fn read_device(&self, path: &Path, offset: u64, buf: &mut [u8]) -> SysResult<usize>;
     /// Usage of the filesystem mounted at `path`.
     fn fs_usage(&self, path: &Path) -> SysResult<FsUsage>;
+    /// How many errors the mounted filesystem of device `dev` has recorded since it was last
+    /// checked (ext2/3/4's `errors_count` in sysfs, which e2fsck clears), or None when it keeps
+    /// no such count (another filesystem). Reads sysfs only: never waits for the device.
+    fn fs_errors(&self, dev: (u32, u32)) -> SysResult<Option<u64>>;
     /// Gives the filesystem mounted at `path` to group `gid` as kubelet gives a volume to a
     /// pod's fsGroup (see [`ownership`]), unless its root already has the group and setgid;
     /// stops at `deadline`.

@@ -448,6 +448,31 @@ impl Os for Linux {
         find_program(program).is_some()
     }
 
+    fn fs_errors(&self, (major, minor): (u32, u32)) -> SysResult<Option<u64>> {
+        let link = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+        let target = match std::fs::read_link(&link) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(SysError::new("read device link", &link, e)),
+        };
+        let Some(name) = target.file_name() else {
+            return Ok(None);
+        };
+        let file = Path::new("/sys/fs/ext4").join(name).join("errors_count");
+        match std::fs::read_to_string(&file) {
+            Ok(text) => text.trim().parse().map(Some).map_err(|_| {
+                SysError::new(
+                    "read filesystem errors",
+                    &file,
+                    std::io::Error::from(std::io::ErrorKind::InvalidData),
+                )
+                .with_detail(text.trim())
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(SysError::new("read filesystem errors", &file, e)),
+        }
+    }
+
     fn identify(&self, rdev: (u32, u32), want: &DeviceIdentity) -> Verdict {
         discovery::identify_with_udev(rdev, want)
     }
