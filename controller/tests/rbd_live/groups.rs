@@ -123,6 +123,33 @@ fn group(b: &RbdBackend, name: &str, volumes: &[String]) -> Result<GroupSnapshot
     })
 }
 
+/// Two volumes of 16 MiB: their ids and their images' names.
+fn two_volumes(
+    env: &Env,
+    b: &RbdBackend,
+    cleanup: &mut Cleanup<'_>,
+    prefix: &str,
+) -> (Vec<String>, Vec<String>) {
+    let vols: Vec<String> = (0..2)
+        .map(|i| {
+            let v = b
+                .create_volume(&new_volume(
+                    env,
+                    &name(&format!("{prefix}{i}")),
+                    16 * MIB,
+                    None,
+                ))
+                .unwrap();
+            cleanup.volume(&v.id)
+        })
+        .collect();
+    let images = vols
+        .iter()
+        .map(|v| VolumeId::parse(v).unwrap().image())
+        .collect();
+    (vols, images)
+}
+
 /// The log at the start of a member snapshot.
 fn log_of(env: &Env, member: &moor_controller::backend::Snapshot) -> Vec<u8> {
     let snap = SnapshotId::parse(&member.id).unwrap().snap_name();
@@ -145,18 +172,7 @@ fn group_snapshots_of_idle_volumes_are_cut_in_turn() {
     let b = env.backend(false);
     let mut cleanup = Cleanup::new(&env, &b);
     secrets::scope(env.secrets(), || {
-        let vols: Vec<String> = (0..2)
-            .map(|i| {
-                let v = b
-                    .create_volume(&new_volume(&env, &name(&format!("g{i}")), 16 * MIB, None))
-                    .unwrap();
-                cleanup.volume(&v.id)
-            })
-            .collect();
-        let images: Vec<String> = vols
-            .iter()
-            .map(|v| VolumeId::parse(v).unwrap().image())
-            .collect();
+        let (vols, images) = two_volumes(&env, &b, &mut cleanup, "g");
         let writer = Writer::start(&env, &images[0], &images[1]);
         writer.wait_for(20);
         writer.finish();
@@ -311,18 +327,7 @@ fn group_snapshots_of_volumes_in_use_are_one_instant() {
     let b = env.backend(false);
     let mut cleanup = Cleanup::new(&env, &b);
     secrets::scope(env.secrets(), || {
-        let vols: Vec<String> = (0..2)
-            .map(|i| {
-                let v = b
-                    .create_volume(&new_volume(&env, &name(&format!("u{i}")), 16 * MIB, None))
-                    .unwrap();
-                cleanup.volume(&v.id)
-            })
-            .collect();
-        let images: Vec<String> = vols
-            .iter()
-            .map(|v| VolumeId::parse(v).unwrap().image())
-            .collect();
+        let (vols, images) = two_volumes(&env, &b, &mut cleanup, "u");
         b.publish_volume(&publish(
             &vols[1],
             "node-u",
