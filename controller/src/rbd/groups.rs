@@ -33,6 +33,7 @@ use tracing::{info, warn};
 use super::ids::{
     COPY_IMAGE_PREFIX, GROUP_PREFIX, GroupId, Location, SnapshotId, VolumeId, random_suffix,
 };
+use super::parameters::EXCLUSIVE_LOCK_KEY;
 use super::records::{
     FORMAT_VERSION, GroupRecord, GroupState, Registry, SnapshotRecord, SnapshotState, VolumeState,
 };
@@ -178,10 +179,20 @@ impl RbdBackend {
                 location: loc.clone(),
                 suffix: vsuffix.clone(),
             };
-            if let Some(p) = reg
-                .volume(vsuffix)?
-                .and_then(|v| v.publications.first().cloned())
-            {
+            let vrec = reg.volume(vsuffix)?;
+            if let Some(p) = vrec.as_ref().and_then(|v| v.publications.first()) {
+                if vrec
+                    .as_ref()
+                    .is_some_and(|v| v.parameters.contains_key(EXCLUSIVE_LOCK_KEY))
+                {
+                    // Mapped holding its lock, never handed over: librbd cannot hold its writes.
+                    return Err(Error::GroupRefused(format!(
+                        "volume {id} is published at node {:?} and its StorageClass has \
+                         {EXCLUSIVE_LOCK_KEY}=true: the node keeps the image's lock, so its writes \
+                         cannot be held for a group snapshot (unpublish it first)",
+                        p.node_id
+                    )));
+                }
                 return Ok(Some(format!(
                     "volume {id} is published at node {:?}",
                     p.node_id
@@ -305,8 +316,17 @@ impl RbdBackend {
             }
         }
         let started = std::time::Instant::now();
-        pool.create_group_snapshot(&group, RBD_GROUP_SNAP)
-            .map_err(|e| fail(format!("snapshot group {group}"), e))?;
+        match pool.create_group_snapshot(&group, RBD_GROUP_SNAP) {
+            Ok(()) => {}
+            // A client holds a member's lock and will not hand it over.
+            Err(e) if e.errno() == Some(libc::EROFS) => {
+                return Err(Error::GroupRefused(format!(
+                    "a member's exclusive lock is held by a client that does not release it, so \
+                     its writes cannot be held for a group snapshot: {e}"
+                )));
+            }
+            Err(e) => return Err(fail(format!("snapshot group {group}"), e)),
+        }
         info!(group = %rec.name, took_ms = started.elapsed().as_millis() as u64, "rbd group snapshot cut");
         for (vsuffix, ssuffix) in rec.volume_suffixes.iter().zip(&rec.snapshot_suffixes) {
             let image_name = VolumeId::image_of(vsuffix);
