@@ -537,6 +537,22 @@ fn a_group_of_a_member_whose_lock_is_kept_is_refused() {
         .unwrap();
         let g = group(&b, &name("kept-after"), &vols).unwrap();
         cleanup.group(&g.id);
+        // A published volume whose node maps it keeping the lock is refused before anything.
+        let mut req = new_volume(&env, &name("k-excl"), 16 * MIB, None);
+        req.parameters
+            .insert("exclusiveLock".to_string(), "true".to_string());
+        let excl = b.create_volume(&req).unwrap();
+        cleanup.volume(&excl.id);
+        b.publish_volume(&publish(
+            &excl.id,
+            "node-k",
+            AccessMode::SingleNodeWriter,
+            false,
+        ))
+        .unwrap();
+        let e = group(&b, &name("kept-excl"), &[vols[1].clone(), excl.id.clone()]).unwrap_err();
+        assert!(matches!(e, Error::GroupRefused(_)), "{e}");
+        assert!(e.to_string().contains("exclusiveLock=true"), "{e}");
     });
 }
 
