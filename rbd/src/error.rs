@@ -69,7 +69,7 @@ pub enum Error {
     )]
     NotInstalled { library: String, reason: String },
     /// The installed library lacks a function this crate calls.
-    #[error("{library} is too old: it has no {symbol} (Ceph 14 Nautilus or later is needed)")]
+    #[error("{library} is too old: it has no {symbol} (Ceph 15 Octopus or later is needed)")]
     TooOld {
         library: String,
         symbol: &'static str,

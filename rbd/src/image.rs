@@ -35,6 +35,14 @@ impl Image {
         }
     }
 
+    /// The same image, now open at snapshot `snapshot` (the raw handle was set to it).
+    pub(crate) fn at(self, snapshot: String) -> Image {
+        Image {
+            snapshot: Some(snapshot),
+            ..self
+        }
+    }
+
     /// The image's name.
     pub fn name(&self) -> &str {
         &self.name

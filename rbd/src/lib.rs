@@ -1,7 +1,7 @@
 //! moor's access to Ceph RBD images: librados and librbd, loaded at run time, behind a safe
 //! API.
 //!
-//! Nothing links against Ceph. The libraries (`librados.so.2`, `librbd.so.1`; Ceph 14 or later)
+//! Nothing links against Ceph. The libraries (`librados.so.2`, `librbd.so.1`; Ceph 15 or later)
 //! are opened with dlopen the first time a [`Cluster`] connects, so a binary built with this
 //! crate runs on a machine without them; there, connecting fails with
 //! [`Error::NotInstalled`] ("librbd not installed: …").
@@ -29,6 +29,7 @@ mod by_id;
 mod cluster;
 mod error;
 mod features;
+mod group;
 mod image;
 mod info;
 mod io;

@@ -1,24 +1,28 @@
-//! Volume group snapshots of the RBD backend: one ordinary RBD snapshot per member image (so
-//! each restores as a clone, is deleted on its own, and is a base for GetMetadataDelta), cut
-//! while no member can be written.
+//! Volume group snapshots of the RBD backend: one ordinary RBD snapshot (user namespace,
+//! protected) per member, so that each restores as a clone, is deleted on its own, and is a
+//! base for GetMetadataDelta with librbd 16 (which can neither clone nor diff from a snapshot
+//! in a group namespace).
 //!
-//! What "cannot be written" means here: no member is published (the backend holds the
-//! members' claims, so none is published until the group is cut, and a node maps an image
-//! only after ControllerPublishVolume), and no member image has a client with it open (no
-//! watcher). A group of volumes in use is refused with FAILED_PRECONDITION rather than cut
-//! inconsistent. Holding writers still is not done by taking the members' exclusive locks:
-//! a client whose lock request is refused fails its writes with EROFS (a filesystem on it
-//! goes read-only), it does not wait. librbd's own group snapshots hold writers without
-//! failing them, but put the member snapshots in a group namespace that librbd 16 (Ceph
-//! Pacific, the one here) can neither clone nor diff from: members could not be restored or
-//! used as delta bases. With Squid's librbd (cloning from non-user snapshots, and
-//! rbd_diff_iterate3 by snapshot id) they could.
+//! Two ways to cut one instant:
+//! * No member in use (none published, no client with a member image open; the backend holds
+//!   the members' claims, so none is published meanwhile): one RBD snapshot of each member
+//!   image in turn, nothing can write between them.
+//! * Members in use: a transient RBD group (named like the group snapshot id's last part)
+//!   with the members in it, and `rbd_group_snap_create2` (librbd holds every member's
+//!   writers while it cuts, they wait and do not fail; clients are not asked to quiesce, so
+//!   krbd clients work: the result is crash-consistent). Each member, opened at its snapshot
+//!   in the group namespace, is copied (only its non-zero data) into an image of its own
+//!   (`moor-copy-<member suffix>`), whose ordinary snapshot is the member; then the group
+//!   snapshot and the group go. The copy is the cost: each member's data is read and written
+//!   once.
 //!
 //! The group's record is in the pool of its members (all must be in one pool), with the
 //! snapshot records. A create writes the name index, then the group record (`creating`, with
 //! the members' suffixes), cuts, protects, writes the members' records, then `ready`. A create
-//! cut short is finished by its retry: the snapshots already cut are removed (they may be of
-//! another instant) and all are cut again.
+//! cut short is finished by its retry: what the earlier attempt made (member snapshots, copies
+//! and their snapshots, the transient group, its snapshot) is removed (it may be of another
+//! instant) and all is cut again. Group snapshots of overlapping volumes are serialized by an
+//! exclusive claim per member (an image is in one RBD group at a time).
 
 use std::collections::BTreeSet;
 use std::time::SystemTime;
@@ -26,7 +30,10 @@ use std::time::SystemTime;
 use moor_rbd::Pool;
 use tracing::{info, warn};
 
-use super::ids::{GroupId, Location, SnapshotId, VolumeId, random_suffix};
+use super::ids::{
+    COPY_IMAGE_PREFIX, GROUP_PREFIX, GroupId, Location, SnapshotId, VolumeId, random_suffix,
+};
+use super::parameters::EXCLUSIVE_LOCK_KEY;
 use super::records::{
     FORMAT_VERSION, GroupRecord, GroupState, Registry, SnapshotRecord, SnapshotState, VolumeState,
 };
@@ -38,6 +45,26 @@ use crate::error::{Error, Result, trunc};
 
 fn group_key(id: &GroupId) -> String {
     format!("rbd-group:{id}")
+}
+
+/// The transient RBD group that cuts the group snapshot of this suffix while its volumes are in
+/// use, and the one snapshot it ever has.
+fn rbd_group(group_suffix: &str) -> String {
+    format!("{GROUP_PREFIX}{group_suffix}")
+}
+const RBD_GROUP_SNAP: &str = "moor-cut";
+
+/// The image a member snapshot of this suffix is copied into (members in use).
+fn copy_image(snapshot_suffix: &str) -> String {
+    format!("{COPY_IMAGE_PREFIX}{snapshot_suffix}")
+}
+
+/// Ignores a NotFound: what was to be removed is not there.
+fn gone(r: moor_rbd::Result<()>) -> moor_rbd::Result<()> {
+    match r {
+        Err(moor_rbd::Error::NotFound { .. }) => Ok(()),
+        other => other,
+    }
 }
 
 fn member_id(loc: &Location, suffix: &str) -> SnapshotId {
@@ -71,53 +98,18 @@ impl RbdBackend {
         })
     }
 
-    /// Removes what an earlier, unfinished attempt cut: the members' RBD snapshots and
-    /// records.
-    fn undo_members(
-        &self,
-        s: &Session,
-        pool: &Pool,
-        loc: &Location,
-        rec: &GroupRecord,
-    ) -> Result<()> {
-        let reg = Registry::new(pool);
-        for (vsuffix, ssuffix) in rec.volume_suffixes.iter().zip(&rec.snapshot_suffixes) {
-            let snap = member_id(loc, ssuffix).snap_name();
-            let image_name = VolumeId::image_of(vsuffix);
-            let fail = |what: &str, e| self.fail(s, format!("{what} {image_name}@{snap}"), e);
-            match pool.open_image(&image_name) {
-                Ok(image) => {
-                    let exists = image
-                        .snapshots()
-                        .map_err(|e| fail("snapshots of", e))?
-                        .iter()
-                        .any(|x| x.name == snap);
-                    if exists {
-                        if image
-                            .is_snapshot_protected(&snap)
-                            .map_err(|e| fail("snapshot", e))?
-                        {
-                            image
-                                .unprotect_snapshot(&snap)
-                                .map_err(|e| fail("unprotect", e))?;
-                        }
-                        match image.remove_snapshot(&snap) {
-                            Ok(()) | Err(moor_rbd::Error::NotFound { .. }) => {}
-                            Err(e) => return Err(fail("remove", e)),
-                        }
-                    }
-                }
-                Err(moor_rbd::Error::NotFound { .. }) => {}
-                Err(e) => return Err(fail("open", e)),
-            }
-            reg.remove_snapshot(ssuffix)?;
-        }
-        Ok(())
+    /// Removes the transient RBD group of a group snapshot cut while its volumes were in use,
+    /// with its snapshot (the members' snapshots in its namespace) and its members taken out
+    /// of it: `rbd_group_remove` does all three. Nothing of it is ever handed out.
+    fn remove_rbd_group(&self, s: &Session, pool: &Pool, group_suffix: &str) -> Result<()> {
+        let group = rbd_group(group_suffix);
+        gone(pool.remove_group(&group))
+            .map_err(|e| self.fail(s, format!("remove group {}/{group}", pool.name()), e))
     }
 
-    /// Cuts every member's snapshot, once it is sure none is in use (see the module doc), and
-    /// writes the members' records.
-    fn cut_members(
+    /// Removes what an earlier, unfinished attempt cut: the transient RBD group, the members'
+    /// RBD snapshots (of the volumes, or of their copies, with the copies) and records.
+    fn undo_members(
         &self,
         s: &Session,
         pool: &Pool,
@@ -126,18 +118,83 @@ impl RbdBackend {
         rec: &GroupRecord,
     ) -> Result<()> {
         let reg = Registry::new(pool);
+        self.remove_rbd_group(s, pool, group_suffix)?;
+        for (vsuffix, ssuffix) in rec.volume_suffixes.iter().zip(&rec.snapshot_suffixes) {
+            let snap = member_id(loc, ssuffix).snap_name();
+            let copy = copy_image(ssuffix);
+            for image_name in [VolumeId::image_of(vsuffix), copy.clone()] {
+                self.undo_snapshot(s, pool, &image_name, &snap)?;
+            }
+            gone(pool.remove_image(&copy))
+                .map_err(|e| self.fail(s, format!("remove {}/{copy}", pool.name()), e))?;
+            reg.remove_snapshot(ssuffix)?;
+        }
+        Ok(())
+    }
+
+    /// Unprotects and removes `image@snap` if it is there.
+    fn undo_snapshot(&self, s: &Session, pool: &Pool, image_name: &str, snap: &str) -> Result<()> {
+        {
+            let fail = |what: &str, e| self.fail(s, format!("{what} {image_name}@{snap}"), e);
+            match pool.open_image(image_name) {
+                Ok(image) => {
+                    let exists = image
+                        .snapshots()
+                        .map_err(|e| fail("snapshots of", e))?
+                        .iter()
+                        .any(|x| x.name == snap);
+                    if exists {
+                        if image
+                            .is_snapshot_protected(snap)
+                            .map_err(|e| fail("snapshot", e))?
+                        {
+                            image
+                                .unprotect_snapshot(snap)
+                                .map_err(|e| fail("unprotect", e))?;
+                        }
+                        match image.remove_snapshot(snap) {
+                            Ok(()) | Err(moor_rbd::Error::NotFound { .. }) => {}
+                            Err(e) => return Err(fail("remove", e)),
+                        }
+                    }
+                }
+                Err(moor_rbd::Error::NotFound { .. }) => {}
+                Err(e) => return Err(fail("open", e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Why a member is in use (published, or open by a client), if one is.
+    fn in_use(
+        &self,
+        s: &Session,
+        pool: &Pool,
+        loc: &Location,
+        rec: &GroupRecord,
+    ) -> Result<Option<String>> {
+        let reg = Registry::new(pool);
         for vsuffix in &rec.volume_suffixes {
             let id = VolumeId {
                 location: loc.clone(),
                 suffix: vsuffix.clone(),
             };
-            if let Some(p) = reg
-                .volume(vsuffix)?
-                .and_then(|v| v.publications.first().cloned())
-            {
-                return Err(Error::GroupRefused(format!(
-                    "volume {id} is published at node {:?}: rbd group snapshots are cut only \
-                     while no member is in use (unpublish them first)",
+            let vrec = reg.volume(vsuffix)?;
+            if let Some(p) = vrec.as_ref().and_then(|v| v.publications.first()) {
+                if vrec
+                    .as_ref()
+                    .is_some_and(|v| v.parameters.contains_key(EXCLUSIVE_LOCK_KEY))
+                {
+                    // Mapped holding its lock, never handed over: librbd cannot hold its writes.
+                    return Err(Error::GroupRefused(format!(
+                        "volume {id} is published at node {:?} and its StorageClass has \
+                         {EXCLUSIVE_LOCK_KEY}=true: the node keeps the image's lock, so its writes \
+                         cannot be held for a group snapshot (unpublish it first)",
+                        p.node_id
+                    )));
+                }
+                return Ok(Some(format!(
+                    "volume {id} is published at node {:?}",
                     p.node_id
                 )));
             }
@@ -147,12 +204,58 @@ impl RbdBackend {
                 .and_then(|i| i.watchers())
                 .map_err(|e| self.fail(s, format!("watchers of {image_name}"), e))?;
             if let Some(w) = watchers.first() {
-                return Err(Error::GroupRefused(format!(
-                    "image {image_name} is open by client {} at {}: rbd group snapshots are \
-                     cut only while no member is in use",
+                return Ok(Some(format!(
+                    "image {image_name} is open by client {} at {}",
                     w.client_id, w.address
                 )));
             }
+        }
+        Ok(None)
+    }
+
+    /// Cuts every member's snapshot at one instant and writes the members' records: in turn
+    /// when no member is in use, through a transient RBD group and copies otherwise (see the
+    /// module doc).
+    fn cut_members(
+        &self,
+        s: &Session,
+        pool: &Pool,
+        loc: &Location,
+        group_suffix: &str,
+        rec: &GroupRecord,
+    ) -> Result<()> {
+        let member =
+            |vsuffix: &str, image_id: String, size: u64, copy: Option<String>| SnapshotRecord {
+                version: FORMAT_VERSION,
+                name: format!("{}/{}", rec.name, VolumeId::image_of(vsuffix)),
+                state: SnapshotState::Ready,
+                source_volume_id: VolumeId {
+                    location: loc.clone(),
+                    suffix: vsuffix.to_string(),
+                }
+                .to_string(),
+                volume_suffix: vsuffix.to_string(),
+                image_id,
+                size_bytes: size,
+                created_secs: rec.created_secs,
+                created_nanos: rec.created_nanos,
+                group_suffix: Some(group_suffix.to_string()),
+                copy_image: copy,
+            };
+        let reg = Registry::new(pool);
+        if let Some(why) = self.in_use(s, pool, loc, rec)? {
+            info!(group = %rec.name, why, "members in use: cutting them through an rbd group");
+            self.cut_together(s, pool, loc, group_suffix, rec)?;
+            for (vsuffix, ssuffix) in rec.volume_suffixes.iter().zip(&rec.snapshot_suffixes) {
+                let snap = member_id(loc, ssuffix).snap_name();
+                let copy = copy_image(ssuffix);
+                let fail = |what: &str, e| self.fail(s, format!("{what} {copy}@{snap}"), e);
+                let image = pool.open_image(&copy).map_err(|e| fail("open", e))?;
+                let size = protect_and_size(&image, &snap, fail)?;
+                let id = image.id().map_err(|e| fail("id of", e))?;
+                reg.put_snapshot(ssuffix, &member(vsuffix, id, size, Some(copy)))?;
+            }
+            return self.remove_rbd_group(s, pool, group_suffix);
         }
         let mut images = Vec::with_capacity(rec.volume_suffixes.len());
         for vsuffix in &rec.volume_suffixes {
@@ -169,7 +272,6 @@ impl RbdBackend {
                 .map_err(|e| self.fail(s, format!("snapshot {}@{snap}", image.name()), e))?;
         }
         // Then each is protected (to be cloned), its size and image id read, its record written.
-        let reg = Registry::new(pool);
         for ((image, vsuffix), ssuffix) in images
             .iter()
             .zip(&rec.volume_suffixes)
@@ -179,23 +281,70 @@ impl RbdBackend {
             let image_name = image.name();
             let fail = |what: &str, e| self.fail(s, format!("{what} {image_name}@{snap}"), e);
             let size = protect_and_size(image, &snap, fail)?;
-            let member = SnapshotRecord {
-                version: FORMAT_VERSION,
-                name: format!("{}/{image_name}", rec.name),
-                state: SnapshotState::Ready,
-                source_volume_id: VolumeId {
-                    location: loc.clone(),
-                    suffix: vsuffix.clone(),
+            let id = image.id().map_err(|e| fail("id of", e))?;
+            reg.put_snapshot(ssuffix, &member(vsuffix, id, size, None))?;
+        }
+        Ok(())
+    }
+
+    /// Members in use: the transient RBD group, its one snapshot (the instant), and each
+    /// member copied at it into its own image with an ordinary snapshot of the member's name.
+    fn cut_together(
+        &self,
+        s: &Session,
+        pool: &Pool,
+        loc: &Location,
+        group_suffix: &str,
+        rec: &GroupRecord,
+    ) -> Result<()> {
+        let group = rbd_group(group_suffix);
+        let fail = |what: String, e| self.fail(s, what, e);
+        pool.create_group(&group)
+            .map_err(|e| fail(format!("create group {}/{group}", pool.name()), e))?;
+        for vsuffix in &rec.volume_suffixes {
+            let image_name = VolumeId::image_of(vsuffix);
+            match pool.add_to_group(&group, &image_name) {
+                Ok(()) => {}
+                Err(moor_rbd::Error::AlreadyExists { .. }) => {
+                    return Err(Error::GroupRefused(format!(
+                        "image {image_name} is in another rbd group (left by a group snapshot \
+                         whose create was cut short: its retry or DeleteVolumeGroupSnapshot \
+                         removes it)"
+                    )));
                 }
-                .to_string(),
-                volume_suffix: vsuffix.clone(),
-                image_id: image.id().map_err(|e| fail("id of", e))?,
-                size_bytes: size,
-                created_secs: rec.created_secs,
-                created_nanos: rec.created_nanos,
-                group_suffix: Some(group_suffix.to_string()),
-            };
-            reg.put_snapshot(ssuffix, &member)?;
+                Err(e) => return Err(fail(format!("add {image_name} to group {group}"), e)),
+            }
+        }
+        let started = std::time::Instant::now();
+        match pool.create_group_snapshot(&group, RBD_GROUP_SNAP) {
+            Ok(()) => {}
+            // A client holds a member's lock and will not hand it over.
+            Err(e) if e.errno() == Some(libc::EROFS) => {
+                return Err(Error::GroupRefused(format!(
+                    "a member's exclusive lock is held by a client that does not release it, so \
+                     its writes cannot be held for a group snapshot: {e}"
+                )));
+            }
+            Err(e) => return Err(fail(format!("snapshot group {group}"), e)),
+        }
+        info!(group = %rec.name, took_ms = started.elapsed().as_millis() as u64, "rbd group snapshot cut");
+        for (vsuffix, ssuffix) in rec.volume_suffixes.iter().zip(&rec.snapshot_suffixes) {
+            let image_name = VolumeId::image_of(vsuffix);
+            let copy = copy_image(ssuffix);
+            let at = pool
+                .open_group_snapshot(&image_name, &group, RBD_GROUP_SNAP)
+                .map_err(|e| fail(format!("open {image_name} at {group}@{RBD_GROUP_SNAP}"), e))?
+                .ok_or_else(|| {
+                    Error::Internal(format!(
+                        "image {image_name} has no snapshot of {group}@{RBD_GROUP_SNAP}"
+                    ))
+                })?;
+            at.copy_to(pool, &copy)
+                .map_err(|e| fail(format!("copy {image_name} to {copy}"), e))?;
+            let snap = member_id(loc, ssuffix).snap_name();
+            pool.open_image(&copy)
+                .and_then(|c| c.create_snapshot(&snap))
+                .map_err(|e| fail(format!("snapshot {copy}@{snap}"), e))?;
         }
         Ok(())
     }
@@ -272,7 +421,13 @@ impl RbdBackend {
 
         let keys: Vec<String> = vids.iter().map(volume_key).collect();
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let _sources = self.inflight.claim(&[], &key_refs)?;
+        // Exclusive among group snapshots: an image is in one rbd group at a time.
+        let member_keys: Vec<String> = vids
+            .iter()
+            .map(|v| format!("rbd-group-member:{v}"))
+            .collect();
+        let member_refs: Vec<&str> = member_keys.iter().map(String::as_str).collect();
+        let _members = self.inflight.claim(&member_refs, &key_refs)?;
         for v in &vids {
             reg.volume(&v.suffix)?
                 .filter(|r| r.state == VolumeState::Ready)
@@ -280,7 +435,7 @@ impl RbdBackend {
         }
         let (gsuffix, mut rec) = match resumed {
             Some((gsuffix, Some(rec))) => {
-                self.undo_members(&s, &pool, &loc, &rec)?;
+                self.undo_members(&s, &pool, &loc, &gsuffix, &rec)?;
                 info!(group = %req.name, "finishing a group snapshot cut short: cutting it again");
                 (gsuffix, rec)
             }
@@ -321,7 +476,7 @@ impl RbdBackend {
         if let Err(e) = self.cut_members(&s, &pool, &loc, &gsuffix, &rec) {
             // Nothing was handed out: what was cut goes, and the records with it (kept, for
             // the retry to finish, when that fails too).
-            match self.undo_members(&s, &pool, &loc, &rec) {
+            match self.undo_members(&s, &pool, &loc, &gsuffix, &rec) {
                 Ok(()) => {
                     reg.remove_group(&gsuffix)?;
                     reg.unname_group(&req.name, &gsuffix)?;
@@ -382,7 +537,7 @@ impl RbdBackend {
         req.check_members(&Self::members_of(&gid, &rec))?;
         if rec.state == GroupState::Creating {
             // Never finished: its snapshots (if any) were never handed out.
-            self.undo_members(&s, &pool, &gid.location, &rec)?;
+            self.undo_members(&s, &pool, &gid.location, &gid.suffix, &rec)?;
         }
         if rec.state != GroupState::Deleting {
             rec.state = GroupState::Deleting;

@@ -24,8 +24,12 @@ pub const ID_PREFIX: &str = "rbd/";
 pub const VOLUME_IMAGE_PREFIX: &str = "moor-vol-";
 /// The RBD snapshot behind a CSI snapshot is named this and its suffix.
 pub const SNAPSHOT_PREFIX: &str = "moor-snap-";
-/// Group snapshots' ids end in this and their suffix (nothing in Ceph is named after them).
+/// Group snapshots' ids end in this and their suffix; so is named the RBD group that cuts
+/// one while its volumes are in use (it exists only during the create).
 pub const GROUP_PREFIX: &str = "moor-group-";
+/// The copy of a volume made for a member of a group snapshot cut while the volumes were in
+/// use is named this and the member snapshot's suffix.
+pub const COPY_IMAGE_PREFIX: &str = "moor-copy-";
 /// The RBD snapshot a volume is cloned from (a volume as content source) is named this and
 /// the clone's suffix.
 pub const CLONE_SOURCE_PREFIX: &str = "moor-src-";

@@ -3,7 +3,10 @@
 //! included for a clone), or that changed since an older snapshot of the same image (delta).
 //! Extents are widened to whole 4 KiB blocks. librbd reports an object created since the base
 //! from its start, so the delta reads the changed extents in both snapshots and names only the
-//! blocks that differ: exactly the blocks written (or discarded) between the two.
+//! blocks that differ: exactly the blocks written (or discarded) between the two. A member of a
+//! group snapshot cut while its volumes were in use is a snapshot of a copy of its volume (see
+//! `groups.rs`): between it and another snapshot of the same volume, librbd has no diff, so
+//! the extents that hold data in either are read in both and compared block by block.
 
 use std::ops::ControlFlow;
 
@@ -36,7 +39,7 @@ impl RbdBackend {
         &self,
         target: &SnapshotId,
         rec: &SnapshotRecord,
-        base: Option<&SnapshotId>,
+        base: Option<(&SnapshotId, &SnapshotRecord)>,
         start: u64,
         sink: &mut dyn MetadataSink,
     ) -> Result<()> {
@@ -46,49 +49,68 @@ impl RbdBackend {
         let pool = self
             .open_pool(&s, &target.location.pool)?
             .ok_or_else(not_found)?;
-        let open = |sid: &SnapshotId| match pool
-            .open_snapshot_by_id(&rec.image_id, &sid.snap_name())
+        let open = |sid: &SnapshotId, image_id: &str| match pool
+            .open_snapshot_by_id(image_id, &sid.snap_name())
         {
             Ok(i) => Ok(i),
             Err(moor_rbd::Error::NotFound { .. }) => Err(Error::SnapshotNotFound(sid.to_string())),
-            Err(e) => Err(self.fail(&s, format!("open {}@{}", rec.image_id, sid.snap_name()), e)),
+            Err(e) => Err(self.fail(&s, format!("open {image_id}@{}", sid.snap_name()), e)),
         };
-        let image = open(target)?;
+        let image = open(target, &rec.image_id)?;
         let from = floor(start);
         let len = rec.size_bytes.saturating_sub(from);
-        let base_snap = base.map(SnapshotId::snap_name);
         let mut extents: Vec<(u64, u64)> = Vec::new();
-        image
-            .diff(
-                base_snap.as_deref(),
-                from,
-                len,
-                &mut |offset, length, exists| {
-                    if base.is_some() || exists {
-                        let (s, e) = (floor(offset), ceil(offset + length));
-                        match extents.last_mut() {
-                            Some((_, last)) if s <= *last => *last = (*last).max(e),
-                            _ => extents.push((s, e)),
+        // The extents changed since `since` (or holding data, None) of `image`.
+        let mut walk = |image: &moor_rbd::Image, since: Option<String>| {
+            image
+                .diff(
+                    since.as_deref(),
+                    from,
+                    len,
+                    &mut |offset, length, exists| {
+                        if since.is_some() || exists {
+                            extents.push((floor(offset), ceil(offset + length)));
                         }
-                    }
-                    ControlFlow::Continue(())
-                },
-            )
-            .map_err(|e| {
-                self.fail(
-                    &s,
-                    format!("diff {}@{}", rec.image_id, target.snap_name()),
-                    e,
+                        ControlFlow::Continue(())
+                    },
                 )
-            })?;
+                .map_err(|e| self.fail(&s, format!("diff {}", image.spec()), e))
+        };
+        let older = match base {
+            None => None,
+            Some((bid, brec)) if brec.image_id == rec.image_id => {
+                walk(&image, Some(bid.snap_name()))?;
+                Some(open(bid, &rec.image_id)?)
+            }
+            Some((bid, brec)) => {
+                // Two images (a copy's snapshot and another of the same volume): whatever
+                // holds data in either may differ.
+                let older = open(bid, &brec.image_id)?;
+                walk(&image, None)?;
+                walk(&older, None)?;
+                Some(older)
+            }
+        };
+        if base.is_none() {
+            walk(&image, None)?;
+        }
+        extents.sort_unstable();
+        let extents = extents
+            .into_iter()
+            .fold(Vec::<(u64, u64)>::new(), |mut m, (s, e)| {
+                match m.last_mut() {
+                    Some((_, last)) if s <= *last => *last = (*last).max(e),
+                    _ => m.push((s, e)),
+                }
+                m
+            });
         let mut out = BlockRanges::new(sink);
-        let Some(base) = base else {
+        let Some(older) = older else {
             for (s, e) in extents {
                 out.push(s, e)?;
             }
             return out.finish();
         };
-        let older = open(base)?;
         let read = |image: &moor_rbd::Image, at: u64, len: u64| {
             let mut data = image
                 .read(at, usize::try_from(len).unwrap_or(usize::MAX))
@@ -137,7 +159,7 @@ impl RbdBackend {
     ) -> Result<()> {
         let (bid, s, brec) = self.ready_snapshot(base)?;
         let (tid, _, trec) = self.ready_snapshot(target)?;
-        if bid.location != tid.location || brec.image_id != trec.image_id {
+        if bid.location != tid.location || brec.volume_suffix != trec.volume_suffix {
             return Err(Error::invalid(
                 "target_snapshot_id",
                 format!(
@@ -145,6 +167,16 @@ impl RbdBackend {
                     trec.source_volume_id, brec.source_volume_id
                 ),
             ));
+        }
+        if brec.image_id != trec.image_id {
+            // One of them of a copy of the volume: the older is the one cut first.
+            if brec.created_at() > trec.created_at() {
+                return Err(Error::invalid(
+                    "base_snapshot_id",
+                    format!("snapshot {bid} was cut after {tid}: the base must be the older one"),
+                ));
+            }
+            return self.walk(&tid, &trec, Some((&bid, &brec)), start, sink);
         }
         // librbd diffs from an older snapshot only.
         let pool = self
@@ -163,6 +195,6 @@ impl RbdBackend {
                 format!("snapshot {bid} was cut after {tid}: the base must be the older one"),
             ));
         }
-        self.walk(&tid, &trec, Some(&bid), start, sink)
+        self.walk(&tid, &trec, Some((&bid, &brec)), start, sink)
     }
 }

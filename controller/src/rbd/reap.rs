@@ -12,7 +12,7 @@
 use moor_rbd::{Parent, Pool};
 use tracing::{info, warn};
 
-use super::ids::{CLONE_SOURCE_PREFIX, SNAPSHOT_PREFIX, VOLUME_IMAGE_PREFIX};
+use super::ids::{CLONE_SOURCE_PREFIX, COPY_IMAGE_PREFIX, SNAPSHOT_PREFIX, VOLUME_IMAGE_PREFIX};
 use super::records::{Registry, SnapshotState, VolumeState};
 use super::{RbdBackend, Session};
 use crate::error::{Error, Result};
@@ -170,6 +170,11 @@ impl RbdBackend {
             return Ok(None);
         }
         self.remove_snapshot(s, &pool, image, &p.snapshot)?;
+        if image.starts_with(COPY_IMAGE_PREFIX) {
+            // A group member's copy of its volume, kept for that snapshot alone.
+            self.dispose_image(s, &pool, image)?;
+            return Ok(None);
+        }
         let Some(suffix) = image.strip_prefix(VOLUME_IMAGE_PREFIX) else {
             return Ok(None);
         };

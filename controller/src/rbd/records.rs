@@ -164,6 +164,11 @@ pub struct SnapshotRecord {
     /// The suffix of the group snapshot it was cut in, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group_suffix: Option<String>,
+    /// For a member of a group snapshot cut while its volumes were in use: the image its
+    /// snapshot is of, a copy of the volume at the group's instant (`image_id` is the copy's
+    /// id). None: the snapshot is of the volume's image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_image: Option<String>,
 }
 
 /// Where a group snapshot is in its life.
@@ -206,6 +211,13 @@ impl GroupRecord {
 }
 
 impl SnapshotRecord {
+    /// The name of the image its RBD snapshot is of: the volume's, or its copy's.
+    pub fn image_name(&self) -> String {
+        self.copy_image
+            .clone()
+            .unwrap_or_else(|| super::ids::VolumeId::image_of(&self.volume_suffix))
+    }
+
     /// The time fields of `t`.
     pub fn time_fields(t: SystemTime) -> (u64, u32) {
         let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
@@ -450,6 +462,7 @@ mod tests {
             created_secs: secs,
             created_nanos: nanos,
             group_suffix: None,
+            copy_image: None,
         };
         assert_eq!(rec.created_at(), t);
         // Records written before group snapshots read back as lone snapshots.

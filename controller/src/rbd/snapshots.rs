@@ -174,6 +174,7 @@ impl RbdBackend {
                     created_secs,
                     created_nanos,
                     group_suffix: None,
+                    copy_image: None,
                 };
                 reg.put_snapshot(&suffix, &rec)?;
                 rec
@@ -261,6 +262,13 @@ impl RbdBackend {
             }
         }
         drop(image);
+        if let Some(copy) = &rec.copy_image {
+            // A group member's copy of its volume: it was there for this snapshot alone.
+            match pool.remove_image(copy) {
+                Ok(()) | Err(moor_rbd::Error::NotFound { .. }) => {}
+                Err(e) => return Err(fail("remove the copy behind", e)),
+            }
+        }
         reg.remove_snapshot(&sid.suffix)?;
         info!(snapshot = %sid, "deleted");
         // Its volume may have been kept for it alone.

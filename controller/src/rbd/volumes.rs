@@ -136,7 +136,7 @@ impl RbdBackend {
                     claim,
                     CloneSource {
                         pool,
-                        image: VolumeId::image_of(&rec.volume_suffix),
+                        image: rec.image_name(),
                         snapshot: sid.snap_name(),
                         make_snapshot: false,
                         size: rec.size_bytes,

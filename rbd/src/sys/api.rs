@@ -10,7 +10,8 @@ use libloading::Library;
 
 use super::types::*;
 
-/// The sonames this crate opens (Debian packages librados2 and librbd1; Ceph 14 or later).
+/// The sonames this crate opens (Debian packages librados2 and librbd1; Ceph 15 or later:
+/// `rbd_group_snap_create2` came with Octopus).
 pub(crate) const RADOS_LIBRARY: &str = "librados.so.2";
 pub(crate) const RBD_LIBRARY: &str = "librbd.so.1";
 
@@ -19,7 +20,7 @@ pub(crate) const RBD_LIBRARY: &str = "librbd.so.1";
 pub(crate) enum LoadError {
     /// dlopen failed: the library is not installed (or not loadable).
     Missing { library: String, reason: String },
-    /// The library lacks a function this crate calls: it is older than Ceph 14.
+    /// The library lacks a function this crate calls: it is older than Ceph 15.
     Symbol {
         library: String,
         symbol: &'static str,
@@ -176,6 +177,15 @@ api! {
         fn rbd_write(RbdImageT, u64, usize, *const c_char) -> isize;
         fn rbd_read(RbdImageT, u64, usize, *mut c_char) -> isize;
         fn rbd_flush(RbdImageT) -> c_int;
+        fn rbd_group_create(RadosIoctxT, *const c_char) -> c_int;
+        fn rbd_group_remove(RadosIoctxT, *const c_char) -> c_int;
+        fn rbd_group_image_add(RadosIoctxT, *const c_char, RadosIoctxT, *const c_char) -> c_int;
+        fn rbd_group_snap_create2(RadosIoctxT, *const c_char, *const c_char, u32) -> c_int;
+        fn rbd_snap_get_namespace_type(RbdImageT, u64, *mut c_int) -> c_int;
+        fn rbd_snap_get_group_namespace(RbdImageT, u64, *mut RbdSnapGroupNamespace, usize) -> c_int;
+        fn rbd_snap_group_namespace_cleanup(*mut RbdSnapGroupNamespace, usize) -> c_int;
+        fn rbd_snap_set_by_id(RbdImageT, u64) -> c_int;
+        fn rbd_copy4(RbdImageT, RadosIoctxT, *const c_char, RbdImageOptionsT, usize) -> c_int;
         fn rbd_diff_iterate2(
             RbdImageT,
             *const c_char,

@@ -408,6 +408,52 @@ impl Ioctx {
         )
     }
 
+    pub(crate) fn group_create(&self, group: &CStr) -> Result<()> {
+        // SAFETY: a live I/O context and a NUL-terminated name.
+        let ret = unsafe { (self.api().rbd_group_create)(self.handle, group.as_ptr()) };
+        check("rbd_group_create", ret).map(drop)
+    }
+
+    pub(crate) fn group_remove(&self, group: &CStr) -> Result<()> {
+        // SAFETY: a live I/O context and a NUL-terminated name.
+        let ret = unsafe { (self.api().rbd_group_remove)(self.handle, group.as_ptr()) };
+        check("rbd_group_remove", ret).map(drop)
+    }
+
+    /// Adds the image `image` of `image_pool` to the group.
+    pub(crate) fn group_image_add(
+        &self,
+        group: &CStr,
+        image_pool: &Ioctx,
+        image: &CStr,
+    ) -> Result<()> {
+        // SAFETY: two live I/O contexts and two NUL-terminated names.
+        let ret = unsafe {
+            (self.api().rbd_group_image_add)(
+                self.handle,
+                group.as_ptr(),
+                image_pool.handle,
+                image.as_ptr(),
+            )
+        };
+        check("rbd_group_image_add", ret).map(drop)
+    }
+
+    /// Cuts a snapshot of every image of the group at one instant, without quiescing their
+    /// clients (crash-consistent).
+    pub(crate) fn group_snap_create(&self, group: &CStr, snap: &CStr) -> Result<()> {
+        // SAFETY: a live I/O context, two NUL-terminated names and a flag from librbd.h.
+        let ret = unsafe {
+            (self.api().rbd_group_snap_create2)(
+                self.handle,
+                group.as_ptr(),
+                snap.as_ptr(),
+                RBD_SNAP_CREATE_SKIP_QUIESCE,
+            )
+        };
+        check("rbd_group_snap_create2", ret).map(drop)
+    }
+
     pub(crate) fn trash_remove(&self, id: &CStr, force: bool) -> Result<()> {
         // SAFETY: a live I/O context and a NUL-terminated id.
         let ret = unsafe { (self.api().rbd_trash_remove)(self.handle, id.as_ptr(), force) };
@@ -658,6 +704,53 @@ impl RbdImage {
             call: "rbd_snap_list",
             errno: libc::ERANGE,
         })
+    }
+
+    /// The group and group snapshot names of snapshot `id`, if it is in a group namespace.
+    pub(crate) fn snap_group(&self, id: u64) -> Result<Option<(String, String)>> {
+        let api = self.api();
+        let mut kind: c_int = 0;
+        // SAFETY: an open image and a valid out-pointer.
+        let ret = unsafe { (api.rbd_snap_get_namespace_type)(self.handle, id, &mut kind) };
+        check("rbd_snap_get_namespace_type", ret)?;
+        if kind != RBD_SNAP_NAMESPACE_TYPE_GROUP {
+            return Ok(None);
+        }
+        let mut ns = RbdSnapGroupNamespace::default();
+        let size = std::mem::size_of::<RbdSnapGroupNamespace>();
+        // SAFETY: an open image, a valid out-pointer of the header's struct and its size.
+        let ret = unsafe { (api.rbd_snap_get_group_namespace)(self.handle, id, &mut ns, size) };
+        check("rbd_snap_get_group_namespace", ret)?;
+        // SAFETY: librbd filled the struct with strings it owns until the cleanup below.
+        let group = unsafe { string_at(ns.group_name) };
+        // SAFETY: as above.
+        let snap = unsafe { string_at(ns.group_snap_name) };
+        // SAFETY: the struct librbd filled, freed once.
+        unsafe { (api.rbd_snap_group_namespace_cleanup)(&mut ns, size) };
+        Ok(Some((group, snap)))
+    }
+
+    /// Reads at snapshot `id` (of any namespace) from now on.
+    pub(crate) fn snap_set_by_id(&self, id: u64) -> Result<()> {
+        // SAFETY: an open image; librbd checks the id.
+        let ret = unsafe { (self.api().rbd_snap_set_by_id)(self.handle, id) };
+        check("rbd_snap_set_by_id", ret).map(drop)
+    }
+
+    /// Copies the image as open (its head or a snapshot, without the other snapshots) into a
+    /// new image `name` of `dest`, writing only what is not zero (in `sparse`-byte runs).
+    pub(crate) fn copy(
+        &self,
+        dest: &Ioctx,
+        name: &CStr,
+        opts: &ImageOpts,
+        sparse: usize,
+    ) -> Result<()> {
+        // SAFETY: an open image, a live I/O context, a NUL-terminated name and live options.
+        let ret = unsafe {
+            (self.api().rbd_copy4)(self.handle, dest.handle, name.as_ptr(), opts.handle, sparse)
+        };
+        check("rbd_copy4", ret).map(drop)
     }
 
     pub(crate) fn watchers(&self) -> Result<Vec<Watcher>> {

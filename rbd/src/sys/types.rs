@@ -1,4 +1,4 @@
-//! The C types of librados.h and librbd.h (Ceph 14 and later) that the calls here exchange.
+//! The C types of librados.h and librbd.h (Ceph 15 and later) that the calls here exchange.
 
 use std::ffi::{c_char, c_int, c_void};
 use std::ptr;
@@ -21,6 +21,32 @@ pub(crate) const RBD_IMAGE_OPTION_DATA_POOL: c_int = 10;
 /// `RBD_LOCK_MODE_EXCLUSIVE`, `RBD_LOCK_MODE_SHARED`.
 pub(crate) const RBD_LOCK_MODE_EXCLUSIVE: c_int = 0;
 pub(crate) const RBD_LOCK_MODE_SHARED: c_int = 1;
+
+/// `RBD_SNAP_CREATE_SKIP_QUIESCE`: no quiesce notification to the image's clients (krbd
+/// answers them with EOPNOTSUPP); writes are still held while the snapshot is cut.
+pub(crate) const RBD_SNAP_CREATE_SKIP_QUIESCE: u32 = 1;
+
+/// `RBD_SNAP_NAMESPACE_TYPE_GROUP`.
+pub(crate) const RBD_SNAP_NAMESPACE_TYPE_GROUP: c_int = 1;
+
+/// `rbd_snap_group_namespace_t`.
+#[repr(C)]
+#[derive(Debug)]
+pub(crate) struct RbdSnapGroupNamespace {
+    pub group_pool: i64,
+    pub group_name: *mut c_char,
+    pub group_snap_name: *mut c_char,
+}
+
+impl Default for RbdSnapGroupNamespace {
+    fn default() -> Self {
+        Self {
+            group_pool: 0,
+            group_name: ptr::null_mut(),
+            group_snap_name: ptr::null_mut(),
+        }
+    }
+}
 
 /// `struct rados_pool_stat_t`.
 #[repr(C)]
