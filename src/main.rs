@@ -101,6 +101,12 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         warn!(file = %p.path.display(), line = p.line, error = %p.error,
             "journal line unreadable; log kept as journal.log.corrupt, rebuilding from the mount table");
     }
+    if journal.torn_tail() > 0 {
+        info!(
+            bytes = journal.torn_tail(),
+            "the journal ended in a line cut short (a crash or power cut during its write); dropped"
+        );
+    }
     let journal = Arc::new(journal);
     for tool in OPTIONAL_TOOLS {
         if !os.has_program(tool) {

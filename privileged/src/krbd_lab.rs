@@ -43,10 +43,10 @@ impl Lab {
             return None;
         };
         let world = World::new(test, ceph, nodes);
-        let vms = (0..nodes)
+        let options: Vec<VmOptions> = (0..nodes)
             .map(|i| {
                 let n = &world.nodes[i];
-                Vm::boot(VmOptions {
+                VmOptions {
                     name: n.name.clone(),
                     bridge: bridge.clone(),
                     ip: format!("{net}.{}", first_host as usize + i),
@@ -54,9 +54,14 @@ impl Lab {
                     dir: world.sb.root.join("vm"),
                     memory: "1G".into(),
                     hotplug: 2,
-                })
+                }
             })
             .collect();
+        // The guests boot at once (a boot under TCG is most of a test's time).
+        let mut vms: Vec<Vm> = options.into_iter().map(Vm::launch).collect();
+        for vm in &mut vms {
+            vm.wait_booted();
+        }
         let lab = Self { world, vms, net };
         for vm in &lab.vms {
             vm.sh("modprobe rbd && test -e /sys/bus/rbd/add_single_major");
@@ -81,8 +86,22 @@ impl Lab {
         state: &std::path::Path,
         log: &std::path::Path,
     ) -> NodeClient<Channel> {
+        self.start_node_as(i, i, program, env, state, log).await
+    }
+
+    /// [`start_node_at`](Self::start_node_at) in guest `g`, as node `i` (its name and kubelet
+    /// dir): another guest standing in for the node.
+    pub async fn start_node_as(
+        &self,
+        g: usize,
+        i: usize,
+        program: &str,
+        env: &[&str],
+        state: &std::path::Path,
+        log: &std::path::Path,
+    ) -> NodeClient<Channel> {
         let n = &self.world.nodes[i];
-        let vm = &self.vms[i];
+        let vm = &self.vms[g];
         let bin = crate::client::binary(program);
         let mut argv: Vec<String> = vec!["env".into()];
         argv.extend(env.iter().map(|s| (*s).to_string()));

@@ -33,7 +33,7 @@ pub struct Sandbox {
     pub state: PathBuf,
     /// Where backing files live.
     pub data: PathBuf,
-    loops: std::cell::RefCell<Vec<(PathBuf, std::fs::File)>>,
+    loops: std::sync::Mutex<Vec<(PathBuf, std::fs::File)>>,
 }
 
 /// Panics unless running as root (these tests need it).
@@ -68,7 +68,7 @@ impl Sandbox {
             kubelet,
             state,
             data,
-            loops: std::cell::RefCell::new(Vec::new()),
+            loops: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -123,7 +123,10 @@ impl Sandbox {
         // autoclear, so it goes when the last user does, even if this process is killed.
         let held = std::fs::File::open(&dev).expect("open loop device");
         let _ = Command::new("losetup").arg("-d").arg(&dev).status();
-        self.loops.borrow_mut().push((dev.clone(), held));
+        self.loops
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((dev.clone(), held));
         dev
     }
 
@@ -192,7 +195,10 @@ impl Drop for Sandbox {
             let _ = rustix::mount::unmount(m.as_path(), rustix::mount::UnmountFlags::DETACH);
         }
         // Closing the held descriptors releases the (autoclear) loop devices.
-        self.loops.borrow_mut().clear();
+        self.loops
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clear();
         let _ = std::fs::remove_dir_all(&self.root);
     }
 }

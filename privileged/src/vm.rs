@@ -71,6 +71,8 @@ pub struct Vm {
     pub opts: VmOptions,
     child: Option<Child>,
     boots: u32,
+    /// When its QEMU was last started.
+    started: Instant,
 }
 
 /// What a program run in the guest did.
@@ -94,13 +96,23 @@ impl Output {
 impl Vm {
     /// Boots a guest running the agent and waits until the agent answers.
     pub fn boot(opts: VmOptions) -> Self {
+        let mut vm = Self::launch(opts);
+        vm.wait_booted();
+        vm
+    }
+
+    /// Starts a guest without waiting for it: [`wait_booted`](Self::wait_booted) does. Guests
+    /// launched one after another boot at once. (Launched from the thread that keeps it: the
+    /// guest is told to go when the thread that started it ends.)
+    pub fn launch(opts: VmOptions) -> Self {
         std::fs::create_dir_all(&opts.dir).expect("the guest's dir");
         let mut vm = Self {
             opts,
             child: None,
             boots: 0,
+            started: Instant::now(),
         };
-        vm.start();
+        vm.spawn_guest();
         vm
     }
 
@@ -120,6 +132,11 @@ impl Vm {
     }
 
     fn start(&mut self) {
+        self.spawn_guest();
+        self.wait_booted();
+    }
+
+    fn spawn_guest(&mut self) {
         self.boots += 1;
         let agent = crate::client::binary("vm-agent");
         assert!(agent.exists(), "{} is not built", agent.display());
@@ -156,7 +173,12 @@ impl Vm {
             .spawn()
             .expect("spawn .ci/vm run");
         self.child = Some(child);
-        let start = Instant::now();
+        self.started = Instant::now();
+    }
+
+    /// Waits until the agent of a launched guest answers.
+    pub fn wait_booted(&mut self) {
+        let start = self.started;
         let booted = loop {
             if self.ping() {
                 break start.elapsed();

@@ -303,23 +303,28 @@ pub struct Replay {
     pub problems: Vec<(usize, DecodeError)>,
     /// Lines read.
     pub lines: usize,
+    /// Bytes of an unterminated last line: an append cut short (a crash or power cut during
+    /// its write, or a write still in flight), which never returned to its caller. Not damage:
+    /// the log ends before it.
+    pub torn_tail: usize,
 }
 
 /// Replays a log's bytes: each complete line is a record and the newest line of a volume wins.
 /// A damaged line is reported and skipped (the volume keeps its previous record); an
-/// unterminated last line is a write cut short and reported as truncated. Never panics.
+/// unterminated last line is an append cut short, which the log ends before
+/// ([`Replay::torn_tail`]). Never panics.
 pub fn replay(bytes: &[u8]) -> Replay {
     let mut out = Replay::default();
     let mut rest = bytes;
     while !rest.is_empty() {
-        out.lines += 1;
         let (line, next) = match rest.iter().position(|&b| b == b'\n') {
             Some(i) => rest.split_at(i + 1),
             None => {
-                out.problems.push((out.lines, DecodeError::Truncated));
+                out.torn_tail = rest.len();
                 break;
             }
         };
+        out.lines += 1;
         rest = next;
         match decode(line) {
             Ok(r) if r.is_empty() => {
@@ -380,12 +385,16 @@ pub struct Journal {
     dir: PathBuf,
     fsync_all: bool,
     state: Mutex<State>,
+    /// Bytes of an append cut short that the log ended in when it was opened.
+    torn_tail: usize,
 }
 
 impl Journal {
     /// Opens (creating) the log in `state_dir` and replays it. Damaged lines are reported;
     /// the damaged file is kept as `journal.log.corrupt` and the log rewritten from what could
-    /// be read, so reconciliation can rebuild the rest from the mount table.
+    /// be read, so reconciliation can rebuild the rest from the mount table. An unterminated
+    /// last line is no damage but an append a crash or power cut left half on disk (its call
+    /// never returned): the log is rewritten without it ([`torn_tail`](Self::torn_tail)).
     pub fn open(
         state_dir: &Path,
         fsync_all: bool,
@@ -431,9 +440,15 @@ impl Journal {
                     synced: len,
                     lines,
                 }),
+                torn_tail: replayed.torn_tail,
             },
             problems,
         ))
+    }
+
+    /// Bytes of the append cut short that the log ended in when it was opened (0: none).
+    pub fn torn_tail(&self) -> usize {
+        self.torn_tail
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

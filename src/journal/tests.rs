@@ -114,14 +114,38 @@ fn replay_keeps_the_newest_line_and_skips_damage() {
     log.extend(encode(&emptied(b.clone())));
     let mut cut = encode(&a);
     cut.truncate(cut.len() - 3);
+    let torn = cut.len();
     log.extend(cut);
     let r = replay(&log);
-    assert_eq!(r.lines, 6);
+    assert_eq!(r.lines, 5);
     assert_eq!(r.records.len(), 1);
     assert_eq!(r.records.get("vol/1 ü"), Some(&a2));
-    assert_eq!(r.problems.len(), 2);
+    assert_eq!(r.problems.len(), 1);
     assert_eq!(r.problems[0].0, 4);
-    assert_eq!(r.problems[1], (6, DecodeError::Truncated));
+    // The unterminated last line is an append cut short, not damage.
+    assert_eq!(r.torn_tail, torn);
+}
+
+#[test]
+fn a_log_ending_in_an_append_cut_short_opens_without_it_and_without_a_corrupt_copy() {
+    let dir = temp_dir("torn");
+    std::fs::create_dir_all(&dir).unwrap();
+    let a = sample();
+    let mut log = encode(&a);
+    let mut b = sample();
+    b.volume_id = "b".into();
+    let cut = encode(&b);
+    log.extend(&cut[..cut.len() / 2]);
+    std::fs::write(dir.join(LOG_FILE), &log).unwrap();
+    let (j, problems) = Journal::open(&dir, false).unwrap();
+    assert!(problems.is_empty(), "{problems:?}");
+    assert_eq!(j.torn_tail(), cut.len() / 2);
+    assert_eq!(j.all(), vec![a]);
+    assert!(!dir.join(CORRUPT_FILE).exists());
+    // The rewritten log ends on a whole line.
+    let (again, problems) = Journal::open(&dir, false).unwrap();
+    assert!(problems.is_empty());
+    assert_eq!(again.torn_tail(), 0);
 }
 
 #[test]
@@ -186,14 +210,14 @@ fn only_a_mkfs_in_progress_guards_data_and_compaction_keeps_it() {
 }
 
 #[test]
-fn truncated_and_garbage_logs_are_set_aside_and_rebuilt() {
+fn damaged_logs_are_set_aside_and_rebuilt() {
     let dir = temp_dir("garbage");
     {
         let (j, _) = Journal::open(&dir, false).unwrap();
         j.put(&sample(), Durability::Process).unwrap();
     }
     let mut bytes = std::fs::read(dir.join(LOG_FILE)).unwrap();
-    bytes.extend_from_slice(b"moor-journal v1 12");
+    bytes.extend_from_slice(b"moor-journal v1 12\n");
     std::fs::write(dir.join(LOG_FILE), &bytes).unwrap();
     let (j, problems) = Journal::open(&dir, false).unwrap();
     assert_eq!(problems.len(), 1);
@@ -206,7 +230,8 @@ fn truncated_and_garbage_logs_are_set_aside_and_rebuilt() {
 
     std::fs::write(dir.join(LOG_FILE), [0xffu8, 0, 17, b'\n', 3]).unwrap();
     let (j, problems) = Journal::open(&dir, false).unwrap();
-    assert_eq!(problems.len(), 2);
+    assert_eq!(problems.len(), 1);
+    assert_eq!(j.torn_tail(), 1);
     assert!(j.all().is_empty());
     std::fs::remove_dir_all(&dir).unwrap();
 }
