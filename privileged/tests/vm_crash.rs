@@ -428,8 +428,11 @@ fn check_states(lab: &Lab, g: usize, log: &Log, states: &[Point], marks: Marks) 
     let rt = runtime();
     // moor-node from the guest's memory: read from the host's shared files at every start,
     // its debug build costs seconds under TCG.
+    // No udev in a checking guest: moor-node is given the device's path, and device-mapper
+    // makes its nodes itself without udev, which would probe every device each state makes and
+    // removes (seconds under TCG).
     lab.vms[g].sh(&format!(
-        "mkdir -p /run/bin && cp {} {NODE}",
+        "mkdir -p /run/bin && cp {} {NODE} && {{ udevadm control --exit || true; }}",
         moor_privileged::client::binary("moor-node").display()
     ));
     for p in states {
