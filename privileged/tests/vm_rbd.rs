@@ -574,3 +574,298 @@ fn a_volume_moves_between_two_kernels_and_a_cut_off_node_is_fenced() {
     });
     lab.vms.clear();
 }
+
+/// Record slots at the start of each volume of the group test, and a record's size.
+const SLOTS: u64 = 256;
+const RECORD: usize = 4096;
+
+/// What the guest's kernel logged of its RBD client and block I/O.
+const KERNEL_LOG: &str = "dmesg | grep -E 'rbd[0-9]*:|libceph|I/O error|blk_update'; true";
+
+/// The guest's writer of the group test (python3, there wherever the VM lab is: its
+/// virtme-ng needs it): records of RECORD bytes with direct I/O in SLOTS slots of two block
+/// devices (argv 1, 2), record i to the first and, once written, to the second; the last
+/// record written to both in a file (argv 3); a record whose two writes took over a second
+/// logged; until a file (argv 4) exists.
+const WRITER: &str = r#"
+import mmap, os, sys, time
+a, b, count, stop = sys.argv[1:5]
+fds = [(os.open(a, os.O_WRONLY | os.O_DIRECT), "A"), (os.open(b, os.O_WRONLY | os.O_DIRECT), "B")]
+buf = mmap.mmap(-1, 4096)
+i, slowest = 0, 0.0
+while not os.path.exists(stop):
+    i += 1
+    line = b"%d\n" % i
+    buf[:] = (line * (4096 // len(line) + 1))[:4096]
+    t = time.monotonic()
+    for fd, name in fds:
+        try:
+            n = os.pwrite(fd, buf, (i % 256) * 4096)
+        except OSError as e:
+            print(f"write {i} to {name} failed: {e}", flush=True)
+            sys.exit(1)
+        if n != 4096:
+            print(f"write {i} to {name} failed: {n} bytes written", flush=True)
+            sys.exit(1)
+    t = time.monotonic() - t
+    slowest = max(slowest, t)
+    if t > 1:
+        print(f"record {i} waited {int(t * 1000)} ms", flush=True)
+    with open(count, "w") as f:
+        f.write(str(i))
+print(f"stopped after {i}, slowest {int(slowest * 1000)} ms", flush=True)
+"#;
+
+/// Record `i` as the guest's writer makes it: its number's line repeated, cut at RECORD bytes.
+fn record(i: u64) -> Vec<u8> {
+    format!("{i}\n")
+        .into_bytes()
+        .into_iter()
+        .cycle()
+        .take(RECORD)
+        .collect()
+}
+
+/// The newest record in a log (its first SLOTS * RECORD bytes; 0: none); every slot holds a
+/// whole record of its own or nothing.
+fn newest_record(log: &[u8], what: &str) -> u64 {
+    let mut newest = 0;
+    for (slot, block) in log.chunks(RECORD).take(SLOTS as usize).enumerate() {
+        if block.iter().all(|&b| b == 0) {
+            continue;
+        }
+        let first = block.split(|&b| b == b'\n').next().unwrap_or_default();
+        let i: u64 = std::str::from_utf8(first)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("{what}: slot {slot} holds no record"));
+        assert_eq!(i % SLOTS, slot as u64, "{what}: record {i} in slot {slot}");
+        assert!(block == record(i), "{what}: record {i} torn");
+        newest = newest.max(i);
+    }
+    newest
+}
+
+/// Group snapshots of two block volumes the kernel's RBD client holds mapped (as moor-node
+/// maps: the image's lock handed over on request) while a writer in the guest writes numbered
+/// records with direct I/O, each to the first volume and, once written, to the second: librbd
+/// takes both locks from the kernel and holds its writes while it cuts; the writes wait, none
+/// fails, the kernel logs no I/O error, and every group restores to one instant of the writer
+/// (the second volume's newest record is the first's or the one before it, none torn).
+#[test]
+fn group_snapshots_of_volumes_the_kernel_writes_are_one_instant() {
+    use csi::group_controller_client::GroupControllerClient;
+    use moor_controller::rbd::ids::VolumeId;
+
+    let test = "vm-krbd-group";
+    let started = Instant::now();
+    let Some(mut lab) = Lab::new(test, 1, 65) else {
+        return;
+    };
+    eprintln!("{test}: guest booted: {}", ms(started.elapsed()));
+    runtime().block_on(async {
+        let mut ctl = lab.world.start_controller(&[]).await;
+        let mut node = lab.start_node(0, "moor-node", &[]).await;
+        let socket = lab
+            .world
+            .controller
+            .as_ref()
+            .expect("controller")
+            .socket
+            .clone();
+        let mut groups = GroupControllerClient::new(
+            moor_privileged::client::connect(&socket)
+                .await
+                .expect("connect to the controller"),
+        );
+        let w = &lab.world;
+        let mut vols = Vec::new();
+        for name in ["vmgrpa", "vmgrpb"] {
+            let mut v = create(w, &mut ctl, name, block(Mode::SingleNodeWriter)).await;
+            let ctx = attach(w, &mut ctl, &mut v, 0).await.expect("publish");
+            mount(w, &mut node, &v, &ctx, 0).await.expect("stage");
+            vols.push(v);
+        }
+        let (a, b) = (
+            w.block_target(0, &vols[0].id).display().to_string(),
+            w.block_target(0, &vols[1].id).display().to_string(),
+        );
+        let count = "/run/grp.count";
+        let log = "/run/grp.log";
+        lab.vms[0].spawn(
+            &[
+                "/usr/bin/python3",
+                "-c",
+                WRITER,
+                &a,
+                &b,
+                count,
+                "/run/grp.stop",
+            ],
+            log,
+        );
+        let vm = &lab.vms[0];
+        let written = || vm.read(count).trim().parse::<u64>().unwrap_or(0);
+        let wait_for = |n: u64| async move {
+            let want = written() + n;
+            wait_until(
+                &format!("the guest's writer to reach record {want}"),
+                Duration::from_secs(300),
+                || written() >= want || vm.read(log).contains("failed"),
+            )
+            .await
+        };
+        wait_for(10).await;
+        let ids: Vec<String> = vols.iter().map(|v| v.id.clone()).collect();
+        let mut cut = Vec::new();
+        for n in 0..3 {
+            wait_for(10).await;
+            let before = written();
+            let t = Instant::now();
+            let g = groups
+                .create_volume_group_snapshot(csi::CreateVolumeGroupSnapshotRequest {
+                    name: format!("vmgrp{n}-{}", std::process::id()),
+                    source_volume_ids: ids.clone(),
+                    secrets: w.secrets(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "group snapshot {n} of volumes the kernel writes: {e:?}; the writer: {}; \
+                         the kernel: {}",
+                        vm.read(log),
+                        vm.sh(KERNEL_LOG)
+                    )
+                })
+                .into_inner()
+                .group_snapshot
+                .expect("a group snapshot");
+            eprintln!(
+                "{test}: group snapshot {n} of 2 volumes the kernel writes: {} (the writer at \
+                 record {before}, then {})",
+                ms(t.elapsed()),
+                written()
+            );
+            assert_eq!(g.snapshots.len(), 2, "{g:?}");
+            cut.push(g);
+        }
+        wait_for(10).await;
+        vm.sh("touch /run/grp.stop");
+        wait_until(
+            "the guest's writer to stop",
+            Duration::from_secs(120),
+            || {
+                let l = vm.read(log);
+                l.contains("stopped") || l.contains("failed")
+            },
+        )
+        .await;
+        let writer = vm.read(log);
+        let kernel = vm.sh(KERNEL_LOG);
+        eprintln!("{test}: the writer: {writer}{test}: the kernel: {kernel}");
+        assert!(!writer.contains("failed"), "a write failed: {writer}");
+        // "error requesting lock: -16" is not among them: the kernel asked for the lock while
+        // librbd held it for the cut, was told EBUSY, and retries (its writes wait meanwhile).
+        for bad in [
+            "I/O error",
+            "result -",
+            "will not release",
+            "failed to acquire",
+            "blocklisted",
+        ] {
+            assert!(
+                !kernel.contains(bad),
+                "the kernel logged {bad:?} for its rbd devices: {kernel}"
+            );
+        }
+
+        // Every group restores, each member to a volume of its own, read on the host.
+        let image_file = w.sb.root.join("restored");
+        let mut restored = Vec::new();
+        for (n, g) in cut.iter().enumerate() {
+            let mut newest = Vec::new();
+            for (m, member) in g.snapshots.iter().enumerate() {
+                assert_eq!(member.source_volume_id, ids[m], "{g:?}");
+                let r = ctl
+                    .create_volume(csi::CreateVolumeRequest {
+                        name: format!("vmgrp{n}-{m}-{}", std::process::id()),
+                        capacity_range: Some(csi::CapacityRange {
+                            required_bytes: (256 * MIB) as i64,
+                            limit_bytes: 0,
+                        }),
+                        volume_capabilities: vec![block(Mode::SingleNodeWriter)],
+                        parameters: w.parameters(),
+                        secrets: w.secrets(),
+                        volume_content_source: Some(csi::VolumeContentSource {
+                            r#type: Some(csi::volume_content_source::Type::Snapshot(
+                                csi::volume_content_source::SnapshotSource {
+                                    snapshot_id: member.snapshot_id.clone(),
+                                },
+                            )),
+                        }),
+                        ..Default::default()
+                    })
+                    .await
+                    .expect("CreateVolume from a member")
+                    .into_inner()
+                    .volume
+                    .expect("a volume");
+                let image = VolumeId::parse(&r.volume_id)
+                    .expect("an rbd volume id")
+                    .image();
+                let _ = std::fs::remove_file(&image_file);
+                w.ceph
+                    .rbd(&[
+                        "export",
+                        "--no-progress",
+                        &image,
+                        &image_file.display().to_string(),
+                    ])
+                    .unwrap_or_else(|e| panic!("rbd export {image}: {e}"));
+                let data = std::fs::read(&image_file).expect("the exported image");
+                newest.push(newest_record(&data, &format!("group {n}, member {m}")));
+                restored.push(r.volume_id);
+            }
+            eprintln!(
+                "{test}: group {n}: newest record of A {}, of B {}",
+                newest[0], newest[1]
+            );
+            assert!(newest[0] > 0, "group {n}: nothing written yet");
+            assert!(
+                newest[1] == newest[0] || newest[1] + 1 == newest[0],
+                "group {n}: not one instant of the writer (A's newest record {}, B's {})",
+                newest[0],
+                newest[1]
+            );
+        }
+        let _ = std::fs::remove_file(&image_file);
+
+        for id in &restored {
+            ctl.delete_volume(csi::DeleteVolumeRequest {
+                volume_id: id.clone(),
+                secrets: w.secrets(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("DeleteVolume {id}: {e:?}"));
+        }
+        for g in &cut {
+            groups
+                .delete_volume_group_snapshot(csi::DeleteVolumeGroupSnapshotRequest {
+                    group_snapshot_id: g.group_snapshot_id.clone(),
+                    snapshot_ids: g.snapshots.iter().map(|s| s.snapshot_id.clone()).collect(),
+                    secrets: w.secrets(),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("DeleteVolumeGroupSnapshot: {e:?}"));
+        }
+        for v in &vols {
+            unmount(&lab, &mut node, v, 0).await;
+            detach(w, &mut ctl, v, 0).await;
+            delete(w, &mut ctl, v).await;
+        }
+        assert!(lab.mappings(0).is_empty(), "{:?}", lab.mappings(0));
+    });
+    lab.vms.clear();
+    eprintln!("{test}: whole test: {}", ms(started.elapsed()));
+}
