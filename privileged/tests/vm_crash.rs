@@ -52,7 +52,8 @@ const NODE: &str = "/run/bin/moor-node";
 /// `log-writes` device logging to `log` when given.
 fn devices(lab: &Lab, g: usize, image: &Path, log: Option<&Path>, vol_mib: u64) {
     let mut script = format!(
-        "set -e; modprobe loop; modprobe dm-log-writes; B=$(losetup -f --show {})\n",
+        "set -e; export DM_DISABLE_UDEV=1; modprobe loop; modprobe dm-log-writes; \
+         B=$(losetup -f --show {})\n",
         image.display()
     );
     let under = match log {
@@ -84,7 +85,7 @@ fn teardown(lab: &Lab, g: usize) {
         "sh",
         "-c",
         &format!(
-            "pkill -KILL -x moor-node; while pgrep -x moor-node >/dev/null; do sleep 0.1; done; \
+            "export DM_DISABLE_UDEV=1; pkill -KILL -x moor-node; while pgrep -x moor-node >/dev/null; do sleep 0.1; done; \
              for m in $(findmnt -rn -o TARGET | grep -E '^({kubelet}|/run/state)(/|$)' | sort -r); \
              do umount \"$m\"; done; \
              for d in lwvol lwstate lw; do \
@@ -429,8 +430,8 @@ fn check_states(lab: &Lab, g: usize, log: &Log, states: &[Point], marks: Marks) 
     // moor-node from the guest's memory: read from the host's shared files at every start,
     // its debug build costs seconds under TCG.
     // No udev in a checking guest: moor-node is given the device's path, and device-mapper
-    // makes its nodes itself without udev, which would probe every device each state makes and
-    // removes (seconds under TCG).
+    // makes its nodes itself (DM_DISABLE_UDEV) without udev, which would probe every device
+    // each state makes and removes (seconds under TCG).
     lab.vms[g].sh(&format!(
         "mkdir -p /run/bin && cp {} {NODE} && {{ udevadm control --exit || true; }}",
         moor_privileged::client::binary("moor-node").display()
