@@ -104,7 +104,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
     if journal.torn_tail() > 0 {
         info!(
             bytes = journal.torn_tail(),
-            "the journal ended in a line cut short (a crash or power cut during its write); dropped"
+            "the journal ended in bytes no record reads from (appends a crash or power cut cut short before they were synced); dropped"
         );
     }
     let journal = Arc::new(journal);

@@ -32,8 +32,20 @@ pub struct Lab {
 }
 
 impl Lab {
-    /// The lab with `nodes` guests at `<net>.<first_host + i>`, or None (the reason printed).
+    /// The lab with `nodes` guests at `<net>.<first_host + i>`, booted side by side, or None
+    /// (the reason printed).
     pub fn new(test: &str, nodes: usize, first_host: u8) -> Option<Self> {
+        Self::with_qemu_opts(test, nodes, first_host, |_, _| Vec::new())
+    }
+
+    /// [`new`](Self::new) with more QEMU arguments for guest `i`, `qemu_opts(i, world)` (disks
+    /// attached at boot, say), the guests booted side by side.
+    pub fn with_qemu_opts(
+        test: &str,
+        nodes: usize,
+        first_host: u8,
+        qemu_opts: impl Fn(usize, &World) -> Vec<String>,
+    ) -> Option<Self> {
         if !crate::vm::available(test) {
             return None;
         }
@@ -43,7 +55,7 @@ impl Lab {
             return None;
         };
         let world = World::new(test, ceph, nodes);
-        let options: Vec<VmOptions> = (0..nodes)
+        let opts: Vec<VmOptions> = (0..nodes)
             .map(|i| {
                 let n = &world.nodes[i];
                 VmOptions {
@@ -54,14 +66,11 @@ impl Lab {
                     dir: world.sb.root.join("vm"),
                     memory: "1G".into(),
                     hotplug: 2,
+                    qemu_opts: qemu_opts(i, &world),
                 }
             })
             .collect();
-        // The guests boot at once (a boot under TCG is most of a test's time).
-        let mut vms: Vec<Vm> = options.into_iter().map(Vm::launch).collect();
-        for vm in &mut vms {
-            vm.wait_booted();
-        }
+        let vms = Vm::boot_all(opts);
         let lab = Self { world, vms, net };
         for vm in &lab.vms {
             vm.sh("modprobe rbd && test -e /sys/bus/rbd/add_single_major");
@@ -86,73 +95,8 @@ impl Lab {
         state: &std::path::Path,
         log: &std::path::Path,
     ) -> NodeClient<Channel> {
-        self.start_node_as(i, i, program, env, state, log).await
-    }
-
-    /// [`start_node_at`](Self::start_node_at) in guest `g`, as node `i` (its name and kubelet
-    /// dir): another guest standing in for the node.
-    pub async fn start_node_as(
-        &self,
-        g: usize,
-        i: usize,
-        program: &str,
-        env: &[&str],
-        state: &std::path::Path,
-        log: &std::path::Path,
-    ) -> NodeClient<Channel> {
         let n = &self.world.nodes[i];
-        let vm = &self.vms[g];
-        let bin = crate::client::binary(program);
-        let mut argv: Vec<String> = vec!["env".into()];
-        argv.extend(env.iter().map(|s| (*s).to_string()));
-        argv.extend(
-            [
-                bin.display().to_string().as_str(),
-                "--endpoint",
-                &format!("unix://{SOCKET}"),
-                "--node-id",
-                &n.name,
-                "--state-dir",
-                &state.display().to_string(),
-                "--kubelet-dir",
-                &n.kubelet.display().to_string(),
-                "--rbd-attacher",
-                "kernel",
-                "--rbd-map-timeout",
-                "120",
-                "--instance-wait",
-                "0",
-                "--log-format",
-                "json",
-            ]
-            .map(str::to_string),
-        );
-        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-        let pid = vm.spawn(&argv, &log.display().to_string());
-        let log_text = || std::fs::read_to_string(log).unwrap_or_default();
-        let start = Instant::now();
-        loop {
-            if let Ok(ch) = vm.channel(SOCKET).await {
-                let mut node = NodeClient::new(ch);
-                if node.node_get_info(csi::NodeGetInfoRequest {}).await.is_ok() {
-                    return node;
-                }
-            }
-            let alive = vm.exec(&["kill", "-0", &pid.to_string()]).ok();
-            assert!(
-                alive,
-                "moor-node in guest {} exited before it answered: {}",
-                n.name,
-                log_text()
-            );
-            assert!(
-                start.elapsed() < Duration::from_secs(300),
-                "moor-node in guest {} did not answer NodeGetInfo within 300 s: {}",
-                n.name,
-                log_text()
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        start_node_in(&self.vms[i], &n.name, &n.kubelet, program, env, state, log).await
     }
 
     /// Kills node `i`'s moor-node (SIGKILL) and waits until it is gone.
@@ -185,10 +129,77 @@ impl Lab {
 
     /// How many times moor-node in guest `i` has formatted volume `vol`'s device, by its log.
     pub fn formats(&self, i: usize, vol: &str) -> usize {
-        self.log(i)
-            .lines()
-            .filter(|l| l.contains("formatted blank device") && l.contains(vol))
-            .count()
+        formats_in(&self.log(i), vol)
+    }
+}
+
+/// How many times moor-node formatted volume `vol`'s device, by its log `log`.
+pub fn formats_in(log: &str, vol: &str) -> usize {
+    log.lines()
+        .filter(|l| l.contains("formatted blank device") && l.contains(vol))
+        .count()
+}
+
+/// Starts moor-node (`program`, with `env`) in guest `vm` as node `node_id` with the kubelet
+/// dir `kubelet`, its state dir at `state` (a guest path) and its log appended to `log` (a
+/// host path the guest writes through a shared dir), and connects once it answers.
+pub async fn start_node_in(
+    vm: &Vm,
+    node_id: &str,
+    kubelet: &std::path::Path,
+    program: &str,
+    env: &[&str],
+    state: &std::path::Path,
+    log: &std::path::Path,
+) -> NodeClient<Channel> {
+    let bin = crate::client::binary(program);
+    let mut argv: Vec<String> = vec!["env".into()];
+    argv.extend(env.iter().map(|s| (*s).to_string()));
+    argv.extend(
+        [
+            bin.display().to_string().as_str(),
+            "--endpoint",
+            &format!("unix://{SOCKET}"),
+            "--node-id",
+            node_id,
+            "--state-dir",
+            &state.display().to_string(),
+            "--kubelet-dir",
+            &kubelet.display().to_string(),
+            "--rbd-attacher",
+            "kernel",
+            "--rbd-map-timeout",
+            "120",
+            "--instance-wait",
+            "0",
+            "--log-format",
+            "json",
+        ]
+        .map(str::to_string),
+    );
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let pid = vm.spawn(&argv, &log.display().to_string());
+    let log_text = || std::fs::read_to_string(log).unwrap_or_default();
+    let start = Instant::now();
+    loop {
+        if let Ok(ch) = vm.channel(SOCKET).await {
+            let mut node = NodeClient::new(ch);
+            if node.node_get_info(csi::NodeGetInfoRequest {}).await.is_ok() {
+                return node;
+            }
+        }
+        let alive = vm.exec(&["kill", "-0", &pid.to_string()]).ok();
+        assert!(
+            alive,
+            "moor-node in guest {node_id} exited before it answered: {}",
+            log_text()
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "moor-node in guest {node_id} did not answer NodeGetInfo within 300 s: {}",
+            log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

@@ -20,6 +20,8 @@ use tonic::transport::{Channel, Endpoint};
 pub const AGENT_PORT: u16 = 7000;
 /// How long a guest may take to boot and answer: TCG on a loaded two-core machine is slow.
 pub const BOOT_DEADLINE: Duration = Duration::from_secs(600);
+/// How long the agent may take to answer one request (a program it runs to its end).
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(900);
 
 /// The lab's script.
 pub fn script() -> PathBuf {
@@ -62,6 +64,8 @@ pub struct VmOptions {
     pub memory: String,
     /// Empty PCIe root ports (`hp0`...) for disks hot-plugged through QMP.
     pub hotplug: usize,
+    /// More QEMU arguments, each passed whole (`-drive`, `-device`: disks attached at boot).
+    pub qemu_opts: Vec<String>,
 }
 
 /// A running guest.
@@ -71,8 +75,6 @@ pub struct Vm {
     pub opts: VmOptions,
     child: Option<Child>,
     boots: u32,
-    /// When its QEMU was last started.
-    started: Instant,
 }
 
 /// What a program run in the guest did.
@@ -101,18 +103,24 @@ impl Vm {
         vm
     }
 
-    /// Starts a guest without waiting for it: [`wait_booted`](Self::wait_booted) does. Guests
-    /// launched one after another boot at once. (Launched from the thread that keeps it: the
-    /// guest is told to go when the thread that started it ends.)
-    pub fn launch(opts: VmOptions) -> Self {
+    /// Boots guests side by side (their QEMUs started at once, then each waited for): each
+    /// returned once its agent answers.
+    pub fn boot_all(opts: Vec<VmOptions>) -> Vec<Self> {
+        let mut vms: Vec<Self> = opts.into_iter().map(Self::launch).collect();
+        for vm in &mut vms {
+            vm.wait_booted();
+        }
+        vms
+    }
+
+    fn launch(opts: VmOptions) -> Self {
         std::fs::create_dir_all(&opts.dir).expect("the guest's dir");
         let mut vm = Self {
             opts,
             child: None,
             boots: 0,
-            started: Instant::now(),
         };
-        vm.spawn_guest();
+        vm.spawn_qemu();
         vm
     }
 
@@ -132,11 +140,13 @@ impl Vm {
     }
 
     fn start(&mut self) {
-        self.spawn_guest();
+        self.spawn_qemu();
         self.wait_booted();
     }
 
-    fn spawn_guest(&mut self) {
+    /// Starts the lab's script, which boots the guest. Its parent-death signal is this
+    /// thread's: the guest goes when the thread that booted it ends.
+    fn spawn_qemu(&mut self) {
         self.boots += 1;
         let agent = crate::client::binary("vm-agent");
         assert!(agent.exists(), "{} is not built", agent.display());
@@ -156,6 +166,9 @@ impl Vm {
         for d in &self.opts.rwdirs {
             cmd.arg("--rwdir").arg(d);
         }
+        for o in &self.opts.qemu_opts {
+            cmd.arg("--qemu-opt").arg(o);
+        }
         // If the test dies without dropping the guest (killed), the script is told, and its
         // trap takes QEMU with it.
         moor_runtime::sys::parent_death::die_with_parent(&mut cmd, rustix::process::Signal::TERM);
@@ -173,12 +186,11 @@ impl Vm {
             .spawn()
             .expect("spawn .ci/vm run");
         self.child = Some(child);
-        self.started = Instant::now();
     }
 
-    /// Waits until the agent of a launched guest answers.
-    pub fn wait_booted(&mut self) {
-        let start = self.started;
+    /// Waits until the agent of the guest [`spawn_qemu`](Self::spawn_qemu) started answers.
+    fn wait_booted(&mut self) {
+        let start = Instant::now();
         let booted = loop {
             if self.ping() {
                 break start.elapsed();
@@ -227,6 +239,8 @@ impl Vm {
             .parse()
             .map_err(std::io::Error::other)?;
         let mut conn = TcpStream::connect_timeout(&addr, connect_timeout)?;
+        // A guest that dies under a request never answers: fail then rather than hang.
+        conn.set_read_timeout(Some(REQUEST_DEADLINE))?;
         writeln!(conn, "{req}")?;
         let mut line = String::new();
         BufReader::new(conn).read_line(&mut line)?;
@@ -355,6 +369,9 @@ impl Vm {
         {
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
         }
+        // Its pid is no one's now: a later kill must not find it (and hit a process that
+        // reused it).
+        let _ = std::fs::remove_file(self.pidfile());
         if let Some(mut child) = self.child.take() {
             if let Some(pgid) = rustix::process::Pid::from_raw(child.id() as i32) {
                 let _ = rustix::process::kill_process_group(pgid, rustix::process::Signal::KILL);
@@ -379,5 +396,30 @@ impl Vm {
 impl Drop for Vm {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A small deterministic generator (xorshift) for the lab's seeded choices: a seed printed by
+/// a test replays its choices.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// The generator of `seed` (any value; 0 is made odd).
+    pub fn new(seed: u64) -> Self {
+        Self(seed | 1)
+    }
+
+    /// The next value.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A value in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
     }
 }

@@ -23,10 +23,11 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use moor_privileged::ceph::{block, publish};
-use moor_privileged::krbd_lab::Lab;
+use moor_privileged::krbd_lab::{Lab, start_node_in};
 use moor_privileged::logwrites::Log;
 use moor_privileged::requests::{cap, unpublish_req, unstage_req};
 use moor_privileged::runtime;
+use moor_privileged::vm::Rng;
 use moor_proto::csi::v1 as csi;
 use moor_runtime::contract::DEVICE_PATH_KEY;
 
@@ -150,18 +151,6 @@ fn fs_mib(lab: &Lab, g: usize) -> u64 {
     blocks * size / MIB
 }
 
-/// A small deterministic generator (the sample points and what is dropped at each).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 /// Where the life stood, by the log's marks.
 #[derive(Clone, Copy)]
 struct Marks {
@@ -228,10 +217,10 @@ fn every_state_a_power_cut_can_leave_keeps_what_the_pod_synced() {
          them (seed {seed}; MOOR_VM_CRASH_SEED replays it)",
         log.entries.len()
     );
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed);
     for _ in 0..samples {
-        let i = (rng.next() % end as u64) as usize;
-        points.push((i, rng.next() | 1));
+        let i = (rng.next_u64() % end as u64) as usize;
+        points.push((i, rng.next_u64() | 1));
     }
     points.sort();
     // A durable point with no write since the one before leaves the same device: counted
@@ -457,9 +446,9 @@ fn check_states(lab: &Lab, g: usize, log: &Log, states: &[Point], marks: Marks) 
                 .write(true)
                 .open(&work)
                 .expect("work");
-            let mut r = Rng(p.drop_seed);
+            let mut r = Rng::new(p.drop_seed);
             for e in &log.entries[durable..=p.point] {
-                if r.next().is_multiple_of(3) {
+                if r.next_u64().is_multiple_of(3) {
                     dropped += 1;
                 } else {
                     log.apply(e, &w).expect("replay");
@@ -494,9 +483,17 @@ async fn check_state(lab: &Lab, g: usize, image: &Path, p: Point, marks: Marks, 
     ));
     let t1 = Instant::now();
     let node_log = lab.world.nodes[g].state.join(format!("state-{}.log", p.n));
-    let mut node = lab
-        .start_node_as(g, 0, NODE, &[], Path::new("/run/state/moor"), &node_log)
-        .await;
+    let n = &lab.world.nodes[0];
+    let mut node = start_node_in(
+        &lab.vms[g],
+        &n.name,
+        &n.kubelet,
+        NODE,
+        &[],
+        Path::new("/run/state/moor"),
+        &node_log,
+    )
+    .await;
     let text = || std::fs::read_to_string(&node_log).unwrap_or_default();
     let t2 = Instant::now();
     // kubelet's retries of what it had asked: stage, publish, and (the volume's device is

@@ -303,26 +303,26 @@ pub struct Replay {
     pub problems: Vec<(usize, DecodeError)>,
     /// Lines read.
     pub lines: usize,
-    /// Bytes of an unterminated last line: an append cut short (a crash or power cut during
-    /// its write, or a write still in flight), which never returned to its caller. Not damage:
-    /// the log ends before it.
+    /// Bytes after the last readable line, none of which reads: appends cut short (a crash or
+    /// power cut before they were synced, or a write still in flight), which never returned
+    /// to their callers. Not damage: the log ends before them.
     pub torn_tail: usize,
 }
 
 /// Replays a log's bytes: each complete line is a record and the newest line of a volume wins.
-/// A damaged line is reported and skipped (the volume keeps its previous record); an
-/// unterminated last line is an append cut short, which the log ends before
-/// ([`Replay::torn_tail`]). Never panics.
+/// A damaged line is reported and skipped (the volume keeps its previous record). What follows
+/// the last readable line, when none of it reads (an unterminated line, or lines of zeros or of
+/// a torn page: what a crash or power cut leaves of appends that were never synced), is an
+/// append cut short, which the log ends before ([`Replay::torn_tail`]). Never panics.
 pub fn replay(bytes: &[u8]) -> Replay {
     let mut out = Replay::default();
     let mut rest = bytes;
+    // Where the last readable line ends, and how many lines were read up to it.
+    let (mut good_end, mut good_lines) = (0, 0);
     while !rest.is_empty() {
         let (line, next) = match rest.iter().position(|&b| b == b'\n') {
             Some(i) => rest.split_at(i + 1),
-            None => {
-                out.torn_tail = rest.len();
-                break;
-            }
+            None => break,
         };
         out.lines += 1;
         rest = next;
@@ -333,9 +333,17 @@ pub fn replay(bytes: &[u8]) -> Replay {
             Ok(r) => {
                 out.records.insert(r.volume_id.clone(), r);
             }
-            Err(e) => out.problems.push((out.lines, e)),
+            Err(e) => {
+                out.problems.push((out.lines, e));
+                continue;
+            }
         }
+        good_end = bytes.len() - rest.len();
+        good_lines = out.lines;
     }
+    out.problems.retain(|(line, _)| *line <= good_lines);
+    out.lines = good_lines;
+    out.torn_tail = bytes.len() - good_end;
     out
 }
 

@@ -127,6 +127,32 @@ fn replay_keeps_the_newest_line_and_skips_damage() {
 }
 
 #[test]
+fn unreadable_lines_after_the_last_readable_one_are_a_torn_tail() {
+    let a = sample();
+    let mut log = encode(&a);
+    let good = log.len();
+    // What a real ext4 left after a power cut: the file grown, its new page not written.
+    log.extend([0u8; 100]);
+    log.push(b'\n');
+    let mut torn_page = encode(&a);
+    torn_page[20..40].fill(0);
+    log.extend(&torn_page);
+    log.extend([0u8; 30]);
+    let r = replay(&log);
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    assert_eq!(r.lines, 1);
+    assert_eq!(r.torn_tail, log.len() - good);
+    assert_eq!(r.records.get("vol/1 ü"), Some(&a));
+    // A damaged line with a readable one after it is damage.
+    log.truncate(good);
+    log.extend(&torn_page);
+    log.extend(encode(&a));
+    let r = replay(&log);
+    assert_eq!(r.problems.len(), 1);
+    assert_eq!(r.torn_tail, 0);
+}
+
+#[test]
 fn a_log_ending_in_an_append_cut_short_opens_without_it_and_without_a_corrupt_copy() {
     let dir = temp_dir("torn");
     std::fs::create_dir_all(&dir).unwrap();
@@ -217,7 +243,9 @@ fn damaged_logs_are_set_aside_and_rebuilt() {
         j.put(&sample(), Durability::Process).unwrap();
     }
     let mut bytes = std::fs::read(dir.join(LOG_FILE)).unwrap();
+    let good = bytes.clone();
     bytes.extend_from_slice(b"moor-journal v1 12\n");
+    bytes.extend_from_slice(&good);
     std::fs::write(dir.join(LOG_FILE), &bytes).unwrap();
     let (j, problems) = Journal::open(&dir, false).unwrap();
     assert_eq!(problems.len(), 1);
@@ -228,7 +256,10 @@ fn damaged_logs_are_set_aside_and_rebuilt() {
     let (_, problems) = Journal::open(&dir, false).unwrap();
     assert!(problems.is_empty());
 
-    std::fs::write(dir.join(LOG_FILE), [0xffu8, 0, 17, b'\n', 3]).unwrap();
+    let mut garbage = vec![0xffu8, 0, 17, b'\n'];
+    garbage.extend(encode(&emptied(sample())));
+    garbage.push(3);
+    std::fs::write(dir.join(LOG_FILE), &garbage).unwrap();
     let (j, problems) = Journal::open(&dir, false).unwrap();
     assert_eq!(problems.len(), 1);
     assert_eq!(j.torn_tail(), 1);
