@@ -313,7 +313,8 @@ pub struct Replay {
 /// A damaged line is reported and skipped (the volume keeps its previous record). What follows
 /// the last readable line, when none of it reads (an unterminated line, or lines of zeros or of
 /// a torn page: what a crash or power cut leaves of appends that were never synced), is an
-/// append cut short, which the log ends before ([`Replay::torn_tail`]). Never panics.
+/// append cut short, which the log ends before ([`Replay::torn_tail`]). A log with no readable
+/// line at all is damage, but for an unterminated end. Never panics.
 pub fn replay(bytes: &[u8]) -> Replay {
     let mut out = Replay::default();
     let mut rest = bytes;
@@ -340,6 +341,11 @@ pub fn replay(bytes: &[u8]) -> Replay {
         }
         good_end = bytes.len() - rest.len();
         good_lines = out.lines;
+    }
+    if good_lines == 0 {
+        // Nothing reads: whole lines that do not are damage; only an unterminated end is torn.
+        out.torn_tail = rest.len();
+        return out;
     }
     out.problems.retain(|(line, _)| *line <= good_lines);
     out.lines = good_lines;
