@@ -585,22 +585,7 @@ fn a_group_create_of_volumes_in_use_cut_short_is_finished_by_its_retry() {
         let gname = name("cut-short-busy");
         let pool = env.pool();
         let reg = Registry::new(&pool);
-        let gsuffix = random_suffix().unwrap();
-        let member_suffixes = vec![random_suffix().unwrap(), random_suffix().unwrap()];
-        reg.name_group(&gname, &gsuffix).unwrap();
-        reg.put_group(
-            &gsuffix,
-            &GroupRecord {
-                version: 1,
-                name: gname.clone(),
-                state: GroupState::Creating,
-                volume_suffixes: vols.iter().map(|v| v.suffix.clone()).collect(),
-                snapshot_suffixes: member_suffixes.clone(),
-                created_secs: 0,
-                created_nanos: 0,
-            },
-        )
-        .unwrap();
+        let (gsuffix, member_suffixes) = creating_group(&reg, &gname, &vols);
         let gid = GroupId {
             location: vols[0].location.clone(),
             suffix: gsuffix.clone(),
@@ -680,22 +665,7 @@ fn a_group_create_cut_short_is_finished_by_its_retry() {
         let gname = name("cut-short");
         let pool = env.pool();
         let reg = Registry::new(&pool);
-        let gsuffix = random_suffix().unwrap();
-        let member_suffixes = vec![random_suffix().unwrap(), random_suffix().unwrap()];
-        reg.name_group(&gname, &gsuffix).unwrap();
-        reg.put_group(
-            &gsuffix,
-            &GroupRecord {
-                version: 1,
-                name: gname.clone(),
-                state: GroupState::Creating,
-                volume_suffixes: vols.iter().map(|v| v.suffix.clone()).collect(),
-                snapshot_suffixes: member_suffixes.clone(),
-                created_secs: 0,
-                created_nanos: 0,
-            },
-        )
-        .unwrap();
+        let (gsuffix, member_suffixes) = creating_group(&reg, &gname, &vols);
         cleanup.group(
             &GroupId {
                 location: vols[0].location.clone(),
@@ -959,4 +929,27 @@ fn rbd_group_cost() {
         cleanup.snapshot(&base);
         cleanup.snapshot(&target);
     });
+}
+
+/// Leaves the records of a group create cut short, as a controller killed in the middle of it
+/// does: the group named, its record `creating` with two member suffixes (returned with the
+/// group's).
+fn creating_group(reg: &Registry<'_>, gname: &str, vols: &[VolumeId]) -> (String, Vec<String>) {
+    let gsuffix = random_suffix().unwrap();
+    let member_suffixes = vec![random_suffix().unwrap(), random_suffix().unwrap()];
+    reg.name_group(gname, &gsuffix).unwrap();
+    reg.put_group(
+        &gsuffix,
+        &GroupRecord {
+            version: 1,
+            name: gname.to_string(),
+            state: GroupState::Creating,
+            volume_suffixes: vols.iter().map(|v| v.suffix.clone()).collect(),
+            snapshot_suffixes: member_suffixes.clone(),
+            created_secs: 0,
+            created_nanos: 0,
+        },
+    )
+    .unwrap();
+    (gsuffix, member_suffixes)
 }
