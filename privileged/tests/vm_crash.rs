@@ -320,12 +320,7 @@ async fn record(lab: &Lab, test: &str, base: &Path, log: &Path) {
 
     let target = lab.world.target(0, VOL);
     let staging = lab.world.staging(0, VOL);
-    node.node_unpublish_volume(unpublish_req(VOL, &target))
-        .await
-        .expect("unpublish");
-    node.node_unstage_volume(unstage_req(VOL, &staging))
-        .await
-        .expect("unstage");
+    unmount(&mut node, &target, &staging).await;
     node.node_stage_volume(stage_req(lab))
         .await
         .expect("stage again");
@@ -333,12 +328,7 @@ async fn record(lab: &Lab, test: &str, base: &Path, log: &Path) {
         .await
         .expect("publish again");
     assert_eq!(lab.vms[0].read(&file), SYNCED);
-    node.node_unpublish_volume(unpublish_req(VOL, &target))
-        .await
-        .expect("unpublish");
-    node.node_unstage_volume(unstage_req(VOL, &staging))
-        .await
-        .expect("unstage");
+    unmount(&mut node, &target, &staging).await;
     mark(lab, "end");
     drop(node);
     let text = std::fs::read_to_string(&node_log).unwrap_or_default();
@@ -349,6 +339,20 @@ async fn record(lab: &Lab, test: &str, base: &Path, log: &Path) {
     );
     teardown(lab, 0);
     lab.vms[0].sh("losetup -D; rm -f /run/others-*.img");
+}
+
+/// kubelet's unpublish and unstage of the volume.
+async fn unmount(
+    node: &mut csi::node_client::NodeClient<tonic::transport::Channel>,
+    target: &Path,
+    staging: &Path,
+) {
+    node.node_unpublish_volume(unpublish_req(VOL, target))
+        .await
+        .expect("unpublish");
+    node.node_unstage_volume(unstage_req(VOL, staging))
+        .await
+        .expect("unstage");
 }
 
 /// Stages, publishes, unpublishes and unstages block volumes on loop devices in guest 0
