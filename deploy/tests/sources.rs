@@ -131,10 +131,9 @@ fn containerfile_builds_both_binaries_with_the_pinned_toolchain() {
         })
         .collect();
     for m in members.split(',').map(|m| m.trim().trim_matches('"')) {
-        let want = if m == "." { "src" } else { m };
-        if !want.is_empty() {
+        if !m.is_empty() {
             assert!(
-                copied.contains(&want.to_owned()),
+                copied.contains(&m.to_owned()),
                 "member {m} is not copied: {copied:?}"
             );
         }

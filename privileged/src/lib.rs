@@ -10,17 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-pub mod bench;
-pub mod ceph;
 pub mod client;
-pub mod container;
-pub mod krbd_lab;
 pub mod kubelet_calls;
-pub mod logwrites;
 pub mod pathgrpc;
 pub mod requests;
-pub mod storm;
-pub mod vm;
 
 /// A test's private world.
 #[derive(Debug)]

@@ -259,7 +259,7 @@ fn stages_stuck_in_mkfs_leave_the_server_answering() {
         let mut stages = Vec::new();
         for (i, dev) in devs.iter().enumerate() {
             let mut node = NodeClient::new(connect(&socket).await.expect("connect"));
-            let req = moor_privileged::bench::stage_req(
+            let req = moor_privileged::requests::stage_req(
                 &format!("vol-{i}"),
                 dev,
                 &sb.staging(&format!("pv-{i}")),
@@ -332,7 +332,7 @@ fn a_second_moor_node_on_the_state_dir_waits_and_takes_over() {
     let staging = sb.staging("pv");
     let rt = moor_privileged::runtime();
     let mut first = rt.block_on(Daemon::start(&first_socket, &sb.node_args("node-a", &[])));
-    let stage = moor_privileged::bench::stage_req("vol-t", &dev, &staging, "ext4");
+    let stage = moor_privileged::requests::stage_req("vol-t", &dev, &staging, "ext4");
     rt.block_on(async {
         let mut node = NodeClient::new(connect(&first_socket).await.expect("connect"));
         node.node_stage_volume(stage.clone()).await.expect("stage");

@@ -1,0 +1,238 @@
+//! moor as kubelet calls it, against the reference driver and the true floor, all in one run
+//! (run as root: `cargo bench --bench kubelet`). Everything happens in a private mount
+//! namespace and is cleaned up, also when a bench panics.
+//!
+//! The client is a bare HTTP/2 one ([`PathClient`]), as kubelet's grpc-go sends the socket
+//! path as the `:authority`. "Kubelet-like" calls each dial a connection of their own and
+//! close it after, with NodeGetCapabilities first (on its own connection) before a stage, an
+//! unstage and a publish ([`Kubelet`]).
+//!
+//! Group `kubelet`:
+//! * `raw-dir`: mkdir + mount(MS_BIND) + umount2 + rmdir by syscall: the kernel's share of a
+//!   publish+unpublish, which the spec has the plugin do;
+//! * `null-open`, `null-fresh`: one NodeGetCapabilities on moor-node, on an open connection
+//!   and on a fresh one (dial, HTTP/2 set-up, the call, close);
+//! * `pair-open`: NodePublishVolume + NodeUnpublishVolume on one open connection;
+//! * `pair-kubelet`: the same pair as kubelet makes it (three fresh connections);
+//! * `stage-kubelet`: NodeStageVolume + NodeUnstageVolume of a formatted ext4 loop device as
+//!   kubelet makes them (four fresh connections);
+//! * `hostpath-null-fresh`, `hostpath-pair-kubelet`, `hostpath-stage-kubelet`: the same on
+//!   the reference driver, kubernetes-csi's `hostpathplugin` (skipped when it is absent).
+//!
+//! Group `kubelet-paired`, the ratios the targets are held to, each side run in turn:
+//! * `pair-open`: `pair-open` against the floor: `raw-dir` plus two `null-open` calls;
+//! * `hostpath-pair`: hostpathplugin's kubelet-like pair against moor's;
+//! * `hostpath-stage`: hostpathplugin's kubelet-like stage+unstage against moor's.
+
+use std::path::Path;
+use std::time::Duration;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use moor_bench::storm::hostpathplugin;
+use moor_bench::{
+    self, Budget, MIB, Node, mkfs, paired, publish_req, stage_req, timed, unpublish_req,
+    unstage_req,
+};
+use moor_privileged::kubelet_calls::{Kubelet, fresh_call, method};
+use moor_privileged::pathgrpc::PathClient;
+use moor_privileged::requests::cap;
+use moor_proto::csi::v1 as csi;
+
+/// A pair on one open connection.
+fn pair_open(
+    c: &mut PathClient,
+    pubr: &csi::NodePublishVolumeRequest,
+    unp: &csi::NodeUnpublishVolumeRequest,
+) {
+    c.unary::<_, csi::NodePublishVolumeResponse>(method::PUBLISH, pubr)
+        .expect("NodePublishVolume");
+    c.unary::<_, csi::NodeUnpublishVolumeResponse>(method::UNPUBLISH, unp)
+        .expect("NodeUnpublishVolume");
+}
+
+/// NodeGetCapabilities on an open connection.
+fn null_open(c: &mut PathClient) {
+    c.unary::<_, csi::NodeGetCapabilitiesResponse>(
+        method::CAPABILITIES,
+        &csi::NodeGetCapabilitiesRequest {},
+    )
+    .expect("NodeGetCapabilities");
+}
+
+/// A kubelet-like publish+unpublish.
+fn pair_kubelet(
+    k: &Kubelet,
+    pubr: &csi::NodePublishVolumeRequest,
+    unp: &csi::NodeUnpublishVolumeRequest,
+) {
+    k.publish(pubr).expect("publish");
+    k.unpublish(unp).expect("unpublish");
+}
+
+/// A kubelet-like stage+unstage.
+fn stage_kubelet(
+    k: &Kubelet,
+    st: &csi::NodeStageVolumeRequest,
+    un: &csi::NodeUnstageVolumeRequest,
+) {
+    k.stage(st).expect("stage");
+    k.unstage(un).expect("unstage");
+}
+
+/// The reference driver in the sandbox, with a volume of its own: its client, publish and
+/// stage requests.
+struct Hostpath {
+    _plugin: moor_bench::Plugin,
+    k: Kubelet,
+    publish: csi::NodePublishVolumeRequest,
+    unpublish: csi::NodeUnpublishVolumeRequest,
+    stage: csi::NodeStageVolumeRequest,
+    unstage: csi::NodeUnstageVolumeRequest,
+}
+
+fn hostpath(node: &Node, program: &Path) -> Hostpath {
+    let plugin = node.start_hostpath(program);
+    let socket = plugin.socket().to_path_buf();
+    let created: csi::CreateVolumeResponse = fresh_call(
+        &socket,
+        method::CREATE_VOLUME,
+        &csi::CreateVolumeRequest {
+            name: "bench-hostpath".into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: MIB as i64,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap("ext4")],
+            ..Default::default()
+        },
+    )
+    .expect("hostpathplugin CreateVolume");
+    let id = created.volume.expect("a volume").volume_id;
+    let staging = node.sb.staging("pv-hostpath");
+    std::fs::create_dir_all(&staging).expect("staging dir");
+    let target = node.sb.target("pod-hostpath", "pv-hostpath");
+    let k = Kubelet::new(&socket);
+    let stage = stage_req(&id, Path::new("/dev/null"), &staging, "ext4");
+    let unstage = unstage_req(&id, &staging);
+    k.stage(&stage).expect("hostpathplugin NodeStageVolume");
+    Hostpath {
+        _plugin: plugin,
+        publish: publish_req(&id, &staging, &target),
+        unpublish: unpublish_req(&id, &target),
+        stage,
+        unstage,
+        k,
+    }
+}
+
+fn kubelet(c: &mut Criterion) {
+    let mut node = Node::start("bench-kubelet");
+    node.sb.data_in_memory();
+    let (staging, target) = node.staged_volume("vol-k", 64 * MIB);
+    let socket = node.socket().to_path_buf();
+    let k = Kubelet::new(&socket);
+    let mut open = PathClient::dial(&socket).expect("dial moor-node");
+    let mut open_floor = PathClient::dial(&socket).expect("dial moor-node");
+    let pubr = publish_req("vol-k", &staging, &target);
+    let unp = unpublish_req("vol-k", &target);
+
+    // A formatted device for the stage pairs, staged and unstaged by each iteration.
+    let dev = node.sb.loop_device("vol-s.img", 64 * MIB);
+    mkfs("ext4", &dev).expect("mkfs");
+    let st_staging = node.sb.staging("vol-s");
+    let st = stage_req("vol-s", &dev, &st_staging, "ext4");
+    let un = unstage_req("vol-s", &st_staging);
+
+    let hp = hostpathplugin().map(|p| hostpath(&node, &p));
+
+    let raw_src = node.sb.root.join("raw-src");
+    std::fs::create_dir_all(&raw_src).expect("dir");
+    let raw_dir = node.sb.root.join("raw-dir");
+    let raw = || {
+        std::fs::create_dir(&raw_dir).expect("mkdir");
+        rustix::mount::mount_bind(raw_src.as_path(), raw_dir.as_path()).expect("bind");
+        rustix::mount::unmount(raw_dir.as_path(), rustix::mount::UnmountFlags::empty())
+            .expect("umount");
+        std::fs::remove_dir(&raw_dir).expect("rmdir");
+    };
+
+    let budget = Budget::new(50, Duration::from_secs(1), Duration::from_secs(4));
+    let mut g = c.benchmark_group("kubelet");
+    g.sample_size(budget.samples)
+        .warm_up_time(budget.warm_up)
+        .measurement_time(budget.measurement);
+    g.bench_function("raw-dir", |b| b.iter(raw));
+    g.bench_function("null-open", |b| b.iter(|| null_open(&mut open)));
+    g.bench_function("null-fresh", |b| {
+        b.iter(|| k.capabilities().expect("capabilities"))
+    });
+    g.bench_function("pair-open", |b| {
+        b.iter(|| pair_open(&mut open, &pubr, &unp))
+    });
+    g.bench_function("pair-kubelet", |b| b.iter(|| pair_kubelet(&k, &pubr, &unp)));
+    g.bench_function("stage-kubelet", |b| b.iter(|| stage_kubelet(&k, &st, &un)));
+    if let Some(hp) = &hp {
+        g.bench_function("hostpath-null-fresh", |b| {
+            b.iter(|| hp.k.capabilities().expect("capabilities"))
+        });
+        g.bench_function("hostpath-pair-kubelet", |b| {
+            b.iter(|| pair_kubelet(&hp.k, &hp.publish, &hp.unpublish))
+        });
+        g.bench_function("hostpath-stage-kubelet", |b| {
+            b.iter(|| stage_kubelet(&hp.k, &hp.stage, &hp.unstage))
+        });
+    }
+    g.finish();
+    if let Some(hp) = &hp {
+        // Its stage bench left the volume unstaged; it publishes only a staged one.
+        hp.k.stage(&hp.stage)
+            .expect("hostpathplugin NodeStageVolume");
+    }
+
+    let paired_budget = Budget::new(20, Duration::from_secs(1), Duration::from_secs(5));
+    let mut pc = moor_bench::paired_criterion();
+    let mut pg = moor_bench::flat_group(&mut pc, "kubelet-paired", paired_budget);
+    pg.bench_function("pair-open", |b| {
+        b.iter_custom(|iters| {
+            paired(
+                iters,
+                || {
+                    timed(|| {
+                        raw();
+                        null_open(&mut open_floor);
+                        null_open(&mut open_floor);
+                    })
+                },
+                || timed(|| pair_open(&mut open, &pubr, &unp)),
+            )
+        })
+    });
+    if let Some(hp) = &hp {
+        pg.bench_function("hostpath-pair", |b| {
+            b.iter_custom(|iters| {
+                paired(
+                    iters,
+                    || timed(|| pair_kubelet(&k, &pubr, &unp)),
+                    || timed(|| pair_kubelet(&hp.k, &hp.publish, &hp.unpublish)),
+                )
+            })
+        });
+        // Last: each round leaves the reference driver's volume unstaged.
+        pg.bench_function("hostpath-stage", |b| {
+            b.iter_custom(|iters| {
+                paired(
+                    iters,
+                    || timed(|| stage_kubelet(&k, &st, &un)),
+                    || timed(|| stage_kubelet(&hp.k, &hp.stage, &hp.unstage)),
+                )
+            })
+        });
+    }
+    pg.finish();
+    drop(open);
+    drop(open_floor);
+    node.unstage("vol-k", &staging);
+}
+
+criterion_group!(benches, kubelet);
+criterion_main!(benches);

@@ -1,0 +1,190 @@
+//! `bare-node`: the least a CSI node plugin that speaks gRPC can be, for the benches' floors.
+//!
+//!     bare-node --endpoint PATH
+//!
+//! It serves the CSI Node service on the Unix socket at PATH with tonic on a multi-thread
+//! runtime, from a worker, as moor-node does, and does nothing but the syscalls each call stands for:
+//! * NodeStageVolume: mount(2) of `publish_context["devicePath"]` on the staging path as the
+//!   capability's fs type (xfs with `nouuid`, as moor mounts it); first moor's mkfs command on
+//!   the device when `volume_context["mkfs"]` is `"true"`;
+//! * NodeUnstageVolume: umount2 of the staging path;
+//! * NodePublishVolume: mkdir of the target, then a bind mount of the staging path on it;
+//! * NodeUnpublishVolume: umount2 of the target, then rmdir;
+//! * NodeGetCapabilities: STAGE_UNSTAGE_VOLUME.
+//!
+//! It checks nothing, keeps no records and probes no device: never point it at data. SIGTERM
+//! stops it where it stands. The
+//! calls that block in the kernel run with the runtime told they block (`block_in_place`), so
+//! the server goes on reading its sockets meanwhile, which any plugin must; what it measures
+//! is therefore the gRPC, runtime and process wake-ups a plugin cannot leave out. Errors come
+//! back as INTERNAL with the failed step.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use moor_bench::{mkfs, mount_data};
+use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::DEVICE_PATH_KEY;
+use rustix::mount::{MountFlags, UnmountFlags};
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::{Request, Response, Status};
+
+#[derive(Debug)]
+struct Bare;
+
+type Answer<T> = Result<Response<T>, Status>;
+
+/// Runs `f`, which blocks in the kernel, with the runtime told so; its error as INTERNAL.
+fn blocking(f: impl FnOnce() -> Result<(), String>) -> Result<(), Status> {
+    tokio::task::block_in_place(f).map_err(Status::internal)
+}
+
+fn mount(dev: &str, dir: &str, fs: &str) -> Result<(), String> {
+    rustix::mount::mount(dev, dir, fs, MountFlags::empty(), mount_data(fs))
+        .map_err(|e| format!("mount {dev} on {dir}: {e}"))
+}
+
+fn unmount(dir: &str) -> Result<(), String> {
+    rustix::mount::unmount(dir, UnmountFlags::empty()).map_err(|e| format!("umount {dir}: {e}"))
+}
+
+/// The fs type of a mount capability ("" without one).
+fn fs_type(cap: Option<&csi::VolumeCapability>) -> String {
+    match cap.and_then(|c| c.access_type.as_ref()) {
+        Some(csi::volume_capability::AccessType::Mount(m)) => m.fs_type.clone(),
+        _ => String::new(),
+    }
+}
+
+#[tonic::async_trait]
+impl csi::node_server::Node for Bare {
+    async fn node_stage_volume(
+        &self,
+        request: Request<csi::NodeStageVolumeRequest>,
+    ) -> Answer<csi::NodeStageVolumeResponse> {
+        let r = request.into_inner();
+        let dev = r
+            .publish_context
+            .get(DEVICE_PATH_KEY)
+            .cloned()
+            .unwrap_or_default();
+        let fs = fs_type(r.volume_capability.as_ref());
+        let format = r.volume_context.get("mkfs").is_some_and(|v| v == "true");
+        blocking(|| {
+            if format {
+                mkfs(&fs, dev.as_ref())?;
+            }
+            mount(&dev, &r.staging_target_path, &fs)
+        })?;
+        Ok(Response::new(csi::NodeStageVolumeResponse {}))
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<csi::NodeUnstageVolumeRequest>,
+    ) -> Answer<csi::NodeUnstageVolumeResponse> {
+        let r = request.into_inner();
+        blocking(|| unmount(&r.staging_target_path))?;
+        Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<csi::NodePublishVolumeRequest>,
+    ) -> Answer<csi::NodePublishVolumeResponse> {
+        let r = request.into_inner();
+        let (source, target) = (r.staging_target_path.as_str(), r.target_path.as_str());
+        rustix::fs::mkdir(target, rustix::fs::Mode::from_raw_mode(0o750))
+            .map_err(|e| Status::internal(format!("mkdir {target}: {e}")))?;
+        rustix::mount::mount_bind(source, target)
+            .map_err(|e| Status::internal(format!("bind {source} on {target}: {e}")))?;
+        Ok(Response::new(csi::NodePublishVolumeResponse {}))
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<csi::NodeUnpublishVolumeRequest>,
+    ) -> Answer<csi::NodeUnpublishVolumeResponse> {
+        let target = request.into_inner().target_path;
+        unmount(&target).map_err(Status::internal)?;
+        rustix::fs::rmdir(target.as_str())
+            .map_err(|e| Status::internal(format!("rmdir {target}: {e}")))?;
+        Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        _: Request<csi::NodeGetVolumeStatsRequest>,
+    ) -> Answer<csi::NodeGetVolumeStatsResponse> {
+        Err(Status::unimplemented("bare-node"))
+    }
+
+    async fn node_expand_volume(
+        &self,
+        _: Request<csi::NodeExpandVolumeRequest>,
+    ) -> Answer<csi::NodeExpandVolumeResponse> {
+        Err(Status::unimplemented("bare-node"))
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _: Request<csi::NodeGetCapabilitiesRequest>,
+    ) -> Answer<csi::NodeGetCapabilitiesResponse> {
+        use csi::node_service_capability::{Rpc, Type, rpc::Type as RpcType};
+        Ok(Response::new(csi::NodeGetCapabilitiesResponse {
+            capabilities: vec![csi::NodeServiceCapability {
+                r#type: Some(Type::Rpc(Rpc {
+                    r#type: RpcType::StageUnstageVolume as i32,
+                })),
+            }],
+        }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _: Request<csi::NodeGetInfoRequest>,
+    ) -> Answer<csi::NodeGetInfoResponse> {
+        Err(Status::unimplemented("bare-node"))
+    }
+}
+
+fn main() -> ExitCode {
+    let mut args = std::env::args().skip(1);
+    let socket = match (args.next().as_deref(), args.next(), args.next()) {
+        (Some("--endpoint"), Some(path), None) => {
+            PathBuf::from(path.strip_prefix("unix://").unwrap_or(&path))
+        }
+        _ => {
+            eprintln!("usage: bare-node --endpoint PATH");
+            return ExitCode::from(2);
+        }
+    };
+    let served = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))
+        .and_then(|rt| {
+            // Served from a worker, as moor-node is: the accept and the connection it starts
+            // run on the same thread.
+            rt.block_on(async {
+                let listener = tokio::net::UnixListener::bind(&socket)
+                    .map_err(|e| format!("bind {}: {e}", socket.display()))?;
+                tokio::spawn(async move {
+                    tonic::transport::Server::builder()
+                        .add_service(csi::node_server::NodeServer::new(Bare))
+                        .serve_with_incoming(UnixListenerStream::new(listener))
+                        .await
+                        .map_err(|e| format!("serve: {e}"))
+                })
+                .await
+                .map_err(|e| format!("serve: {e}"))?
+            })
+        });
+    match served {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bare-node: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

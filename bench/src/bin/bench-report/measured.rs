@@ -1,0 +1,237 @@
+//! The rows of the measured benches (`storm`, `restart`, `tails`), made from their sizes: the
+//! results `moor_bench::storm` writes, under the ids the benches give them.
+
+use std::sync::OnceLock;
+
+use super::{Kind, Ratio, Row, Target};
+
+/// The benches that are measured runs, not criterion's: they take no filter.
+pub const BENCHES: [&str; 3] = ["storm", "restart", "tails"];
+
+/// A string that lives as long as the program (the rows are made once).
+fn leak(s: String) -> &'static str {
+    Box::leak(s.into_boxed_str())
+}
+
+fn row(
+    group: &'static str,
+    label: String,
+    id: String,
+    reference: Option<String>,
+    kind: Kind,
+    target: Target,
+    bench: &'static str,
+) -> Row {
+    Row {
+        group,
+        label: leak(label),
+        id: leak(id),
+        reference: reference.map(leak),
+        kind,
+        target,
+        bench,
+        ratio: Ratio::Medians,
+    }
+}
+
+/// The CSI name of a call's short name.
+fn rpc(call: &str) -> &'static str {
+    match call {
+        "stage" => "NodeStageVolume",
+        "publish" => "NodePublishVolume",
+        "unpublish" => "NodeUnpublishVolume",
+        "unstage" => "NodeUnstageVolume",
+        _ => "NodeGetCapabilities",
+    }
+}
+
+/// p50, p99 (against p50, held to `p99_target`) and max (against p50) of `call` in `prefix`.
+fn tail_rows(
+    out: &mut Vec<Row>,
+    group: &'static str,
+    bench: &'static str,
+    what: &str,
+    prefix: &str,
+    call: &str,
+    p99_target: Target,
+) {
+    let p50 = format!("{prefix}/{call}-p50");
+    out.push(row(
+        group,
+        format!("{what}: {} p50", rpc(call)),
+        p50.clone(),
+        None,
+        Kind::Time,
+        Target::Unset,
+        bench,
+    ));
+    out.push(row(
+        group,
+        format!("{what}: {} p99, against p50", rpc(call)),
+        format!("{prefix}/{call}-p99"),
+        Some(p50.clone()),
+        Kind::Time,
+        p99_target,
+        bench,
+    ));
+    out.push(row(
+        group,
+        format!("{what}: {} max, against p50", rpc(call)),
+        format!("{prefix}/{call}-max"),
+        Some(p50),
+        Kind::Time,
+        Target::Unset,
+        bench,
+    ));
+}
+
+fn storm_rows(out: &mut Vec<Row>) {
+    for n in [100u32, 500] {
+        for (storm, calls, held) in [
+            ("boot", ["stage", "publish"], true),
+            ("teardown", ["unpublish", "unstage"], false),
+        ] {
+            for c in [1, 8] {
+                let raw = format!("storm/raw-{storm}-{n}/c{c}");
+                let what = format!(
+                    "{storm} storm, {n} volumes, {c} client{}",
+                    if c == 1 { "" } else { "s" }
+                );
+                out.push(row(
+                    "B",
+                    format!("raw syscalls of a {what}"),
+                    raw.clone(),
+                    None,
+                    Kind::Time,
+                    Target::Unset,
+                    "storm",
+                ));
+                out.push(row(
+                    "B",
+                    format!("{what}: first call to last answer"),
+                    format!("storm/{storm}-{n}-c{c}/total"),
+                    Some(raw),
+                    Kind::Time,
+                    Target::Unset,
+                    "storm",
+                ));
+            }
+            out.push(row(
+                "B",
+                format!("{storm} storm, {n} volumes: throughput (volumes/s), 8 clients against 1"),
+                format!("storm/{storm}-{n}-c8/total"),
+                Some(format!("storm/{storm}-{n}-c1/total")),
+                Kind::Scaling(n, n),
+                if held {
+                    Target::AtLeast(1.5)
+                } else {
+                    Target::Unset
+                },
+                "storm",
+            ));
+            for c in [1, 8] {
+                for call in calls {
+                    let what = format!("{storm} {n}, {c} client{}", if c == 1 { "" } else { "s" });
+                    let target = if held {
+                        Target::AtMost(10.0)
+                    } else {
+                        Target::Unset
+                    };
+                    tail_rows(
+                        out,
+                        "B",
+                        "storm",
+                        &what,
+                        &format!("storm/{storm}-{n}-c{c}"),
+                        call,
+                        target,
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn restart_rows(out: &mut Vec<Row>) {
+    for n in [100u32, 1000] {
+        let null = format!("restart/null-{n}");
+        out.push(row(
+            "R",
+            format!(
+                "floor: {} NodeGetCapabilities on fresh connections, 8 clients",
+                4 * n
+            ),
+            null.clone(),
+            None,
+            Kind::Time,
+            Target::Unset,
+            "restart",
+        ));
+        out.push(row(
+            "R",
+            format!("re-drive of {n} staged and published volumes (NodeStage+NodePublish of each, kubelet-like), 8 clients"),
+            format!("restart/redrive-{n}/total"),
+            Some(null),
+            Kind::Time,
+            if n == 1000 { Target::Within(1e9) } else { Target::Unset },
+            "restart",
+        ));
+        for call in ["stage", "publish"] {
+            tail_rows(
+                out,
+                "R",
+                "restart",
+                &format!("re-drive {n}"),
+                &format!("restart/redrive-{n}"),
+                call,
+                Target::Unset,
+            );
+        }
+    }
+}
+
+fn tails_rows(out: &mut Vec<Row>) {
+    for c in [1, 8, 64] {
+        let clients = format!("{c} client{}", if c == 1 { "" } else { "s" });
+        for call in ["stage", "publish", "unpublish", "unstage"] {
+            for q in ["p50", "p99", "max"] {
+                out.push(row(
+                    "T",
+                    format!(
+                        "{}, {clients}: {q} (reference: its syscalls on {c} thread{})",
+                        rpc(call),
+                        if c == 1 { "" } else { "s" }
+                    ),
+                    format!("tails/moor-c{c}/{call}-{q}"),
+                    Some(format!("tails/raw-c{c}/{call}-{q}")),
+                    Kind::Time,
+                    Target::Unset,
+                    "tails",
+                ));
+            }
+        }
+        for q in ["p50", "p99", "max"] {
+            out.push(row(
+                "T",
+                format!("NodeGetCapabilities on a fresh connection, {clients}: {q} (reference: alone, `kubelet`'s median)"),
+                format!("tails/moor-c{c}/capabilities-{q}"),
+                Some("kubelet/null-fresh".into()),
+                Kind::Time,
+                Target::Unset,
+                "tails",
+            ));
+        }
+    }
+}
+
+/// Every measured bench's rows.
+pub fn rows() -> &'static [Row] {
+    static ROWS: OnceLock<Vec<Row>> = OnceLock::new();
+    ROWS.get_or_init(|| {
+        let mut out = Vec::new();
+        storm_rows(&mut out);
+        restart_rows(&mut out);
+        tails_rows(&mut out);
+        out
+    })
+}

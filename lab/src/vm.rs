@@ -1,0 +1,425 @@
+//! Guests of the VM lab (`.ci/vm`): a real Debian kernel under QEMU, driven from the test on
+//! the host through the guest's agent (`vm-agent`, over the guest's NIC on the Ceph test
+//! cluster's bridge) and QEMU's monitor (pause, resume, kill).
+//!
+//! A [`Vm`] is booted by [`Vm::boot`], which returns once its agent answers; it is killed, with
+//! its QEMU, when it drops, also when the test fails.
+
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::net::TcpStream;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
+use tonic::transport::{Channel, Endpoint};
+
+/// The port the agent listens on in the guest.
+pub const AGENT_PORT: u16 = 7000;
+/// How long a guest may take to boot and answer: TCG on a loaded two-core machine is slow.
+pub const BOOT_DEADLINE: Duration = Duration::from_secs(600);
+/// How long the agent may take to answer one request (a program it runs to its end).
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(900);
+
+/// The lab's script.
+pub fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../.ci/vm")
+}
+
+/// Whether the lab can boot a guest here; prints why `test` is skipped when not. The lab is
+/// set up by the test command (`.ci/vm setup`); a test never installs it.
+pub fn available(test: &str) -> bool {
+    match Command::new("bash").arg(script()).arg("check").output() {
+        Ok(o) if o.status.success() => true,
+        Ok(o) => {
+            eprintln!(
+                "{test}: skipped: the VM lab cannot run here: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+            false
+        }
+        Err(e) => {
+            eprintln!("{test}: skipped: the VM lab's script cannot run: {e}");
+            false
+        }
+    }
+}
+
+/// How a guest is booted.
+#[derive(Debug, Clone)]
+pub struct VmOptions {
+    /// Its hostname (and the name in its files).
+    pub name: String,
+    /// The bridge its NIC is on.
+    pub bridge: String,
+    /// Its address on that bridge (without the prefix; a /24).
+    pub ip: String,
+    /// Host dirs it may write, at the same paths.
+    pub rwdirs: Vec<PathBuf>,
+    /// Where its console log, monitor socket and pid file go.
+    pub dir: PathBuf,
+    /// Guest memory.
+    pub memory: String,
+    /// Empty PCIe root ports (`hp0`...) for disks hot-plugged through QMP.
+    pub hotplug: usize,
+    /// More QEMU arguments, each passed whole (`-drive`, `-device`: disks attached at boot).
+    pub qemu_opts: Vec<String>,
+}
+
+/// A running guest.
+#[derive(Debug)]
+pub struct Vm {
+    /// How it was booted.
+    pub opts: VmOptions,
+    child: Option<Child>,
+    boots: u32,
+}
+
+/// What a program run in the guest did.
+#[derive(Debug, Clone)]
+pub struct Output {
+    /// Its exit code (None: killed by a signal, or it could not start).
+    pub code: Option<i32>,
+    /// Its stdout.
+    pub stdout: String,
+    /// Its stderr.
+    pub stderr: String,
+}
+
+impl Output {
+    /// Whether it exited 0.
+    pub fn ok(&self) -> bool {
+        self.code == Some(0)
+    }
+}
+
+impl Vm {
+    /// Boots a guest running the agent and waits until the agent answers.
+    pub fn boot(opts: VmOptions) -> Self {
+        let mut vm = Self::launch(opts);
+        vm.wait_booted();
+        vm
+    }
+
+    /// Boots guests side by side (their QEMUs started at once, then each waited for): each
+    /// returned once its agent answers.
+    pub fn boot_all(opts: Vec<VmOptions>) -> Vec<Self> {
+        let mut vms: Vec<Self> = opts.into_iter().map(Self::launch).collect();
+        for vm in &mut vms {
+            vm.wait_booted();
+        }
+        vms
+    }
+
+    fn launch(opts: VmOptions) -> Self {
+        std::fs::create_dir_all(&opts.dir).expect("the guest's dir");
+        let mut vm = Self {
+            opts,
+            child: None,
+            boots: 0,
+        };
+        vm.spawn_qemu();
+        vm
+    }
+
+    fn console(&self) -> PathBuf {
+        self.opts
+            .dir
+            .join(format!("{}-console-{}.log", self.opts.name, self.boots))
+    }
+
+    /// The QEMU monitor's socket.
+    pub fn qmp_socket(&self) -> PathBuf {
+        self.opts.dir.join(format!("{}.qmp", self.opts.name))
+    }
+
+    fn pidfile(&self) -> PathBuf {
+        self.opts.dir.join(format!("{}.pid", self.opts.name))
+    }
+
+    fn start(&mut self) {
+        self.spawn_qemu();
+        self.wait_booted();
+    }
+
+    /// Starts the lab's script, which boots the guest. Its parent-death signal is this
+    /// thread's: the guest goes when the thread that booted it ends.
+    fn spawn_qemu(&mut self) {
+        self.boots += 1;
+        let agent = moor_privileged::client::binary("vm-agent");
+        assert!(agent.exists(), "{} is not built", agent.display());
+        let console = std::fs::File::create(self.console()).expect("console log");
+        let mut cmd = Command::new("bash");
+        cmd.arg(script())
+            .arg("run")
+            .args(["--name", &self.opts.name])
+            .args(["--net", &self.opts.bridge])
+            .args(["--ip", &format!("{}/24", self.opts.ip)])
+            .args(["--memory", &self.opts.memory])
+            .args(["--hotplug", &self.opts.hotplug.to_string()])
+            .arg("--qmp")
+            .arg(self.qmp_socket())
+            .arg("--pidfile")
+            .arg(self.pidfile());
+        for d in &self.opts.rwdirs {
+            cmd.arg("--rwdir").arg(d);
+        }
+        for o in &self.opts.qemu_opts {
+            cmd.arg("--qemu-opt").arg(o);
+        }
+        // If the test dies without dropping the guest (killed), the script is told, and its
+        // trap takes QEMU with it.
+        moor_runtime::sys::parent_death::die_with_parent(&mut cmd, rustix::process::Signal::TERM);
+        cmd.arg("--").arg(format!(
+            "exec {} --listen {}:{AGENT_PORT}",
+            agent.display(),
+            self.opts.ip
+        ));
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(console.try_clone().expect("console log"))
+            .stderr(console)
+            // Its own group: a kill of the group takes the script, virtme-ng and QEMU.
+            .process_group(0)
+            .spawn()
+            .expect("spawn .ci/vm run");
+        self.child = Some(child);
+    }
+
+    /// Waits until the agent of the guest [`spawn_qemu`](Self::spawn_qemu) started answers.
+    fn wait_booted(&mut self) {
+        let start = Instant::now();
+        let booted = loop {
+            if self.ping() {
+                break start.elapsed();
+            }
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
+                panic!(
+                    "guest {} ended ({status}) before its agent answered; its console:\n{}",
+                    self.opts.name,
+                    self.console_text()
+                );
+            }
+            assert!(
+                start.elapsed() < BOOT_DEADLINE,
+                "guest {}'s agent at {}:{AGENT_PORT} did not answer within {BOOT_DEADLINE:?} \
+                 of the boot; its console:\n{}",
+                self.opts.name,
+                self.opts.ip,
+                self.console_text()
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        };
+        eprintln!(
+            "guest {} (boot {}) answered {:.1} s after QEMU started",
+            self.opts.name,
+            self.boots,
+            booted.as_secs_f64()
+        );
+    }
+
+    /// The console's output so far.
+    pub fn console_text(&self) -> String {
+        std::fs::read_to_string(self.console()).unwrap_or_default()
+    }
+
+    fn ping(&self) -> bool {
+        self.request(&serde_json::json!({"op": "ping"}), Duration::from_secs(2))
+            .is_ok_and(|v| v["ok"] == true)
+    }
+
+    fn request(
+        &self,
+        req: &serde_json::Value,
+        connect_timeout: Duration,
+    ) -> std::io::Result<serde_json::Value> {
+        let addr = format!("{}:{AGENT_PORT}", self.opts.ip)
+            .parse()
+            .map_err(std::io::Error::other)?;
+        let mut conn = TcpStream::connect_timeout(&addr, connect_timeout)?;
+        // A guest that dies under a request never answers: fail then rather than hang.
+        conn.set_read_timeout(Some(REQUEST_DEADLINE))?;
+        writeln!(conn, "{req}")?;
+        let mut line = String::new();
+        BufReader::new(conn).read_line(&mut line)?;
+        serde_json::from_str(&line).map_err(std::io::Error::other)
+    }
+
+    /// Runs `argv` in the guest to its end.
+    pub fn exec(&self, argv: &[&str]) -> Output {
+        let v = self
+            .request(
+                &serde_json::json!({"op": "exec", "argv": argv}),
+                Duration::from_secs(30),
+            )
+            .unwrap_or_else(|e| panic!("exec {argv:?} in guest {}: {e}", self.opts.name));
+        Output {
+            code: v["code"].as_i64().map(|c| c as i32),
+            stdout: v["stdout"].as_str().unwrap_or_default().to_string(),
+            stderr: v["stderr"].as_str().unwrap_or_default().to_string(),
+        }
+    }
+
+    /// Runs a shell command line in the guest; its output, or a panic naming what failed.
+    pub fn sh(&self, line: &str) -> String {
+        let o = self.exec(&["sh", "-c", line]);
+        assert!(
+            o.ok(),
+            "in guest {}: `{line}` failed ({:?}): {}{}",
+            self.opts.name,
+            o.code,
+            o.stdout,
+            o.stderr
+        );
+        o.stdout
+    }
+
+    /// Starts `argv` in the guest's background, its output appended to `log` (a guest path).
+    pub fn spawn(&self, argv: &[&str], log: &str) -> u32 {
+        let v = self
+            .request(
+                &serde_json::json!({"op": "spawn", "argv": argv, "log": log}),
+                Duration::from_secs(30),
+            )
+            .unwrap_or_else(|e| panic!("spawn {argv:?} in guest {}: {e}", self.opts.name));
+        v["pid"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("spawn {argv:?} in guest {}: {v}", self.opts.name))
+            as u32
+    }
+
+    /// A gRPC channel to the Unix socket `socket` in the guest.
+    pub async fn channel(&self, socket: &str) -> Result<Channel, tonic::transport::Error> {
+        let addr = format!("{}:{AGENT_PORT}", self.opts.ip);
+        let socket = socket.to_string();
+        Endpoint::from_static("http://moor.invalid")
+            .connect_with_connector(tower::service_fn(move |_| {
+                let addr = addr.clone();
+                let socket = socket.clone();
+                async move {
+                    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+                    let req = serde_json::json!({"op": "connect", "socket": socket});
+                    conn.write_all(format!("{req}\n").as_bytes()).await?;
+                    // The answer's line, read a byte at a time: what follows is the socket's.
+                    let mut reader = tokio::io::BufReader::with_capacity(1, conn);
+                    let mut line = String::new();
+                    reader.read_line(&mut line).await?;
+                    if !line.contains("\"ok\":true") {
+                        return Err(std::io::Error::other(format!(
+                            "the agent did not connect to {socket}: {line}"
+                        )));
+                    }
+                    Ok::<_, std::io::Error>(TokioIo::new(reader.into_inner()))
+                }
+            }))
+            .await
+    }
+
+    /// Sends one QMP command (`{"execute": ...}`) to QEMU; its answer.
+    pub fn qmp(&self, command: serde_json::Value) -> serde_json::Value {
+        let mut conn = std::os::unix::net::UnixStream::connect(self.qmp_socket())
+            .unwrap_or_else(|e| panic!("QMP of guest {}: {e}", self.opts.name));
+        conn.set_read_timeout(Some(Duration::from_secs(120)))
+            .expect("QMP timeout");
+        let mut reader = BufReader::new(conn.try_clone().expect("QMP"));
+        let mut answer = |conn: &mut std::os::unix::net::UnixStream,
+                          msg: Option<&serde_json::Value>| {
+            if let Some(m) = msg {
+                writeln!(conn, "{m}").expect("QMP write");
+            }
+            loop {
+                let mut line = String::new();
+                reader.read_line(&mut line).expect("QMP read");
+                let v: serde_json::Value = serde_json::from_str(&line).expect("QMP json");
+                // Events come between; the greeting and answers are what is waited for.
+                if v.get("event").is_none() {
+                    return v;
+                }
+            }
+        };
+        answer(&mut conn, None);
+        answer(
+            &mut conn,
+            Some(&serde_json::json!({"execute": "qmp_capabilities"})),
+        );
+        answer(&mut conn, Some(&command))
+    }
+
+    /// Freezes the guest (QMP `stop`): a node that stopped answering, its state kept.
+    pub fn pause(&self) {
+        let a = self.qmp(serde_json::json!({"execute": "stop"}));
+        assert!(a.get("return").is_some(), "QMP stop: {a}");
+    }
+
+    /// Lets a paused guest run again (QMP `cont`).
+    pub fn resume(&self) {
+        let a = self.qmp(serde_json::json!({"execute": "cont"}));
+        assert!(a.get("return").is_some(), "QMP cont: {a}");
+    }
+
+    /// Cuts the guest off at once: its QEMU is SIGKILLed (a power cut, as far as the guest's
+    /// disks and the cluster can tell), and waited for.
+    pub fn kill(&mut self) {
+        if let Some(pid) = std::fs::read_to_string(self.pidfile())
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+            .and_then(rustix::process::Pid::from_raw)
+        {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+        // Its pid is no one's now: a later kill must not find it (and hit a process that
+        // reused it).
+        let _ = std::fs::remove_file(self.pidfile());
+        if let Some(mut child) = self.child.take() {
+            if let Some(pgid) = rustix::process::Pid::from_raw(child.id() as i32) {
+                let _ = rustix::process::kill_process_group(pgid, rustix::process::Signal::KILL);
+            }
+            let _ = child.wait();
+        }
+    }
+
+    /// Kills the guest and boots it again with the same options and files: a node's reboot.
+    pub fn reboot(&mut self) {
+        self.kill();
+        self.start();
+    }
+
+    /// Reads a guest file whole (through `cat`).
+    pub fn read(&self, path: &str) -> String {
+        let o = self.exec(&["cat", path]);
+        if o.ok() { o.stdout } else { String::new() }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A small deterministic generator (xorshift) for the lab's seeded choices: a seed printed by
+/// a test replays its choices.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// The generator of `seed` (any value; 0 is made odd).
+    pub fn new(seed: u64) -> Self {
+        Self(seed | 1)
+    }
+
+    /// The next value.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A value in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}

@@ -1,0 +1,278 @@
+//! The mount engine: the CSI Node semantics, over an [`Os`] and the [`Journal`].
+//!
+//! Every operation takes the volume's guard (a second call on the same volume gets ABORTED),
+//! writes its intent to the journal before it changes the mount table and confirms it after,
+//! and decides "is this mounted, and is it ours" by statx on the one path involved (mount
+//! root attribute and the kernel's unique mount id), never by reading the whole mount table.
+//!
+//! One operation to a file: `stage` (NodeStageVolume, NodeUnstageVolume), `publish`
+//! (NodePublishVolume, NodeUnpublishVolume), `stats` (NodeGetVolumeStats) and `expand`
+//! (NodeExpandVolume); `device` finds, holds and reads the volume's device, `format`
+//! makes and checks the filesystem of a stage, and `mapped` maps an RBD image before its
+//! stage and unmaps it after its unstage. Here is what they
+//! share: the engine, its settings, the journal record, unmounting.
+
+mod device;
+mod expand;
+mod format;
+mod mapped;
+mod publish;
+mod request;
+mod stage;
+mod stats;
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use crate::attach::Attacher;
+use crate::error::{Error, Result};
+use crate::journal::{Journal, VolumeRecord};
+use crate::superblock;
+use crate::sys::discovery::DEFAULT_DISCOVERY_DEADLINE;
+use crate::sys::{BufPool, MountPoint, MountState, Os};
+use crate::volume_lock::VolumeLocks;
+
+pub use format::FsckOutcome;
+pub use mapped::{STALL_BYTES, stalled};
+pub use request::{Access, Capability, Expand, Publish, Stage, Stats, Unpublish, Unstage};
+pub use stage::{GROW_MIN, StageReport};
+pub use stats::{Condition, VolumeStats};
+
+/// How many stacked mounts an unmount peels off before giving up.
+const MAX_STACKED: usize = 16;
+/// Retries of an unmount that fails with EBUSY (2 ms doubling: about half a second in all).
+const UNMOUNT_BUSY_RETRIES: u32 = 8;
+/// The access mode of a record adopted from the mount table (the journal had lost it): the
+/// next request's capability is taken as the volume's.
+pub const ADOPTED_MODE: i32 = 0;
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The kubelet dir; every path lies below it.
+    pub kubelet_dir: PathBuf,
+    /// Most volumes staged at once (0: no limit).
+    pub max_volumes: u64,
+    /// Deadline for mkfs.
+    pub mkfs_deadline: Duration,
+    /// Deadline for resize tools.
+    pub resize_deadline: Duration,
+    /// How long NodeStageVolume waits for the volume's device to appear.
+    pub discovery_deadline: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kubelet_dir: PathBuf::from("/var/lib/kubelet"),
+            max_volumes: 0,
+            mkfs_deadline: Duration::from_secs(600),
+            resize_deadline: Duration::from_secs(600),
+            discovery_deadline: DEFAULT_DISCOVERY_DEADLINE,
+        }
+    }
+}
+
+/// The node engine.
+#[derive(Debug)]
+pub struct Engine<O: Os> {
+    os: Arc<O>,
+    journal: Arc<Journal>,
+    locks: VolumeLocks,
+    cfg: EngineConfig,
+    /// The buffer a device probe reads its windows into, kept between probes.
+    probe_bufs: BufPool,
+    /// What maps RBD images, when the node has one (`mapped`).
+    attacher: Option<Arc<dyn Attacher>>,
+    /// Mount points whose unmount ran past its deadline and is still blocked in the kernel.
+    unmounting: Arc<Mutex<HashSet<PathBuf>>>,
+}
+
+impl<O: Os> Engine<O> {
+    /// Builds an engine.
+    pub fn new(os: Arc<O>, journal: Arc<Journal>, cfg: EngineConfig) -> Self {
+        Self {
+            os,
+            journal,
+            locks: VolumeLocks::default(),
+            cfg,
+            probe_bufs: BufPool::new(superblock::HEAD_LEN + superblock::TAIL_LEN, 1),
+            attacher: None,
+            unmounting: Arc::default(),
+        }
+    }
+
+    /// The engine, mapping RBD images with `attacher`.
+    #[must_use]
+    pub fn with_attacher(mut self, attacher: Option<Arc<dyn Attacher>>) -> Self {
+        self.attacher = attacher;
+        self
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The OS layer.
+    pub fn os(&self) -> &Arc<O> {
+        &self.os
+    }
+
+    /// The journal.
+    pub fn journal(&self) -> &Arc<Journal> {
+        &self.journal
+    }
+
+    /// The per-volume guards.
+    pub fn locks(&self) -> &VolumeLocks {
+        &self.locks
+    }
+
+    fn record(&self, volume_id: &str) -> VolumeRecord {
+        self.journal
+            .get(volume_id)
+            .unwrap_or_else(|| VolumeRecord::new(volume_id))
+    }
+
+    /// Unmounts everything stacked on `path` that `is_ours` accepts, and a corrupted mount.
+    pub(crate) fn unmount_all(
+        &self,
+        path: &Path,
+        is_ours: impl Fn(&MountPoint) -> bool,
+    ) -> Result<()> {
+        self.unmount_all_within(path, is_ours, None)
+    }
+
+    /// [`unmount_all`](Self::unmount_all), each unmount within `deadline` when one is given
+    /// (a filesystem on a network device, whose unmount writes back and waits for its
+    /// cluster: see [`unmount_within`](Self::unmount_within)).
+    pub(crate) fn unmount_all_within(
+        &self,
+        path: &Path,
+        is_ours: impl Fn(&MountPoint) -> bool,
+        deadline: Option<Duration>,
+    ) -> Result<()> {
+        if self
+            .unmounting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(path)
+        {
+            return Err(Error::OperationPending(format!(
+                "an earlier unmount of {} is still running: the filesystem is writing back to \
+                 a device that does not answer; retry later",
+                path.display()
+            )));
+        }
+        for _ in 0..MAX_STACKED {
+            match self.os.mount_state(path)? {
+                MountState::Mounted(mp) if is_ours(&mp) => match deadline {
+                    Some(d) => self.unmount_within(path, d)?,
+                    None => self.unmount_busy_retry(path)?,
+                },
+                MountState::Corrupted { .. } => self.os.unmount(path, true)?,
+                MountState::Mounted(_) | MountState::Absent | MountState::NotMounted { .. } => {
+                    return Ok(());
+                }
+            }
+        }
+        Err(Error::FailedPrecondition(format!(
+            "{} still has mounts after {MAX_STACKED} unmounts",
+            path.display()
+        )))
+    }
+
+    /// Unmounts `path`, retrying a short while on EBUSY: a tool this daemon just forked for
+    /// another volume briefly holds copies of its descriptors, which pin the mount until it
+    /// execs. A mount that stays busy (a process really uses it) fails with the error.
+    fn unmount_busy_retry(&self, path: &Path) -> Result<()> {
+        unmount_busy_retry(self.os.as_ref(), path).map_err(Error::from)
+    }
+
+    /// Unmounts `path` (as [`unmount_busy_retry`](Self::unmount_busy_retry)) on a thread of
+    /// its own, and answers by `deadline`: an unmount writes the filesystem's dirty data back
+    /// first, and on a network device whose cluster does not answer that waits as long as
+    /// the cluster is away (the kernel's RBD client retries forever without
+    /// `osd_request_timeout`). Past the deadline the call is DEADLINE_EXCEEDED and the unmount
+    /// goes on; until it ends, every unmount of the path is ABORTED (kubelet retries), and
+    /// once it has, a retry finds the path unmounted and finishes. Nothing is forced: what
+    /// the filesystem holds reaches the device when the cluster is back.
+    fn unmount_within(&self, path: &Path, deadline: Duration) -> Result<()> {
+        let key = path.to_path_buf();
+        if !self
+            .unmounting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key.clone())
+        {
+            return Err(Error::OperationPending(format!(
+                "an earlier unmount of {} is still running; retry later",
+                path.display()
+            )));
+        }
+        let (tx, rx) = mpsc::channel();
+        let os = Arc::clone(&self.os);
+        let unmounting = Arc::clone(&self.unmounting);
+        let spawned = std::thread::Builder::new()
+            .name("moor-unmount".into())
+            .spawn(move || {
+                let outcome = unmount_busy_retry(os.as_ref(), &key);
+                unmounting
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&key);
+                let _ = tx.send(outcome);
+            });
+        if let Err(e) = spawned {
+            self.unmounting
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(path);
+            return Err(Error::Unavailable(format!(
+                "cannot start the unmount of {}: {e}",
+                path.display()
+            )));
+        }
+        match rx.recv_timeout(deadline) {
+            Ok(outcome) => outcome.map_err(Error::from),
+            Err(RecvTimeoutError::Timeout) => Err(Error::UnmountTimeout {
+                path: path.to_path_buf(),
+                deadline,
+            }),
+            Err(RecvTimeoutError::Disconnected) => Err(Error::Unavailable(format!(
+                "the unmount of {} ended without an answer",
+                path.display()
+            ))),
+        }
+    }
+
+    /// Whether the journal has a volume other than `volume_id` staged or published at `path`.
+    /// Without a record of its own at a path, a volume's call is taken at the CO's word (the
+    /// journal may be new); this keeps that word from reaching another volume's mounts.
+    fn held_by_another(&self, volume_id: &str, path: &Path) -> bool {
+        self.journal.all().iter().any(|r| {
+            r.volume_id != volume_id
+                && (r.stage.as_ref().is_some_and(|s| s.path == path)
+                    || r.publishes.contains_key(path))
+        })
+    }
+}
+
+/// umount2 of `path`, retried a short while on EBUSY (see `Engine::unmount_busy_retry`).
+fn unmount_busy_retry<O: Os>(os: &O, path: &Path) -> crate::sys::SysResult<()> {
+    let mut pause = Duration::from_millis(2);
+    for attempt in 0.. {
+        match os.unmount(path, false) {
+            Err(e) if e.errno() == Some(libc::EBUSY) && attempt < UNMOUNT_BUSY_RETRIES => {
+                std::thread::sleep(pause);
+                pause *= 2;
+            }
+            other => return other,
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,303 @@
+//! NodePublishVolume and NodeUnpublishVolume.
+
+use std::path::PathBuf;
+
+use moor_proto::csi::v1::volume_capability::access_mode::Mode;
+use tracing::warn;
+
+use super::{ADOPTED_MODE, Access, Engine, Publish, Unpublish};
+use crate::crash_points;
+use crate::error::{Error, Result};
+use crate::fsgroup;
+use crate::journal::{AccessRecord, Durability, Phase, PublishRecord, StageRecord, VolumeRecord};
+use crate::selinux;
+use crate::sys::{BindMount, MountAttrs, MountPoint, MountState, Os};
+
+/// Where a publication's bind mount comes from: the staging mount, or for a block volume the
+/// device node.
+struct Source {
+    path: PathBuf,
+    /// The device number that recognises it on the target: the staging mount's, or the
+    /// device's.
+    dev: (u32, u32),
+    block: bool,
+}
+
+impl Source {
+    /// Whether `mp` is a bind of this source.
+    fn is_bound_at(&self, mp: &MountPoint) -> bool {
+        if self.block {
+            mp.rdev == Some(self.dev)
+        } else {
+            mp.dev == self.dev && mp.is_dir
+        }
+    }
+}
+
+/// The volume's stage, which must be done, at the request's staging path, and of the same
+/// access type.
+fn staged_for_publish(record: &VolumeRecord, req: &Publish) -> Result<StageRecord> {
+    let Some(stage) = record.stage.clone().filter(|s| s.phase == Phase::Done) else {
+        return Err(Error::FailedPrecondition(format!(
+            "volume {:?} is not staged on this node; NodeStageVolume must succeed first",
+            req.volume_id
+        )));
+    };
+    if stage.path != req.staging {
+        return Err(Error::FailedPrecondition(format!(
+            "volume {:?} is staged at {}, not {}",
+            req.volume_id,
+            stage.path.display(),
+            req.staging.display()
+        )));
+    }
+    let block = req.cap.access.is_block();
+    if block != matches!(stage.access, AccessRecord::Block) {
+        return Err(Error::FailedPrecondition(format!(
+            "volume {:?} was staged as a {} volume",
+            req.volume_id,
+            if block { "filesystem" } else { "block" }
+        )));
+    }
+    Ok(stage)
+}
+
+/// The per-mount attributes of the publication: read-only when asked, for a reader-only mode,
+/// or over a read-only stage.
+fn publish_attrs(req: &Publish, stage: &StageRecord) -> MountAttrs {
+    let mut attrs = match &req.cap.access {
+        Access::Mount { options, .. } => options.attrs,
+        Access::Block { .. } => MountAttrs::default(),
+    };
+    attrs.read_only |= req.readonly || req.cap.is_reader_only() || stage.attrs.read_only;
+    attrs
+}
+
+/// The publication `wanted` against the volume's others: the access mode's table, and the
+/// arguments of an earlier publication at the same target.
+fn check_publications(record: &VolumeRecord, req: &Publish, wanted: &PublishRecord) -> Result<()> {
+    // The spec's table: SINGLE_NODE_WRITER is published once read-write (read-only
+    // publications beside it are fine); SINGLE_NODE_SINGLE_WRITER and
+    // SINGLE_NODE_READER_ONLY once; the multi-writer and multi-node modes any number of
+    // times.
+    let conflicting = |p: &PublishRecord| match req.cap.mode {
+        Mode::SingleNodeWriter => !wanted.attrs.read_only && !p.attrs.read_only,
+        Mode::SingleNodeSingleWriter | Mode::SingleNodeReaderOnly => true,
+        _ => false,
+    };
+    if let Some((other, _)) = record
+        .publishes
+        .iter()
+        .find(|(t, p)| **t != req.target && conflicting(p))
+    {
+        return Err(Error::FailedPrecondition(format!(
+            "volume {:?} is already published at {} and its access mode {} allows one {}target",
+            req.volume_id,
+            other.display(),
+            req.cap.mode.as_str_name(),
+            if req.cap.mode == Mode::SingleNodeWriter {
+                "read-write "
+            } else {
+                ""
+            }
+        )));
+    }
+    if let Some(existing) = record.publishes.get(&req.target)
+        && existing.access_mode != ADOPTED_MODE
+        && (existing.block != wanted.block
+            || existing.attrs != wanted.attrs
+            || existing.access_mode != wanted.access_mode)
+    {
+        return Err(Error::Incompatible {
+            volume: req.volume_id.clone(),
+            what: "published",
+            reason: format!(
+                "{} was published with other arguments",
+                req.target.display()
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl<O: Os> Engine<O> {
+    /// NodePublishVolume: a bind mount of the staged volume on the target, as the access mode
+    /// allows.
+    pub fn publish(&self, req: &Publish) -> Result<()> {
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let mut record = self.record(&req.volume_id);
+        let stage = staged_for_publish(&record, req)?;
+        selinux::require_support(&*self.os, &req.cap.access)?;
+        let here = record.publishes.contains_key(&req.target);
+        selinux::check_publish(&req.volume_id, &req.cap.access, &stage, here)?;
+        let wanted = PublishRecord {
+            block: req.cap.access.is_block(),
+            attrs: publish_attrs(req, &stage),
+            access_mode: req.cap.mode as i32,
+            phase: Phase::Done,
+        };
+        let source = self.bind_source(req, &stage)?;
+        check_publications(&record, req, &wanted)?;
+        if self.prepare_target(req, &source, wanted.attrs.read_only)? {
+            // A retry, or a crash after the bind: the same mount is there. The journal is
+            // written only if its record says otherwise (a crash before the confirmation, an
+            // adopted record): a retry that finds it all done (kubelet re-drives every
+            // publication when it restarts) changes nothing, on the node or on disk.
+            if record.publishes.get(&req.target) != Some(&wanted) {
+                record.publishes.insert(req.target.clone(), wanted);
+                self.journal.put(&record, Durability::Process)?;
+            }
+            return Ok(());
+        }
+        if let Access::Mount {
+            group: Some(gid), ..
+        } = &req.cap.access
+            && !wanted.attrs.read_only
+        {
+            fsgroup::apply(self, &req.volume_id, &stage.path, *gid)?;
+        }
+        self.bind_target(&mut record, req, source.path, wanted)
+    }
+
+    /// Where the bind comes from, and how to recognise it on the target.
+    fn bind_source(&self, req: &Publish, stage: &StageRecord) -> Result<Source> {
+        if req.cap.access.is_block() {
+            let dev = self.open_device(&req.volume_id, &stage.device)?;
+            if dev.rdev != stage.rdev {
+                return Err(Error::FailedPrecondition(format!(
+                    "device {} is no longer the one staged for volume {:?}",
+                    stage.device.display(),
+                    req.volume_id
+                )));
+            }
+            return Ok(Source {
+                path: stage.device.clone(),
+                dev: dev.rdev,
+                block: true,
+            });
+        }
+        match self.os.mount_state(&stage.path)? {
+            MountState::Mounted(mp) => Ok(Source {
+                path: stage.path.clone(),
+                dev: mp.dev,
+                block: false,
+            }),
+            other => Err(Error::FailedPrecondition(format!(
+                "volume {:?} is not mounted at its staging path {} ({other:?}); stage it again",
+                req.volume_id,
+                stage.path.display()
+            ))),
+        }
+    }
+
+    /// Readies the target: a file for a block volume, a directory otherwise; a corrupted mount
+    /// on it is detached. Whether the bind of `source` with the same read-only setting is
+    /// there already; any other mount is refused.
+    fn prepare_target(&self, req: &Publish, source: &Source, read_only: bool) -> Result<bool> {
+        let block = source.block;
+        match self.os.mount_state(&req.target)? {
+            MountState::Mounted(mp) => {
+                if source.is_bound_at(&mp) && mp.read_only == read_only {
+                    return Ok(true);
+                }
+                return Err(Error::Incompatible {
+                    volume: req.volume_id.clone(),
+                    what: "published",
+                    reason: format!(
+                        "{} is already a mount {}",
+                        req.target.display(),
+                        if source.is_bound_at(&mp) {
+                            "with another read-only setting"
+                        } else {
+                            "of something else"
+                        }
+                    ),
+                });
+            }
+            MountState::Corrupted { .. } => self.os.unmount(&req.target, true)?,
+            MountState::Absent => {
+                if block {
+                    self.os.make_file(&req.target)?;
+                } else {
+                    self.os.make_dir(&req.target)?;
+                }
+            }
+            MountState::NotMounted { is_dir } if is_dir == block => {
+                return Err(Error::FailedPrecondition(format!(
+                    "target_path {} exists and is not a {}",
+                    req.target.display(),
+                    if block { "file" } else { "directory" }
+                )));
+            }
+            MountState::NotMounted { .. } => {}
+        }
+        Ok(false)
+    }
+
+    /// Binds `source` on the target, journaled before and after; a failed bind removes the
+    /// target and its record.
+    fn bind_target(
+        &self,
+        record: &mut VolumeRecord,
+        req: &Publish,
+        source: PathBuf,
+        wanted: PublishRecord,
+    ) -> Result<()> {
+        record.publishes.insert(
+            req.target.clone(),
+            PublishRecord {
+                phase: Phase::InProgress,
+                ..wanted.clone()
+            },
+        );
+        self.journal.put(record, Durability::Process)?;
+        crash_points::point("publish.binding");
+        if let Err(e) = self.os.bind(&BindMount {
+            source,
+            target: req.target.clone(),
+            attrs: wanted.attrs,
+        }) {
+            record.publishes.remove(&req.target);
+            let _ = self.os.remove(&req.target);
+            self.journal.put(record, Durability::Process)?;
+            return Err(e.into());
+        }
+        crash_points::point("publish.bound");
+        record.publishes.insert(req.target.clone(), wanted);
+        self.journal.put(record, Durability::Process)?;
+        crash_points::point("publish.done");
+        Ok(())
+    }
+
+    /// NodeUnpublishVolume.
+    pub fn unpublish(&self, req: &Unpublish) -> Result<()> {
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let mut record = self.record(&req.volume_id);
+        let known = record.publishes.contains_key(&req.target);
+        if !known && self.held_by_another(&req.volume_id, &req.target) {
+            warn!(
+                volume = req.volume_id,
+                path = %req.target.display(),
+                "unpublish of another volume's path: nothing to do"
+            );
+            return Ok(());
+        }
+        if known {
+            if let Some(p) = record.publishes.get_mut(&req.target) {
+                p.phase = Phase::InProgress;
+            }
+            self.journal.put(&record, Durability::Process)?;
+        }
+        crash_points::point("unpublish.unmounting");
+        self.unmount_all(&req.target, |_| true)?;
+        crash_points::point("unpublish.unmounted");
+        self.os.remove(&req.target)?;
+        crash_points::point("unpublish.removed");
+        if known {
+            record.publishes.remove(&req.target);
+            self.journal.put(&record, Durability::Process)?;
+        }
+        crash_points::point("unpublish.done");
+        Ok(())
+    }
+}

@@ -1,0 +1,140 @@
+//! What the engine's operations take: the Node RPCs' requests, checked. `validate` makes them
+//! from the CSI messages (and refuses what is not valid); the engine trusts them as they are.
+
+use std::path::PathBuf;
+
+use csi::volume_capability::access_mode::Mode;
+use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::Filesystem;
+
+use crate::mount_options::MountOptions;
+use crate::sys::MountAttrs;
+use crate::sys::discovery::DeviceIdentity;
+
+/// How the volume is accessed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Access {
+    /// A filesystem mount.
+    Mount {
+        /// The filesystem.
+        fs: Filesystem,
+        /// Parsed mount flags.
+        options: MountOptions,
+        /// volume_mount_group as a gid.
+        group: Option<u32>,
+    },
+    /// A raw block device.
+    Block {
+        /// Per-mount flags for the device node bind mount.
+        attrs: MountAttrs,
+    },
+}
+
+impl Access {
+    /// Whether this is a block volume.
+    pub fn is_block(&self) -> bool {
+        matches!(self, Access::Block { .. })
+    }
+
+    /// Per-mount attributes asked for.
+    pub fn attrs(&self) -> MountAttrs {
+        match self {
+            Access::Mount { options, .. } => options.attrs,
+            Access::Block { attrs } => *attrs,
+        }
+    }
+}
+
+/// A volume capability.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capability {
+    /// Access type.
+    pub access: Access,
+    /// Access mode (the CSI enum value).
+    pub mode: Mode,
+}
+
+impl Capability {
+    /// Whether the mode only allows reading.
+    pub fn is_reader_only(&self) -> bool {
+        matches!(
+            self.mode,
+            Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly
+        )
+    }
+}
+
+/// NodeStageVolume, checked.
+#[derive(Debug, Clone)]
+pub struct Stage {
+    /// Volume id.
+    pub volume_id: String,
+    /// The device the controller attached, as a hint: used only if its identity matches.
+    pub device: Option<PathBuf>,
+    /// What the device must be (backing file, serial, WWN); empty when the controller names
+    /// only a path.
+    pub identity: DeviceIdentity,
+    /// staging_target_path.
+    pub staging: PathBuf,
+    /// Capability.
+    pub cap: Capability,
+}
+
+/// NodeUnstageVolume, checked.
+#[derive(Debug, Clone)]
+pub struct Unstage {
+    /// Volume id.
+    pub volume_id: String,
+    /// staging_target_path.
+    pub staging: PathBuf,
+}
+
+/// NodePublishVolume, checked.
+#[derive(Debug, Clone)]
+pub struct Publish {
+    /// Volume id.
+    pub volume_id: String,
+    /// staging_target_path.
+    pub staging: PathBuf,
+    /// target_path.
+    pub target: PathBuf,
+    /// Capability.
+    pub cap: Capability,
+    /// readonly.
+    pub readonly: bool,
+}
+
+/// NodeUnpublishVolume, checked.
+#[derive(Debug, Clone)]
+pub struct Unpublish {
+    /// Volume id.
+    pub volume_id: String,
+    /// target_path.
+    pub target: PathBuf,
+}
+
+/// NodeGetVolumeStats, checked.
+#[derive(Debug, Clone)]
+pub struct Stats {
+    /// Volume id.
+    pub volume_id: String,
+    /// volume_path.
+    pub path: PathBuf,
+}
+
+/// NodeExpandVolume, checked.
+#[derive(Debug, Clone)]
+pub struct Expand {
+    /// Volume id.
+    pub volume_id: String,
+    /// volume_path.
+    pub path: PathBuf,
+    /// staging_target_path, if given.
+    pub staging: Option<PathBuf>,
+    /// capacity_range.required_bytes (0: unset).
+    pub required_bytes: u64,
+    /// capacity_range.limit_bytes (0: unset).
+    pub limit_bytes: u64,
+    /// Capability, if given.
+    pub cap: Option<Capability>,
+}

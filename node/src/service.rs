@@ -1,0 +1,399 @@
+//! The CSI Identity and Node gRPC services, over the [`Engine`].
+//!
+//! Slow operations (stage, unstage, expand: mkfs, mount of a filesystem, resize) may block in
+//! the kernel for long: they run with the runtime told they block (see [`blocking`]). Publish,
+//! unpublish and stats are a handful of syscalls and run in place. A panic anywhere in a
+//! handler is caught and answered with INTERNAL; the daemon stays up.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use moor_proto::csi::v1 as csi;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use crate::engine::{Engine, StageReport, VolumeStats};
+use crate::error::Error;
+use crate::sys::Os;
+use crate::validate;
+
+/// The plugin's identity and node facts.
+#[derive(Debug, Clone)]
+pub struct PluginInfo {
+    /// CSI driver name.
+    pub driver_name: String,
+    /// This node's id.
+    pub node_id: String,
+    /// max_volumes_per_node (0: not reported).
+    pub max_volumes: u64,
+    /// Topology key for the per-node segment.
+    pub topology_key: String,
+    /// The state dir (checked by Probe).
+    pub state_dir: PathBuf,
+}
+
+/// The GetPluginInfo manifest key naming the node's state dir (where `moorctl status` finds
+/// the journal).
+pub const MANIFEST_STATE_DIR: &str = "state_dir";
+
+/// Tools the node needs for its default filesystem; Probe is not ready without them.
+pub const REQUIRED_TOOLS: [&str; 2] = ["mkfs.ext4", "resize2fs"];
+/// Tools for the other filesystems; their absence is logged.
+pub const OPTIONAL_TOOLS: [&str; 3] = ["mkfs.xfs", "xfs_growfs", "mkfs.btrfs"];
+
+/// Every program moor-node may run: the filesystems' tools ([`crate::filesystem::programs`])
+/// and the FUSE attacher's ([`crate::attach::fuse::PROGRAM`]). The image must hold them all.
+#[must_use]
+pub fn programs() -> Vec<String> {
+    let mut out = crate::filesystem::programs();
+    out.push(crate::attach::fuse::PROGRAM.to_owned());
+    out
+}
+
+/// Why the plugin is not ready, or None when it is.
+pub fn readiness<O: Os>(os: &O, state_dir: &std::path::Path) -> Option<String> {
+    let missing: Vec<_> = REQUIRED_TOOLS
+        .iter()
+        .filter(|t| !os.has_program(t))
+        .collect();
+    if !missing.is_empty() {
+        return Some(format!("required tools missing: {missing:?}"));
+    }
+    let probe = state_dir.join(".probe");
+    if let Err(e) = std::fs::write(&probe, b"ok").and_then(|()| std::fs::remove_file(&probe)) {
+        return Some(format!(
+            "state dir {} is not writable: {e}",
+            state_dir.display()
+        ));
+    }
+    None
+}
+
+/// Runs `f`, which may block in the kernel (mount, mkfs), without stalling the server; a
+/// panic becomes INTERNAL.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
+) -> Result<T, Status> {
+    // On a multi-thread runtime (the daemon's): on this worker, with the runtime told it
+    // blocks, so its core (its queue of tasks) moves to another thread, which goes on serving.
+    // Running in place without telling is not safe even while another worker is free:
+    // - the free worker may sleep without the I/O driver, which this one took when it woke
+    //   for the call, and then nobody reads the sockets until the call returns;
+    // - the task this worker queued last (its LIFO slot) cannot be taken by another worker,
+    //   and it may be the connection kubelet sends all its calls on.
+    // Either way every other call, Probe included, would wait behind a mkfs. The price is a
+    // thread wake when the call returns. Elsewhere (tests): on the blocking pool.
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    let outcome = if multi_thread {
+        std::panic::catch_unwind(AssertUnwindSafe(|| tokio::task::block_in_place(f)))
+            .map_err(|_| ())
+    } else {
+        tokio::task::spawn_blocking(f).await.map_err(|_| ())
+    };
+    match outcome {
+        Ok(r) => r.map_err(Status::from),
+        Err(()) => {
+            warn!("handler panicked");
+            Err(Status::internal(
+                "internal error: the operation panicked; see the node log",
+            ))
+        }
+    }
+}
+
+/// Runs `f` in place; a panic becomes INTERNAL.
+fn inline<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<T, Status> {
+    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(Status::from),
+        Err(_) => {
+            warn!("handler panicked");
+            Err(Status::internal(
+                "internal error: the operation panicked; see the node log",
+            ))
+        }
+    }
+}
+
+/// Logs one RPC's outcome.
+fn log_outcome<T>(rpc: &str, volume: &str, start: Instant, r: &Result<T, Status>) {
+    let us = start.elapsed().as_micros() as u64;
+    match r {
+        Ok(_) => info!(rpc, volume, micros = us, "ok"),
+        Err(s) => {
+            warn!(rpc, volume, micros = us, code = ?s.code(), message = s.message(), "failed")
+        }
+    }
+}
+
+async fn traced<T>(
+    rpc: &'static str,
+    volume: String,
+    fut: impl Future<Output = Result<T, Status>>,
+) -> Result<Response<T>, Status> {
+    let start = Instant::now();
+    let r = fut.await;
+    log_outcome(rpc, &volume, start, &r);
+    r.map(Response::new)
+}
+
+/// The Identity service.
+#[derive(Debug)]
+pub struct IdentityService<O: Os> {
+    info: PluginInfo,
+    os: Arc<O>,
+}
+
+impl<O: Os> IdentityService<O> {
+    /// Builds the service.
+    pub fn new(info: PluginInfo, os: Arc<O>) -> Self {
+        Self { info, os }
+    }
+}
+
+#[tonic::async_trait]
+impl<O: Os> csi::identity_server::Identity for IdentityService<O> {
+    async fn get_plugin_info(
+        &self,
+        _: Request<csi::GetPluginInfoRequest>,
+    ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
+        Ok(Response::new(csi::GetPluginInfoResponse {
+            name: self.info.driver_name.clone(),
+            vendor_version: env!("CARGO_PKG_VERSION").to_string(),
+            manifest: HashMap::from([
+                ("component".to_string(), "node".to_string()),
+                (
+                    MANIFEST_STATE_DIR.to_string(),
+                    self.info.state_dir.display().to_string(),
+                ),
+            ]),
+        }))
+    }
+
+    async fn get_plugin_capabilities(
+        &self,
+        _: Request<csi::GetPluginCapabilitiesRequest>,
+    ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
+        Ok(Response::new(csi::GetPluginCapabilitiesResponse {
+            capabilities: moor_runtime::contract::plugin_capabilities(),
+        }))
+    }
+
+    async fn probe(
+        &self,
+        _: Request<csi::ProbeRequest>,
+    ) -> Result<Response<csi::ProbeResponse>, Status> {
+        // Unhealthy is an error (a missing required dependency: FAILED_PRECONDITION);
+        // `ready: false` is only for a plugin still starting, which this one never is once it
+        // serves.
+        match readiness(self.os.as_ref(), &self.info.state_dir) {
+            None => Ok(Response::new(csi::ProbeResponse { ready: Some(true) })),
+            Some(reason) => {
+                warn!(reason, "probe: not healthy");
+                Err(Status::failed_precondition(reason))
+            }
+        }
+    }
+}
+
+/// The Node service.
+#[derive(Debug)]
+pub struct NodeService<O: Os> {
+    engine: Arc<Engine<O>>,
+    info: PluginInfo,
+}
+
+impl<O: Os> NodeService<O> {
+    /// Builds the service.
+    pub fn new(engine: Arc<Engine<O>>, info: PluginInfo) -> Self {
+        Self { engine, info }
+    }
+
+    fn kubelet_dir(&self) -> PathBuf {
+        self.engine.config().kubelet_dir.clone()
+    }
+}
+
+#[tonic::async_trait]
+impl<O: Os> csi::node_server::Node for NodeService<O> {
+    async fn node_stage_volume(
+        &self,
+        request: Request<csi::NodeStageVolumeRequest>,
+    ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let engine = Arc::clone(&self.engine);
+        let dir = self.kubelet_dir();
+        traced("NodeStageVolume", req.volume_id.clone(), async move {
+            let v = validate::stage(&req, &dir)?;
+            let rbd = crate::attach::request::stage(&req)?;
+            let (staged, report) = blocking(move || {
+                let mut report = StageReport::default();
+                let staged = match &rbd {
+                    Some(rbd) => engine.stage_mapped(&v, rbd, &mut report),
+                    None => engine.stage(&v, &mut report),
+                };
+                Ok((staged, report))
+            })
+            .await?;
+            if let Some((fs, outcome)) = report.fsck {
+                crate::metrics::registry().fsck_outcome(fs.name(), outcome.name());
+            }
+            staged?;
+            if report.formatted {
+                info!(volume = req.volume_id, mkfs = ?report.mkfs, "formatted blank device");
+            }
+            if report.grown {
+                info!(volume = req.volume_id, "grew the filesystem to its device");
+            }
+            Ok(csi::NodeStageVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<csi::NodeUnstageVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let engine = Arc::clone(&self.engine);
+        let dir = self.kubelet_dir();
+        traced("NodeUnstageVolume", req.volume_id.clone(), async move {
+            let v = validate::unstage(&req, &dir)?;
+            blocking(move || engine.unstage(&v)).await?;
+            Ok(csi::NodeUnstageVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<csi::NodePublishVolumeRequest>,
+    ) -> Result<Response<csi::NodePublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let dir = self.kubelet_dir();
+        traced("NodePublishVolume", req.volume_id.clone(), async {
+            let v = validate::publish(&req, &dir)?;
+            inline(|| self.engine.publish(&v))?;
+            Ok(csi::NodePublishVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<csi::NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let dir = self.kubelet_dir();
+        traced("NodeUnpublishVolume", req.volume_id.clone(), async {
+            let v = validate::unpublish(&req, &dir)?;
+            inline(|| self.engine.unpublish(&v))?;
+            Ok(csi::NodeUnpublishVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<csi::NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
+        let req = request.into_inner();
+        let dir = self.kubelet_dir();
+        let v = validate::stats(&req, &dir)?;
+        let (stats, condition) = inline(|| self.engine.stats(&v))?;
+        use csi::volume_usage::Unit;
+        let i = |x: u64| i64::try_from(x).unwrap_or(i64::MAX);
+        let usage = match stats {
+            VolumeStats::Filesystem(u) => vec![
+                csi::VolumeUsage {
+                    available: i(u.available_bytes),
+                    total: i(u.total_bytes),
+                    used: i(u.used_bytes),
+                    unit: Unit::Bytes as i32,
+                },
+                csi::VolumeUsage {
+                    available: i(u.free_inodes),
+                    total: i(u.total_inodes),
+                    used: i(u.used_inodes),
+                    unit: Unit::Inodes as i32,
+                },
+            ],
+            VolumeStats::Block(size) => {
+                vec![csi::VolumeUsage {
+                    available: 0,
+                    total: i(size),
+                    used: 0,
+                    unit: Unit::Bytes as i32,
+                }]
+            }
+            VolumeStats::Unavailable => vec![],
+        };
+        Ok(Response::new(csi::NodeGetVolumeStatsResponse {
+            usage,
+            volume_condition: Some(csi::VolumeCondition {
+                abnormal: condition.abnormal,
+                message: condition.message,
+            }),
+        }))
+    }
+
+    async fn node_expand_volume(
+        &self,
+        request: Request<csi::NodeExpandVolumeRequest>,
+    ) -> Result<Response<csi::NodeExpandVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let engine = Arc::clone(&self.engine);
+        let dir = self.kubelet_dir();
+        traced("NodeExpandVolume", req.volume_id.clone(), async move {
+            let v = validate::expand(&req, &dir)?;
+            let size = blocking(move || engine.expand(&v)).await?;
+            Ok(csi::NodeExpandVolumeResponse {
+                capacity_bytes: i64::try_from(size).unwrap_or(i64::MAX),
+            })
+        })
+        .await
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _: Request<csi::NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
+        use csi::node_service_capability::{Rpc, Type, rpc};
+        let capabilities = [
+            rpc::Type::StageUnstageVolume,
+            rpc::Type::GetVolumeStats,
+            rpc::Type::ExpandVolume,
+            rpc::Type::VolumeCondition,
+            rpc::Type::SingleNodeMultiWriter,
+            rpc::Type::VolumeMountGroup,
+        ]
+        .into_iter()
+        .map(|t| csi::NodeServiceCapability {
+            r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })),
+        })
+        .collect();
+        Ok(Response::new(csi::NodeGetCapabilitiesResponse {
+            capabilities,
+        }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _: Request<csi::NodeGetInfoRequest>,
+    ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
+        Ok(Response::new(csi::NodeGetInfoResponse {
+            node_id: self.info.node_id.clone(),
+            max_volumes_per_node: i64::try_from(self.info.max_volumes).unwrap_or(i64::MAX),
+            accessible_topology: Some(csi::Topology {
+                segments: HashMap::from([(
+                    self.info.topology_key.clone(),
+                    moor_runtime::limits::topology_value(&self.info.node_id),
+                )]),
+            }),
+        }))
+    }
+}

@@ -1,0 +1,370 @@
+//! Request validation for every Node RPC, in one place.
+//!
+//! Each function turns a CSI request into a typed request the engine can trust, or an
+//! INVALID_ARGUMENT naming the field, before anything on the node is touched. Secrets are
+//! never read here and never appear in an error.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use csi::volume_capability::{AccessType, access_mode::Mode};
+use moor_proto::csi::v1 as csi;
+use moor_runtime::contract::{
+    BACKING_FILE_FIELD, BACKING_FILE_KEY, DEVICE_PATH_FIELD, DEVICE_PATH_KEY, DEVICE_SERIAL_FIELD,
+    DEVICE_SERIAL_KEY, DEVICE_WWN_FIELD, DEVICE_WWN_KEY, Filesystem,
+};
+use moor_runtime::limits::{self, trunc};
+
+use crate::engine::{Access, Capability, Expand, Publish, Stage, Stats, Unpublish, Unstage};
+use crate::error::{Error, Result};
+use crate::mount_options;
+use crate::sys::MountAttrs;
+use crate::sys::discovery::DeviceIdentity;
+
+/// Longest volume id (the spec's general limit for strings).
+pub const MAX_ID_LEN: usize = limits::MAX_STRING_LEN;
+/// Longest path (PATH_MAX).
+pub const MAX_PATH_LEN: usize = 4096;
+/// Most bytes in all keys and values of one map (the spec's 4 KiB for maps).
+pub const MAX_MAP_BYTES: usize = limits::MAX_MAP_BYTES;
+/// Most mount flags in one capability.
+pub const MAX_MOUNT_FLAGS: usize = 64;
+/// Longest serial number or WWN accepted.
+pub const MAX_DEVICE_ID_LEN: usize = 256;
+/// Filesystem used when the capability names none.
+pub const DEFAULT_FS: Filesystem = Filesystem::Ext4;
+
+/// Checks a volume id.
+pub fn volume_id(field: &'static str, id: &str) -> Result<String> {
+    match limits::id_problem(id, MAX_ID_LEN) {
+        Some(reason) => Err(Error::invalid(field, reason)),
+        None => Ok(id.to_string()),
+    }
+}
+
+/// Checks that `raw` is an absolute, clean path strictly below `root`.
+pub fn path_under(field: &'static str, raw: &str, root: &Path) -> Result<PathBuf> {
+    let path = clean_absolute(field, raw)?;
+    if !path.starts_with(root) || path == root {
+        return Err(Error::invalid(
+            field,
+            format!("must lie under {}", root.display()),
+        ));
+    }
+    Ok(path)
+}
+
+/// Checks that `raw` is an absolute path with no empty, `.` or `..` components.
+pub fn clean_absolute(field: &'static str, raw: &str) -> Result<PathBuf> {
+    path_string(field, raw)?;
+    let Some(rest) = raw.strip_prefix('/') else {
+        return Err(Error::invalid(field, "must be an absolute path"));
+    };
+    for part in rest.split('/') {
+        if part.is_empty() || part == "." || part == ".." {
+            return Err(Error::invalid(
+                field,
+                "must be a clean path (no empty, '.' or '..' components)",
+            ));
+        }
+    }
+    Ok(PathBuf::from(raw))
+}
+
+/// Checks that `raw` is set and could be a path at all: not longer than PATH_MAX, no NUL.
+fn path_string(field: &'static str, raw: &str) -> Result<()> {
+    if raw.is_empty() {
+        return Err(Error::invalid(field, "must be set"));
+    }
+    if raw.len() > MAX_PATH_LEN {
+        return Err(Error::invalid(
+            field,
+            format!("longer than {MAX_PATH_LEN} bytes"),
+        ));
+    }
+    if raw.contains('\0') {
+        return Err(Error::invalid(field, "contains a NUL byte"));
+    }
+    Ok(())
+}
+
+/// Checks NodeGetVolumeStats' and NodeExpandVolume's volume_path, which names where the volume
+/// is staged or published. A missing or malformed string is INVALID_ARGUMENT; a path that
+/// moor can never have staged or published a volume at (relative, not clean, not below the
+/// kubelet dir) is the spec's "volume does not exist on volume_path": NOT_FOUND, decided
+/// without touching the path.
+fn volume_path(volume_id: &str, raw: &str, kubelet_dir: &Path) -> Result<PathBuf> {
+    path_string("volume_path", raw)?;
+    path_under("volume_path", raw, kubelet_dir).map_err(|e| match e {
+        Error::InvalidArgument { reason, .. } => Error::VolumeNotFound {
+            volume: volume_id.to_string(),
+            reason: format!(
+                "volume_path {:?} is not a path a volume can be staged or published at ({reason})",
+                trunc(raw)
+            ),
+        },
+        e => e,
+    })
+}
+
+/// Checks a map's total size; its contents are never quoted (it may hold secrets).
+fn map_size(field: &'static str, map: &HashMap<String, String>) -> Result<()> {
+    match limits::map_problem(map) {
+        Some(reason) => Err(Error::invalid(field, reason)),
+        None => Ok(()),
+    }
+}
+
+/// Checks a volume capability.
+pub fn capability(cap: Option<&csi::VolumeCapability>) -> Result<Capability> {
+    let cap = cap.ok_or_else(|| Error::invalid("volume_capability", "must be set"))?;
+    let mode_raw = cap
+        .access_mode
+        .as_ref()
+        .ok_or_else(|| Error::invalid("volume_capability.access_mode", "must be set"))?
+        .mode;
+    let mode = Mode::try_from(mode_raw)
+        .ok()
+        .filter(|m| *m != Mode::Unknown)
+        .ok_or_else(|| {
+            Error::invalid(
+                "volume_capability.access_mode.mode",
+                format!("unknown mode {mode_raw}"),
+            )
+        })?;
+    let access = match &cap.access_type {
+        None => {
+            return Err(Error::invalid(
+                "volume_capability.access_type",
+                "must be set",
+            ));
+        }
+        Some(AccessType::Block(_)) => Access::Block {
+            attrs: MountAttrs::default(),
+        },
+        Some(AccessType::Mount(m)) => {
+            let fs = if m.fs_type.is_empty() {
+                DEFAULT_FS
+            } else {
+                Filesystem::from_name(&m.fs_type).ok_or_else(|| {
+                    Error::invalid(
+                        "volume_capability.mount.fs_type",
+                        format!(
+                            "{:?} is not supported (ext2, ext3, ext4, xfs, btrfs)",
+                            trunc(&m.fs_type)
+                        ),
+                    )
+                })?
+            };
+            if m.mount_flags.len() > MAX_MOUNT_FLAGS
+                || m.mount_flags.iter().map(String::len).sum::<usize>() > MAX_MAP_BYTES
+            {
+                return Err(Error::invalid(
+                    "volume_capability.mount.mount_flags",
+                    "too many or too long",
+                ));
+            }
+            let options = mount_options::parse(&m.mount_flags, fs)?;
+            let group = if m.volume_mount_group.is_empty() {
+                None
+            } else {
+                Some(m.volume_mount_group.parse::<u32>().map_err(|_| {
+                    Error::invalid(
+                        "volume_capability.mount.volume_mount_group",
+                        format!(
+                            "{:?} is not a numeric group id",
+                            trunc(&m.volume_mount_group)
+                        ),
+                    )
+                })?)
+            };
+            Access::Mount { fs, options, group }
+        }
+    };
+    if !access.is_block()
+        && matches!(
+            mode,
+            Mode::MultiNodeMultiWriter | Mode::MultiNodeSingleWriter
+        )
+    {
+        return Err(Error::FailedPrecondition(format!(
+            "access mode {} is not supported for a filesystem volume: ext4, xfs and btrfs are not \
+             cluster filesystems",
+            mode.as_str_name()
+        )));
+    }
+    Ok(Capability { access, mode })
+}
+
+/// Validates NodeStageVolume.
+pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<Stage> {
+    let volume_id = volume_id("volume_id", &req.volume_id)?;
+    let staging = path_under("staging_target_path", &req.staging_target_path, kubelet_dir)?;
+    let cap = capability(req.volume_capability.as_ref())?;
+    map_size("publish_context", &req.publish_context)?;
+    map_size("volume_context", &req.volume_context)?;
+    map_size("secrets", &req.secrets)?;
+    let (device, identity) = device_identity(&req.publish_context, kubelet_dir)?;
+    Ok(Stage {
+        volume_id,
+        device,
+        identity,
+        staging,
+        cap,
+    })
+}
+
+/// A serial number or WWN from publish_context (surrounding blanks dropped).
+fn device_id(field: &'static str, raw: &str) -> Result<String> {
+    let v = raw.trim();
+    match limits::id_problem(v, MAX_DEVICE_ID_LEN) {
+        Some(reason) => Err(Error::invalid(field, reason)),
+        None => Ok(v.to_string()),
+    }
+}
+
+/// The device hint and identity NodeStageVolume's publish_context gives: at least one of them.
+fn device_identity(
+    ctx: &HashMap<String, String>,
+    kubelet_dir: &Path,
+) -> Result<(Option<PathBuf>, DeviceIdentity)> {
+    let device = match ctx.get(DEVICE_PATH_KEY) {
+        Some(raw) => {
+            let device = clean_absolute(DEVICE_PATH_FIELD, raw)?;
+            if !device.starts_with("/dev") || device.starts_with(kubelet_dir) {
+                return Err(Error::invalid(
+                    DEVICE_PATH_FIELD,
+                    "must name a device under /dev",
+                ));
+            }
+            Some(device)
+        }
+        None => None,
+    };
+    let identity = DeviceIdentity {
+        backing_file: ctx
+            .get(BACKING_FILE_KEY)
+            .map(|raw| clean_absolute(BACKING_FILE_FIELD, raw))
+            .transpose()?,
+        serial: ctx
+            .get(DEVICE_SERIAL_KEY)
+            .map(|raw| device_id(DEVICE_SERIAL_FIELD, raw))
+            .transpose()?,
+        wwn: ctx
+            .get(DEVICE_WWN_KEY)
+            .map(|raw| device_id(DEVICE_WWN_FIELD, raw))
+            .transpose()?,
+    };
+    // An RBD image's device is the one this node maps for it (`attach`).
+    if device.is_none() && identity.is_empty() && !crate::attach::request::is_rbd(ctx) {
+        return Err(Error::invalid(
+            "publish_context",
+            format!(
+                "must name the device: {DEVICE_PATH_KEY:?}, or its identity \
+                 ({BACKING_FILE_KEY:?}, {DEVICE_SERIAL_KEY:?} or {DEVICE_WWN_KEY:?})"
+            ),
+        ));
+    }
+    Ok((device, identity))
+}
+
+/// Validates NodeUnstageVolume.
+pub fn unstage(req: &csi::NodeUnstageVolumeRequest, kubelet_dir: &Path) -> Result<Unstage> {
+    Ok(Unstage {
+        volume_id: volume_id("volume_id", &req.volume_id)?,
+        staging: path_under("staging_target_path", &req.staging_target_path, kubelet_dir)?,
+    })
+}
+
+/// Validates NodePublishVolume.
+pub fn publish(req: &csi::NodePublishVolumeRequest, kubelet_dir: &Path) -> Result<Publish> {
+    let volume_id = volume_id("volume_id", &req.volume_id)?;
+    let target = path_under("target_path", &req.target_path, kubelet_dir)?;
+    let cap = capability(req.volume_capability.as_ref())?;
+    map_size("publish_context", &req.publish_context)?;
+    map_size("volume_context", &req.volume_context)?;
+    map_size("secrets", &req.secrets)?;
+    if req.staging_target_path.is_empty() {
+        // moor advertises STAGE_UNSTAGE_VOLUME: the spec's row "staging target path not set".
+        return Err(Error::FailedPrecondition(
+            "staging_target_path must be set: moor stages volumes before publishing them".into(),
+        ));
+    }
+    let staging = path_under("staging_target_path", &req.staging_target_path, kubelet_dir)?;
+    if staging == target || target.starts_with(&staging) || staging.starts_with(&target) {
+        return Err(Error::invalid(
+            "target_path",
+            "must not overlap staging_target_path",
+        ));
+    }
+    Ok(Publish {
+        volume_id,
+        staging,
+        target,
+        cap,
+        readonly: req.readonly,
+    })
+}
+
+/// Validates NodeUnpublishVolume.
+pub fn unpublish(req: &csi::NodeUnpublishVolumeRequest, kubelet_dir: &Path) -> Result<Unpublish> {
+    Ok(Unpublish {
+        volume_id: volume_id("volume_id", &req.volume_id)?,
+        target: path_under("target_path", &req.target_path, kubelet_dir)?,
+    })
+}
+
+/// Validates NodeGetVolumeStats.
+pub fn stats(req: &csi::NodeGetVolumeStatsRequest, kubelet_dir: &Path) -> Result<Stats> {
+    let volume_id = volume_id("volume_id", &req.volume_id)?;
+    let path = volume_path(&volume_id, &req.volume_path, kubelet_dir)?;
+    Ok(Stats { volume_id, path })
+}
+
+/// Validates NodeExpandVolume.
+pub fn expand(req: &csi::NodeExpandVolumeRequest, kubelet_dir: &Path) -> Result<Expand> {
+    let volume_id = volume_id("volume_id", &req.volume_id)?;
+    path_string("volume_path", &req.volume_path)?;
+    map_size("secrets", &req.secrets)?;
+    let staging = if req.staging_target_path.is_empty() {
+        None
+    } else {
+        Some(path_under(
+            "staging_target_path",
+            &req.staging_target_path,
+            kubelet_dir,
+        )?)
+    };
+    let (required_bytes, limit_bytes) = match &req.capacity_range {
+        None => (0, 0),
+        Some(r) => {
+            let req_b = u64::try_from(r.required_bytes).map_err(|_| {
+                Error::invalid("capacity_range.required_bytes", "must not be negative")
+            })?;
+            let lim_b = u64::try_from(r.limit_bytes).map_err(|_| {
+                Error::invalid("capacity_range.limit_bytes", "must not be negative")
+            })?;
+            if lim_b != 0 && req_b > lim_b {
+                return Err(Error::invalid(
+                    "capacity_range",
+                    "required_bytes exceeds limit_bytes",
+                ));
+            }
+            (req_b, lim_b)
+        }
+    };
+    let cap = match req.volume_capability.as_ref() {
+        None => None,
+        Some(c) => Some(capability(Some(c))?),
+    };
+    // Last: a malformed field is INVALID_ARGUMENT even when the volume is not there.
+    let path = volume_path(&volume_id, &req.volume_path, kubelet_dir)?;
+    Ok(Expand {
+        volume_id,
+        path,
+        staging,
+        required_bytes,
+        limit_bytes,
+        cap,
+    })
+}
