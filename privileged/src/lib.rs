@@ -14,6 +14,7 @@ pub mod bench;
 pub mod ceph;
 pub mod client;
 pub mod container;
+pub mod gosym;
 pub mod krbd_lab;
 pub mod kubelet_calls;
 pub mod logwrites;
