@@ -228,20 +228,9 @@ impl World {
         for (i, n) in w.nodes.iter_mut().enumerate() {
             let ns = format!("moor-{pid}-{seq}-{i}");
             // A machine without network namespaces (or without `ip`) cannot simulate nodes.
-            let made = Command::new("ip").args(["netns", "add", &ns]).output();
-            match made {
-                Ok(out) if out.status.success() => {}
-                other => {
-                    eprintln!(
-                        "{name}: skipped: no network namespace for a simulated node \
-                         (ip netns add: {})",
-                        match other {
-                            Ok(out) => String::from_utf8_lossy(&out.stderr).trim().to_string(),
-                            Err(e) => e.to_string(),
-                        }
-                    );
-                    return None;
-                }
+            if let Err(why) = netns_add(&ns) {
+                eprintln!("{name}: skipped: no network namespace for a simulated node ({why})");
+                return None;
             }
             // At most 15 bytes: "mv", the pid in hex (at most 6), the sequence, the node.
             let veth = format!("mv{pid:x}{}{i}", seq % 100);
@@ -250,17 +239,7 @@ impl World {
             // Recorded before the veth exists, so that the drop removes the namespace (and
             // with it the veth pair) whatever fails next.
             n.net = Some((ns.clone(), addr.clone()));
-            moor_privileged::run(
-                "ip",
-                &[
-                    "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns,
-                ],
-            );
-            moor_privileged::run("ip", &["link", "set", &veth, "master", &bridge, "up"]);
-            let cidr = format!("{addr}/24");
-            moor_privileged::run("ip", &["-n", &ns, "addr", "add", &cidr, "dev", "eth0"]);
-            moor_privileged::run("ip", &["-n", &ns, "link", "set", "eth0", "up"]);
-            moor_privileged::run("ip", &["-n", &ns, "link", "set", "lo", "up"]);
+            on_bridge(&ns, &veth, &bridge, &addr);
         }
         Some(w)
     }
@@ -494,6 +473,85 @@ impl World {
                     .flatten()
             })
             .collect()
+    }
+}
+
+/// Makes the network namespace `ns` (`ip netns add`); Err(why) on a machine without network
+/// namespaces or without `ip`.
+fn netns_add(ns: &str) -> Result<(), String> {
+    match Command::new("ip").args(["netns", "add", ns]).output() {
+        Ok(out) if out.status.success() => Ok(()),
+        Ok(out) => Err(format!(
+            "ip netns add: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Err(e) => Err(format!("ip netns add: {e}")),
+    }
+}
+
+/// Puts the namespace `ns` on `bridge`: a veth pair (`veth` on the bridge, `eth0` in `ns`),
+/// `addr`/24 on `eth0`, both ends and `ns`'s loopback up.
+fn on_bridge(ns: &str, veth: &str, bridge: &str, addr: &str) {
+    moor_privileged::run(
+        "ip",
+        &[
+            "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns,
+        ],
+    );
+    moor_privileged::run("ip", &["link", "set", veth, "master", bridge, "up"]);
+    let cidr = format!("{addr}/24");
+    moor_privileged::run("ip", &["-n", ns, "addr", "add", &cidr, "dev", "eth0"]);
+    moor_privileged::run("ip", &["-n", ns, "link", "set", "eth0", "up"]);
+    moor_privileged::run("ip", &["-n", ns, "link", "set", "lo", "up"]);
+}
+
+/// A network namespace of its own on the cluster's bridge, with an address there: a host of
+/// the cluster's network, as a pod with a network of its own is one of its cluster's. Removed
+/// (with its veth pair) when dropped, once nothing runs in it.
+#[derive(Debug)]
+pub struct BridgeNetns {
+    /// Its name under /run/netns.
+    pub name: String,
+    /// Its address on the bridge.
+    pub addr: String,
+}
+
+impl BridgeNetns {
+    /// A namespace for `tag` (a short word) on the bridge of `ceph`, at host `host` of the
+    /// bridge's /24. Err(why) when the cluster has no bridge (it listens on 127.0.0.1) or the
+    /// machine cannot make the namespace.
+    pub fn new(ceph: &Ceph, tag: &str, host: u8) -> Result<Self, String> {
+        let Some((bridge, net)) = ceph.bridge.clone() else {
+            return Err(
+                "the cluster listens on 127.0.0.1 (MOOR_CEPH_BRIDGE is unset: .ci/ceph-cluster \
+                 could not make its bridge)"
+                    .to_string(),
+            );
+        };
+        let pid = std::process::id();
+        let name = format!("moor-{pid}-{tag}");
+        netns_add(&name)?;
+        let ns = Self {
+            name,
+            addr: format!("{net}.{host}"),
+        };
+        // At most 15 bytes: "mv", the pid in hex (at most 6), the host.
+        let veth = format!("mv{pid:x}h{host}");
+        on_bridge(&ns.name, &veth, &bridge, &ns.addr);
+        Ok(ns)
+    }
+
+    /// Its path, for a process or a container to join.
+    pub fn path(&self) -> PathBuf {
+        Path::new("/run/netns").join(&self.name)
+    }
+}
+
+impl Drop for BridgeNetns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
     }
 }
 

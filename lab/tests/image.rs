@@ -246,10 +246,18 @@ impl Pods {
             .clone()
     }
 
-    /// Starts moor-controller's container (with `extra` arguments) and waits until Probe says
-    /// it is ready.
-    fn start_controller(&self, extra: &[&str], network: PodNetwork) -> Container {
+    /// Starts moor-controller's container (with `extra` arguments, and its http endpoint at
+    /// `http`, else the manifests') and waits until Probe says it is ready.
+    fn start_controller(
+        &self,
+        extra: &[&str],
+        network: PodNetwork,
+        http: Option<&str>,
+    ) -> Container {
         let mut config = self.config(&self.controller, "moor-controller", network);
+        if let Some(endpoint) = http {
+            set_arg(&mut config, "--http-endpoint", endpoint);
+        }
         let args = config["process"]["args"].as_array_mut().expect("args");
         args.extend(extra.iter().map(|a| Value::String((*a).to_owned())));
         let id = self.id("controller");
@@ -528,7 +536,7 @@ fn a_volume_life_through_the_containers_survives_a_restart_of_the_node_container
     let pods = Pods::new("image", image, runtime);
     // With --rbd the controller's Probe loads librados and librbd: ready means the image has
     // them. The embedded backend serves the volumes here.
-    let controller = pods.start_controller(&["--rbd"], PodNetwork::Own);
+    let controller = pods.start_controller(&["--rbd"], PodNetwork::Own, None);
     let node = pods.start_node();
     register(&pods);
     let healthz = client::http_get(&pods.node_http(), "/healthz").expect("/healthz");
@@ -658,9 +666,25 @@ fn the_rbd_backend_and_the_fuse_attacher_in_the_containers() {
         return;
     };
     let pods = Pods::new("image-rbd", image, runtime);
-    // The cluster is reached on the host's network: this host has no pod network.
-    let host_net = PathBuf::from(format!("/proc/{}/ns/net", std::process::id()));
-    let _controller = pods.start_controller(&["--rbd"], PodNetwork::Join(host_net));
+    // The Deployment's pod has a network of its own, from which it reaches the cluster: here a
+    // network namespace of its own on the cluster's bridge. Its http endpoint is the
+    // manifests' (0.0.0.0:9809), which no other process of this host can hold there. Without a
+    // bridge (a cluster on 127.0.0.1) the controller shares the host's network, on a port the
+    // kernel picks: no test depends on a port of the host being free.
+    let netns = moor_lab::ceph::BridgeNetns::new(&ceph, "ctl", 250)
+        .inspect_err(|why| eprintln!("image rbd: the controller on the host's network: {why}"))
+        .ok();
+    let (network, http) = match &netns {
+        Some(ns) => (PodNetwork::Join(ns.path()), None),
+        None => (
+            PodNetwork::Join(PathBuf::from(format!(
+                "/proc/{}/ns/net",
+                std::process::id()
+            ))),
+            Some("127.0.0.1:0"),
+        ),
+    };
+    let _controller = pods.start_controller(&["--rbd"], network, http);
     // In an Option, to be replaced by a new container while the undo below still runs after it.
     let mut node = Some(pods.start_node());
     let secrets = HashMap::from([

@@ -11,6 +11,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 pub mod client;
+pub mod gosym;
 pub mod kubelet_calls;
 pub mod pathgrpc;
 pub mod requests;

@@ -211,11 +211,20 @@ pub fn render_gauge(out: &mut String, name: &str, help: &str, value: u64) {
     let _ = writeln!(out, "{name} {value}");
 }
 
-/// The gRPC calls a daemon served.
+/// How long a connection may wait after its accept before the server takes it up (a longer
+/// wait is logged: the daemon's runtime was busy or blocked).
+pub const SLOW_TAKE_UP: Duration = Duration::from_secs(1);
+/// How long a connection may stay open without a call (a longer one is logged at its first call,
+/// or at its close: its client connected, then waited).
+pub const IDLE_CONNECTION: Duration = Duration::from_secs(10);
+
+/// The gRPC calls a daemon served, and how long its connections waited.
 #[derive(Debug)]
 pub struct Registry {
     grpc_requests: Family<AtomicU64>,
     grpc_duration: Family<Histogram>,
+    connection_wait: Family<Histogram>,
+    closed_without_call: Family<AtomicU64>,
 }
 
 impl Default for Registry {
@@ -238,7 +247,31 @@ impl Registry {
                 "Time to answer a gRPC call, by method and gRPC code.",
                 &["method", "code"],
             ),
+            connection_wait: Family::new(
+                "moor_grpc_connection_wait_seconds",
+                "Time from a connection's accept until the server took it up (until=\"served\": \
+                 the daemon's own delay) and until its first call reached a handler \
+                 (until=\"first_call\": the client's wait and the daemon's).",
+                &["until"],
+            ),
+            closed_without_call: Family::new(
+                "moor_grpc_connections_closed_without_call_total",
+                "Connections closed without a call after more than 10 s open: clients that \
+                 connected and never called.",
+                &[],
+            ),
         }
+    }
+
+    /// Counts how long a connection waited after its accept until `until` (`served`,
+    /// `first_call`).
+    pub fn observe_connection_wait(&self, until: &str, d: Duration) {
+        self.connection_wait.observe(&[until], d);
+    }
+
+    /// Counts a connection closed without a call after [`IDLE_CONNECTION`].
+    pub fn count_closed_without_call(&self) {
+        self.closed_without_call.inc(&[]);
     }
 
     /// Counts one gRPC call.
@@ -251,6 +284,8 @@ impl Registry {
     pub fn render_grpc(&self, out: &mut String) {
         self.grpc_requests.render(out);
         self.grpc_duration.render(out);
+        self.connection_wait.render(out);
+        self.closed_without_call.render(out);
     }
 }
 
@@ -349,6 +384,9 @@ where
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let method = method_of(req.uri().path()).to_string();
         let start = Instant::now();
+        if let Some(c) = req.extensions().get::<crate::server::Connection>() {
+            c.first_call(&method);
+        }
         let in_flight = InFlightCall::enter();
         let fut = self.inner.call(req);
         Box::pin(async move {
@@ -481,6 +519,38 @@ mod tests {
             calls_in_flight(),
             before,
             "done once the server drops the answer"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_connections_first_call_is_counted_where_it_is_answered() {
+        use tower::Service as _;
+        let long = || {
+            let text = render_grpc();
+            let bucket = |le: &str| {
+                let line = format!(
+                    "moor_grpc_connection_wait_seconds_bucket{{until=\"first_call\",le=\"{le}\"}} "
+                );
+                text.lines()
+                    .find_map(|l| l.strip_prefix(line.as_str()))
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            bucket("600") - bucket("120")
+        };
+        let before = long();
+        let connection =
+            crate::server::Connection::accepted_at(Instant::now() - Duration::from_secs(300));
+        let mut svc = Metered::new(Answer);
+        for _ in 0..2 {
+            let mut req = http::Request::new(());
+            req.extensions_mut().insert(connection.clone());
+            drop(svc.call(req).await.unwrap());
+        }
+        assert_eq!(
+            long(),
+            before + 1,
+            "the first call of the connection, 300 s after its accept"
         );
     }
 

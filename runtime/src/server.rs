@@ -5,7 +5,10 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixListener;
@@ -14,6 +17,7 @@ use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::authority::AuthorityFix;
+use crate::metrics::{IDLE_CONNECTION, SLOW_TAKE_UP};
 
 /// Endpoint and socket errors.
 #[derive(Debug, thiserror::Error)]
@@ -207,31 +211,106 @@ fn identity(path: &Path) -> Option<(u64, u64)> {
 #[derive(Debug, Clone)]
 pub struct Connection {
     open: watch::Receiver<()>,
+    accepted: Instant,
+    called: Arc<AtomicBool>,
 }
 
 impl Connection {
     /// Resolves once the connection is closed, by the client or by the server.
     pub async fn closed(&self) {
         let mut open = self.open.clone();
-        // Nothing is ever sent: `changed` returns only once the connection's sender is dropped.
+        // Nothing is sent: `changed` returns only once the connection's sender is dropped.
         while open.changed().await.is_ok() {}
+    }
+
+    /// When the connection was accepted.
+    pub fn accepted(&self) -> Instant {
+        self.accepted
+    }
+
+    /// A connection accepted at `accepted`, for tests.
+    #[cfg(test)]
+    pub(crate) fn accepted_at(accepted: Instant) -> Self {
+        Tracked::accepted_at((), accepted).info.clone()
+    }
+
+    /// Called as a call of `method` reaches its handler: the connection's first call counts
+    /// how long after the accept it came, and says so in the log when it came after
+    /// [`IDLE_CONNECTION`] (its client connected, then waited before calling).
+    pub fn first_call(&self, method: &str) {
+        if self.called.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let waited = self.accepted.elapsed();
+        crate::metrics::registry().observe_connection_wait("first_call", waited);
+        if waited > IDLE_CONNECTION {
+            tracing::info!(
+                ?waited,
+                method,
+                "the first call on a connection came long after its accept: the client \
+                 connected, then waited before calling"
+            );
+        }
     }
 }
 
-/// An accepted connection that tells its [`Connection`] when it is closed (dropped).
+/// An accepted connection that tells its [`Connection`] when it is closed (dropped), counts
+/// how long after its accept the server took it up, and says when it closes without a call
+/// after [`IDLE_CONNECTION`].
 struct Tracked<S> {
     inner: S,
     _open: watch::Sender<()>,
     info: Connection,
+    taken_up: bool,
 }
 
 impl<S> Tracked<S> {
     fn new(inner: S) -> Self {
+        Self::accepted_at(inner, Instant::now())
+    }
+
+    fn accepted_at(inner: S, accepted: Instant) -> Self {
         let (open, rx) = watch::channel(());
         Self {
             inner,
             _open: open,
-            info: Connection { open: rx },
+            info: Connection {
+                open: rx,
+                accepted,
+                called: Arc::new(AtomicBool::new(false)),
+            },
+            taken_up: false,
+        }
+    }
+
+    /// At the server's first read or write of the connection: how long it waited.
+    fn take_up(&mut self) {
+        if self.taken_up {
+            return;
+        }
+        self.taken_up = true;
+        let waited = self.info.accepted.elapsed();
+        crate::metrics::registry().observe_connection_wait("served", waited);
+        if waited > SLOW_TAKE_UP {
+            tracing::warn!(
+                ?waited,
+                "a connection waited long after its accept before the server took it up: the \
+                 daemon's runtime was busy or blocked"
+            );
+        }
+    }
+}
+
+impl<S> Drop for Tracked<S> {
+    fn drop(&mut self) {
+        let open_for = self.info.accepted.elapsed();
+        if !self.info.called.load(Ordering::Relaxed) && open_for > IDLE_CONNECTION {
+            crate::metrics::registry().count_closed_without_call();
+            tracing::info!(
+                ?open_for,
+                served = self.taken_up,
+                "a connection closed without a call: its client connected and never called"
+            );
         }
     }
 }
@@ -242,7 +321,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+        let this = self.get_mut();
+        this.take_up();
+        Pin::new(&mut this.inner).poll_read(cx, buf)
     }
 }
 
@@ -252,7 +333,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        this.take_up();
+        Pin::new(&mut this.inner).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -260,7 +343,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        this.take_up();
+        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -470,6 +555,57 @@ mod tests {
             .unwrap();
         assert!(!path.exists(), "the socket is removed");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Observations of `moor_grpc_connection_wait_seconds{until}` between 120 s and 600 s
+    /// (no connection of another test waits that long), and the connections closed without a
+    /// call.
+    fn long_waits(until: &str) -> (u64, u64) {
+        let text = crate::metrics::render_grpc();
+        let value = |line: String| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(line.as_str()))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        let bucket = |le: &str| {
+            value(format!(
+                "moor_grpc_connection_wait_seconds_bucket{{until=\"{until}\",le=\"{le}\"}} "
+            ))
+        };
+        (
+            bucket("600") - bucket("120"),
+            value("moor_grpc_connections_closed_without_call_total ".to_string()),
+        )
+    }
+
+    #[tokio::test]
+    async fn how_long_a_connection_waited_is_counted_and_one_never_called_is_logged() {
+        use tokio::io::AsyncWriteExt as _;
+        let ago = |secs| Instant::now() - std::time::Duration::from_secs(secs);
+        // Taken up by the server (its first write) 200 s after its accept.
+        let (served_before, closed_before) = long_waits("served");
+        let (ours, _peer) = tokio::io::duplex(64);
+        let mut conn = Tracked::accepted_at(ours, ago(200));
+        conn.write_all(b"x").await.unwrap();
+        conn.write_all(b"y").await.unwrap();
+        assert_eq!(
+            long_waits("served").0,
+            served_before + 1,
+            "counted once, at the first write"
+        );
+        // Its first call, 300 s after the accept: counted once.
+        let (first_before, _) = long_waits("first_call");
+        let info = conn.info.clone();
+        assert_eq!(info.accepted(), conn.info.accepted);
+        info.first_call("Probe");
+        info.first_call("Probe");
+        assert_eq!(long_waits("first_call").0, first_before + 1);
+        // A called connection closes quietly, one never called after IDLE_CONNECTION is counted.
+        drop(conn);
+        assert_eq!(long_waits("served").1, closed_before);
+        drop(Tracked::accepted_at((), ago(60)));
+        assert!(long_waits("served").1 > closed_before);
     }
 
     #[tokio::test]
