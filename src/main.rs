@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use moor_node::args::Args;
 use moor_node::engine::{Engine, EngineConfig};
-use moor_node::journal::Journal;
+use moor_node::journal::{Boot, Journal};
 use moor_node::metrics::MeteredOs;
 use moor_node::reconcile::Reconciler;
 use moor_node::registration::{self, Progress, Refusal, RegistrationService};
@@ -126,12 +126,20 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         topology_key: format!("topology.{}/node", args.driver_name),
         state_dir: state_dir.clone(),
     };
+    let boot = Boot::new(moor_node::sys::linux::boot_id());
+    if boot.stamp().is_none() {
+        warn!(
+            "the node's boot id cannot be read: records a power cut took back in time are held \
+             to as if this boot had written them (docs/durability.md)"
+        );
+    }
     let cfg = EngineConfig {
         kubelet_dir: args.kubelet_dir.clone(),
         max_volumes: args.max_volumes,
         mkfs_deadline: Duration::from_secs(args.tool_timeout),
         resize_deadline: Duration::from_secs(args.tool_timeout),
         discovery_deadline: Duration::from_secs(args.device_wait),
+        boot,
     };
     let attacher = moor_node::attach::choose(
         args.rbd_attacher,

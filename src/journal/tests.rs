@@ -15,6 +15,7 @@ fn sample() -> VolumeRecord {
         access_mode: 7,
         phase: Phase::Done,
         fs_uuid: None,
+        boot: Some("b1".into()),
     });
     r.publishes.insert(
         "/k/pods/t".into(),
@@ -23,6 +24,7 @@ fn sample() -> VolumeRecord {
             attrs: MountAttrs::default(),
             access_mode: 7,
             phase: Phase::Done,
+            boot: None,
         },
     );
     r

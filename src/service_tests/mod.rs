@@ -96,7 +96,7 @@ pub(crate) fn harness() -> Harness {
     harness_with(0)
 }
 
-fn mount_cap(fs: &str, flags: &[&str], mode: Mode) -> csi::VolumeCapability {
+pub(crate) fn mount_cap(fs: &str, flags: &[&str], mode: Mode) -> csi::VolumeCapability {
     csi::VolumeCapability {
         access_mode: Some(AccessMode { mode: mode as i32 }),
         access_type: Some(AccessType::Mount(MountVolume {

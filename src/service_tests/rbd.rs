@@ -8,7 +8,7 @@ use super::*;
 use crate::attach::fake::{AttachCall, Failure, FakeAttacher, image_file};
 use crate::attach::journal::MappingRecord;
 use crate::attach::{Attacher as _, ImageSpec};
-use crate::journal::{Durability, Phase};
+use crate::journal::{Boot, Durability, Phase};
 use crate::reconcile::{Action, Reconciler};
 use moor_runtime::contract::{
     RBD_IMAGE_KEY as IMAGE_KEY, RBD_MONITORS_KEY as MONITORS_KEY, RBD_POOL_KEY as POOL_KEY,
@@ -407,7 +407,12 @@ async fn reconciliation_finishes_or_undoes_a_map_a_crash_cut_short() {
     // The intent only (killed before the attacher ran): undone.
     let r = rbd_harness();
     let mut rec = crate::journal::VolumeRecord::new("vol-1");
-    rec.mapping = Some(MappingRecord::intent("fuse", &image(), false));
+    rec.mapping = Some(MappingRecord::intent(
+        "fuse",
+        &image(),
+        false,
+        &Boot::default(),
+    ));
     r.h.engine.journal().put(&rec, Durability::Process).unwrap();
     let actions = reconcile(&r);
     assert!(
@@ -433,7 +438,7 @@ async fn reconciliation_finishes_or_undoes_a_map_a_crash_cut_short() {
     let done = rec.mapping.clone().unwrap();
     rec.mapping = Some(MappingRecord {
         monitors: done.monitors.clone(),
-        ..MappingRecord::intent("fuse", &image(), false)
+        ..MappingRecord::intent("fuse", &image(), false, &Boot::default())
     });
     r.h.engine.journal().put(&rec, Durability::Process).unwrap();
     let actions = reconcile(&r);
