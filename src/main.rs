@@ -26,7 +26,7 @@ use tracing::{info, warn};
 struct NodeStatus<O: Os> {
     os: Arc<O>,
     state_dir: PathBuf,
-    journal: Arc<Journal>,
+    engine: Arc<Engine<O>>,
     /// With built-in registration: how far kubelet got.
     registration: Option<Arc<Progress>>,
 }
@@ -38,7 +38,7 @@ impl<O: Os> http::Status for NodeStatus<O> {
     }
 
     fn metrics(&self) -> String {
-        let mut out = moor_node::metrics::render_node(&self.journal);
+        let mut out = moor_node::metrics::render_node(self.engine.volume_counts());
         if let Some(r) = &self.registration {
             moor_node::metrics::render_registration(&mut out, r.registered());
         }
@@ -165,7 +165,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         Arc::clone(&reconciler).spawn_periodic(Duration::from_secs(args.reconcile_interval))
     });
     let identity = IdentityService::new(info.clone(), Arc::clone(&os));
-    let node = NodeService::new(engine, info);
+    let node = NodeService::new(Arc::clone(&engine), info);
     let http_listener = match &args.http_endpoint {
         Some(e) => Some(http::bind(e).await?),
         None => None,
@@ -247,7 +247,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
     let status = NodeStatus {
         os: Arc::clone(&os),
         state_dir: state_dir.clone(),
-        journal,
+        engine,
         registration: progress,
     };
     let grpc = async {

@@ -14,6 +14,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use moor_proto::csi::v1::node_server::Node as _;
+use tonic::{Code, Request};
+
 use crate::attach::Attacher;
 use crate::attach::fake::{AttachCall, FakeAttacher};
 use crate::engine::{Engine, EngineConfig};
@@ -24,7 +27,7 @@ use crate::power_cut_tests::{
 use crate::reconcile::Reconciler;
 use crate::service::NodeService;
 use crate::service_tests::rbd::{check_mapping, image, rbd_kubelet_call};
-use crate::service_tests::{K, KubeletCall, STAGING, TARGET};
+use crate::service_tests::{K, KubeletCall, STAGING, TARGET, stats_req};
 use crate::sys::fake::FakeOs;
 
 /// One node: a fake OS, the fake attacher over it, and a journal in a state dir of its own.
@@ -192,6 +195,19 @@ async fn every_state_a_power_cut_leaves_of_an_rbd_volume_maps_it_once_and_keeps_
                     .run()
                     .unwrap_or_else(|e| panic!("{name}: reconcile: {e}"));
                 check_reconciled(&after, &name);
+                // The reboot ended every mount and mapping: until kubelet stages the volume
+                // again, nothing of it is reported, whatever the journal remembers.
+                for path in [STAGING, TARGET] {
+                    let stats = after
+                        .svc
+                        .node_get_volume_stats(Request::new(stats_req(path)))
+                        .await;
+                    assert_eq!(
+                        stats.map(drop).map_err(|e| e.code()),
+                        Err(Code::NotFound),
+                        "{name}: stats at {path}"
+                    );
+                }
                 let mut s = size;
                 after.run(Step::Stage, &mut s).await;
                 after.run(Step::Publish, &mut s).await;

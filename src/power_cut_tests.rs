@@ -215,6 +215,15 @@ async fn every_state_a_power_cut_leaves_keeps_the_data_and_formats_once() {
             Reconciler::new(Arc::clone(&after.engine), "moor.csi.io")
                 .run()
                 .unwrap_or_else(|e| panic!("{name}: reconcile: {e}"));
+            // The reboot ended every mount: until kubelet stages the volume again, nothing of
+            // it is reported, whatever the journal remembers.
+            for path in [STAGING, TARGET] {
+                assert_eq!(
+                    after.stats_code("vol-1", path).await,
+                    Code::NotFound,
+                    "{name}: stats at {path}"
+                );
+            }
             let mut s = size;
             after.run(Step::Stage, &mut s).await;
             after.run(Step::Publish, &mut s).await;

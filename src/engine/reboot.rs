@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 
 use super::Engine;
 use crate::journal::{AccessRecord, Boot, PublishRecord, StageRecord, VolumeRecord};
+use crate::metrics::VolumeCounts;
 use crate::sys::{MountState, Os};
 
 impl<O: Os> Engine<O> {
@@ -69,6 +70,16 @@ impl<O: Os> Engine<O> {
             .iter()
             .filter(|r| r.stage.as_ref().is_some_and(|s| !self.stage_is_memory(s)))
             .count() as u64
+    }
+
+    /// The volumes staged and the publications, without the memories, for the node's gauges.
+    pub fn volume_counts(&self) -> VolumeCounts {
+        let mut c = VolumeCounts::default();
+        for r in self.journal.all().into_iter().map(|r| self.claims(r)) {
+            c.staged += u64::from(r.stage.is_some());
+            c.published += r.publishes.len() as u64;
+        }
+        c
     }
 
     /// Drops the record's publications that are memories (in `record`, not written); the
