@@ -7,11 +7,18 @@
 //! cut as a node's root disk does. A round: a pod-like writer in the guest appends sequence
 //! numbers to a file on volume 0 (published for good), `fsync`ing each, and after each fsync
 //! returns it notes the number in a host dir (a note a cut loses only under-counts); meanwhile
-//! the host, as kubelet, stages, publishes, unpublishes and unstages the other volumes. At a
-//! random instant the guest's QEMU is SIGKILLed. It boots again on the same disk files, the
-//! state disk is mounted (ext4 recovers its journal), moor-node starts (reconciliation runs),
-//! and kubelet's calls are replayed: stage and publish of every volume kubelet wants
-//! published, unpublish and unstage of the others, each retried until it succeeds. Then:
+//! the host, as kubelet, stages, publishes, unpublishes and unstages the other volumes, and
+//! moves a published one to another pod (the pod replaced: unpublished at its target, published
+//! at the new pod's, staged all along). Every volume is SINGLE_NODE_WRITER, and moor-node takes
+//! three volumes (`--max-volumes`), which kubelet never exceeds. At a random instant the
+//! guest's QEMU is SIGKILLed. It boots again on the same disk files, the state disk is mounted
+//! (ext4 recovers its journal), moor-node starts (reconciliation runs), and kubelet's calls are
+//! replayed as kubelet makes them after a reboot: unpublish and unstage of what a call left
+//! uncertain (in flight at the cut) and kubelet no longer wants, then stage and publish of
+//! every volume it wants, at its pod's target, each retried until it succeeds. A publication
+//! or a staging whose end was answered before the cut gets no call: kubelet is done with it,
+//! though the cut may have taken moor-node's record of its end (which then comes back as a
+//! memory, holding nothing: docs/durability.md). Then:
 //! every sequence number the writer noted is in its file, in order (each round's file, all
 //! of them, every round); no volume was formatted twice (moor-node's log over all boots, and
 //! the filesystem UUID on the host's disk file, which never changes once made); each staging
@@ -44,9 +51,10 @@ use std::time::{Duration, Instant};
 use moor_lab::ceph::publish;
 use moor_lab::krbd_lab::{Lab, formats_in, start_node_in};
 use moor_lab::vm::{Rng, Vm};
-use moor_privileged::requests::{cap, unpublish_req, unstage_req};
+use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::runtime;
 use moor_proto::csi::v1 as csi;
+use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 use moor_runtime::contract::DEVICE_SERIAL_KEY;
 use tonic::transport::Channel;
 
@@ -55,7 +63,11 @@ type Node = csi::node_client::NodeClient<Channel>;
 const MIB: u64 = 1 << 20;
 const GUESTS: usize = 2;
 const VOLUMES: usize = 4;
-/// The volume the pod writes to; published in every round.
+/// moor-node's `--max-volumes`: the pod's volume and two others.
+const MAX_VOLUMES: usize = 3;
+/// The pods a volume may be published for, each at a target of its own.
+const PODS: usize = 2;
+/// The volume the pod writes to; published in every round, for pod 0.
 const POD: usize = 0;
 const DISK_MIB: u64 = 64;
 const STATE_SERIAL: &str = "pc-state";
@@ -66,6 +78,11 @@ const CONVERGE: Duration = Duration::from_secs(300);
 
 fn vol(v: usize) -> String {
     format!("vol-{v}")
+}
+
+/// Every volume's capability: ext4, one read-write target.
+fn snw() -> csi::VolumeCapability {
+    moor_privileged::fs_cap("ext4", Mode::SingleNodeWriter)
 }
 
 fn serial(v: usize) -> String {
@@ -103,6 +120,34 @@ fn disks(dir: &Path) -> Vec<String> {
     opts
 }
 
+/// What kubelet believes of a volume on the node: a stage or publish in flight counts as done
+/// (kubelet treats an uncertain mount as mounted), an unpublish or unstage only once answered.
+#[derive(Debug, Clone, Copy, Default)]
+struct Actual {
+    staged: bool,
+    /// The pod it is published for.
+    published: Option<usize>,
+}
+
+/// kubelet's state of the world: what it wants of each volume (the pod it is published for;
+/// None: unstaged), noted before its calls, and what it believes is there.
+#[derive(Debug, Clone)]
+struct Kube {
+    wanted: Vec<Option<usize>>,
+    actual: Vec<Actual>,
+}
+
+/// What kubelet does next to a volume.
+#[derive(Debug, Clone, Copy)]
+enum Plan {
+    /// Stage it and publish it for a pod.
+    Mount(usize),
+    /// The pod replaced: unpublished for one, published for the other.
+    Move(usize, usize),
+    /// Unpublish it for its pod and unstage it.
+    Unmount(usize),
+}
+
 /// A guest and what the test knows of it.
 struct Guest {
     g: usize,
@@ -112,10 +157,10 @@ struct Guest {
     notes: PathBuf,
     kubelet: PathBuf,
     staging: Vec<PathBuf>,
-    target: Vec<PathBuf>,
+    /// Each volume's target for each pod.
+    target: Vec<[PathBuf; PODS]>,
     disks: Vec<PathBuf>,
-    /// What kubelet wants of each volume: published (else unstaged).
-    wanted: Arc<Mutex<Vec<bool>>>,
+    kube: Arc<Mutex<Kube>>,
     /// Per round, the last sequence number the writer noted as fsynced.
     synced: Vec<u64>,
     /// Each volume's filesystem UUID once made.
@@ -124,6 +169,9 @@ struct Guest {
     log_from: usize,
     /// Journal lines a cut tore, over all boots.
     torn: usize,
+    /// Records of a publication, and of a staging, whose end kubelet was answered before a
+    /// cut and which came back after it (moor-node's log at start), over all boots.
+    ghosts: [usize; 2],
 }
 
 impl Guest {
@@ -136,13 +184,17 @@ impl Guest {
             volume_id: vol(v),
             publish_context: HashMap::from([(DEVICE_SERIAL_KEY.into(), serial(v))]),
             staging_target_path: self.staging[v].display().to_string(),
-            volume_capability: Some(cap("ext4")),
+            volume_capability: Some(snw()),
             ..Default::default()
         }
     }
 
-    fn publish(&self, v: usize) -> csi::NodePublishVolumeRequest {
-        publish(&vol(v), &self.staging[v], &self.target[v], cap("ext4"))
+    fn publish(&self, v: usize, pod: usize) -> csi::NodePublishVolumeRequest {
+        publish(&vol(v), &self.staging[v], &self.target[v][pod], snw())
+    }
+
+    fn unpublish(&self, v: usize, pod: usize) -> csi::NodeUnpublishVolumeRequest {
+        unpublish_req(&vol(v), &self.target[v][pod])
     }
 
     fn record(&self, round: usize) -> PathBuf {
@@ -160,7 +212,7 @@ impl Guest {
     }
 
     fn seq_file(&self, round: usize) -> String {
-        self.target[POD]
+        self.target[POD][0]
             .join(format!("seq-{round}"))
             .display()
             .to_string()
@@ -180,38 +232,31 @@ impl Guest {
             &self.name,
             &self.kubelet,
             "moor-node",
-            &["MOOR_DEVICE_WAIT=60"],
+            &[
+                "MOOR_DEVICE_WAIT=60",
+                &format!("MOOR_MAX_VOLUMES={MAX_VOLUMES}"),
+            ],
             Path::new("/run/state/moor"),
             &self.notes.join("node.log"),
         )
         .await
     }
 
-    /// kubelet after the node's reboot: every volume brought to what it wants, each call
-    /// retried until it succeeds.
+    /// kubelet after the node's reboot: what a call left uncertain and kubelet no longer wants
+    /// unpublished and unstaged, then every volume it wants staged and published for its pod,
+    /// each call retried until it succeeds. What kubelet had been answered done gets no call.
     async fn converge(&self, node: &mut Node) {
-        let wanted = self.wanted.lock().expect("wanted").clone();
-        for (v, published) in wanted.into_iter().enumerate() {
-            if published {
-                retry(self, "NodeStageVolume", v, || {
-                    let mut n = node.clone();
-                    let r = self.stage(v);
-                    async move { n.node_stage_volume(r).await.map(drop) }
-                })
-                .await;
-                retry(self, "NodePublishVolume", v, || {
-                    let mut n = node.clone();
-                    let r = self.publish(v);
-                    async move { n.node_publish_volume(r).await.map(drop) }
-                })
-                .await;
-            } else {
+        let Kube { wanted, actual } = self.kube.lock().expect("kube").clone();
+        for (v, (want, was)) in wanted.iter().zip(&actual).enumerate() {
+            if let Some(q) = was.published.filter(|q| *want != Some(*q)) {
                 retry(self, "NodeUnpublishVolume", v, || {
                     let mut n = node.clone();
-                    let r = unpublish_req(&vol(v), &self.target[v]);
+                    let r = self.unpublish(v, q);
                     async move { n.node_unpublish_volume(r).await.map(drop) }
                 })
                 .await;
+            }
+            if want.is_none() && was.staged {
                 retry(self, "NodeUnstageVolume", v, || {
                     let mut n = node.clone();
                     let r = unstage_req(&vol(v), &self.staging[v]);
@@ -220,12 +265,59 @@ impl Guest {
                 .await;
             }
         }
+        for (v, want) in wanted.iter().enumerate() {
+            let Some(pod) = *want else { continue };
+            retry(self, "NodeStageVolume", v, || {
+                let mut n = node.clone();
+                let r = self.stage(v);
+                async move { n.node_stage_volume(r).await.map(drop) }
+            })
+            .await;
+            retry(self, "NodePublishVolume", v, || {
+                let mut n = node.clone();
+                let r = self.publish(v, pod);
+                async move { n.node_publish_volume(r).await.map(drop) }
+            })
+            .await;
+        }
+        let mut k = self.kube.lock().expect("kube");
+        k.actual = wanted
+            .iter()
+            .map(|w| Actual {
+                staged: w.is_some(),
+                published: *w,
+            })
+            .collect();
+    }
+
+    /// Records moor-node found at start (this boot's log) of a publication, and of a staging,
+    /// that kubelet had been answered ended before the cut (`actual`): what the cut took back
+    /// in time.
+    fn ghosts(&self, actual: &[Actual]) -> [usize; 2] {
+        let log = self.log();
+        let boot = log.get(self.log_from..).unwrap_or_default();
+        let of = |l: &str, v: usize| l.contains(&format!("\"volume\":\"{}\"", vol(v)));
+        let mut found = [0, 0];
+        for l in boot.lines() {
+            for (v, a) in actual.iter().enumerate() {
+                if l.contains("forgotten") && of(l, v) {
+                    found[0] += (0..PODS)
+                        .filter(|&p| a.published != Some(p))
+                        .filter(|&p| l.contains(&self.target[v][p].display().to_string()))
+                        .count();
+                }
+                if l.contains("staged before the node rebooted") && of(l, v) && !a.staged {
+                    found[1] += 1;
+                }
+            }
+        }
+        found
     }
 
     /// What must hold after kubelet's calls converged, with what was checked.
     fn check(&mut self, what: &str) -> String {
         let log = self.log();
-        let wanted = self.wanted.lock().expect("wanted").clone();
+        let wanted = self.kube.lock().expect("kube").wanted.clone();
         // Every fsynced number, in order, in each round's file.
         let mut numbers = 0;
         for (round, &synced) in self.synced.iter().enumerate() {
@@ -243,7 +335,7 @@ impl Guest {
             numbers += synced;
         }
         // The pod's writes went to the volume: nothing of them in the dir under its mount.
-        let under: Vec<_> = std::fs::read_dir(&self.target[POD])
+        let under: Vec<_> = std::fs::read_dir(&self.target[POD][0])
             .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).collect())
             .unwrap_or_default();
         assert!(
@@ -251,7 +343,7 @@ impl Guest {
             "{what}: the pod wrote into the kubelet dir under its mount: {under:?}"
         );
         // Formatted once in the whole life: by moor-node's log, and by the UUID on the disk.
-        for (v, &published) in wanted.iter().enumerate() {
+        for (v, published) in wanted.iter().map(Option::is_some).enumerate() {
             let formats = formats_in(&log, &vol(v));
             assert!(
                 formats <= 1,
@@ -315,20 +407,19 @@ impl Guest {
             .filter(|(m, _)| m.starts_with(&format!("{kubelet}/")))
             .count();
         let mut expected = 0;
-        for (v, &published) in wanted.iter().enumerate() {
-            let want: Vec<&str> = if published {
-                vec![devs[&serial(v)].as_str()]
-            } else {
-                vec![]
-            };
-            for p in [&self.staging[v], &self.target[v]] {
+        for (v, pod) in wanted.iter().enumerate() {
+            let disk = vec![devs[&serial(v)].as_str()];
+            let paths = std::iter::once((&self.staging[v], pod.is_some()))
+                .chain((0..PODS).map(|p| (&self.target[v][p], *pod == Some(p))));
+            for (p, mounted) in paths {
+                let want = if mounted { disk.clone() } else { Vec::new() };
                 assert_eq!(
                     at(p),
                     want,
                     "{what}: the mounts at {} ({} is {})\n{mountinfo}",
                     p.display(),
                     vol(v),
-                    if published { "published" } else { "unstaged" }
+                    pod.map_or_else(|| "unstaged".into(), |p| format!("published for pod {p}"))
                 );
                 expected += want.len();
             }
@@ -352,13 +443,22 @@ impl Guest {
             .lines()
             .filter(|l| l.contains("journal line unreadable"))
             .collect();
+        // What was set aside, from the line before the first damaged one on (as od shows it).
+        let first = unreadable
+            .iter()
+            .filter_map(|l| l.split("\"line\":").nth(1))
+            .filter_map(|l| l.split(|c: char| !c.is_ascii_digit()).next())
+            .filter_map(|n| n.parse::<usize>().ok())
+            .min()
+            .unwrap_or(1);
         assert!(
             unreadable.is_empty(),
             "{what}: moor-node found its journal damaged: {unreadable:#?}\n{}",
-            self.vm.sh(
-                "od -A d -c /run/state/moor/journal.log.corrupt | tail -n 12; \
-                 wc -lc < /run/state/moor/journal.log.corrupt"
-            )
+            self.vm.sh(&format!(
+                "sed -n '{},$p' /run/state/moor/journal.log.corrupt | od -A d -c; \
+                 wc -lc < /run/state/moor/journal.log.corrupt",
+                first.saturating_sub(1).max(1)
+            ))
         );
         self.torn += boot
             .lines()
@@ -366,12 +466,15 @@ impl Guest {
             .count();
         format!(
             "{numbers} fsynced numbers in {} files, formats {:?}, {expected} mounts, \
-             {} journals that ended in a torn append so far",
+             {} journals that ended in a torn append, {} ended publications and {} ended \
+             stagings back after a cut so far",
             self.synced.len(),
             (0..VOLUMES)
                 .map(|v| formats_in(&log, &vol(v)))
                 .collect::<Vec<_>>(),
-            self.torn
+            self.torn,
+            self.ghosts[0],
+            self.ghosts[1]
         )
     }
 }
@@ -383,11 +486,14 @@ where
     Fut: std::future::Future<Output = Result<(), tonic::Status>>,
 {
     let start = Instant::now();
+    let mut last = String::new();
     loop {
         let left = CONVERGE.saturating_sub(start.elapsed());
         let e = match tokio::time::timeout(left, call()).await {
             Ok(Ok(())) => return,
             Ok(Err(e)) => format!("{e:?}"),
+            // The deadline cut this attempt short: the answers before it say why.
+            Err(_) if !last.is_empty() => format!("no answer in time; before that, {last}"),
             Err(_) => "no answer".to_string(),
         };
         assert!(
@@ -397,49 +503,79 @@ where
             vol(v),
             guest.log()
         );
+        last.clone_from(&e);
         eprintln!("guest {}: {name} of {}: {e}; retried", guest.g, vol(v));
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
-/// kubelet's work on the volumes other than the pod's, until it is cut off: one at a time,
-/// a published volume unpublished and unstaged, an unstaged one staged and published. What
-/// it wants is noted before its calls, as kubelet's desired state is.
+/// kubelet's work on the volumes other than the pod's, until it is cut off: one at a time, an
+/// unstaged volume staged and published for a pod (while the node has room), a published one
+/// moved to the other pod, or unpublished and unstaged. What it wants is noted before its
+/// calls, as kubelet's desired state is, and what it believes is there as [`Actual`] says.
 async fn kubelet(
     mut node: Node,
-    wanted: Arc<Mutex<Vec<bool>>>,
+    kube: Arc<Mutex<Kube>>,
     calls: Vec<Calls>,
     mut rng: Rng,
 ) -> Result<(), String> {
+    let set = |v: usize, f: &dyn Fn(&mut Actual)| f(&mut kube.lock().expect("kube").actual[v]);
     loop {
-        let v = 1 + rng.below(VOLUMES as u64 - 1) as usize;
-        let publish = {
-            let mut w = wanted.lock().expect("wanted");
-            w[v] = !w[v];
-            w[v]
+        let (v, plan) = {
+            let mut k = kube.lock().expect("kube");
+            let staged = k.wanted.iter().filter(|w| w.is_some()).count();
+            let choices: Vec<usize> = (1..VOLUMES)
+                .filter(|&v| staged < MAX_VOLUMES || k.wanted[v].is_some())
+                .collect();
+            let v = choices[rng.below(choices.len() as u64) as usize];
+            let plan = match k.wanted[v] {
+                None => Plan::Mount(rng.below(PODS as u64) as usize),
+                Some(p) if rng.below(2) == 0 => Plan::Move(p, (p + 1) % PODS),
+                Some(p) => Plan::Unmount(p),
+            };
+            k.wanted[v] = match plan {
+                Plan::Mount(p) | Plan::Move(_, p) => Some(p),
+                Plan::Unmount(_) => None,
+            };
+            (v, plan)
         };
         let c = calls[v].clone();
-        let r = if publish {
-            match node.node_stage_volume(c.stage).await {
-                Ok(_) => node.node_publish_volume(c.publish).await.map(drop),
-                Err(e) => Err(e),
+        let fail = |e: tonic::Status| format!("{} ({plan:?}): {e:?}", vol(v));
+        if let Plan::Move(p, _) | Plan::Unmount(p) = plan {
+            node.node_unpublish_volume(c.unpublish[p].clone())
+                .await
+                .map_err(fail)?;
+            set(v, &|a| a.published = None);
+        }
+        match plan {
+            Plan::Mount(p) => {
+                set(v, &|a| a.staged = true);
+                node.node_stage_volume(c.stage).await.map_err(fail)?;
+                set(v, &|a| a.published = Some(p));
+                node.node_publish_volume(c.publish[p].clone())
+                    .await
+                    .map_err(fail)?;
             }
-        } else {
-            match node.node_unpublish_volume(c.unpublish).await {
-                Ok(_) => node.node_unstage_volume(c.unstage).await.map(drop),
-                Err(e) => Err(e),
+            Plan::Move(_, p) => {
+                set(v, &|a| a.published = Some(p));
+                node.node_publish_volume(c.publish[p].clone())
+                    .await
+                    .map_err(fail)?;
             }
-        };
-        r.map_err(|e| format!("{}: {e:?}", vol(v)))?;
+            Plan::Unmount(_) => {
+                node.node_unstage_volume(c.unstage).await.map_err(fail)?;
+                set(v, &|a| a.staged = false);
+            }
+        }
     }
 }
 
-/// kubelet's four calls of a volume.
+/// kubelet's calls of a volume, for each pod.
 #[derive(Clone)]
 struct Calls {
     stage: csi::NodeStageVolumeRequest,
-    publish: csi::NodePublishVolumeRequest,
-    unpublish: csi::NodeUnpublishVolumeRequest,
+    publish: [csi::NodePublishVolumeRequest; PODS],
+    unpublish: [csi::NodeUnpublishVolumeRequest; PODS],
     unstage: csi::NodeUnstageVolumeRequest,
 }
 
@@ -447,8 +583,8 @@ impl Guest {
     fn calls(&self, v: usize) -> Calls {
         Calls {
             stage: self.stage(v),
-            publish: self.publish(v),
-            unpublish: unpublish_req(&vol(v), &self.target[v]),
+            publish: std::array::from_fn(|p| self.publish(v, p)),
+            unpublish: std::array::from_fn(|p| self.unpublish(v, p)),
             unstage: unstage_req(&vol(v), &self.staging[v]),
         }
     }
@@ -489,7 +625,7 @@ impl Guest {
             let calls: Vec<Calls> = (0..VOLUMES).map(|v| self.calls(v)).collect();
             let work = tokio::spawn(kubelet(
                 node.clone(),
-                Arc::clone(&self.wanted),
+                Arc::clone(&self.kube),
                 calls,
                 Rng::new(rng.next_u64()),
             ));
@@ -517,14 +653,20 @@ impl Guest {
             self.vm.reboot();
             let synced = self.noted(k);
             *self.synced.last_mut().expect("this round") = synced;
-            let wanted = self.wanted.lock().expect("wanted").clone();
+            let Kube { wanted, actual } = self.kube.lock().expect("kube").clone();
             node = self.start_node().await;
+            let ghosts = self.ghosts(&actual);
+            self.ghosts[0] += ghosts[0];
+            self.ghosts[1] += ghosts[1];
             self.converge(&mut node).await;
             let lines = self.vm.read(&self.seq_file(k)).lines().count();
             let checked = self.check(&what);
             eprintln!(
                 "{what}: last fsynced {synced} ({lines} lines in the file); kubelet wanted \
-                 published {wanted:?}; checked: {checked}; {:.0} s",
+                 published for pods {wanted:?}, believed {actual:?}; ended before the cut and \
+                 back after it: {} publications, {} stagings; checked: {checked}; {:.0} s",
+                ghosts[0],
+                ghosts[1],
                 started.elapsed().as_secs_f64()
             );
         }
@@ -584,15 +726,30 @@ fn fsynced_writes_and_mounts_survive_real_power_cuts() {
                 staging: (0..VOLUMES)
                     .map(|v| lab.world.staging(g, &vol(v)))
                     .collect(),
-                target: (0..VOLUMES).map(|v| lab.world.target(g, &vol(v))).collect(),
+                target: (0..VOLUMES)
+                    .map(|v| {
+                        let first = lab.world.target(g, &vol(v));
+                        let other = n.kubelet.join(format!(
+                            "pods/pod-b/volumes/kubernetes.io~csi/{}/mount",
+                            vol(v)
+                        ));
+                        std::fs::create_dir_all(other.parent().expect("parent"))
+                            .expect("target parent");
+                        [first, other]
+                    })
+                    .collect(),
                 disks: (0..VOLUMES)
                     .map(|v| dir.join(format!("{}.img", serial(v))))
                     .collect(),
-                wanted: Arc::new(Mutex::new((0..VOLUMES).map(|v| v == POD).collect())),
+                kube: Arc::new(Mutex::new(Kube {
+                    wanted: (0..VOLUMES).map(|v| (v == POD).then_some(0)).collect(),
+                    actual: vec![Actual::default(); VOLUMES],
+                })),
                 synced: Vec::new(),
                 uuids: vec![None; VOLUMES],
                 log_from: 0,
                 torn: 0,
+                ghosts: [0, 0],
             }
         })
         .collect();

@@ -92,13 +92,15 @@ pub enum Command {
     /// Checks every volume moor staged or published here against the mount table and device.
     ///
     /// Reads moor-node's journal (without changing it) and compares each staged or published
-    /// path with the live mount table and the recorded device. Verdicts: healthy, drifted
+    /// path with the live mount table and the recorded device. Verdicts: healthy, remembered
+    /// (recorded before the node's last reboot and not mounted since: a memory moor-node holds
+    /// nothing by, no fault), drifted
     /// (a recorded mount is missing or from another device, an operation never finished, or a
     /// loop device's file was deleted), unknown (the device cannot be checked: an error other
     /// than "not there", or it reads as 0 bytes, as a detached loop device does), corrupted
     /// (the mount fails with ENOTCONN, ESTALE, EIO...), device-gone (the device node is
     /// missing or another device: moor-node's own rule). Run it on the node, as root. Exits 4
-    /// when any volume is not healthy.
+    /// when any volume is neither healthy nor remembered.
     #[command(after_help = EXIT_CODES)]
     Status(StatusArgs),
     /// Runs moor-controller and moor-node in a temp dir and walks a whole volume life.

@@ -31,7 +31,7 @@ pub struct Args {
     #[arg(long, default_value = "/var/lib/kubelet")]
     pub kubelet_dir: PathBuf,
     /// Most volumes this node takes (reported as max_volumes_per_node; 0: no limit).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "MOOR_MAX_VOLUMES", default_value_t = 0)]
     pub max_volumes: u64,
     /// Log format.
     #[arg(long, value_enum, default_value_t = daemon::LogFormat::Text)]

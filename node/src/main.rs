@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use moor_node::args::Args;
 use moor_node::engine::{Engine, EngineConfig};
-use moor_node::journal::Journal;
+use moor_node::journal::{Boot, Journal};
 use moor_node::metrics::MeteredOs;
 use moor_node::reconcile::Reconciler;
 use moor_node::registration::{self, Progress, Refusal, RegistrationService};
@@ -26,7 +26,7 @@ use tracing::{info, warn};
 struct NodeStatus<O: Os> {
     os: Arc<O>,
     state_dir: PathBuf,
-    journal: Arc<Journal>,
+    engine: Arc<Engine<O>>,
     /// With built-in registration: how far kubelet got.
     registration: Option<Arc<Progress>>,
 }
@@ -38,7 +38,7 @@ impl<O: Os> http::Status for NodeStatus<O> {
     }
 
     fn metrics(&self) -> String {
-        let mut out = moor_node::metrics::render_node(&self.journal);
+        let mut out = moor_node::metrics::render_node(self.engine.volume_counts());
         if let Some(r) = &self.registration {
             moor_node::metrics::render_registration(&mut out, r.registered());
         }
@@ -126,12 +126,20 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         topology_key: format!("topology.{}/node", args.driver_name),
         state_dir: state_dir.clone(),
     };
+    let boot = Boot::new(moor_node::sys::linux::boot_id());
+    if boot.stamp().is_none() {
+        warn!(
+            "the node's boot id cannot be read: records a power cut took back in time are held \
+             to as if this boot had written them (docs/durability.md)"
+        );
+    }
     let cfg = EngineConfig {
         kubelet_dir: args.kubelet_dir.clone(),
         max_volumes: args.max_volumes,
         mkfs_deadline: Duration::from_secs(args.tool_timeout),
         resize_deadline: Duration::from_secs(args.tool_timeout),
         discovery_deadline: Duration::from_secs(args.device_wait),
+        boot,
     };
     let attacher = moor_node::attach::choose(
         args.rbd_attacher,
@@ -157,7 +165,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         Arc::clone(&reconciler).spawn_periodic(Duration::from_secs(args.reconcile_interval))
     });
     let identity = IdentityService::new(info.clone(), Arc::clone(&os));
-    let node = NodeService::new(engine, info);
+    let node = NodeService::new(Arc::clone(&engine), info);
     let http_listener = match &args.http_endpoint {
         Some(e) => Some(http::bind(e).await?),
         None => None,
@@ -239,7 +247,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
     let status = NodeStatus {
         os: Arc::clone(&os),
         state_dir: state_dir.clone(),
-        journal,
+        engine,
         registration: progress,
     };
     let grpc = async {

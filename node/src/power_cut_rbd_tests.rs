@@ -14,17 +14,20 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use moor_proto::csi::v1::node_server::Node as _;
+use tonic::{Code, Request};
+
 use crate::attach::Attacher;
 use crate::attach::fake::{AttachCall, FakeAttacher};
 use crate::engine::{Engine, EngineConfig};
-use crate::journal::{self, Journal, Phase};
+use crate::journal::{self, Boot, Journal, Phase};
 use crate::power_cut_tests::{
-    DATA, DATA_AT, GIB, LIFE, Step, mkfs_runs, power_cut_states, state_dir,
+    AFTER, BEFORE, DATA, DATA_AT, GIB, LIFE, Step, mkfs_runs, power_cut_states, state_dir,
 };
 use crate::reconcile::Reconciler;
 use crate::service::NodeService;
 use crate::service_tests::rbd::{check_mapping, image, rbd_kubelet_call};
-use crate::service_tests::{K, KubeletCall, STAGING, TARGET};
+use crate::service_tests::{K, KubeletCall, STAGING, TARGET, stats_req};
 use crate::sys::fake::FakeOs;
 
 /// One node: a fake OS, the fake attacher over it, and a journal in a state dir of its own.
@@ -42,9 +45,17 @@ impl Drop for Node {
     }
 }
 
-/// A node just booted: its journal log holds `log`, nothing is mounted or mapped, and the
-/// image is `size` bytes holding `data`; its devices are numbered from `skip` on.
-fn boot(name: &str, log: &[u8], size: u64, data: Vec<(u64, Vec<u8>)>, skip: u32) -> Node {
+/// A node just booted (boot id `boot`): its journal log holds `log`, nothing is mounted or
+/// mapped, and the image is `size` bytes holding `data`; its devices are numbered from `skip`
+/// on.
+fn boot(
+    name: &str,
+    boot: &str,
+    log: &[u8],
+    size: u64,
+    data: Vec<(u64, Vec<u8>)>,
+    skip: u32,
+) -> Node {
     let state = state_dir(&format!("rbd-{name}"));
     std::fs::create_dir_all(&state).expect("state dir");
     std::fs::write(state.join(journal::LOG_FILE), log).expect("log");
@@ -59,6 +70,7 @@ fn boot(name: &str, log: &[u8], size: u64, data: Vec<(u64, Vec<u8>)>, skip: u32)
     assert!(problems.is_empty(), "{name}: {problems:?}");
     let cfg = EngineConfig {
         kubelet_dir: K.into(),
+        boot: Boot::new(Some(boot.into())),
         ..EngineConfig::default()
     };
     let engine = Arc::new(
@@ -141,7 +153,7 @@ fn check_reconciled(node: &Node, name: &str) {
 async fn every_state_a_power_cut_leaves_of_an_rbd_volume_maps_it_once_and_keeps_its_data() {
     let life = LIFE;
     let mut size = GIB;
-    let node = boot("life", b"", size, Vec::new(), 0);
+    let node = boot("life", BEFORE, b"", size, Vec::new(), 0);
     let mut mapped = false;
     let mut states = 0;
     for (i, step) in life.iter().enumerate() {
@@ -173,6 +185,7 @@ async fn every_state_a_power_cut_leaves_of_an_rbd_volume_maps_it_once_and_keeps_
                 let name = format!("after {step:?} #{i}, state {j}, devices +{skip}");
                 let after = boot(
                     &format!("cut-{i}-{j}-{skip}"),
+                    AFTER,
                     state,
                     size,
                     data.clone(),
@@ -182,6 +195,19 @@ async fn every_state_a_power_cut_leaves_of_an_rbd_volume_maps_it_once_and_keeps_
                     .run()
                     .unwrap_or_else(|e| panic!("{name}: reconcile: {e}"));
                 check_reconciled(&after, &name);
+                // The reboot ended every mount and mapping: until kubelet stages the volume
+                // again, nothing of it is reported, whatever the journal remembers.
+                for path in [STAGING, TARGET] {
+                    let stats = after
+                        .svc
+                        .node_get_volume_stats(Request::new(stats_req(path)))
+                        .await;
+                    assert_eq!(
+                        stats.map(drop).map_err(|e| e.code()),
+                        Err(Code::NotFound),
+                        "{name}: stats at {path}"
+                    );
+                }
                 let mut s = size;
                 after.run(Step::Stage, &mut s).await;
                 after.run(Step::Publish, &mut s).await;

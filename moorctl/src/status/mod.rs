@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use moor_node::attach::journal::MappingRecord;
-use moor_node::journal::{AccessRecord, Phase, VolumeRecord};
+use moor_node::journal::{AccessRecord, Boot, Phase, VolumeRecord};
 use moor_node::sys::Presence;
 use moor_node::sys::mountinfo::MountInfo;
 use moor_proto::csi::v1 as csi;
@@ -31,6 +31,10 @@ const LOOP_MAJOR: u32 = 7;
 pub enum Verdict {
     /// The journal and the system agree.
     Healthy,
+    /// Recorded before the node's last reboot, and nothing of it is mounted (or mapped) now: a
+    /// memory of a mount the reboot ended (a power cut may have taken the record of its end),
+    /// which moor-node holds nothing by (docs/durability.md). Not a fault.
+    Remembered,
     /// They disagree: a recorded mount is missing or from another device, or a phase is still
     /// in progress.
     Drifted,
@@ -48,6 +52,7 @@ impl Verdict {
     pub fn name(self) -> &'static str {
         match self {
             Self::Healthy => "healthy",
+            Self::Remembered => "remembered",
             Self::Drifted => "drifted",
             Self::Unknown => "unknown",
             Self::Corrupted => "corrupted",
@@ -459,18 +464,72 @@ pub fn judge_mapping(m: &MappingRecord, live: Option<&LiveDevice>) -> Check {
     }
 }
 
-/// Checks one volume's record against the system.
-pub fn check_volume(rec: &VolumeRecord, table: &MountTable) -> VolumeStatus {
+/// Whether a record written in boot `written` and at a path that is `live` is a memory in boot
+/// `boot`: written in an earlier boot, and nothing mounted there now (a record of a mapping, or
+/// of a block volume's stage, which mounts nothing: `live` None).
+pub fn is_memory(boot: &Boot, written: Option<&str>, live: Option<&LivePath>) -> bool {
+    boot.is_earlier(written)
+        && live.is_none_or(|l| matches!(l, LivePath::Absent | LivePath::NotMounted))
+}
+
+/// The line of a memory ([`is_memory`]): what the journal remembers, nothing judged.
+fn remembered(role: &'static str, path: &Path, journal: String, live: String) -> Check {
+    Check {
+        role,
+        path: path.to_path_buf(),
+        journal: format!("{journal}, before the reboot"),
+        live,
+        verdict: Verdict::Remembered,
+        reason: Some(
+            "recorded before the node rebooted, and nothing of it is there now: moor-node \
+             holds nothing by it (kubelet makes it again, or had ended it)"
+                .into(),
+        ),
+    }
+}
+
+/// Checks one volume's record against the system, in boot `boot`.
+pub fn check_volume(rec: &VolumeRecord, table: &MountTable, boot: &Boot) -> VolumeStatus {
     let mut checks = Vec::new();
     if let Some(m) = &rec.mapping {
-        let live = match (&m.device, m.rdev) {
-            (Some(d), Some(r)) if m.phase == Phase::Done => Some(look_at_device(d, r)),
-            _ => None,
-        };
-        checks.push(judge_mapping(m, live.as_ref()));
+        if is_memory(boot, m.boot.as_deref(), None) {
+            let journal = format!("mapped rbd {} ({})", m.spec(), m.attacher);
+            let path = m
+                .device
+                .clone()
+                .unwrap_or_else(|| PathBuf::from(m.spec().to_string()));
+            checks.push(remembered("mapping", &path, journal, "-".into()));
+        } else {
+            let live = match (&m.device, m.rdev) {
+                (Some(d), Some(r)) if m.phase == Phase::Done => Some(look_at_device(d, r)),
+                _ => None,
+            };
+            checks.push(judge_mapping(m, live.as_ref()));
+        }
     }
     let rdev = rec.stage.as_ref().map(|s| s.rdev);
-    if let Some(s) = &rec.stage {
+    let stage_live = rec
+        .stage
+        .as_ref()
+        .filter(|s| !matches!(s.access, AccessRecord::Block))
+        .map(|s| look_at_path(&s.path, table));
+    if let Some(s) = rec
+        .stage
+        .as_ref()
+        .filter(|s| is_memory(boot, s.boot.as_deref(), stage_live.as_ref()))
+    {
+        // Its device's number is the earlier boot's: not looked at.
+        checks.push(Check {
+            reason: None,
+            ..remembered("device", &s.device, dev_text(s.rdev), "-".into())
+        });
+        checks.push(remembered(
+            "staging",
+            &s.path,
+            phase_text(s.phase, "staged"),
+            stage_live.as_ref().map_or_else(|| "-".into(), live_text),
+        ));
+    } else if let Some(s) = &rec.stage {
         let (verdict, live, reason) =
             judge_device(&s.device, s.rdev, &look_at_device(&s.device, s.rdev));
         checks.push(Check {
@@ -498,7 +557,7 @@ pub fn check_volume(rec: &VolumeRecord, table: &MountTable) -> VolumeStatus {
                 reason,
             });
         } else {
-            let live = look_at_path(&s.path, table);
+            let live = stage_live.unwrap_or_else(|| look_at_path(&s.path, table));
             let (verdict, reason) = judge_path("staged", s.phase, false, Some(s.rdev), &live);
             let fs = match &s.access {
                 AccessRecord::Mount { fs_type, .. } => fs_type.as_str(),
@@ -516,6 +575,11 @@ pub fn check_volume(rec: &VolumeRecord, table: &MountTable) -> VolumeStatus {
     }
     for (target, p) in &rec.publishes {
         let live = look_at_path(target, table);
+        if is_memory(boot, p.boot.as_deref(), Some(&live)) {
+            let journal = phase_text(p.phase, "published");
+            checks.push(remembered("publish", target, journal, live_text(&live)));
+            continue;
+        }
         let (verdict, reason) = judge_path("published", p.phase, p.block, rdev, &live);
         checks.push(Check {
             role: "publish",
@@ -604,6 +668,7 @@ pub fn render(
     let mut counts: Vec<String> = Vec::new();
     for verdict in [
         Verdict::Healthy,
+        Verdict::Remembered,
         Verdict::Drifted,
         Verdict::Unknown,
         Verdict::Corrupted,
@@ -635,7 +700,8 @@ pub fn render(
         }
     );
     notes.push_str(&summary);
-    let healthy = problems.is_empty() && volumes.iter().all(|v| v.verdict == Verdict::Healthy);
+    // What a reboot ended is no fault.
+    let healthy = problems.is_empty() && volumes.iter().all(|v| v.verdict <= Verdict::Remembered);
     let human = if volumes.is_empty() {
         Human::Text(notes)
     } else {
@@ -690,10 +756,11 @@ pub fn status(
 ) -> Result<(Report, Option<String>), CliError> {
     let (records, problems) = moor_node::journal::read_state(state_dir)?;
     let table = MountTable::read()?;
+    let boot = Boot::new(moor_node::sys::linux::boot_id());
     let volumes: Vec<VolumeStatus> = records
         .iter()
         .filter(|r| !r.is_empty())
-        .map(|r| check_volume(r, &table))
+        .map(|r| check_volume(r, &table, &boot))
         .map(|mut v| {
             for c in &mut v.checks {
                 if let Some(rel) = shown_below.and_then(|b| c.path.strip_prefix(b).ok()) {

@@ -220,7 +220,7 @@ fn an_rbd_mapping_is_judged_by_its_device_and_its_phase() {
         pool: "moor".into(),
         image: "csi-vol-1".into(),
     };
-    let mut m = MappingRecord::intent("fuse", &image, true);
+    let mut m = MappingRecord::intent("fuse", &image, true, &Boot::default());
     let c = judge_mapping(&m, None);
     assert_eq!((c.role, c.verdict), ("mapping", Verdict::Drifted));
     assert!(c.journal.contains("in progress") && c.journal.contains("moor/csi-vol-1"));
@@ -238,4 +238,96 @@ fn an_rbd_mapping_is_judged_by_its_device_and_its_phase() {
     assert_eq!(ok.path, std::path::PathBuf::from("/dev/loop3"));
     let gone = judge_mapping(&m, Some(&LiveDevice::Missing));
     assert_eq!(gone.verdict, Verdict::DeviceGone);
+}
+
+/// A record a power cut took back in time: after a reboot, what is not mounted of a record
+/// written in the earlier boot is a memory, not drift (moor-node holds nothing by it), and the
+/// report stays healthy; the same record in the boot that wrote it is drift.
+#[test]
+fn what_a_reboot_ended_is_remembered_not_drift() {
+    use moor_node::attach::ImageSpec;
+    use moor_node::attach::journal::MappingRecord;
+    use moor_node::journal::{PublishRecord, StageRecord};
+    use moor_node::sys::MountAttrs;
+    let dir = std::env::temp_dir().join(format!("moorctl-remembered-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let (then, now) = (
+        Boot::new(Some("boot-1".into())),
+        Boot::new(Some("boot-2".into())),
+    );
+    let mut rec = VolumeRecord::new("vol-1");
+    rec.stage = Some(StageRecord {
+        path: dir.join("globalmount"),
+        device: dir.join("no-such-device"),
+        rdev: (7, 3),
+        access: AccessRecord::Mount {
+            fs_type: "ext4".into(),
+            fs_options: vec![],
+            group: None,
+        },
+        attrs: MountAttrs::default(),
+        access_mode: 1,
+        phase: Phase::Done,
+        fs_uuid: None,
+        boot: then.stamp(),
+    });
+    rec.publishes.insert(
+        dir.join("mount"),
+        PublishRecord {
+            block: false,
+            attrs: MountAttrs::default(),
+            access_mode: 1,
+            phase: Phase::Done,
+            boot: then.stamp(),
+        },
+    );
+    let image = ImageSpec {
+        cluster_id: None,
+        pool: "moor".into(),
+        image: "csi-vol-1".into(),
+    };
+    rec.mapping = Some(MappingRecord {
+        device: Some(dir.join("rbd0")),
+        rdev: Some((251, 0)),
+        phase: Phase::Done,
+        ..MappingRecord::intent("kernel", &image, false, &then)
+    });
+    let table = MountTable::default();
+    let after = check_volume(&rec, &table, &now);
+    assert_eq!(after.verdict, Verdict::Remembered, "{after:?}");
+    assert!(
+        after
+            .checks
+            .iter()
+            .all(|c| c.verdict == Verdict::Remembered),
+        "{after:?}"
+    );
+    assert_eq!(
+        after.checks.iter().map(|c| c.role).collect::<Vec<_>>(),
+        ["mapping", "device", "staging", "publish"]
+    );
+    let (report, unhealthy) = render(Path::new("/s"), &[after], &[]);
+    assert!(unhealthy.is_none(), "{unhealthy:?}");
+    assert_eq!(report.json["healthy"], true);
+    assert_eq!(report.json["volumes"][0]["verdict"], "remembered");
+    // In the boot that wrote it, the same record is drift: its mounts and device are gone.
+    let before = check_volume(&rec, &table, &then);
+    assert_eq!(before.verdict, Verdict::DeviceGone, "{before:?}");
+    assert!(
+        before
+            .checks
+            .iter()
+            .all(|c| c.verdict > Verdict::Remembered),
+        "{before:?}"
+    );
+    // A record without a boot (written before moor kept one) is this boot's.
+    let mut unstamped = rec.clone();
+    unstamped.publishes.values_mut().for_each(|p| p.boot = None);
+    let judged = check_volume(&unstamped, &table, &now);
+    assert_eq!(
+        judged.checks.last().map(|c| c.verdict),
+        Some(Verdict::Drifted),
+        "{judged:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

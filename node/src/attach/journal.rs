@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::ImageSpec;
-use crate::journal::Phase;
+use crate::journal::{Boot, Phase};
 
 /// A volume's RBD mapping.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,6 +41,9 @@ pub struct MappingRecord {
     /// condition asks them whether the cluster answers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub monitors: Option<String>,
+    /// The boot it was written in ([`crate::journal::Boot`]): a mapping never outlives it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<String>,
 }
 
 impl MappingRecord {
@@ -53,8 +56,8 @@ impl MappingRecord {
         }
     }
 
-    /// An intent to map `image` with `attacher`.
-    pub fn intent(attacher: &str, image: &ImageSpec, read_only: bool) -> Self {
+    /// An intent to map `image` with `attacher`, in boot `boot`.
+    pub fn intent(attacher: &str, image: &ImageSpec, read_only: bool, boot: &Boot) -> Self {
         Self {
             attacher: attacher.to_string(),
             cluster_id: image.cluster_id.clone(),
@@ -65,6 +68,7 @@ impl MappingRecord {
             rdev: None,
             phase: Phase::InProgress,
             monitors: None,
+            boot: boot.stamp(),
         }
     }
 }

@@ -46,7 +46,8 @@ impl<O: Os> Engine<O> {
     /// NodeExpandVolume: grows the filesystem to the device's size; returns the capacity.
     pub fn expand(&self, req: &Expand) -> Result<u64> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
-        let stage = staged_for_expand(self.journal.get(&req.volume_id).as_ref(), req)?;
+        let record = self.journal.get(&req.volume_id).map(|r| self.claims(r));
+        let stage = staged_for_expand(record.as_ref(), req)?;
         // An RBD image grown on the controller: its device takes the new size first.
         self.refresh_mapping(&req.volume_id)?;
         let dev = self.open_device(&req.volume_id, &stage.device)?;

@@ -177,9 +177,11 @@ impl<O: Os> Engine<O> {
         staged
     }
 
-    /// A volume maps one image, and an image is mapped for one volume.
+    /// A volume maps one image, and an image is mapped for one volume. A mapping recorded
+    /// before a reboot is gone with it: it holds no image.
     fn check_image_owner(&self, record: &VolumeRecord, image: &ImageSpec) -> Result<()> {
-        if let Some(m) = &record.mapping
+        let live = |m: &&MappingRecord| !self.boot().is_earlier(m.boot.as_deref());
+        if let Some(m) = record.mapping.as_ref().filter(live)
             && !same_image(&m.spec(), image)
         {
             return Err(Error::FailedPrecondition(format!(
@@ -192,6 +194,7 @@ impl<O: Os> Engine<O> {
             r.volume_id != record.volume_id
                 && r.mapping
                     .as_ref()
+                    .filter(live)
                     .is_some_and(|m| same_image(&m.spec(), image))
         });
         if let Some(r) = other {
@@ -236,12 +239,13 @@ impl<O: Os> Engine<O> {
                 attacher.kind(),
                 image,
                 found.read_only,
+                self.boot(),
             ));
             self.unmap_record(record, attacher.as_ref())?;
         }
         record.mapping = Some(MappingRecord {
             monitors: Some(rbd.monitors.clone()),
-            ..MappingRecord::intent(attacher.kind(), image, read_only)
+            ..MappingRecord::intent(attacher.kind(), image, read_only, self.boot())
         });
         self.journal.put(record, Durability::Process)?;
         crash_points::point("map.mapping");
@@ -303,7 +307,7 @@ impl<O: Os> Engine<O> {
             rdev: Some(mapping.rdev),
             phase: Phase::Done,
             monitors,
-            ..MappingRecord::intent(kind, image, mapping.read_only)
+            ..MappingRecord::intent(kind, image, mapping.read_only, self.boot())
         };
         if record.mapping.as_ref() != Some(&done) {
             record.mapping = Some(done);
@@ -475,12 +479,36 @@ impl<O: Os> Engine<O> {
         let Some(m) = record.mapping.clone() else {
             return;
         };
+        let volume = record.volume_id.clone();
+        let claims = self.claims(record.clone());
+        if self.boot().is_earlier(m.boot.as_deref())
+            && claims.stage.is_none()
+            && claims.publishes.is_empty()
+        {
+            // A mapping a reboot ended, under nothing that holds it now: kept with the memory of
+            // its staging (the next stage maps the image again and the staging follows it),
+            // else forgotten. What is mapped now was not this record's.
+            if record.stage.is_none() {
+                record.mapping = None;
+                match self.journal.put(record, Durability::Process) {
+                    Ok(()) => actions.push(Action::Forgotten {
+                        volume,
+                        path: PathBuf::from(m.spec().to_string()),
+                    }),
+                    Err(e) => actions.push(Action::Failed {
+                        volume,
+                        path: PathBuf::from(m.spec().to_string()),
+                        error: e.to_string(),
+                    }),
+                }
+            }
+            return;
+        }
         let in_use = record.stage.is_some() || !record.publishes.is_empty();
         // A light pass leaves a confirmed mapping in use alone.
         if m.phase == Phase::Done && !full && in_use {
             return;
         }
-        let volume = record.volume_id.clone();
         let image = m.spec();
         let failed = |error: String| Action::Failed {
             volume: volume.clone(),

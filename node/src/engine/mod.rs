@@ -8,8 +8,9 @@
 //! One operation to a file: `stage` (NodeStageVolume, NodeUnstageVolume), `publish`
 //! (NodePublishVolume, NodeUnpublishVolume), `stats` (NodeGetVolumeStats) and `expand`
 //! (NodeExpandVolume); `device` finds, holds and reads the volume's device, `format`
-//! makes and checks the filesystem of a stage, and `mapped` maps an RBD image before its
-//! stage and unmaps it after its unstage. Here is what they
+//! makes and checks the filesystem of a stage, `mapped` maps an RBD image before its
+//! stage and unmaps it after its unstage, and `reboot` tells the records a power cut left
+//! from before a reboot (memories) from those that hold something (claims). Here is what they
 //! share: the engine, its settings, the journal record, unmounting.
 
 mod device;
@@ -17,6 +18,7 @@ mod expand;
 mod format;
 mod mapped;
 mod publish;
+mod reboot;
 mod request;
 mod stage;
 mod stats;
@@ -29,7 +31,7 @@ use std::time::Duration;
 
 use crate::attach::Attacher;
 use crate::error::{Error, Result};
-use crate::journal::{Journal, VolumeRecord};
+use crate::journal::{Boot, Journal, VolumeRecord};
 use crate::superblock;
 use crate::sys::discovery::DEFAULT_DISCOVERY_DEADLINE;
 use crate::sys::{BufPool, MountPoint, MountState, Os};
@@ -37,6 +39,7 @@ use crate::volume_lock::VolumeLocks;
 
 pub use format::FsckOutcome;
 pub use mapped::{STALL_BYTES, stalled};
+pub use reboot::VolumeCounts;
 pub use request::{Access, Capability, Expand, Publish, Stage, Stats, Unpublish, Unstage};
 pub use stage::{GROW_MIN, StageReport};
 pub use stats::{Condition, VolumeStats};
@@ -62,6 +65,9 @@ pub struct EngineConfig {
     pub resize_deadline: Duration,
     /// How long NodeStageVolume waits for the volume's device to appear.
     pub discovery_deadline: Duration,
+    /// The node's boot, stamped on the records of mounts and mappings (unknown: every record
+    /// is taken as this boot's).
+    pub boot: Boot,
 }
 
 impl Default for EngineConfig {
@@ -72,6 +78,7 @@ impl Default for EngineConfig {
             mkfs_deadline: Duration::from_secs(600),
             resize_deadline: Duration::from_secs(600),
             discovery_deadline: DEFAULT_DISCOVERY_DEADLINE,
+            boot: Boot::default(),
         }
     }
 }
@@ -250,14 +257,20 @@ impl<O: Os> Engine<O> {
         }
     }
 
-    /// Whether the journal has a volume other than `volume_id` staged or published at `path`.
-    /// Without a record of its own at a path, a volume's call is taken at the CO's word (the
-    /// journal may be new); this keeps that word from reaching another volume's mounts.
+    /// Whether the journal has a volume other than `volume_id` staged or published at `path`
+    /// (a memory of one from before a reboot holds nothing). Without a record of its own at a
+    /// path, a volume's call is taken at the CO's word (the journal may be new); this keeps
+    /// that word from reaching another volume's mounts.
     fn held_by_another(&self, volume_id: &str, path: &Path) -> bool {
         self.journal.all().iter().any(|r| {
             r.volume_id != volume_id
-                && (r.stage.as_ref().is_some_and(|s| s.path == path)
-                    || r.publishes.contains_key(path))
+                && (r
+                    .stage
+                    .as_ref()
+                    .is_some_and(|s| s.path == path && !self.stage_is_memory(s))
+                    || r.publishes
+                        .get(path)
+                        .is_some_and(|p| !self.publish_is_memory(path, p)))
         })
     }
 }

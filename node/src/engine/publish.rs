@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::{ADOPTED_MODE, Access, Engine, Publish, Unpublish};
 use crate::crash_points;
@@ -34,10 +34,10 @@ impl Source {
     }
 }
 
-/// The volume's stage, which must be done, at the request's staging path, and of the same
-/// access type.
-fn staged_for_publish(record: &VolumeRecord, req: &Publish) -> Result<StageRecord> {
-    let Some(stage) = record.stage.clone().filter(|s| s.phase == Phase::Done) else {
+/// The volume's stage (`stage`: the record's, unless it is a memory from before a reboot),
+/// which must be done, at the request's staging path, and of the same access type.
+fn staged_for_publish(stage: Option<&StageRecord>, req: &Publish) -> Result<StageRecord> {
+    let Some(stage) = stage.filter(|s| s.phase == Phase::Done).cloned() else {
         return Err(Error::FailedPrecondition(format!(
             "volume {:?} is not staged on this node; NodeStageVolume must succeed first",
             req.volume_id
@@ -126,8 +126,22 @@ impl<O: Os> Engine<O> {
     pub fn publish(&self, req: &Publish) -> Result<()> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
         let mut record = self.record(&req.volume_id);
-        let stage = staged_for_publish(&record, req)?;
+        let stage = staged_for_publish(
+            record.stage.as_ref().filter(|s| !self.stage_is_memory(s)),
+            req,
+        )?;
         selinux::require_support(&*self.os, &req.cap.access)?;
+        // Publications a reboot ended hold no target: forgotten, and written with this one.
+        let forgotten = self.forget_publications(&mut record);
+        for target in &forgotten {
+            info!(
+                volume = req.volume_id,
+                path = %target.display(),
+                "a publication recorded before the node rebooted is not mounted: forgotten \
+                 (kubelet had ended it, or publishes it again)"
+            );
+        }
+        let forgot = !forgotten.is_empty();
         let here = record.publishes.contains_key(&req.target);
         selinux::check_publish(&req.volume_id, &req.cap.access, &stage, here)?;
         let wanted = PublishRecord {
@@ -135,6 +149,7 @@ impl<O: Os> Engine<O> {
             attrs: publish_attrs(req, &stage),
             access_mode: req.cap.mode as i32,
             phase: Phase::Done,
+            boot: self.boot().stamp(),
         };
         let source = self.bind_source(req, &stage)?;
         check_publications(&record, req, &wanted)?;
@@ -143,7 +158,7 @@ impl<O: Os> Engine<O> {
             // written only if its record says otherwise (a crash before the confirmation, an
             // adopted record): a retry that finds it all done (kubelet re-drives every
             // publication when it restarts) changes nothing, on the node or on disk.
-            if record.publishes.get(&req.target) != Some(&wanted) {
+            if forgot || record.publishes.get(&req.target) != Some(&wanted) {
                 record.publishes.insert(req.target.clone(), wanted);
                 self.journal.put(&record, Durability::Process)?;
             }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 use moor_runtime::contract::Filesystem;
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::{ADOPTED_MODE, Access, Capability, Engine, FsckOutcome, Stage, Unstage};
 use crate::crash_points;
@@ -86,6 +86,8 @@ pub(super) struct Staging<'a> {
     pub(super) dev: HeldDevice,
     /// The per-mount attributes the volume is staged with.
     pub(super) attrs: MountAttrs,
+    /// The boot its records are written in.
+    pub(super) boot: Option<String>,
 }
 
 impl Staging<'_> {
@@ -100,6 +102,7 @@ impl Staging<'_> {
             access_mode: self.req.cap.mode as i32,
             phase,
             fs_uuid,
+            boot: self.boot.clone(),
         }
     }
 
@@ -133,6 +136,7 @@ impl<O: Os> Engine<O> {
             path,
             dev,
             attrs: stage_attrs(&req.cap),
+            boot: self.boot().stamp(),
         };
         let interrupted = self.check_recorded_device(&record, &st)?;
         if self.prepare_staging_dir(&record, &st)? {
@@ -175,11 +179,20 @@ impl<O: Os> Engine<O> {
     }
 
     /// The journal's record against the request: a volume staged elsewhere, or with another
-    /// capability, is refused, and a new volume past the node's limit.
+    /// capability, is refused, and a new volume past the node's limit. A staging recorded
+    /// before a reboot and not mounted since is no staging: this one replaces it.
     fn check_stage_record(&self, record: &VolumeRecord, req: &Stage) -> Result<()> {
-        let Some(st) = &record.stage else {
-            if self.cfg.max_volumes > 0 && self.journal.staged_count() >= self.cfg.max_volumes {
+        let Some(st) = record.stage.as_ref().filter(|s| !self.stage_is_memory(s)) else {
+            if self.cfg.max_volumes > 0 && self.staged_claims() >= self.cfg.max_volumes {
                 return Err(Error::TooManyVolumes(self.cfg.max_volumes));
+            }
+            if let Some(memory) = &record.stage {
+                info!(
+                    volume = req.volume_id,
+                    path = %memory.path.display(),
+                    "a staging recorded before the node rebooted is not mounted: this stage \
+                     replaces it"
+                );
             }
             return Ok(());
         };
@@ -252,20 +265,31 @@ impl<O: Os> Engine<O> {
     /// Whether the device `st` holds is the recorded stage's, renumbered: a reboot (a power
     /// cut) hands out device numbers afresh, so a volume staged from 253:2 may come back as
     /// 253:1 at the same path. It is the volume's own device when nothing is mounted on the
-    /// staging path any more (the record is one a reboot left) and the device carries the
-    /// filesystem moor made for the volume, by the UUID it chose at mkfs. Anything else (a
-    /// filesystem moor did not make, another UUID, a blank device) stays refused: the path
-    /// may name another disk now.
+    /// staging path any more (the record is one a reboot left) and either the request names
+    /// the device by an identity (a serial, a WWN, a backing file, an RBD image: the device
+    /// was found and checked by it) or the device carries the filesystem moor made for the
+    /// volume, by the UUID it chose at mkfs. Anything else at a path alone (a filesystem moor
+    /// did not make, another UUID, a blank device) stays refused: the path may name another
+    /// disk now.
     fn renumbered(&self, s: &StageRecord, st: &Staging<'_>) -> Result<bool> {
-        let Some(want) = s.fs_uuid.as_deref() else {
-            return Ok(false);
-        };
         if matches!(
             self.os.mount_state(&st.req.staging)?,
             MountState::Mounted(_)
         ) {
             return Ok(false);
         }
+        if !st.req.identity.is_empty() {
+            warn!(
+                volume = st.req.volume_id,
+                from = ?s.rdev,
+                to = ?st.dev.rdev,
+                "the volume's device was renumbered (a reboot): its identity names it"
+            );
+            return Ok(true);
+        }
+        let Some(want) = s.fs_uuid.as_deref() else {
+            return Ok(false);
+        };
         let same = matches!(
             self.probe_device(&st.dev.handle, st.dev.size)?,
             Content::Filesystem { uuid: Some(u), .. } if u == want

@@ -48,7 +48,8 @@ impl<O: Os> Engine<O> {
 
     /// The usage and condition of the volume at `path`, as this node sees them.
     fn local_stats(&self, req: &Stats) -> Result<(VolumeStats, Condition)> {
-        let record = self.journal.get(&req.volume_id);
+        // What a reboot ended is not the volume's, whatever the journal remembers of it.
+        let record = self.journal.get(&req.volume_id).map(|r| self.claims(r));
         let stage = record.as_ref().and_then(|r| r.stage.as_ref());
         let known = record.as_ref().is_some_and(|r| {
             r.publishes.contains_key(&req.path)

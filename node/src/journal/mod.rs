@@ -119,6 +119,9 @@ pub struct StageRecord {
     /// to be formatted again. None for a filesystem moor did not make.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fs_uuid: Option<String>,
+    /// The boot the record was written in ([`Boot`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<String>,
 }
 
 /// A published volume at one target.
@@ -132,6 +135,37 @@ pub struct PublishRecord {
     pub access_mode: i32,
     /// Phase.
     pub phase: Phase,
+    /// The boot the record was written in ([`Boot`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<String>,
+}
+
+/// The node's boot, as the kernel names it (`/proc/sys/kernel/random/boot_id`, a new random
+/// UUID at every boot), stamped on every record of a mount or a mapping: the things a reboot
+/// ends. Such a record is written to outlive the process, not a power cut (docs/durability.md),
+/// so after a reboot the journal may hold an older state than kubelet was told: a publication
+/// or a staging it has ended since. A record from an earlier boot whose path is not mounted
+/// now is a memory, not a claim: nothing is held by it. A record without a boot (written
+/// before moor kept one), or any record where the boot cannot be read, is this boot's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Boot(Option<String>);
+
+impl Boot {
+    /// The boot `id` (None: unknown).
+    pub fn new(id: Option<String>) -> Self {
+        Self(id.filter(|s| !s.is_empty()))
+    }
+
+    /// The stamp a record written now carries.
+    pub fn stamp(&self) -> Option<String> {
+        self.0.clone()
+    }
+
+    /// Whether a record stamped `written` was written in an earlier boot than this one: both
+    /// known, and different.
+    pub fn is_earlier(&self, written: Option<&str>) -> bool {
+        matches!((&self.0, written), (Some(now), Some(then)) if now != then)
+    }
 }
 
 /// Everything moor knows of one volume on this node.
@@ -477,15 +511,6 @@ impl Journal {
     /// Every record.
     pub fn all(&self) -> Vec<VolumeRecord> {
         self.lock().records.values().cloned().collect()
-    }
-
-    /// How many volumes are staged.
-    pub fn staged_count(&self) -> u64 {
-        self.lock()
-            .records
-            .values()
-            .filter(|r| r.stage.is_some())
-            .count() as u64
     }
 
     /// How many bytes at the start of `journal.log` are known to be on disk: what a power cut

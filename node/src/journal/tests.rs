@@ -15,6 +15,7 @@ fn sample() -> VolumeRecord {
         access_mode: 7,
         phase: Phase::Done,
         fs_uuid: None,
+        boot: Some("b1".into()),
     });
     r.publishes.insert(
         "/k/pods/t".into(),
@@ -23,6 +24,7 @@ fn sample() -> VolumeRecord {
             attrs: MountAttrs::default(),
             access_mode: 7,
             phase: Phase::Done,
+            boot: None,
         },
     );
     r
@@ -72,6 +74,29 @@ fn crc32c_known_value() {
 fn round_trip() {
     let r = sample();
     assert_eq!(decode(&encode(&r)).unwrap(), r);
+}
+
+/// A record carries the boot it was written in; one written before moor kept it reads without
+/// one, which no boot takes as an earlier one's (nor does a node whose boot is unknown).
+#[test]
+fn a_record_is_from_an_earlier_boot_only_when_both_boots_are_known_and_differ() {
+    let r = sample();
+    let line = String::from_utf8(encode(&r)).expect("utf-8");
+    assert!(line.contains(r#""boot":"b1""#), "{line}");
+    let mut old = r.clone();
+    if let Some(s) = old.stage.as_mut() {
+        s.boot = None;
+    }
+    let line = String::from_utf8(encode(&old)).expect("utf-8");
+    assert!(!line.contains("boot"), "no boot, no field: {line}");
+    assert_eq!(decode(line.as_bytes()), Ok(old));
+    let (b1, b2) = (Boot::new(Some("b1".into())), Boot::new(Some("b2".into())));
+    assert!(b2.is_earlier(Some("b1")));
+    assert!(!b1.is_earlier(Some("b1")));
+    assert!(!b2.is_earlier(None));
+    assert!(!Boot::new(None).is_earlier(Some("b1")));
+    assert!(!Boot::new(Some(String::new())).is_earlier(Some("b1")));
+    assert_eq!(b2.stamp().as_deref(), Some("b2"));
 }
 
 #[test]

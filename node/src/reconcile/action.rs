@@ -53,6 +53,22 @@ pub enum Action {
         /// The path.
         path: PathBuf,
     },
+    /// A record of a publication or a mapping from before the node rebooted, of which nothing
+    /// is mounted or mapped now (a memory, which holds nothing): dropped.
+    Forgotten {
+        /// Volume id.
+        volume: String,
+        /// The target, or the image.
+        path: PathBuf,
+    },
+    /// A staging from before the node rebooted, not mounted now: kept for kubelet's next
+    /// NodeStageVolume of the volume (which replaces it), holding nothing meanwhile.
+    Remembered {
+        /// Volume id.
+        volume: String,
+        /// The staging path.
+        path: PathBuf,
+    },
     /// A mkfs was cut short: kubelet's retry of NodeStageVolume resumes it.
     FormatPending {
         /// Volume id.
@@ -120,6 +136,8 @@ impl Action {
             Action::DeviceGone { .. } => "device_gone",
             Action::Unstacked { .. } => "unstacked",
             Action::Missing { .. } => "missing",
+            Action::Forgotten { .. } => "forgotten",
+            Action::Remembered { .. } => "remembered",
             Action::FormatPending { .. } => "format_pending",
             Action::Foreign { .. } => "foreign",
             Action::Adopted { .. } => "adopted",
@@ -142,6 +160,7 @@ impl Action {
                 | Action::Unstacked { .. }
                 | Action::Adopted { .. }
                 | Action::Unmapped { .. }
+                | Action::Forgotten { .. }
         )
     }
 
@@ -172,6 +191,12 @@ impl Action {
             }
             Action::Missing { volume, path } => {
                 warn!(volume, path = %path.display(), "reconcile: not mounted though recorded; volume abnormal until kubelet acts");
+            }
+            Action::Forgotten { volume, path } => {
+                info!(volume, path = %path.display(), "reconcile: recorded before the node rebooted and not mounted or mapped since: forgotten (kubelet had ended it, or makes it again)");
+            }
+            Action::Remembered { volume, path } => {
+                info!(volume, path = %path.display(), "reconcile: staged before the node rebooted and not mounted since: kept for kubelet's next stage of the volume, holding nothing meanwhile");
             }
             Action::FormatPending { volume } => {
                 info!(

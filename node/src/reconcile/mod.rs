@@ -215,12 +215,30 @@ impl<O: Os> Reconciler<O> {
     fn volume(&self, mut record: VolumeRecord, index: &Index<'_>, actions: &mut Vec<Action>) {
         let os = self.engine.os();
         let volume = record.volume_id.clone();
+        // Publications a reboot ended: memories, forgotten (kubelet's publish needs no record).
+        let forgotten = self.engine.forget_publications(&mut record);
+        if let Some(first) = forgotten.first() {
+            self.put(&record, actions, first);
+            actions.extend(forgotten.into_iter().map(|path| Action::Forgotten {
+                volume: volume.clone(),
+                path,
+            }));
+        }
         let Some(mut stage) = record.stage.clone() else {
             return;
         };
         if stage.phase == Phase::Formatting {
             actions.push(Action::FormatPending { volume });
             return;
+        }
+        // A staging a reboot ended: kept for kubelet's next stage, and nothing to check (its
+        // device's number, and what is not mounted, are the earlier boot's).
+        let memory = self.engine.stage_is_memory(&stage);
+        if memory {
+            actions.push(Action::Remembered {
+                volume: volume.clone(),
+                path: stage.path.clone(),
+            });
         }
         let block = matches!(stage.access, AccessRecord::Block);
         let source_matches = |path: &Path| {
@@ -233,7 +251,8 @@ impl<O: Os> Reconciler<O> {
         let stage_is_ours = |mp: &MountPoint| mp.dev == stage_dev || source_matches(&stage.path);
 
         // The device: gone means every mount of the volume is dead weight.
-        if stage.phase == Phase::Done
+        if !memory
+            && stage.phase == Phase::Done
             && let Presence::Gone(why) = self.engine.presence(&stage)
         {
             debug!(volume, device = %stage.device.display(), why, "reconcile: device gone");
@@ -268,7 +287,9 @@ impl<O: Os> Reconciler<O> {
 
         // The staging mount.
         let mut staged_dev = None;
-        if block {
+        if memory {
+            // Nothing of it to confirm, roll back or clean.
+        } else if block {
             if stage.phase == Phase::InProgress {
                 // Unknown is not gone: confirm, and let stats report what is wrong.
                 if !matches!(self.engine.presence(&stage), Presence::Gone(_)) {
@@ -450,6 +471,7 @@ impl<O: Os> Reconciler<O> {
             access_mode: ADOPTED_MODE,
             phase: Phase::Done,
             fs_uuid: None,
+            boot: self.engine.boot().stamp(),
         };
         match kind {
             KubeletPath::Staging => {
@@ -483,6 +505,7 @@ impl<O: Os> Reconciler<O> {
                         },
                         access_mode: ADOPTED_MODE,
                         phase: Phase::Done,
+                        boot: self.engine.boot().stamp(),
                     },
                 );
             }
@@ -512,6 +535,7 @@ impl<O: Os> Reconciler<O> {
                         },
                         access_mode: ADOPTED_MODE,
                         phase: Phase::Done,
+                        boot: self.engine.boot().stamp(),
                     },
                 );
             }

@@ -3,7 +3,8 @@
 //!
 //! One file to an RPC (`stage`, `publish`, `stats`, `expand`, `identity`), with the stage's
 //! device and filesystem apart (`device`, `format`), and the calls at another volume's paths
-//! (`paths`) and hostile input (`hostile`) across RPCs; here is the harness they share.
+//! (`paths`), hostile input (`hostile`) and the calls after a reboot against what the journal
+//! kept of the boot before (`reboot`) across RPCs; here is the harness they share.
 
 mod device;
 mod expand;
@@ -13,6 +14,7 @@ mod identity;
 mod paths;
 mod publish;
 pub(crate) mod rbd;
+mod reboot;
 mod stage;
 mod stats;
 
@@ -27,7 +29,7 @@ use moor_proto::csi::v1::node_server::Node;
 use tonic::{Code, Request};
 
 use crate::engine::{Engine, EngineConfig};
-use crate::journal::Journal;
+use crate::journal::{self, Boot, Journal};
 use crate::service::{NodeService, PluginInfo};
 use crate::sys::Os as _;
 use crate::sys::fake::{Call, FakeOs, superblock};
@@ -54,6 +56,12 @@ impl Drop for Harness {
 }
 
 fn harness_with(max_volumes: u64) -> Harness {
+    node(max_volumes, &Boot::default(), b"")
+}
+
+/// A node in `boot` (taking `max_volumes`) whose journal log holds `log`: nothing mounted, DEV
+/// blank.
+pub(crate) fn node(max_volumes: u64, boot: &Boot, log: &[u8]) -> Harness {
     static N: AtomicU32 = AtomicU32::new(0);
     let state = std::env::temp_dir().join(format!(
         "moor-svc-test-{}-{}",
@@ -68,10 +76,13 @@ fn harness_with(max_volumes: u64) -> Harness {
         "{K}/plugins/kubernetes.io/csi/volumeDevices/publish/pv1"
     ));
     os.add_device(DEV, (7, 7), GIB);
+    std::fs::create_dir_all(&state).expect("state dir");
+    std::fs::write(state.join(journal::LOG_FILE), log).expect("log");
     let (journal, _) = Journal::open(&state, false).expect("journal");
     let cfg = EngineConfig {
         kubelet_dir: K.into(),
         max_volumes,
+        boot: boot.clone(),
         ..EngineConfig::default()
     };
     let engine = Arc::new(Engine::new(Arc::clone(&os), Arc::new(journal), cfg));
@@ -96,7 +107,7 @@ pub(crate) fn harness() -> Harness {
     harness_with(0)
 }
 
-fn mount_cap(fs: &str, flags: &[&str], mode: Mode) -> csi::VolumeCapability {
+pub(crate) fn mount_cap(fs: &str, flags: &[&str], mode: Mode) -> csi::VolumeCapability {
     csi::VolumeCapability {
         access_mode: Some(AccessMode { mode: mode as i32 }),
         access_type: Some(AccessType::Mount(MountVolume {

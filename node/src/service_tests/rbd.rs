@@ -8,7 +8,7 @@ use super::*;
 use crate::attach::fake::{AttachCall, Failure, FakeAttacher, image_file};
 use crate::attach::journal::MappingRecord;
 use crate::attach::{Attacher as _, ImageSpec};
-use crate::journal::{Durability, Phase};
+use crate::journal::{Boot, Durability, Phase};
 use crate::reconcile::{Action, Reconciler};
 use moor_runtime::contract::{
     RBD_IMAGE_KEY as IMAGE_KEY, RBD_MONITORS_KEY as MONITORS_KEY, RBD_POOL_KEY as POOL_KEY,
@@ -25,10 +25,18 @@ struct Rbd {
 }
 
 fn rbd_harness() -> Rbd {
+    rbd_harness_in(&Boot::default())
+}
+
+/// [`rbd_harness`] in boot `boot`.
+fn rbd_harness_in(boot: &Boot) -> Rbd {
     let mut h = harness();
     let attacher = Arc::new(FakeAttacher::new(Arc::clone(&h.os), GIB));
     let journal = Arc::clone(h.engine.journal());
-    let cfg = h.engine.config().clone();
+    let cfg = EngineConfig {
+        boot: boot.clone(),
+        ..h.engine.config().clone()
+    };
     let engine = Arc::new(
         Engine::new(Arc::clone(&h.os), journal, cfg).with_attacher(Some(
             Arc::clone(&attacher) as Arc<dyn crate::attach::Attacher>
@@ -407,7 +415,12 @@ async fn reconciliation_finishes_or_undoes_a_map_a_crash_cut_short() {
     // The intent only (killed before the attacher ran): undone.
     let r = rbd_harness();
     let mut rec = crate::journal::VolumeRecord::new("vol-1");
-    rec.mapping = Some(MappingRecord::intent("fuse", &image(), false));
+    rec.mapping = Some(MappingRecord::intent(
+        "fuse",
+        &image(),
+        false,
+        &Boot::default(),
+    ));
     r.h.engine.journal().put(&rec, Durability::Process).unwrap();
     let actions = reconcile(&r);
     assert!(
@@ -433,7 +446,7 @@ async fn reconciliation_finishes_or_undoes_a_map_a_crash_cut_short() {
     let done = rec.mapping.clone().unwrap();
     rec.mapping = Some(MappingRecord {
         monitors: done.monitors.clone(),
-        ..MappingRecord::intent("fuse", &image(), false)
+        ..MappingRecord::intent("fuse", &image(), false, &Boot::default())
     });
     r.h.engine.journal().put(&rec, Durability::Process).unwrap();
     let actions = reconcile(&r);
@@ -648,4 +661,63 @@ async fn a_read_only_publication_is_mapped_and_staged_read_only() {
         _ => None,
     });
     assert!(m.expect("mounted").attrs.read_only);
+}
+
+/// A mapping recorded before a reboot is gone with it: after the reboot it holds no image (a
+/// power cut may have taken the unstage that unmapped it, answered OK), reconciliation drops
+/// it without unmapping anything when nothing is staged on it, and keeps it quietly with the
+/// memory of its staging (which the volume's next stage replaces).
+#[tokio::test]
+async fn a_mapping_from_before_a_reboot_holds_no_image() {
+    let then = Boot::new(Some("boot-1".into()));
+    let r = rbd_harness_in(&Boot::new(Some("boot-2".into())));
+    let remembered = |staged: bool| {
+        let mut rec = crate::journal::VolumeRecord::new("vol-2");
+        rec.mapping = Some(MappingRecord {
+            device: Some("/dev/rbd9".into()),
+            rdev: Some((251, 9)),
+            phase: Phase::Done,
+            ..MappingRecord::intent("fuse", &image(), false, &then)
+        });
+        rec.stage = staged.then(|| crate::journal::StageRecord {
+            path: format!("{STAGING}2").into(),
+            device: "/dev/rbd9".into(),
+            rdev: (251, 9),
+            access: crate::journal::AccessRecord::Mount {
+                fs_type: "ext4".into(),
+                fs_options: Vec::new(),
+                group: None,
+            },
+            attrs: crate::sys::MountAttrs::default(),
+            access_mode: Mode::SingleNodeWriter as i32,
+            phase: Phase::Done,
+            fs_uuid: None,
+            boot: then.stamp(),
+        });
+        r.h.engine.journal().put(&rec, Durability::Process).unwrap();
+    };
+    remembered(false);
+    let actions = reconcile(&r);
+    assert!(
+        matches!(&actions[..], [Action::Forgotten { volume, .. }] if volume == "vol-2"),
+        "{actions:?}"
+    );
+    assert!(r.h.engine.journal().get("vol-2").is_none());
+    assert_eq!(unmaps(&r), 0, "nothing of it was mapped to unmap");
+    remembered(true);
+    let actions = reconcile(&r);
+    assert!(
+        matches!(&actions[..], [Action::Remembered { volume, .. }] if volume == "vol-2"),
+        "{actions:?}"
+    );
+    assert!(
+        r.h.engine
+            .journal()
+            .get("vol-2")
+            .is_some_and(|v| v.mapping.is_some())
+    );
+    // Another volume's stage maps the image: nothing holds it.
+    stage(&r, ext4()).await.expect("stage");
+    assert_eq!(maps(&r), 1);
+    assert_eq!(r.h.os.mount_depth(STAGING), 1);
 }

@@ -486,6 +486,18 @@ impl Os for Linux {
     }
 }
 
+/// Where the kernel names the boot it runs (a random UUID, new at every boot; not namespaced,
+/// so a container reads the host's).
+const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
+
+/// The node's boot id, as the kernel names it; None when it cannot be read.
+pub fn boot_id() -> Option<String> {
+    std::fs::read_to_string(BOOT_ID)
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
 /// Opens the block device at `path` and reports its number and size.
 pub fn block_device(path: &Path) -> SysResult<BlockDevice> {
     open_block(path).map(|(_, dev)| dev)
