@@ -15,7 +15,7 @@ use std::time::{Instant, SystemTime};
 
 use tracing::{info, warn};
 
-use super::attach::Attacher;
+use super::attach::{Attacher, FileId};
 use super::freeze::{self, Frozen, Mounted};
 use super::ids::{GroupId, SnapshotId, VolumeId};
 use super::records::{self, GroupRecord, SnapshotRecord};
@@ -33,8 +33,9 @@ struct Member {
     snapshot: SnapshotId,
     source: PathBuf,
     size: u64,
-    /// The attached device, to flush before the clone.
-    device: Option<PathBuf>,
+    /// Every device bound read-write to the member's file, as the kernel has them now (not
+    /// as the records say): each must be held, and flushed before the clone.
+    writers: Vec<PathBuf>,
     tmp: Option<TempFile>,
 }
 
@@ -70,30 +71,30 @@ impl<A: Attacher> EmbeddedBackend<A> {
     /// The filesystem of each member attached read-write, to freeze; FAILED_PRECONDITION for
     /// one whose writes cannot be held (see [`super::freeze`]).
     fn writers(&self, members: &[Member]) -> Result<Vec<Mounted>> {
-        let attached: Vec<&Member> = members.iter().filter(|m| m.device.is_some()).collect();
-        if attached.is_empty() {
+        if members.iter().all(|m| m.writers.is_empty()) {
             return Ok(Vec::new());
         }
         let table = freeze::mount_table()?;
         let mut out = Vec::new();
-        for m in attached {
-            let Some(dev) = &m.device else { continue };
-            // A device node that cannot be read names no mount: refused like one unmounted.
-            let device = freeze::device_number(dev).ok();
-            match device.and_then(|d| freeze::mount_of(&table, d).map(|m| (d, m))) {
-                Some((device, mount_point)) => out.push(Mounted {
-                    mount_point,
-                    device,
-                }),
-                None => {
-                    return Err(Error::GroupRefused(format!(
-                        "volume {} is attached read-write as {} and no filesystem of it is \
-                         mounted where the controller can freeze it (a raw block volume, or a \
-                         mount outside the controller's view): its writes cannot be held while \
-                         the group is cut",
-                        m.volume,
-                        dev.display()
-                    )));
+        for m in members {
+            for dev in &m.writers {
+                // A device node that cannot be read names no mount: refused like one unmounted.
+                let device = freeze::device_number(dev).ok();
+                match device.and_then(|d| freeze::mount_of(&table, d).map(|m| (d, m))) {
+                    Some((device, mount_point)) => out.push(Mounted {
+                        mount_point,
+                        device,
+                    }),
+                    None => {
+                        return Err(Error::GroupRefused(format!(
+                            "volume {} is attached read-write as {} and no filesystem of it \
+                             is mounted where the controller can freeze it (a raw block volume, \
+                             or a mount outside the controller's view): its writes cannot be \
+                             held while the group is cut",
+                            m.volume,
+                            dev.display()
+                        )));
+                    }
                 }
             }
         }
@@ -108,8 +109,15 @@ impl<A: Attacher> EmbeddedBackend<A> {
             .dev();
         let start = Instant::now();
         let frozen = Frozen::freeze(&self.store, &mounts, data_dev)?;
+        if frozen.count() != mounts.len() {
+            return Err(Error::Internal(format!(
+                "{} of the members' {} filesystems were frozen",
+                frozen.count(),
+                mounts.len()
+            )));
+        }
         for m in members.iter_mut() {
-            if let Some(dev) = &m.device {
+            for dev in &m.writers {
                 self.flush_device(dev, &m.source)?;
             }
             let src = File::open(&m.source).map_err(|e| Error::io("open", &m.source, e))?;
@@ -126,6 +134,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
         drop(frozen);
         info!(
             members = members.len(),
+            writers = members.iter().map(|m| m.writers.len()).sum::<usize>(),
             frozen = held,
             micros = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX),
             "group cloned"
@@ -200,27 +209,32 @@ impl<A: Attacher> EmbeddedBackend<A> {
         // Shared: other snapshots may be cut meanwhile, but no member is published,
         // unpublished, grown or deleted until the group is cut.
         let _sources = self.inflight.claim(&[], &key_refs)?;
+        // Who can write to each member is what the kernel says now: a record can be wrong
+        // (a device it lost track of), and a member written to while the others are cloned
+        // would make a group that is not one instant.
+        let live = self.attacher.list(&self.layout.root)?;
         let mut members = Vec::with_capacity(ids.len());
         for vid in ids {
-            let rec = self
-                .volume_record(&vid)
-                .ok_or_else(|| Error::VolumeNotFound(vid.to_string()))?;
-            let device = rec
-                .publication
-                .as_ref()
-                .filter(|p| !p.readonly)
-                .and_then(|p| p.device.as_ref())
-                .map(PathBuf::from);
+            if self.volume_record(&vid).is_none() {
+                return Err(Error::VolumeNotFound(vid.to_string()));
+            }
+            let source = self.layout.volume_file(&vid);
+            let file = FileId::of_path(&source).map_err(|e| Error::io("stat", &source, e))?;
+            let writers: Vec<PathBuf> = live
+                .iter()
+                .filter(|a| a.file == file && !a.deleted && !a.read_only)
+                .map(|a| a.device.clone())
+                .collect();
             let mut snapshot = self.new_snapshot_id()?;
             while members.iter().any(|m: &Member| m.snapshot == snapshot) {
                 snapshot = self.new_snapshot_id()?;
             }
             members.push(Member {
-                source: self.layout.volume_file(&vid),
+                source,
                 volume: vid,
                 snapshot,
                 size: 0,
-                device,
+                writers,
                 tmp: None,
             });
         }
