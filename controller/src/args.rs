@@ -24,6 +24,14 @@ pub struct Args {
     /// moor-controller per data dir.
     #[arg(long, default_value = "/var/lib/moor/controller")]
     pub data_dir: PathBuf,
+    /// How far thin volumes (the default `provisioning`) may overcommit the data dir: what
+    /// they may still claim (their sizes minus what they hold) is kept at most this many times
+    /// what its filesystem has free. 1: never more than it (every thin volume can be written
+    /// whole); 2: the free space backs half of it. A volume, growth or snapshot that would
+    /// break it is refused (RESOURCE_EXHAUSTED). Thick volumes hold all their space from the
+    /// start. Default: thin volumes without limit.
+    #[arg(long, value_name = "RATIO")]
+    pub thin_overcommit: Option<f64>,
     /// While another moor-controller holds the data dir, how long to wait for it to exit
     /// before giving up, in seconds (a hand-over in a rolling update).
     #[arg(long, default_value_t = 30)]
@@ -84,6 +92,7 @@ mod tests {
         assert_eq!(a.driver_name, "moor.csi.io");
         assert_eq!(a.node_id, "n1");
         assert_eq!(a.http_endpoint, None, "off by default");
+        assert_eq!(a.thin_overcommit, None, "no limit by default");
         assert_eq!(a.instance_wait, 30);
         let a = Args::try_parse_from([
             "moor-controller",

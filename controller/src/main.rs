@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use moor_controller::args::Args;
 use moor_controller::embedded::attach::LoopAttacher;
-use moor_controller::embedded::{Config, EmbeddedBackend};
+use moor_controller::embedded::{Config, EmbeddedBackend, Overcommit, Policy};
 use moor_controller::identity::IdentityService;
 use moor_controller::rbd::{self, RbdBackend};
 use moor_controller::select::Backends;
@@ -105,6 +105,10 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     .await?;
     // A cluster list that does not read stops the start before anything is opened.
     let rbd = rbd_backend(&args)?;
+    let overcommit = match args.thin_overcommit {
+        Some(r) => Overcommit::ratio(r).map_err(|e| format!("--thin-overcommit {e}"))?,
+        None => Overcommit::UNLIMITED,
+    };
     let embedded: Option<Box<dyn moor_controller::Backend>> = if args.no_embedded {
         None
     } else {
@@ -116,6 +120,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         let (backend, report) =
             tokio::task::spawn_blocking(move || EmbeddedBackend::open(config, LoopAttacher::new()))
                 .await??;
+        let backend = backend.with_policy(Policy { overcommit });
         for a in &report.set_aside {
             warn!(file = %a.path.display(), reason = %a.reason, "record unreadable; set aside, its data kept");
         }
@@ -131,6 +136,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             orphans_removed = report.orphans_removed.len(),
             "records reconciled with this host's loop devices"
         );
+        info!(thin_overcommit = %overcommit, "space policy");
         Some(Box::new(backend))
     };
     if embedded.is_none() && rbd.is_none() {

@@ -36,6 +36,8 @@ struct Member {
     /// Every device bound read-write to the member's file, as the kernel has them now (not
     /// as the records say): each must be held, and flushed before the clone.
     writers: Vec<PathBuf>,
+    /// How the clone may share the member's extents (never a thick volume's).
+    sharing: copy::Sharing,
     tmp: Option<TempFile>,
 }
 
@@ -127,7 +129,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 .metadata()
                 .map_err(|e| Error::io("stat", &m.source, e))?
                 .len();
-            copy::copy_sparse(&src, &dst, size)?;
+            copy::copy(&src, &dst, size, m.sharing)?;
             m.size = size;
         }
         let held = frozen.count();
@@ -215,9 +217,9 @@ impl<A: Attacher> EmbeddedBackend<A> {
         let live = self.attacher.list(&self.layout.root)?;
         let mut members = Vec::with_capacity(ids.len());
         for vid in ids {
-            if self.volume_record(&vid).is_none() {
+            let Some(rec) = self.volume_record(&vid) else {
                 return Err(Error::VolumeNotFound(vid.to_string()));
-            }
+            };
             let source = self.layout.volume_file(&vid);
             let file = FileId::of_path(&source).map_err(|e| Error::io("stat", &source, e))?;
             let writers: Vec<PathBuf> = live
@@ -235,12 +237,23 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 snapshot,
                 size: 0,
                 writers,
+                sharing: if super::is_thick(&rec.parameters) {
+                    copy::Sharing::Private
+                } else {
+                    copy::Sharing::Allowed
+                },
                 tmp: None,
             });
         }
         let gid = self.new_group_id()?;
         let created = SystemTime::now();
         self.clone_members(&mut members)?;
+        // The clones hold what they copied: they must not eat the space thin volumes are
+        // promised (refused, they go with their temp files).
+        self.admit(
+            super::space::Claim::default(),
+            &format!("a group snapshot of {} volumes", members.len()),
+        )?;
         let placed = self.place_members(&mut members)?;
         let (created_secs, created_nanos) = SnapshotRecord::time_fields(created);
         let snapshot_records: Vec<SnapshotRecord> = members

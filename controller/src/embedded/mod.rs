@@ -33,6 +33,7 @@ mod operations;
 mod parameters;
 pub mod reconcile;
 pub mod records;
+pub mod space;
 #[cfg(test)]
 pub(crate) mod testdir;
 #[cfg(test)]
@@ -59,7 +60,10 @@ use crate::backend::{
 use crate::error::{Error, Result, trunc};
 use crate::inflight::InFlight;
 
-pub use self::parameters::{check_capability, parse_parameters};
+pub use self::parameters::{
+    PROVISIONING_KEY, THICK, THIN, check_capability, is_thick, parse_parameters,
+};
+pub use self::space::Overcommit;
 
 /// Parameter (and volume context key) naming the filesystem the volume is meant for.
 pub const FS_TYPE_KEY: &str = "fsType";
@@ -90,6 +94,13 @@ pub struct Config {
     pub node_id: String,
     /// The topology key of the node segment, e.g. `topology.moor.csi.io/node`.
     pub topology_key: String,
+}
+
+/// How the backend serves its data dir (beyond where it is).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Policy {
+    /// How far thin volumes may be overcommitted ([`space`]).
+    pub overcommit: Overcommit,
 }
 
 /// Paths inside the data dir.
@@ -227,6 +238,8 @@ struct Source {
     size: u64,
     /// The device the source volume is attached as, to flush first.
     device: Option<PathBuf>,
+    /// A thick volume: never to share an extent with the copy.
+    thick: bool,
 }
 
 /// The embedded backend.
@@ -239,6 +252,10 @@ pub struct EmbeddedBackend<A: Attacher> {
     store: RecordStore,
     state: Mutex<State>,
     inflight: InFlight,
+    policy: Policy,
+    /// Held while an operation checks the space it needs and takes it, so that two cannot
+    /// both be admitted for the same free space.
+    space_lock: Mutex<()>,
     /// Held (flock'ed) while the backend is open: one backend per data dir.
     _lock: File,
 }
@@ -304,10 +321,49 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 store,
                 state: Mutex::new(state),
                 inflight: InFlight::new(),
+                policy: Policy::default(),
+                space_lock: Mutex::new(()),
                 _lock: lock,
             },
             report,
         ))
+    }
+
+    /// Serves the data dir with `policy` (the default: thin volumes without limit).
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The policy the data dir is served with.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The data dir's space now: its filesystem, and what the thin volumes may still claim.
+    pub fn space(&self) -> Result<space::Space> {
+        let thin: Vec<PathBuf> = self
+            .state()
+            .volumes
+            .values()
+            .filter(|r| !is_thick(&r.parameters))
+            .filter_map(|r| VolumeId::parse(&r.id))
+            .map(|id| self.layout.volume_file(&id))
+            .collect();
+        space::measure(&self.layout.root, thin.iter().map(PathBuf::as_path))
+            .map_err(|e| Error::io("measure", &self.layout.root, e))
+    }
+
+    /// RESOURCE_EXHAUSTED unless the data dir can take `claim` now ([`space::admits`]).
+    fn admit(&self, claim: space::Claim, what: &str) -> Result<()> {
+        let s = self.space()?;
+        space::admits(&s, self.policy.overcommit, claim)
+            .map_err(|why| Error::NoSpace(format!("{what}: {why}")))
+    }
+
+    /// Holds the space lock (see the field `space_lock`).
+    fn lock_space(&self) -> MutexGuard<'_, ()> {
+        self.space_lock.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The data dir's layout.
@@ -493,6 +549,36 @@ impl<A: Attacher> EmbeddedBackend<A> {
         records::sync_dir(dir).map_err(|e| Error::io("fsync dir", dir, e))
     }
 
+    /// Reserves `[offset, offset + len)` of a thick volume's file: allocated now, so that no
+    /// write to it ever needs space later. ENOSPC is RESOURCE_EXHAUSTED; a filesystem that
+    /// cannot allocate ahead refuses thick volumes.
+    fn reserve_range(file: &File, path: &Path, offset: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), offset, len) {
+            Ok(()) => Ok(()),
+            Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::NOSYS) => Err(Error::invalid(
+                "parameters",
+                format!(
+                    "{PROVISIONING_KEY}={THICK}: the data dir's filesystem cannot reserve space \
+                     ahead (fallocate is not supported on {})",
+                    path.display()
+                ),
+            )),
+            Err(e) => Err(size_error(path, offset.saturating_add(len), e.into())),
+        }
+    }
+
+    /// Makes a new, still empty file thick-ready: on btrfs, copy-on-write would make every
+    /// rewrite of a reserved block need a new one, so the file is made no-COW (which only an
+    /// empty file can be). Other filesystems overwrite in place and refuse the flag: ignored.
+    fn no_cow(file: &File) {
+        if let Ok(flags) = rustix::fs::ioctl_getflags(file) {
+            let _ = rustix::fs::ioctl_setflags(file, flags | rustix::fs::IFlags::NOCOW);
+        }
+    }
+
     fn remove_data_file(path: &Path) -> Result<()> {
         match fs::remove_file(path) {
             Ok(()) => {
@@ -569,6 +655,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
                         path: self.layout.snapshot_file(&id),
                         size: rec.size_bytes,
                         device: None,
+                        thick: false,
                     },
                 ))
             }
@@ -585,6 +672,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
                     Source {
                         path: self.layout.volume_file(&id),
                         size: rec.capacity_bytes,
+                        thick: is_thick(&rec.parameters),
                         device: rec.publication.and_then(|p| p.device).map(PathBuf::from),
                     },
                 ))

@@ -1,6 +1,7 @@
 //! The embedded backend's [`Backend`] operations: volumes, publications, snapshots.
 
 use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
@@ -11,8 +12,8 @@ use super::attach::{AttachError, Attacher, Detach, FileId};
 use super::ids::{SnapshotId, VolumeId};
 use super::records::{Publication, SnapshotRecord, VolumeRecord};
 use super::{
-    EmbeddedBackend, POLICY, check_capability, copy, no_parameters, parse_parameters, records,
-    size_error, snapshot_key, volume_key,
+    EmbeddedBackend, GRANULARITY, POLICY, THICK, THIN, check_capability, copy, is_thick,
+    no_parameters, parse_parameters, records, size_error, snapshot_key, space, volume_key,
 };
 use crate::backend::{
     self, Backend, Capability, Capacity, CapacityQuery, ExpandRequest, GroupSnapshot,
@@ -84,21 +85,83 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
         };
         let floor = source.as_ref().map_or(0, |s| s.size);
         let size = backend::choose_size(req.capacity.as_ref(), &POLICY, floor)?;
+        let thick = is_thick(&params);
         let id = self.new_volume_id()?;
         let target = self.layout.volume_file(&id);
-        self.write_data_file(&id.data_file(), &target, |file| match &source {
-            None => file.set_len(size).map_err(|e| size_error(&target, size, e)),
-            Some(src) => {
-                if let Some(dev) = &src.device {
-                    self.flush_device(dev, &src.path)?;
-                }
-                let from =
-                    File::open(&src.path).map_err(|e| Error::io("open source", &src.path, e))?;
-                let method = copy::copy_sparse(&from, file, size)?;
-                info!(volume = %id, source = %src.path.display(), ?method, "copied");
-                Ok(())
+        // What the new volume takes: a thick one all of its size, a thin one a claim on it.
+        let claim = if thick {
+            space::Claim {
+                allocates: size,
+                unbacked: 0,
             }
-        })?;
+        } else {
+            space::Claim {
+                allocates: 0,
+                unbacked: size,
+            }
+        };
+        let what = format!(
+            "a {} volume of {size} bytes",
+            if thick { THICK } else { THIN }
+        );
+        match &source {
+            None => {
+                let _space = self.lock_space();
+                self.admit(claim, &what)?;
+                self.write_data_file(&id.data_file(), &target, |file| {
+                    if thick {
+                        Self::no_cow(file);
+                    }
+                    file.set_len(size)
+                        .map_err(|e| size_error(&target, size, e))?;
+                    if thick {
+                        Self::reserve_range(file, &target, 0, size)?;
+                    }
+                    Ok(())
+                })?;
+            }
+            Some(src) => {
+                // The copy's cost is known once it is made: admitted before as if it took
+                // nothing, and checked again once made (the copy is undone if the data dir
+                // can no longer keep its promises).
+                self.admit(claim, &what)?;
+                self.write_data_file(&id.data_file(), &target, |file| {
+                    if let Some(dev) = &src.device {
+                        self.flush_device(dev, &src.path)?;
+                    }
+                    if thick {
+                        Self::no_cow(file);
+                    }
+                    let from = File::open(&src.path)
+                        .map_err(|e| Error::io("open source", &src.path, e))?;
+                    let sharing = if thick || src.thick {
+                        copy::Sharing::Private
+                    } else {
+                        copy::Sharing::Allowed
+                    };
+                    let method = copy::copy(&from, file, size, sharing)?;
+                    info!(volume = %id, source = %src.path.display(), ?method, "copied");
+                    let unbacked = if thick {
+                        Self::reserve_range(file, &target, 0, size)?;
+                        0
+                    } else {
+                        let holds = file
+                            .metadata()
+                            .map_err(|e| Error::io("stat", &target, e))?
+                            .blocks()
+                            .saturating_mul(512);
+                        size.saturating_sub(holds)
+                    };
+                    self.admit(
+                        space::Claim {
+                            allocates: 0,
+                            unbacked,
+                        },
+                        &what,
+                    )
+                })?;
+            }
+        }
         let rec = VolumeRecord {
             version: records::FORMAT_VERSION,
             id: id.to_string(),
@@ -295,14 +358,27 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
         {
             return Ok(Capacity::default());
         }
-        let st = rustix::fs::statvfs(&self.layout.root)
-            .map_err(|e| Error::io("statvfs", &self.layout.root, e.into()))?;
+        let s = self.space()?;
+        let oc = self.policy.overcommit;
+        // What CreateVolume admits now with these parameters (see `space`).
+        let (available, largest) = if is_thick(&query.parameters) {
+            let a = space::thick_available(&s, oc);
+            (a, a)
+        } else {
+            match space::thin_available(&s, oc) {
+                Some(a) => (a, a),
+                // Thin volumes without limit: any size is made, what is free is what can be
+                // written.
+                None => (s.free, POLICY.max),
+            }
+        };
         Ok(Capacity {
-            available: st.f_bavail.saturating_mul(st.f_frsize),
-            // choose_size's bounds under POLICY: sizes round up to GRANULARITY, so a limit_bytes
-            // below it fits no volume, and nothing above MAX_SIZE is made. A topology this
-            // backend does not serve returns early above with neither set, as no size fits.
-            maximum_volume_size: Some(POLICY.max),
+            available,
+            // choose_size's bounds under POLICY: sizes round up to GRANULARITY, so the largest
+            // volume is a whole number of it, and a limit_bytes below it fits no volume. A
+            // topology this backend does not serve returns early above with neither set, as no
+            // size fits.
+            maximum_volume_size: Some((largest / GRANULARITY * GRANULARITY).min(POLICY.max)),
             minimum_volume_size: Some(POLICY.granularity),
         })
     }
@@ -350,7 +426,31 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
                 },
                 current,
             )?;
+            let thick = is_thick(&rec.parameters);
+            let grow = size - current;
+            let _space = self.lock_space();
+            self.admit(
+                if thick {
+                    space::Claim {
+                        allocates: grow,
+                        unbacked: 0,
+                    }
+                } else {
+                    space::Claim {
+                        allocates: 0,
+                        unbacked: grow,
+                    }
+                },
+                &format!("growing volume {id} by {grow} bytes"),
+            )?;
             file.set_len(size).map_err(|e| size_error(&path, size, e))?;
+            if thick && let Err(e) = Self::reserve_range(&file, &path, current, grow) {
+                // Back to the size it had: what was reserved past it goes with it.
+                if let Err(undo) = file.set_len(current) {
+                    warn!(volume = %id, error = %undo, "cannot shrink back after a failed reserve");
+                }
+                return Err(e);
+            }
             file.sync_all().map_err(|e| Error::io("fsync", &path, e))?;
             size
         };
@@ -412,10 +512,20 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
         let sid = self.new_snapshot_id()?;
         let target = self.layout.snapshot_file(&sid);
         let created = SystemTime::now();
+        let sharing = if is_thick(&vrec.parameters) {
+            copy::Sharing::Private
+        } else {
+            copy::Sharing::Allowed
+        };
         self.write_data_file(&sid.data_file(), &target, |dst| {
-            let method = copy::copy_sparse(&src, dst, size)?;
+            let method = copy::copy(&src, dst, size, sharing)?;
             info!(snapshot = %sid, volume = %vid, ?method, "copied");
-            Ok(())
+            // A snapshot holds what it copied: it must not eat the space thin volumes are
+            // promised.
+            self.admit(
+                space::Claim::default(),
+                &format!("a snapshot of volume {vid}"),
+            )
         })?;
         let (created_secs, created_nanos) = SnapshotRecord::time_fields(created);
         let rec = SnapshotRecord {

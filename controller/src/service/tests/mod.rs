@@ -12,6 +12,7 @@ mod groups;
 mod list_volumes;
 mod metadata;
 mod modify_volume;
+mod provisioning;
 mod publish;
 mod snapshots;
 mod unpublish;
@@ -31,7 +32,7 @@ use super::ControllerService;
 use crate::embedded::attach::Attacher as _;
 use crate::embedded::fake::{FakeAttacher, FakeFailure};
 use crate::embedded::testdir::TestDir;
-use crate::embedded::{Config, EmbeddedBackend};
+use crate::embedded::{Config, EmbeddedBackend, Policy};
 
 const MIB: i64 = 1 << 20;
 const GIB: i64 = 1 << 30;
@@ -55,7 +56,21 @@ impl Fx {
         Self::open(dir, fake, NODE)
     }
 
+    /// A backend serving its data dir with `policy`.
+    fn with_policy(tag: &str, policy: Policy) -> Self {
+        Self::open_with(
+            TestDir::new(tag),
+            Arc::new(FakeAttacher::new()),
+            NODE,
+            policy,
+        )
+    }
+
     fn open(dir: TestDir, fake: Arc<FakeAttacher>, node: &str) -> Self {
+        Self::open_with(dir, fake, node, Policy::default())
+    }
+
+    fn open_with(dir: TestDir, fake: Arc<FakeAttacher>, node: &str, policy: Policy) -> Self {
         let (backend, _) = EmbeddedBackend::open(
             Config {
                 data_dir: dir.path().join("data"),
@@ -65,7 +80,7 @@ impl Fx {
             Arc::clone(&fake),
         )
         .unwrap();
-        let backend = Arc::new(backend);
+        let backend = Arc::new(backend.with_policy(policy));
         Self {
             svc: ControllerService::new(Arc::clone(&backend)),
             backend,
