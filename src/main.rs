@@ -123,7 +123,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         driver_name: args.driver_name.clone(),
         node_id: args.node_id.clone(),
         max_volumes: args.max_volumes,
-        topology_key: format!("topology.{}/node", args.driver_name),
+        topology_key: moor_runtime::contract::node_topology_key(&args.driver_name),
         state_dir: state_dir.clone(),
     };
     let cfg = EngineConfig {

@@ -354,20 +354,7 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         &self,
         _: Request<csi::NodeGetCapabilitiesRequest>,
     ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
-        use csi::node_service_capability::{Rpc, Type, rpc};
-        let capabilities = [
-            rpc::Type::StageUnstageVolume,
-            rpc::Type::GetVolumeStats,
-            rpc::Type::ExpandVolume,
-            rpc::Type::VolumeCondition,
-            rpc::Type::SingleNodeMultiWriter,
-            rpc::Type::VolumeMountGroup,
-        ]
-        .into_iter()
-        .map(|t| csi::NodeServiceCapability {
-            r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })),
-        })
-        .collect();
+        let capabilities = moor_runtime::contract::node_capabilities();
         Ok(Response::new(csi::NodeGetCapabilitiesResponse {
             capabilities,
         }))

@@ -51,6 +51,15 @@ pub struct Args {
     /// a plugin that announces it.
     #[arg(long)]
     pub snapshot_metadata: bool,
+    /// Serve this node's volumes only, as each node's controller in the every-node install
+    /// (beside the node's moor-node, whose --local-controller is this controller's socket):
+    /// ids name the node, the CO never attaches or grows volumes through the controller
+    /// (PUBLISH_UNPUBLISH_VOLUME and EXPAND_VOLUME are not announced: moor-node asks for
+    /// them on the node), and the Node service answers NodeGetInfo and NodeGetCapabilities
+    /// for the sidecars beside it (csi-provisioner --node-deployment, csi-resizer). Only with
+    /// the embedded backend.
+    #[arg(long)]
+    pub node_local: bool,
     /// Do not serve the embedded backend (no volumes on this host's loop devices).
     #[arg(long)]
     pub no_embedded: bool,

@@ -19,7 +19,7 @@ use super::attach::{Attacher, FileId};
 use super::freeze::{self, Frozen, Mounted};
 use super::ids::{GroupId, SnapshotId, VolumeId};
 use super::records::{self, GroupRecord, SnapshotRecord};
-use super::{EmbeddedBackend, TempFile, copy, no_parameters, snapshot_key, volume_key};
+use super::{EmbeddedBackend, Found, TempFile, copy, no_parameters, snapshot_key, volume_key};
 use crate::backend::{GroupSnapshot, GroupSnapshotRef, NewGroupSnapshot};
 use crate::error::{Error, Result, trunc};
 
@@ -59,12 +59,12 @@ impl<A: Attacher> EmbeddedBackend<A> {
     fn group_of(&self, rec: &GroupRecord) -> GroupSnapshot {
         let st = self.state();
         GroupSnapshot {
-            id: rec.id.clone(),
+            id: self.show(&rec.id),
             snapshots: rec
                 .snapshot_ids
                 .iter()
                 .filter_map(|s| st.snapshots.get(s))
-                .map(Self::snapshot_of)
+                .map(|s| self.snapshot_of(s))
                 .collect(),
             created_at: rec.created_at(),
         }
@@ -185,25 +185,36 @@ impl<A: Attacher> EmbeddedBackend<A> {
             .cloned();
         if let Some(existing) = existing {
             let mut theirs = req.source_volume_ids.clone();
-            let mut ours = existing.source_volume_ids.clone();
+            let mut ours: Vec<String> = existing
+                .source_volume_ids
+                .iter()
+                .map(|v| self.show(v))
+                .collect();
             theirs.sort();
             ours.sort();
             if theirs != ours {
                 return Err(Error::GroupSnapshotExists {
                     name: req.name.clone(),
-                    id: existing.id.clone(),
-                    reason: format!(
-                        "it was cut from volumes {}",
-                        existing.source_volume_ids.join(", ")
-                    ),
+                    id: self.show(&existing.id),
+                    reason: format!("it was cut from volumes {}", ours.join(", ")),
                 });
             }
             return Ok(self.group_of(&existing));
         }
         let mut ids = Vec::new();
         for raw in &req.source_volume_ids {
-            let id = VolumeId::parse(raw)
-                .ok_or_else(|| Error::VolumeNotFound(trunc(raw).to_string()))?;
+            let id = match self.find_volume(raw) {
+                Found::Here(id) => id,
+                Found::Elsewhere(node) => {
+                    return Err(Error::GroupRefused(format!(
+                        "volume {} lives on node {node:?}: a group snapshot is cut on one node, \
+                         of volumes that all live there (this is node {:?})",
+                        trunc(raw),
+                        self.node_id()
+                    )));
+                }
+                Found::Unknown => return Err(Error::VolumeNotFound(trunc(raw).to_string())),
+            };
             ids.push(id);
         }
         let keys: Vec<String> = ids.iter().map(volume_key).collect();
@@ -308,26 +319,32 @@ impl<A: Attacher> EmbeddedBackend<A> {
 
     pub(super) fn get_group(&self, req: &GroupSnapshotRef) -> Result<GroupSnapshot> {
         let not_found = || Error::GroupSnapshotNotFound(trunc(&req.id).to_string());
-        let id = GroupId::parse(&req.id).ok_or_else(not_found)?;
+        let id = match self.find_group(&req.id) {
+            Found::Here(id) => id,
+            Found::Elsewhere(node) => {
+                return Err(self.on_other_node("group snapshot", &req.id, node));
+            }
+            Found::Unknown => return Err(not_found()),
+        };
         let rec = self
             .state()
             .groups
             .get(id.as_str())
             .cloned()
             .ok_or_else(not_found)?;
-        req.check_members(&rec.snapshot_ids)?;
+        req.check_members(&self.shown_members(&rec))?;
         Ok(self.group_of(&rec))
     }
 
     pub(super) fn delete_group(&self, req: &GroupSnapshotRef) -> Result<()> {
-        let Some(id) = GroupId::parse(&req.id) else {
+        let Some(id) = self.to_delete("group snapshot", &req.id, self.find_group(&req.id))? else {
             return Ok(());
         };
         let _claim = self.inflight.claim(&[&group_key(&id)], &[])?;
         let Some(rec) = self.state().groups.get(id.as_str()).cloned() else {
             return Ok(());
         };
-        req.check_members(&rec.snapshot_ids)?;
+        req.check_members(&self.shown_members(&rec))?;
         for sid in rec.snapshot_ids.iter().filter_map(|s| SnapshotId::parse(s)) {
             self.delete_member(&sid)?;
         }
@@ -335,6 +352,11 @@ impl<A: Attacher> EmbeddedBackend<A> {
         self.state().groups.remove(id.as_str());
         info!(group = %id, "group snapshot deleted");
         Ok(())
+    }
+
+    /// A group's member snapshot ids as the outside sees them.
+    fn shown_members(&self, rec: &GroupRecord) -> Vec<String> {
+        rec.snapshot_ids.iter().map(|s| self.show(s)).collect()
     }
 
     /// Deletes one member snapshot (record, then data).

@@ -51,7 +51,7 @@ use tracing::{info, warn};
 
 use self::attach::{AttachError, Attacher, FileId};
 use self::copy::CopyError;
-use self::ids::{RandomError, SnapshotId, VolumeId};
+use self::ids::{GroupId, Inward, RandomError, Scope, SnapshotId, VolumeId};
 use self::records::{Publication, RecordError, RecordStore, SnapshotRecord, VolumeRecord};
 use crate::backend::{
     self, ContentSource, NewVolume, Parameters, PublishContext, PublishRequest, Segment,
@@ -101,6 +101,19 @@ pub struct Config {
 pub struct Policy {
     /// How far thin volumes may be overcommitted ([`space`]).
     pub overcommit: Overcommit,
+    /// One controller on each node, each serving its own node's volumes: ids name their node
+    /// ([`ids::Scope`]), and one that names another node is answered as such.
+    pub node_local: bool,
+}
+
+/// Where an id from a request points, resolved.
+enum Found<T> {
+    /// One of this backend's.
+    Here(T),
+    /// Of the node-local form, on another node (named).
+    Elsewhere(String),
+    /// Not of this backend's form: nothing.
+    Unknown,
 }
 
 /// Paths inside the data dir.
@@ -253,6 +266,8 @@ pub struct EmbeddedBackend<A: Attacher> {
     state: Mutex<State>,
     inflight: InFlight,
     policy: Policy,
+    /// How ids are seen outside.
+    scope: Scope,
     /// Held while an operation checks the space it needs and takes it, so that two cannot
     /// both be admitted for the same free space.
     space_lock: Mutex<()>,
@@ -322,6 +337,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 state: Mutex::new(state),
                 inflight: InFlight::new(),
                 policy: Policy::default(),
+                scope: Scope::HOST,
                 space_lock: Mutex::new(()),
                 _lock: lock,
             },
@@ -329,10 +345,88 @@ impl<A: Attacher> EmbeddedBackend<A> {
         ))
     }
 
-    /// Serves the data dir with `policy` (the default: thin volumes without limit).
+    /// Serves the data dir with `policy` (the default: thin volumes without limit, ids as
+    /// they are).
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
+        self.scope = if policy.node_local {
+            Scope::node(moor_runtime::limits::topology_value(&self.node_id))
+        } else {
+            Scope::HOST
+        };
         self
+    }
+
+    /// An id as the outside sees it (see [`Scope`]).
+    pub fn show(&self, bare: &str) -> String {
+        self.scope.show(bare)
+    }
+
+    /// Resolves an id from a request with `parse` (the bare id's form).
+    fn find<T>(&self, raw: &str, parse: impl Fn(&str) -> Option<T>) -> Found<T> {
+        match self.scope.inward(raw) {
+            Inward::Here(bare) => parse(bare).map_or(Found::Unknown, Found::Here),
+            Inward::Elsewhere { id, node } if parse(id).is_some() => {
+                Found::Elsewhere(node.to_string())
+            }
+            Inward::Elsewhere { .. } => Found::Unknown,
+        }
+    }
+
+    fn find_volume(&self, raw: &str) -> Found<VolumeId> {
+        self.find(raw, VolumeId::parse)
+    }
+
+    fn find_snapshot(&self, raw: &str) -> Found<SnapshotId> {
+        self.find(raw, SnapshotId::parse)
+    }
+
+    fn find_group(&self, raw: &str) -> Found<GroupId> {
+        self.find(raw, GroupId::parse)
+    }
+
+    /// NOT_FOUND for an object on another node, saying where it is.
+    fn on_other_node(&self, kind: &'static str, raw: &str, node: String) -> Error {
+        Error::OnOtherNode {
+            kind,
+            id: trunc(raw).to_string(),
+            node,
+            here: self.node_id.clone(),
+        }
+    }
+
+    /// A volume from a request, or NOT_FOUND.
+    fn volume_here(&self, raw: &str) -> Result<VolumeId> {
+        match self.find_volume(raw) {
+            Found::Here(id) => Ok(id),
+            Found::Elsewhere(node) => Err(self.on_other_node("volume", raw, node)),
+            Found::Unknown => Err(Error::VolumeNotFound(trunc(raw).to_string())),
+        }
+    }
+
+    /// A snapshot from a request, or NOT_FOUND.
+    fn snapshot_here(&self, raw: &str) -> Result<SnapshotId> {
+        match self.find_snapshot(raw) {
+            Found::Here(id) => Ok(id),
+            Found::Elsewhere(node) => Err(self.on_other_node("snapshot", raw, node)),
+            Found::Unknown => Err(Error::SnapshotNotFound(trunc(raw).to_string())),
+        }
+    }
+
+    /// For a delete of `raw`: the bare id to delete, None when there is nothing (the spec's
+    /// success), FAILED_PRECONDITION for an object on another node, which only that node's
+    /// controller can delete (answering success would leave it there unseen).
+    fn to_delete<T>(&self, kind: &str, raw: &str, found: Found<T>) -> Result<Option<T>> {
+        match found {
+            Found::Here(id) => Ok(Some(id)),
+            Found::Unknown => Ok(None),
+            Found::Elsewhere(node) => Err(Error::FailedPrecondition(format!(
+                "{kind} {} lives on node {node:?}: only that node's controller deletes it (this \
+                 one serves node {:?})",
+                trunc(raw),
+                self.node_id
+            ))),
+        }
     }
 
     /// The policy the data dir is served with.
@@ -405,7 +499,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
 
     fn volume_of(&self, rec: &VolumeRecord) -> Volume {
         Volume {
-            id: rec.id.clone(),
+            id: self.show(&rec.id),
             name: rec.name.clone(),
             capacity_bytes: rec.capacity_bytes,
             parameters: rec.parameters.clone(),
@@ -415,15 +509,15 @@ impl<A: Attacher> EmbeddedBackend<A> {
         }
     }
 
-    fn snapshot_of(rec: &SnapshotRecord) -> Snapshot {
+    fn snapshot_of(&self, rec: &SnapshotRecord) -> Snapshot {
         Snapshot {
-            id: rec.id.clone(),
+            id: self.show(&rec.id),
             name: rec.name.clone(),
-            source_volume_id: rec.source_volume_id.clone(),
+            source_volume_id: self.show(&rec.source_volume_id),
             size_bytes: rec.size_bytes,
             created_at: rec.created_at(),
             ready_to_use: true,
-            group_snapshot_id: rec.group_snapshot_id.clone(),
+            group_snapshot_id: rec.group_snapshot_id.as_deref().map(|g| self.show(g)),
         }
     }
 
@@ -634,14 +728,30 @@ impl<A: Attacher> EmbeddedBackend<A> {
     }
 
     /// Resolves and claims (shared) a content source. Returns the claim with the source.
+    /// A source on another node is RESOURCE_EXHAUSTED, the spec's answer for "not in this
+    /// topology": a volume made from it can only be made on its node (copying it across nodes
+    /// is not done), and the provisioner, given that answer, has the scheduler choose again.
     fn resolve_source(&self, src: &ContentSource) -> Result<(crate::inflight::Claim<'_>, Source)> {
+        let elsewhere = |kind: &str, raw: &str, node: String| {
+            Error::TopologyUnsatisfiable(format!(
+                "volume_content_source: {kind} {} lives on node {node:?}, and a volume made \
+                 from it can only be made there (this is node {:?}): schedule the pod that \
+                 uses the new volume on that node",
+                trunc(raw),
+                self.node_id
+            ))
+        };
         match src {
             ContentSource::Snapshot(raw) => {
                 let not_found = || Error::SourceNotFound {
                     kind: "snapshot",
                     id: trunc(raw).to_string(),
                 };
-                let id = SnapshotId::parse(raw).ok_or_else(not_found)?;
+                let id = match self.find_snapshot(raw) {
+                    Found::Here(id) => id,
+                    Found::Elsewhere(node) => return Err(elsewhere("snapshot", raw, node)),
+                    Found::Unknown => return Err(not_found()),
+                };
                 let claim = self.inflight.claim(&[], &[&snapshot_key(&id)])?;
                 let rec = self
                     .state()
@@ -664,7 +774,11 @@ impl<A: Attacher> EmbeddedBackend<A> {
                     kind: "volume",
                     id: trunc(raw).to_string(),
                 };
-                let id = VolumeId::parse(raw).ok_or_else(not_found)?;
+                let id = match self.find_volume(raw) {
+                    Found::Here(id) => id,
+                    Found::Elsewhere(node) => return Err(elsewhere("volume", raw, node)),
+                    Found::Unknown => return Err(not_found()),
+                };
                 let claim = self.inflight.claim(&[], &[&volume_key(&id)])?;
                 let rec = self.volume_record(&id).ok_or_else(not_found)?;
                 Ok((

@@ -9,10 +9,10 @@ use std::time::SystemTime;
 use tracing::{info, warn};
 
 use super::attach::{AttachError, Attacher, Detach, FileId};
-use super::ids::{SnapshotId, VolumeId};
+use super::ids::{Inward, SnapshotId, VolumeId};
 use super::records::{Publication, SnapshotRecord, VolumeRecord};
 use super::{
-    EmbeddedBackend, GRANULARITY, POLICY, THICK, THIN, check_capability, copy, is_thick,
+    EmbeddedBackend, Found, GRANULARITY, POLICY, THICK, THIN, check_capability, copy, is_thick,
     no_parameters, parse_parameters, records, size_error, snapshot_key, space, volume_key,
 };
 use crate::backend::{
@@ -182,7 +182,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
     }
 
     fn delete_volume(&self, volume_id: &str) -> Result<()> {
-        let Some(id) = VolumeId::parse(volume_id) else {
+        let Some(id) = self.to_delete("volume", volume_id, self.find_volume(volume_id))? else {
             return Ok(());
         };
         let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
@@ -228,7 +228,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
 
     fn publish_volume(&self, req: &PublishRequest) -> Result<PublishContext> {
         let not_found = || Error::VolumeNotFound(trunc(&req.volume_id).to_string());
-        let id = VolumeId::parse(&req.volume_id).ok_or_else(not_found)?;
+        let id = self.volume_here(&req.volume_id)?;
         if req.node_id != self.node_id {
             return Err(Error::NodeNotFound {
                 node: trunc(&req.node_id).to_string(),
@@ -277,7 +277,8 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
     }
 
     fn unpublish_volume(&self, volume_id: &str, node_id: Option<&str>) -> Result<()> {
-        let Some(id) = VolumeId::parse(volume_id) else {
+        // A volume of another node is not published here.
+        let Found::Here(id) = self.find_volume(volume_id) else {
             return Ok(());
         };
         let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
@@ -319,7 +320,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
 
     fn get_volume(&self, volume_id: &str) -> Result<VolumeStatus> {
         let not_found = || Error::VolumeNotFound(trunc(volume_id).to_string());
-        let id = VolumeId::parse(volume_id).ok_or_else(not_found)?;
+        let id = self.volume_here(volume_id)?;
         let rec = self.volume_record(&id).ok_or_else(not_found)?;
         Ok(self.status_of(&id, &rec))
     }
@@ -385,7 +386,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
 
     fn expand_volume(&self, req: &ExpandRequest) -> Result<u64> {
         let not_found = || Error::VolumeNotFound(trunc(&req.volume_id).to_string());
-        let id = VolumeId::parse(&req.volume_id).ok_or_else(not_found)?;
+        let id = self.volume_here(&req.volume_id)?;
         let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
         let rec = self.volume_record(&id).ok_or_else(not_found)?;
         if let Some(cap) = &req.capability {
@@ -487,17 +488,18 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             .find(|s| s.group_snapshot_id.is_none() && s.name == req.name)
             .cloned();
         if let Some(existing) = existing {
-            if existing.source_volume_id != req.source_volume_id {
+            let source = self.show(&existing.source_volume_id);
+            if source != req.source_volume_id {
                 return Err(Error::SnapshotExists {
                     name: req.name.clone(),
-                    id: existing.id.clone(),
-                    reason: format!("it was cut from volume {}", existing.source_volume_id),
+                    id: self.show(&existing.id),
+                    reason: format!("it was cut from volume {source}"),
                 });
             }
-            return Ok(Self::snapshot_of(&existing));
+            return Ok(self.snapshot_of(&existing));
         }
         let not_found = || Error::VolumeNotFound(trunc(&req.source_volume_id).to_string());
-        let vid = VolumeId::parse(&req.source_volume_id).ok_or_else(not_found)?;
+        let vid = self.volume_here(&req.source_volume_id)?;
         let _source = self.inflight.claim(&[], &[&volume_key(&vid)])?;
         let vrec = self.volume_record(&vid).ok_or_else(not_found)?;
         let src_path = self.layout.volume_file(&vid);
@@ -544,11 +546,12 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
         }
         self.state().snapshots.insert(rec.id.clone(), rec.clone());
         info!(snapshot = %sid, volume = %vid, size, "snapshot cut");
-        Ok(Self::snapshot_of(&rec))
+        Ok(self.snapshot_of(&rec))
     }
 
     fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
-        let Some(id) = SnapshotId::parse(snapshot_id) else {
+        let Some(id) = self.to_delete("snapshot", snapshot_id, self.find_snapshot(snapshot_id))?
+        else {
             return Ok(());
         };
         let _claim = self.inflight.claim(&[&snapshot_key(&id)], &[])?;
@@ -567,12 +570,9 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
 
     fn get_snapshot(&self, snapshot_id: &str) -> Result<Snapshot> {
         let not_found = || Error::SnapshotNotFound(trunc(snapshot_id).to_string());
-        let id = SnapshotId::parse(snapshot_id).ok_or_else(not_found)?;
-        let st = self.state();
-        st.snapshots
-            .get(id.as_str())
-            .map(Self::snapshot_of)
-            .ok_or_else(not_found)
+        let id = self.snapshot_here(snapshot_id)?;
+        let rec = self.state().snapshots.get(id.as_str()).cloned();
+        rec.map(|r| self.snapshot_of(&r)).ok_or_else(not_found)
     }
 
     fn list_snapshots(
@@ -588,17 +588,39 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
                 reason: "not a token this controller hands out".into(),
             });
         }
-        let st = self.state();
-        let matching = st.snapshots.iter().filter(|(id, rec)| {
-            filter.snapshot_id.as_ref().is_none_or(|s| s == *id)
-                && filter
-                    .source_volume_id
-                    .as_ref()
-                    .is_none_or(|v| *v == rec.source_volume_id)
-        });
-        let page = backend::page_after(matching, page.starting_token.as_deref(), page.max_entries);
+        // The filters name ids as the outside sees them: one of another node matches nothing.
+        let bare = |raw: &Option<String>, parse: fn(&str) -> Option<String>| match raw {
+            None => Ok(None),
+            Some(r) => match self.scope.inward(r) {
+                Inward::Here(b) if parse(b).is_some() => Ok(Some(b.to_string())),
+                _ => Err(()),
+            },
+        };
+        let (Ok(snapshot_id), Ok(source_volume_id)) = (
+            bare(&filter.snapshot_id, |b| {
+                SnapshotId::parse(b).map(|i| i.to_string())
+            }),
+            bare(&filter.source_volume_id, |b| {
+                VolumeId::parse(b).map(|i| i.to_string())
+            }),
+        ) else {
+            return Ok(Page {
+                entries: Vec::new(),
+                next_token: None,
+            });
+        };
+        let page = {
+            let st = self.state();
+            let matching = st.snapshots.iter().filter(|(id, rec)| {
+                snapshot_id.as_ref().is_none_or(|s| s == *id)
+                    && source_volume_id
+                        .as_ref()
+                        .is_none_or(|v| *v == rec.source_volume_id)
+            });
+            backend::page_after(matching, page.starting_token.as_deref(), page.max_entries)
+        };
         Ok(Page {
-            entries: page.entries.iter().map(Self::snapshot_of).collect(),
+            entries: page.entries.iter().map(|r| self.snapshot_of(r)).collect(),
             next_token: page.next_token,
         })
     }
@@ -639,7 +661,10 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
                 "target_snapshot_id",
                 format!(
                     "snapshot {} is of volume {}, the base snapshot {} of volume {}",
-                    target.id, target.source_volume_id, base.id, base.source_volume_id
+                    self.show(&target.id),
+                    self.show(&target.source_volume_id),
+                    self.show(&base.id),
+                    self.show(&base.source_volume_id)
                 ),
             ));
         }
@@ -656,7 +681,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
     /// reader); NOT_FOUND for one that does not exist.
     fn open_snapshot(&self, raw: &str) -> Result<(SnapshotRecord, std::path::PathBuf, File)> {
         let not_found = || Error::SnapshotNotFound(trunc(raw).to_string());
-        let id = SnapshotId::parse(raw).ok_or_else(not_found)?;
+        let id = self.snapshot_here(raw)?;
         let rec = self
             .state()
             .snapshots

@@ -120,14 +120,7 @@ async fn provisioning_is_a_parameter_thin_by_default() {
     );
     // A thick volume grows thick.
     fx.svc
-        .controller_expand_volume(Request::new(csi::ControllerExpandVolumeRequest {
-            volume_id: thick.volume_id.clone(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: 32 * MIB,
-                limit_bytes: 0,
-            }),
-            ..Default::default()
-        }))
+        .controller_expand_volume(Request::new(expand_req(&thick.volume_id, 32 * MIB)))
         .await
         .unwrap();
     assert!(held(&thick.volume_id) >= 32 * MIB as u64);
@@ -174,6 +167,7 @@ async fn at_a_ratio_thin_volumes_are_admitted_as_capacity_says() {
         "svc-prov-ratio",
         Policy {
             overcommit: Overcommit::ratio(2.0).unwrap(),
+            ..Policy::default()
         },
     );
     let s = fx.backend.space().unwrap();
@@ -228,14 +222,7 @@ async fn at_a_ratio_thin_volumes_are_admitted_as_capacity_says() {
     // Growing a thin volume claims too.
     let e = assert_code(
         fx.svc
-            .controller_expand_volume(Request::new(csi::ControllerExpandVolumeRequest {
-                volume_id: v.volume_id.clone(),
-                capacity_range: Some(csi::CapacityRange {
-                    required_bytes: quarter + over,
-                    limit_bytes: 0,
-                }),
-                ..Default::default()
-            }))
+            .controller_expand_volume(Request::new(expand_req(&v.volume_id, quarter + over)))
             .await,
         Code::ResourceExhausted,
     );
