@@ -33,7 +33,9 @@ impl<B: moor_controller::Backend> http::Status for ControllerStatus<B> {
     }
 
     fn metrics(&self) -> String {
-        moor_runtime::metrics::render_grpc()
+        let mut out = moor_runtime::metrics::render_grpc();
+        out.push_str(&self.backend.metrics());
+        out
     }
 }
 

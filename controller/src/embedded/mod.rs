@@ -448,6 +448,74 @@ impl<A: Attacher> EmbeddedBackend<A> {
             .map_err(|e| Error::io("measure", &self.layout.root, e))
     }
 
+    /// The data dir's space as Prometheus gauges: its filesystem, what thin volumes may still
+    /// claim, what a new volume of each kind can have now, and the volumes it holds. The
+    /// filling of a node's data dir shows here before it refuses a volume.
+    pub fn space_metrics(&self) -> String {
+        use moor_runtime::metrics::render_gauge;
+        let mut out = String::new();
+        let Ok(s) = self.space() else {
+            return out;
+        };
+        let oc = self.policy.overcommit;
+        let (mut count, mut thin, mut thick) = (0u64, 0u64, 0u64);
+        for r in self.state().volumes.values() {
+            count += 1;
+            if is_thick(&r.parameters) {
+                thick = thick.saturating_add(r.capacity_bytes);
+            } else {
+                thin = thin.saturating_add(r.capacity_bytes);
+            }
+        }
+        let gauges = [
+            (
+                "moor_data_dir_size_bytes",
+                "Size of the filesystem holding the data dir.",
+                s.total,
+            ),
+            (
+                "moor_data_dir_free_bytes",
+                "What the data dir's filesystem has free.",
+                s.free,
+            ),
+            (
+                "moor_thin_unbacked_bytes",
+                "What thin volumes may still claim: their sizes minus what they hold.",
+                s.unbacked,
+            ),
+            (
+                "moor_thin_overcommit_milli",
+                "The thin overcommit ratio in thousandths (0: no limit).",
+                oc.milli().unwrap_or(0),
+            ),
+            (
+                "moor_thick_available_bytes",
+                "The largest thick volume the data dir takes now.",
+                space::thick_available(&s, oc),
+            ),
+            (
+                "moor_thin_available_bytes",
+                "The largest thin volume the data dir takes now (without a ratio: what is free).",
+                space::thin_available(&s, oc).unwrap_or(s.free),
+            ),
+            ("moor_volumes", "Volumes on record.", count),
+            (
+                "moor_thin_volume_bytes",
+                "The sizes of the thin volumes.",
+                thin,
+            ),
+            (
+                "moor_thick_volume_bytes",
+                "The sizes of the thick volumes (all of it held).",
+                thick,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            render_gauge(&mut out, name, help, value);
+        }
+        out
+    }
+
     /// RESOURCE_EXHAUSTED unless the data dir can take `claim` now ([`space::admits`]).
     fn admit(&self, claim: space::Claim, what: &str) -> Result<()> {
         let s = self.space()?;
@@ -549,10 +617,32 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 Err(e) => return abnormal(format!("loop device {dev}: {e}")),
             }
         }
+        if let Some(why) = self.thin_at_risk(&path, rec) {
+            return abnormal(why);
+        }
         VolumeCondition {
             abnormal: false,
             message: "volume is healthy".into(),
         }
+    }
+
+    /// Why a thin volume may fail a write for want of space: it may still claim more than the
+    /// data dir's filesystem has free (written elsewhere, or overcommitted), so the next write
+    /// into a hole can fail with ENOSPC under its filesystem. A thick volume never can.
+    fn thin_at_risk(&self, path: &Path, rec: &VolumeRecord) -> Option<String> {
+        if is_thick(&rec.parameters) {
+            return None;
+        }
+        let (holds, size) = space::held(path).ok()?;
+        let claims = size.saturating_sub(holds);
+        let st = rustix::fs::statvfs(&self.layout.root).ok()?;
+        let free = st.f_bavail.saturating_mul(st.f_frsize);
+        (claims > free).then(|| {
+            format!(
+                "thin volume may run out of space: it may still write {claims} bytes it does not \
+                 hold, and the data dir's filesystem has {free} free"
+            )
+        })
     }
 
     fn status_of(&self, id: &VolumeId, rec: &VolumeRecord) -> VolumeStatus {

@@ -51,6 +51,10 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             .map_err(|e| Error::NotReady(format!("loop devices are not usable: {e}")))
     }
 
+    fn metrics(&self) -> String {
+        self.space_metrics()
+    }
+
     fn create_volume(&self, req: &NewVolume) -> Result<Volume> {
         let params = parse_parameters(&req.parameters)?;
         for cap in &req.capabilities {

@@ -159,6 +159,40 @@ async fn without_a_ratio_thin_volumes_are_not_limited() {
     );
     assert!(e.message().contains("free"), "{}", e.message());
     fx.holds_only(&[&big.volume_id]);
+    // Nothing could back all of it: its condition says so before a write fails.
+    let condition = |id: String| async {
+        fx.svc
+            .controller_get_volume(Request::new(csi::ControllerGetVolumeRequest {
+                volume_id: id,
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .status
+            .unwrap()
+            .volume_condition
+            .unwrap()
+    };
+    let c = condition(big.volume_id.clone()).await;
+    assert!(
+        c.abnormal && c.message.contains("run out of space"),
+        "{c:?}"
+    );
+    let small = fx.created(thick_req("pvc-thick-small", 4 * MIB)).await;
+    assert!(!condition(small.volume_id).await.abnormal);
+    // And the metrics show the filling.
+    let m = fx.backend.metrics();
+    for name in [
+        "moor_data_dir_free_bytes",
+        "moor_thin_unbacked_bytes",
+        "moor_thick_available_bytes",
+        "moor_thin_available_bytes",
+    ] {
+        assert!(m.contains(&format!("\n{name} ")), "{name} in {m}");
+    }
+    assert!(m.contains("\nmoor_thick_volume_bytes 4194304\n"), "{m}");
+    assert!(m.contains("\nmoor_volumes 2\n"), "{m}");
+    assert!(m.contains("\nmoor_thin_overcommit_milli 0\n"), "{m}");
 }
 
 #[tokio::test]
