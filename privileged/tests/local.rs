@@ -284,26 +284,46 @@ impl Node {
             .collect()
     }
 
-    /// Loop devices bound to volume files of this node's data dir, by the files' identity
-    /// (the kernel may name a file through a mount this test cannot see).
+    /// Loop devices bound to volume files of this node's data dir.
     fn devices(&self) -> Vec<PathBuf> {
-        use moor_node::sys::loopinfo::{backing_inode, file_inode};
-        let files: Vec<_> = std::fs::read_dir(self.data.join("volumes"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| file_inode(&e.path()).ok())
-            .collect();
-        let mut out: Vec<PathBuf> = std::fs::read_dir("/sys/block")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter(|e| e.path().join("loop/backing_file").exists())
-            .map(|e| Path::new("/dev").join(e.file_name()))
-            .filter(|d| backing_inode(d).is_ok_and(|b| files.contains(&b)))
-            .collect();
-        out.sort();
-        out
+        volume_devices(&self.data)
+    }
+}
+
+/// Loop devices bound to volume files of the data dir `data`, by the files' identity (the
+/// kernel may name a file through a mount this test cannot see).
+fn volume_devices(data: &Path) -> Vec<PathBuf> {
+    use moor_node::sys::loopinfo::{backing_inode, file_inode};
+    let files: Vec<_> = std::fs::read_dir(data.join("volumes"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| file_inode(&e.path()).ok())
+        .collect();
+    let mut out: Vec<PathBuf> = std::fs::read_dir("/sys/block")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().join("loop/backing_file").exists())
+        .map(|e| Path::new("/dev").join(e.file_name()))
+        .filter(|d| backing_inode(d).is_ok_and(|b| files.contains(&b)))
+        .collect();
+    out.sort();
+    out
+}
+
+/// On drop, also when a test fails: the loop devices of the volumes of these data dirs are
+/// released (the kernel finishes when their mounts go with the sandbox), so that nothing of
+/// a test outlives it.
+struct Release(Vec<PathBuf>);
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        for data in &self.0 {
+            for dev in volume_devices(data) {
+                let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+            }
+        }
     }
 }
 
@@ -343,6 +363,7 @@ fn refused<T: std::fmt::Debug>(r: Result<T, Status>, code: Code) -> Status {
 #[test]
 fn every_node_holds_its_own_volumes_placed_by_capacity() {
     let sb = Sandbox::new("local-nodes");
+    let _release = Release(vec![sb.root.join("n1/data"), sb.root.join("n2/data")]);
     let rt = moor_privileged::runtime();
     let nodes = rt.block_on(async {
         let mut one = Node::start(&sb, "n1", 2 << 30).await;
@@ -640,6 +661,7 @@ async fn controller_in_a_container(real: &Path, view: &Path, socket: &Path) -> D
 #[test]
 fn the_node_stages_again_after_its_controllers_container_is_replaced() {
     let sb = Sandbox::new("local-replaced");
+    let _release = Release(vec![sb.root.join("n1/data")]);
     let rt = moor_privileged::runtime();
     let node = rt.block_on(async {
         let (real, kubelet, state) = node_dirs(&sb, "n1", 1 << 30);
