@@ -24,6 +24,14 @@ pub struct Args {
     /// moor-controller per data dir.
     #[arg(long, default_value = "/var/lib/moor/controller")]
     pub data_dir: PathBuf,
+    /// How far thin volumes (the default `provisioning`) may overcommit the data dir: what
+    /// they may still claim (their sizes minus what they hold) is kept at most this many times
+    /// what its filesystem has free. 1: never more than it (every thin volume can be written
+    /// whole); 2: the free space backs half of it. A volume, growth or snapshot that would
+    /// break it is refused (RESOURCE_EXHAUSTED). Thick volumes hold all their space from the
+    /// start. Default: thin volumes without limit.
+    #[arg(long, value_name = "RATIO")]
+    pub thin_overcommit: Option<f64>,
     /// While another moor-controller holds the data dir, how long to wait for it to exit
     /// before giving up, in seconds (a hand-over in a rolling update).
     #[arg(long, default_value_t = 30)]
@@ -43,6 +51,15 @@ pub struct Args {
     /// a plugin that announces it.
     #[arg(long)]
     pub snapshot_metadata: bool,
+    /// Serve this node's volumes only, as each node's controller in the every-node install
+    /// (beside the node's moor-node, whose --local-controller is this controller's socket):
+    /// ids name the node, the CO never attaches or grows volumes through the controller
+    /// (PUBLISH_UNPUBLISH_VOLUME and EXPAND_VOLUME are not announced: moor-node asks for
+    /// them on the node), and the Node service answers NodeGetInfo and NodeGetCapabilities
+    /// for the sidecars beside it (csi-provisioner --node-deployment, csi-resizer). Only with
+    /// the embedded backend.
+    #[arg(long)]
+    pub node_local: bool,
     /// Do not serve the embedded backend (no volumes on this host's loop devices).
     #[arg(long)]
     pub no_embedded: bool,
@@ -84,6 +101,7 @@ mod tests {
         assert_eq!(a.driver_name, "moor.csi.io");
         assert_eq!(a.node_id, "n1");
         assert_eq!(a.http_endpoint, None, "off by default");
+        assert_eq!(a.thin_overcommit, None, "no limit by default");
         assert_eq!(a.instance_wait, 30);
         let a = Args::try_parse_from([
             "moor-controller",

@@ -503,6 +503,11 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Whether the backend is healthy; [`Error::NotReady`] when it is not.
     fn probe(&self) -> Result<()>;
 
+    /// The backend's own metrics, in the Prometheus text format (none by default).
+    fn metrics(&self) -> String {
+        String::new()
+    }
+
     /// Creates a volume, or returns the one created earlier under the same name when it is
     /// compatible ([`Error::VolumeExists`] when it is not).
     fn create_volume(&self, req: &NewVolume) -> Result<Volume>;

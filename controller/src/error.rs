@@ -39,6 +39,18 @@ pub enum Error {
         /// The node the backend serves.
         serves: String,
     },
+    /// The object lives on another node: a node-local controller serves its own node's only.
+    #[error("{kind} {id} lives on node {node:?}; this controller serves node {here:?}")]
+    OnOtherNode {
+        /// "volume", "snapshot" or "group snapshot".
+        kind: &'static str,
+        /// The id asked for.
+        id: String,
+        /// The node it names.
+        node: String,
+        /// The node this controller serves.
+        here: String,
+    },
     /// A volume with this name exists but does not match the request.
     #[error("a volume named {name:?} already exists ({id}) and is incompatible: {reason}")]
     VolumeExists {
@@ -205,6 +217,7 @@ impl Error {
             | Error::SnapshotNotFound(_)
             | Error::SourceNotFound { .. }
             | Error::NodeNotFound { .. }
+            | Error::OnOtherNode { .. }
             | Error::GroupSnapshotNotFound(_) => Code::NotFound,
             Error::VolumeExists { .. }
             | Error::SnapshotExists { .. }
@@ -322,6 +335,15 @@ mod tests {
             (Error::OutOfRange("x".into()), Code::OutOfRange),
             (Error::OffsetOutOfRange("x".into()), Code::OutOfRange),
             (Error::GroupSnapshotNotFound("g".into()), Code::NotFound),
+            (
+                Error::OnOtherNode {
+                    kind: "volume",
+                    id: "v@b".into(),
+                    node: "b".into(),
+                    here: "a".into(),
+                },
+                Code::NotFound,
+            ),
             (
                 Error::GroupSnapshotExists {
                     name: "n".into(),

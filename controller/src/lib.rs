@@ -13,7 +13,8 @@
 //!   StorageClass; [`select`] picks the backend of each request, and [`secrets`] hands the
 //!   request's CSI secrets to the backend that needs them;
 //! * [`inflight`] answers ABORTED when an operation on the same object is already running;
-//! * [`service`] and [`identity`] serve the CSI Controller and Identity services;
+//! * [`service`] and [`identity`] serve the CSI Controller and Identity services, and
+//!   [`node_info`] a node-local controller's NodeGetInfo for the sidecars beside it;
 //! * [`error`] maps every failure to the gRPC code the CSI spec names for it.
 
 pub mod args;
@@ -22,6 +23,7 @@ pub mod embedded;
 pub mod error;
 pub mod identity;
 pub mod inflight;
+pub mod node_info;
 pub mod rbd;
 pub mod secrets;
 pub mod select;

@@ -7,14 +7,16 @@ use std::time::Duration;
 use clap::Parser;
 use moor_controller::args::Args;
 use moor_controller::embedded::attach::LoopAttacher;
-use moor_controller::embedded::{Config, EmbeddedBackend};
+use moor_controller::embedded::{Config, EmbeddedBackend, Overcommit, Policy};
 use moor_controller::identity::IdentityService;
+use moor_controller::node_info::NodeInfoService;
 use moor_controller::rbd::{self, RbdBackend};
 use moor_controller::select::Backends;
 use moor_controller::service::ControllerService;
 use moor_proto::csi::v1::controller_server::ControllerServer;
 use moor_proto::csi::v1::group_controller_server::GroupControllerServer;
 use moor_proto::csi::v1::identity_server::IdentityServer;
+use moor_proto::csi::v1::node_server::NodeServer;
 use moor_proto::csi::v1::snapshot_metadata_server::SnapshotMetadataServer;
 use moor_runtime::metrics::Metered;
 use moor_runtime::{daemon, http, instance, server};
@@ -31,7 +33,9 @@ impl<B: moor_controller::Backend> http::Status for ControllerStatus<B> {
     }
 
     fn metrics(&self) -> String {
-        moor_runtime::metrics::render_grpc()
+        let mut out = moor_runtime::metrics::render_grpc();
+        out.push_str(&self.backend.metrics());
+        out
     }
 }
 
@@ -105,17 +109,32 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     .await?;
     // A cluster list that does not read stops the start before anything is opened.
     let rbd = rbd_backend(&args)?;
+    if args.node_local && (args.no_embedded || rbd.is_some()) {
+        return Err(
+            "--node-local serves the embedded backend only: not with --no-embedded, \
+                    --rbd or --rbd-clusters"
+                .into(),
+        );
+    }
+    let overcommit = match args.thin_overcommit {
+        Some(r) => Overcommit::ratio(r).map_err(|e| format!("--thin-overcommit {e}"))?,
+        None => Overcommit::UNLIMITED,
+    };
     let embedded: Option<Box<dyn moor_controller::Backend>> = if args.no_embedded {
         None
     } else {
         let config = Config {
             data_dir: args.data_dir.clone(),
             node_id: args.node_id.clone(),
-            topology_key: format!("topology.{}/node", args.driver_name),
+            topology_key: moor_runtime::contract::node_topology_key(&args.driver_name),
         };
         let (backend, report) =
             tokio::task::spawn_blocking(move || EmbeddedBackend::open(config, LoopAttacher::new()))
                 .await??;
+        let backend = backend.with_policy(Policy {
+            overcommit,
+            node_local: args.node_local,
+        });
         for a in &report.set_aside {
             warn!(file = %a.path.display(), reason = %a.reason, "record unreadable; set aside, its data kept");
         }
@@ -131,6 +150,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             orphans_removed = report.orphans_removed.len(),
             "records reconciled with this host's loop devices"
         );
+        info!(thin_overcommit = %overcommit, "space policy");
         Some(Box::new(backend))
     };
     if embedded.is_none() && rbd.is_none() {
@@ -144,7 +164,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     }
     let identity = IdentityService::new(args.driver_name.clone(), Arc::clone(&backend))
         .announce_snapshot_metadata(args.snapshot_metadata);
-    let controller = ControllerService::new(Arc::clone(&backend));
+    let controller = ControllerService::new(Arc::clone(&backend)).node_local(args.node_local);
     let group_controller = ControllerService::new(Arc::clone(&backend));
     let snapshot_metadata = ControllerService::new(Arc::clone(&backend));
     let listener = server::bind_unix(&socket)?;
@@ -157,14 +177,23 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         driver = args.driver_name,
         node = args.node_id,
         data_dir = %args.data_dir.display(),
+        node_local = args.node_local,
         version = env!("CARGO_PKG_VERSION"),
         "moor-controller serving"
     );
+    // A node-local controller tells the sidecars beside it which node it serves.
+    let node_info = args.node_local.then(|| {
+        Metered::new(NodeServer::new(NodeInfoService::new(
+            args.node_id.clone(),
+            moor_runtime::contract::node_topology_key(&args.driver_name),
+        )))
+    });
     let router = tonic::transport::Server::builder()
         .add_service(Metered::new(IdentityServer::new(identity)))
         .add_service(Metered::new(ControllerServer::new(controller)))
         .add_service(Metered::new(GroupControllerServer::new(group_controller)))
-        .add_service(Metered::new(SnapshotMetadataServer::new(snapshot_metadata)));
+        .add_service(Metered::new(SnapshotMetadataServer::new(snapshot_metadata)))
+        .add_optional_service(node_info);
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     let grpc = async {
         let r = server::serve(

@@ -212,6 +212,14 @@ impl Backend for Backends {
         Ok(())
     }
 
+    fn metrics(&self) -> String {
+        [self.embedded.as_deref(), self.rbd.as_deref()]
+            .into_iter()
+            .flatten()
+            .map(|b| b.metrics())
+            .collect()
+    }
+
     fn create_volume(&self, req: &NewVolume) -> Result<Volume> {
         self.by_parameters(&req.parameters)
             .ok_or_else(|| Error::invalid("parameters", "the backend is not enabled"))?

@@ -39,16 +39,40 @@ pub const CAPABILITIES: [csi::controller_service_capability::rpc::Type; 12] = {
     ]
 };
 
+/// The capabilities a node-local controller does not announce: the CO never attaches its
+/// volumes (moor-node has the controller on its node attach them, CSIDriver
+/// `attachRequired: false`), and never grows them through it (csi-resizer, seeing no
+/// EXPAND_VOLUME here, records the new size and leaves the growth to NodeExpandVolume, which
+/// moor-node takes to the controller on its node). The RPCs are still served, for moor-node.
+pub const NOT_ANNOUNCED_NODE_LOCAL: [csi::controller_service_capability::rpc::Type; 3] = {
+    use csi::controller_service_capability::rpc::Type;
+    [
+        Type::PublishUnpublishVolume,
+        Type::ListVolumesPublishedNodes,
+        Type::ExpandVolume,
+    ]
+};
+
 /// The Controller service.
 #[derive(Debug)]
 pub struct ControllerService<B: Backend> {
     backend: Arc<B>,
+    node_local: bool,
 }
 
 impl<B: Backend> ControllerService<B> {
     /// Serves `backend`.
     pub fn new(backend: Arc<B>) -> Self {
-        Self { backend }
+        Self {
+            backend,
+            node_local: false,
+        }
+    }
+
+    /// Serves a node-local controller's backend (see [`NOT_ANNOUNCED_NODE_LOCAL`]).
+    pub fn node_local(mut self, on: bool) -> Self {
+        self.node_local = on;
+        self
     }
 
     /// Runs `f` against the backend on the blocking pool and logs the outcome.
@@ -330,6 +354,7 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
         Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
             capabilities: CAPABILITIES
                 .iter()
+                .filter(|t| !(self.node_local && NOT_ANNOUNCED_NODE_LOCAL.contains(t)))
                 .map(|t| csi::ControllerServiceCapability {
                     r#type: Some(Type::Rpc(Rpc { r#type: *t as i32 })),
                 })

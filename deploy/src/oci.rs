@@ -552,7 +552,14 @@ mod tests {
                 .unwrap()
                 .contains(&json!("rw"))
         );
-        assert!(c["linux"].get("rootfsPropagation").is_none());
+        // The kubelet's mounts reach it (HostToContainer), for freezing group members in use.
+        assert_eq!(c["linux"]["rootfsPropagation"], "rslave");
+        assert!(
+            mount(&c, "/var/lib/kubelet")["options"]
+                .as_array()
+                .unwrap()
+                .contains(&json!("rslave"))
+        );
         assert!(
             mount(&c, "/var/lib/moor-controller")["source"]
                 .as_str()

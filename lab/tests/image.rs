@@ -136,6 +136,8 @@ impl Pods {
             "/var/lib/moor-controller",
             &data.display().to_string(),
         );
+        // The controller sees the kubelet's mounts (HostToContainer), to freeze group members.
+        oci::relocate(&mut controller, "/var/lib/kubelet", &kubelet);
         Self {
             node_http: std::sync::Mutex::new(String::new()),
             sb,

@@ -77,6 +77,12 @@ pub struct Args {
     /// `none`.
     #[arg(long, value_enum, default_value_t = crate::attach::Choice::Auto)]
     pub rbd_attacher: crate::attach::Choice,
+    /// The socket of the controller on this node (`unix:///path`), for node-local volumes
+    /// (`moor-controller --node-local` beside this moor-node, the every-node install): the
+    /// volumes this driver stages are attached, detached and grown by it, and their condition
+    /// joins its view. Default: none (a CO attaches and grows volumes).
+    #[arg(long, value_name = "ENDPOINT")]
+    pub local_controller: Option<String>,
     /// Deadline for mapping an RBD image, in seconds.
     #[arg(long, default_value_t = 60)]
     pub rbd_map_timeout: u64,

@@ -7,7 +7,8 @@
 //! * [`engine`] carries out the Node RPCs' semantics over the OS ([`sys`]) and the node
 //!   journal ([`journal`]), one operation per volume at a time ([`volume_lock`]);
 //! * [`sys::discovery`] finds a volume's block device by identity, through udev;
-//! * [`attach`] maps a Ceph RBD image to a block device before it is staged;
+//! * [`attach`] maps a Ceph RBD image to a block device before it is staged, and
+//!   [`local_controller`] has the controller on this node attach a node-local volume;
 //! * [`superblock`] reads superblocks to tell a blank device from one that holds data;
 //! * [`filesystem`] says what differs per filesystem: mkfs, fsck, growing, mount options;
 //! * [`mount_options`] decides which mount flags reach the kernel; [`selinux`] checks the
@@ -26,6 +27,7 @@ pub mod error;
 pub mod filesystem;
 pub mod fsgroup;
 pub mod journal;
+pub mod local_controller;
 pub mod metrics;
 pub mod mount_options;
 pub mod reconcile;

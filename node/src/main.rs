@@ -9,6 +9,7 @@ use clap::Parser;
 use moor_node::args::Args;
 use moor_node::engine::{Engine, EngineConfig};
 use moor_node::journal::{Boot, Journal};
+use moor_node::local_controller::GrpcLocalController;
 use moor_node::metrics::MeteredOs;
 use moor_node::reconcile::Reconciler;
 use moor_node::registration::{self, Progress, Refusal, RegistrationService};
@@ -21,6 +22,10 @@ use moor_runtime::metrics::Metered;
 use moor_runtime::{daemon, http, instance, server};
 use tokio::sync::watch;
 use tracing::{info, warn};
+
+/// How long a call to the controller on this node may take (an attach flushes and binds, a
+/// thick volume's growth reserves its space): below kubelet's own deadline for the RPC.
+const LOCAL_CONTROLLER_TIMEOUT: Duration = Duration::from_secs(100);
 
 /// What the HTTP endpoint reports for the node.
 struct NodeStatus<O: Os> {
@@ -123,7 +128,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         driver_name: args.driver_name.clone(),
         node_id: args.node_id.clone(),
         max_volumes: args.max_volumes,
-        topology_key: format!("topology.{}/node", args.driver_name),
+        topology_key: moor_runtime::contract::node_topology_key(&args.driver_name),
         state_dir: state_dir.clone(),
     };
     let boot = Boot::new(moor_node::sys::linux::boot_id());
@@ -165,7 +170,17 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         Arc::clone(&reconciler).spawn_periodic(Duration::from_secs(args.reconcile_interval))
     });
     let identity = IdentityService::new(info.clone(), Arc::clone(&os));
-    let node = NodeService::new(Arc::clone(&engine), info);
+    let node = match &args.local_controller {
+        Some(endpoint) => {
+            let local = GrpcLocalController::new(endpoint, LOCAL_CONTROLLER_TIMEOUT)?;
+            info!(
+                controller = endpoint,
+                "node-local volumes: the controller on this node attaches them"
+            );
+            NodeService::new(Arc::clone(&engine), info).with_local_controller(Arc::new(local))
+        }
+        None => NodeService::new(Arc::clone(&engine), info),
+    };
     let http_listener = match &args.http_endpoint {
         Some(e) => Some(http::bind(e).await?),
         None => None,

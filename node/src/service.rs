@@ -18,6 +18,7 @@ use tracing::{info, warn};
 
 use crate::engine::{Engine, StageReport, VolumeStats};
 use crate::error::Error;
+use crate::local_controller::LocalController;
 use crate::sys::Os;
 use crate::validate;
 
@@ -205,12 +206,24 @@ impl<O: Os> csi::identity_server::Identity for IdentityService<O> {
 pub struct NodeService<O: Os> {
     engine: Arc<Engine<O>>,
     info: PluginInfo,
+    /// The controller on this node, for node-local volumes (see [`crate::local_controller`]).
+    local: Option<Arc<dyn LocalController>>,
 }
 
 impl<O: Os> NodeService<O> {
     /// Builds the service.
     pub fn new(engine: Arc<Engine<O>>, info: PluginInfo) -> Self {
-        Self { engine, info }
+        Self {
+            engine,
+            info,
+            local: None,
+        }
+    }
+
+    /// Serves node-local volumes, whose controller on this node is `local`.
+    pub fn with_local_controller(mut self, local: Arc<dyn LocalController>) -> Self {
+        self.local = Some(local);
+        self
     }
 
     fn kubelet_dir(&self) -> PathBuf {
@@ -224,10 +237,28 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         &self,
         request: Request<csi::NodeStageVolumeRequest>,
     ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
-        let req = request.into_inner();
+        let mut req = request.into_inner();
         let engine = Arc::clone(&self.engine);
         let dir = self.kubelet_dir();
+        let local = self.local.clone();
+        let node_id = self.info.node_id.clone();
         traced("NodeStageVolume", req.volume_id.clone(), async move {
+            // A node-local volume: the controller on this node attaches it, as a CO's attach
+            // would have, once the rest of the request holds.
+            if let Some(local) = &local
+                && !crate::local_controller::names_a_device(&req.publish_context)
+            {
+                validate::stage_but_device(&req, &dir)?;
+                let ctx = local
+                    .attach(
+                        &req.volume_id,
+                        &node_id,
+                        req.volume_capability.clone(),
+                        req.volume_context.clone(),
+                    )
+                    .await?;
+                req.publish_context.extend(ctx);
+            }
             let v = validate::stage(&req, &dir)?;
             let rbd = crate::attach::request::stage(&req)?;
             let (staged, report) = blocking(move || {
@@ -261,9 +292,16 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         let req = request.into_inner();
         let engine = Arc::clone(&self.engine);
         let dir = self.kubelet_dir();
+        let local = self.local.clone();
+        let node_id = self.info.node_id.clone();
         traced("NodeUnstageVolume", req.volume_id.clone(), async move {
             let v = validate::unstage(&req, &dir)?;
             blocking(move || engine.unstage(&v)).await?;
+            // Unmounted: the controller on this node releases the device it attached (a
+            // volume it did not attach is success).
+            if let Some(local) = &local {
+                local.detach(&req.volume_id, &node_id).await?;
+            }
             Ok(csi::NodeUnstageVolumeResponse {})
         })
         .await
@@ -304,7 +342,23 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         let req = request.into_inner();
         let dir = self.kubelet_dir();
         let v = validate::stats(&req, &dir)?;
-        let (stats, condition) = inline(|| self.engine.stats(&v))?;
+        let (stats, mut condition) = inline(|| self.engine.stats(&v))?;
+        // The controller on this node knows what the node cannot see: whether the data dir
+        // can still back what a thin volume may write. Its silence changes nothing here.
+        if let Some(local) = &self.local
+            && !condition.abnormal
+        {
+            match local.condition(&req.volume_id).await {
+                Ok(Some(c)) if c.abnormal => {
+                    condition.abnormal = true;
+                    condition.message = c.message;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(volume = req.volume_id, error = %e.message(), "the controller on this node did not say the volume's condition")
+                }
+            }
+        }
         use csi::volume_usage::Unit;
         let i = |x: u64| i64::try_from(x).unwrap_or(i64::MAX);
         let usage = match stats {
@@ -348,8 +402,25 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         let req = request.into_inner();
         let engine = Arc::clone(&self.engine);
         let dir = self.kubelet_dir();
+        let local = self.local.clone();
         traced("NodeExpandVolume", req.volume_id.clone(), async move {
             let v = validate::expand(&req, &dir)?;
+            // A node-local volume grows first where it lives: its file, by the controller on
+            // this node (which tells the device); then its filesystem, as any volume's.
+            if let Some(local) = &local {
+                let (required, limit) = req
+                    .capacity_range
+                    .as_ref()
+                    .map_or((0, 0), |r| (r.required_bytes, r.limit_bytes));
+                local
+                    .expand(
+                        &req.volume_id,
+                        required,
+                        limit,
+                        req.volume_capability.clone(),
+                    )
+                    .await?;
+            }
             let size = blocking(move || engine.expand(&v)).await?;
             Ok(csi::NodeExpandVolumeResponse {
                 capacity_bytes: i64::try_from(size).unwrap_or(i64::MAX),
@@ -362,20 +433,7 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         &self,
         _: Request<csi::NodeGetCapabilitiesRequest>,
     ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
-        use csi::node_service_capability::{Rpc, Type, rpc};
-        let capabilities = [
-            rpc::Type::StageUnstageVolume,
-            rpc::Type::GetVolumeStats,
-            rpc::Type::ExpandVolume,
-            rpc::Type::VolumeCondition,
-            rpc::Type::SingleNodeMultiWriter,
-            rpc::Type::VolumeMountGroup,
-        ]
-        .into_iter()
-        .map(|t| csi::NodeServiceCapability {
-            r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })),
-        })
-        .collect();
+        let capabilities = moor_runtime::contract::node_capabilities();
         Ok(Response::new(csi::NodeGetCapabilitiesResponse {
             capabilities,
         }))

@@ -196,14 +196,24 @@ pub fn capability(cap: Option<&csi::VolumeCapability>) -> Result<Capability> {
     Ok(Capability { access, mode })
 }
 
-/// Validates NodeStageVolume.
-pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<Stage> {
+/// Validates NodeStageVolume but for its device: what must hold before the controller on the
+/// node is asked to attach the volume (see [`crate::local_controller`]).
+pub fn stage_but_device(
+    req: &csi::NodeStageVolumeRequest,
+    kubelet_dir: &Path,
+) -> Result<(String, PathBuf, Capability)> {
     let volume_id = volume_id("volume_id", &req.volume_id)?;
     let staging = path_under("staging_target_path", &req.staging_target_path, kubelet_dir)?;
     let cap = capability(req.volume_capability.as_ref())?;
     map_size("publish_context", &req.publish_context)?;
     map_size("volume_context", &req.volume_context)?;
     map_size("secrets", &req.secrets)?;
+    Ok((volume_id, staging, cap))
+}
+
+/// Validates NodeStageVolume.
+pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<Stage> {
+    let (volume_id, staging, cap) = stage_but_device(req, kubelet_dir)?;
     let (device, identity) = device_identity(&req.publish_context, kubelet_dir)?;
     Ok(Stage {
         volume_id,

@@ -139,3 +139,32 @@ pub fn plugin_capabilities() -> Vec<csi::PluginCapability> {
         },
     ]
 }
+
+/// The topology key of a driver's per-node segment, `topology.<driver>/node`: NodeGetInfo
+/// names the node by it, and a volume that lives on one node is accessible from that segment.
+#[must_use]
+pub fn node_topology_key(driver: &str) -> String {
+    format!("topology.{driver}/node")
+}
+
+/// The Node service capabilities moor-node announces: staged volumes, their stats and
+/// condition, growth on the node, SINGLE_NODE_MULTI_WRITER and the pod's fsGroup on mount. A
+/// node-local moor-controller repeats them to the sidecars that ask its socket (csi-resizer
+/// looks for EXPAND_VOLUME there).
+#[must_use]
+pub fn node_capabilities() -> Vec<csi::NodeServiceCapability> {
+    use csi::node_service_capability::{Rpc, Type, rpc};
+    [
+        rpc::Type::StageUnstageVolume,
+        rpc::Type::GetVolumeStats,
+        rpc::Type::ExpandVolume,
+        rpc::Type::VolumeCondition,
+        rpc::Type::SingleNodeMultiWriter,
+        rpc::Type::VolumeMountGroup,
+    ]
+    .into_iter()
+    .map(|t| csi::NodeServiceCapability {
+        r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })),
+    })
+    .collect()
+}

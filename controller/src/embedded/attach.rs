@@ -71,6 +71,8 @@ pub struct Attachment {
     pub deleted: bool,
     /// The backing file's identity.
     pub file: FileId,
+    /// Whether the device is bound read-only (nothing can write through it).
+    pub read_only: bool,
 }
 
 /// What a detach did.
@@ -139,8 +141,9 @@ pub trait Attacher: Send + Sync + fmt::Debug + 'static {
     /// Writes `device`'s cached data through to its backing file (`expect`).
     fn flush(&self, device: &Path, expect: FileId) -> Result<(), AttachError>;
 
-    /// Every device on this host bound to a file under `root` (the data dir), as the kernel
-    /// names the file. No device bound to anything else is looked at: inspecting a device
+    /// Every device on this host bound to a file under `root` (the data dir), with the file
+    /// named under `root` (see [`under_root`]: the kernel may name it through a mount this
+    /// process cannot see). No device bound to anything else is looked at: inspecting a device
     /// reads its file's attributes, and another user's file may never answer (a FUSE file
     /// whose server hangs), which would hold the controller with it.
     fn list(&self, root: &Path) -> Result<Vec<Attachment>, AttachError>;
@@ -171,6 +174,43 @@ impl<A: Attacher> Attacher for Arc<A> {
     fn check(&self) -> Result<(), AttachError> {
         (**self).check()
     }
+}
+
+/// The data dir's subdirectory whose files are attached (the volumes).
+pub const ATTACHED_DIR: &str = "volumes";
+
+/// Where the file a loop device names (sysfs `backing_file`, " (deleted)" already cut off)
+/// is under `root`, the data dir, as far as the path alone can tell.
+///
+/// The kernel names a device's file by the mount it was opened through, as seen from the
+/// reader's root. A controller in a container opens volume files through its bind mount of
+/// the data dir; once that container is gone (a restart, a rolling update), the mount is
+/// detached and the kernel names the file from the mount's own root: `/volumes/<id>.img`
+/// for a data dir mounted as itself, `/moor-controller/volumes/<id>.img` for its parent.
+/// Such a path is taken as a candidate when it is the end of the path the file has under
+/// `root`, and names a volume file (`volumes/vol-<id>.img`): returned with `true`, and the
+/// caller must compare the device's file with the one under `root` (device and inode) before
+/// calling it ours. A path under `root` is returned as it is, with `false`.
+pub fn under_root(root: &Path, named: &Path) -> Option<(PathBuf, bool)> {
+    if named.starts_with(root) {
+        return Some((named.to_path_buf(), false));
+    }
+    let tail: Vec<&std::ffi::OsStr> = named.strip_prefix("/").ok()?.iter().collect();
+    let [.., dir, file] = tail[..] else {
+        return None;
+    };
+    let is_volume_file = |f: &str| super::ids::VolumeId::from_file_name(f, "img").is_some();
+    if dir != ATTACHED_DIR || !file.to_str().is_some_and(is_volume_file) {
+        return None;
+    }
+    // What the kernel shows is a suffix of <root>/volumes/<file>: the part of `root` it shows
+    // must be the end of `root`.
+    let shown_root = &tail[..tail.len() - 2];
+    let root_parts: Vec<&std::ffi::OsStr> = root.strip_prefix("/").ok()?.iter().collect();
+    if shown_root.len() > root_parts.len() || !root_parts.ends_with(shown_root) {
+        return None;
+    }
+    Some((root.join(ATTACHED_DIR).join(file), true))
 }
 
 /// How often [`LoopAttacher::attach`] asks for another free device after losing a race.
@@ -419,18 +459,18 @@ impl Attacher for LoopAttacher {
             if !is_loop {
                 continue;
             }
-            let Some(backing) = self.sysfs_backing(&name) else {
+            let Some(named) = self.sysfs_backing(&name) else {
                 continue;
             };
-            let (backing, deleted) = match backing.strip_suffix(" (deleted)") {
+            let (named, deleted) = match named.strip_suffix(" (deleted)") {
                 Some(b) => (b.to_string(), true),
-                None => (backing, false),
+                None => (named, false),
             };
             // Someone else's device is not opened at all (sysfs names its file without
             // touching it): its status read could wait on a file that never answers.
-            if !Path::new(&backing).starts_with(root) {
+            let Some((backing, verify)) = under_root(root, Path::new(&named)) else {
                 continue;
-            }
+            };
             let device = self.dev_dir.join(&name);
             // A device under the data dir that cannot be inspected (its status answers an
             // error) is skipped, not fatal.
@@ -443,7 +483,7 @@ impl Attacher for LoopAttacher {
                 Ok(Some(Some(file))) => file,
                 Ok(_) => continue,
                 Err(e) => {
-                    tracing::warn!(device = %device.display(), backing, error = %e,
+                    tracing::warn!(device = %device.display(), backing = named, error = %e,
                         "cannot inspect this loop device; skipped");
                     continue;
                 }
@@ -451,15 +491,32 @@ impl Attacher for LoopAttacher {
             let again = self.sysfs_backing(&name);
             let same = again
                 .as_deref()
-                .is_some_and(|a| a.strip_suffix(" (deleted)").unwrap_or(a) == backing.as_str());
-            if same {
-                out.push(Attachment {
-                    device,
-                    backing: PathBuf::from(backing),
-                    deleted,
-                    file,
-                });
+                .is_some_and(|a| a.strip_suffix(" (deleted)").unwrap_or(a) == named.as_str());
+            if !same {
+                continue;
             }
+            // Named through a mount this process cannot see: ours only if it is the very
+            // file under the data dir, or (unlinked since) a file of the data dir's
+            // filesystem.
+            if verify {
+                let ours = if deleted {
+                    FileId::of_path(root).is_ok_and(|r| r.dev == file.dev)
+                } else {
+                    FileId::of_path(&backing).is_ok_and(|f| f == file)
+                };
+                if !ours {
+                    continue;
+                }
+            }
+            let read_only = std::fs::read_to_string(self.sys_block.join(&name).join("ro"))
+                .is_ok_and(|s| s.trim() == "1");
+            out.push(Attachment {
+                device,
+                backing,
+                deleted,
+                file,
+                read_only,
+            });
         }
         out.sort_by(|a, b| a.device.cmp(&b.device));
         Ok(out)
@@ -477,6 +534,44 @@ impl Attacher for LoopAttacher {
 mod tests {
     use super::*;
     use crate::embedded::testdir::TestDir;
+
+    #[test]
+    fn a_file_named_through_a_mount_gone_since_is_a_candidate_under_the_data_dir() {
+        let root = Path::new("/var/lib/moor-controller");
+        let vol = "vol-0123456789abcdef.img";
+        let want = root.join("volumes").join(vol);
+        // Under the data dir: as it is, nothing to verify.
+        assert_eq!(
+            under_root(root, &want),
+            Some((want.clone(), false)),
+            "named as it is"
+        );
+        // The container that attached it is gone: the kernel names the file from the root of
+        // the detached bind mount (the data dir itself, or a dir above it).
+        for shown in [
+            format!("/volumes/{vol}"),
+            format!("/moor-controller/volumes/{vol}"),
+            format!("/lib/moor-controller/volumes/{vol}"),
+        ] {
+            assert_eq!(
+                under_root(root, Path::new(&shown)),
+                Some((want.clone(), true)),
+                "{shown}"
+            );
+        }
+        // Anything else is someone else's, and is never opened.
+        for shown in [
+            "/volumes/vol-0123456789abcdef.img.tmp".to_string(),
+            "/volumes/other.img".to_string(),
+            format!("/snapshots/{vol}"),
+            format!("/other/volumes/{vol}"),
+            format!("/usr/var/lib/moor-controller/volumes/{vol}"),
+            vol.to_string(),
+            "/".to_string(),
+        ] {
+            assert_eq!(under_root(root, Path::new(&shown)), None, "{shown}");
+        }
+    }
 
     #[test]
     fn a_device_bound_outside_the_data_dir_is_not_opened() {

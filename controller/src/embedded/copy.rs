@@ -5,6 +5,11 @@
 //! SEEK_DATA/SEEK_HOLE and only they are copied (copy_file_range, or read/write where that is
 //! refused), after sizing the destination, so every hole of the source stays a hole. When the
 //! filesystem cannot report holes either, all-zero blocks are skipped instead.
+//!
+//! A thick volume must never share an extent: a block shared with another file is copied on
+//! its next write, which needs space its reservation does not hold. So a copy from or into a
+//! thick volume is [`Sharing::Private`]: neither FICLONE nor copy_file_range (which clones
+//! where the filesystem can), only reads and writes.
 
 use std::fs::File;
 use std::io;
@@ -52,14 +57,30 @@ impl CopyError {
 
 const CHUNK: usize = 1 << 20;
 
+/// Whether the copy may share the source's extents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharing {
+    /// Clone (FICLONE) or let the filesystem clone (copy_file_range) where it can.
+    Allowed,
+    /// Never share an extent with the source: read and write.
+    Private,
+}
+
 /// Copies `src` into the empty file `dst` and makes `dst` exactly `len` bytes long (a `len`
-/// below the source's size copies only that much). `dst` is not fsynced here.
+/// below the source's size copies only that much), sharing extents where the filesystem can.
+/// `dst` is not fsynced here.
 pub fn copy_sparse(src: &File, dst: &File, len: u64) -> Result<CopyMethod, CopyError> {
+    copy(src, dst, len, Sharing::Allowed)
+}
+
+/// [`copy_sparse`], with `sharing` saying whether extents may be shared.
+pub fn copy(src: &File, dst: &File, len: u64, sharing: Sharing) -> Result<CopyMethod, CopyError> {
     let src_len = src
         .metadata()
         .map_err(|e| CopyError::new("stat source", e))?
         .len();
-    if src_len <= len {
+    let share = sharing == Sharing::Allowed;
+    if share && src_len <= len {
         match rustix::fs::ioctl_ficlone(dst, src) {
             Ok(()) => {
                 dst.set_len(len)
@@ -90,7 +111,7 @@ pub fn copy_sparse(src: &File, dst: &File, len: u64) -> Result<CopyMethod, CopyE
             Err(Errno::NXIO) => break,
             // The filesystem cannot tell: copy the rest, skipping zero blocks.
             Err(Errno::INVAL | Errno::OPNOTSUPP) => {
-                copy_range(src, dst, pos, end, true)?;
+                copy_range(src, dst, pos, end, true, share)?;
                 break;
             }
             Err(e) => return Err(CopyError::new("SEEK_DATA", e)),
@@ -101,22 +122,24 @@ pub fn copy_sparse(src: &File, dst: &File, len: u64) -> Result<CopyMethod, CopyE
         let hole = rustix::fs::seek(src, SeekFrom::Hole(data))
             .map_err(|e| CopyError::new("SEEK_HOLE", e))?
             .min(end);
-        copy_range(src, dst, data, hole, false)?;
+        copy_range(src, dst, data, hole, false, share)?;
         pos = hole;
     }
     Ok(CopyMethod::Sparse)
 }
 
-/// Copies `[start, end)` from `src` to the same offsets of `dst`.
+/// Copies `[start, end)` from `src` to the same offsets of `dst`; with copy_file_range when
+/// `share` allows it.
 fn copy_range(
     src: &File,
     dst: &File,
     start: u64,
     end: u64,
     skip_zeroes: bool,
+    share: bool,
 ) -> Result<(), CopyError> {
     let mut pos = start;
-    if !skip_zeroes {
+    if share && !skip_zeroes {
         while pos < end {
             let want = usize::try_from(end - pos)
                 .unwrap_or(usize::MAX)
@@ -227,7 +250,7 @@ mod tests {
             .open(dir.path().join("dst"))
             .unwrap();
         dst.set_len(data.len() as u64).unwrap();
-        copy_range(&src, &dst, 0, data.len() as u64, true).unwrap();
+        copy_range(&src, &dst, 0, data.len() as u64, true, true).unwrap();
         assert_eq!(std::fs::read(dir.path().join("dst")).unwrap(), data);
     }
 }

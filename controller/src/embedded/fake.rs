@@ -244,6 +244,7 @@ impl Attacher for FakeAttacher {
                     backing: d.backing.clone(),
                     deleted,
                     file: d.file,
+                    read_only: d.read_only,
                 }
             })
             .collect())

@@ -15,11 +15,11 @@ use std::time::{Instant, SystemTime};
 
 use tracing::{info, warn};
 
-use super::attach::Attacher;
+use super::attach::{Attacher, FileId};
 use super::freeze::{self, Frozen, Mounted};
 use super::ids::{GroupId, SnapshotId, VolumeId};
 use super::records::{self, GroupRecord, SnapshotRecord};
-use super::{EmbeddedBackend, TempFile, copy, no_parameters, snapshot_key, volume_key};
+use super::{EmbeddedBackend, Found, TempFile, copy, no_parameters, snapshot_key, volume_key};
 use crate::backend::{GroupSnapshot, GroupSnapshotRef, NewGroupSnapshot};
 use crate::error::{Error, Result, trunc};
 
@@ -33,8 +33,11 @@ struct Member {
     snapshot: SnapshotId,
     source: PathBuf,
     size: u64,
-    /// The attached device, to flush before the clone.
-    device: Option<PathBuf>,
+    /// Every device bound read-write to the member's file, as the kernel has them now (not
+    /// as the records say): each must be held, and flushed before the clone.
+    writers: Vec<PathBuf>,
+    /// How the clone may share the member's extents (never a thick volume's).
+    sharing: copy::Sharing,
     tmp: Option<TempFile>,
 }
 
@@ -56,12 +59,12 @@ impl<A: Attacher> EmbeddedBackend<A> {
     fn group_of(&self, rec: &GroupRecord) -> GroupSnapshot {
         let st = self.state();
         GroupSnapshot {
-            id: rec.id.clone(),
+            id: self.show(&rec.id),
             snapshots: rec
                 .snapshot_ids
                 .iter()
                 .filter_map(|s| st.snapshots.get(s))
-                .map(Self::snapshot_of)
+                .map(|s| self.snapshot_of(s))
                 .collect(),
             created_at: rec.created_at(),
         }
@@ -70,30 +73,30 @@ impl<A: Attacher> EmbeddedBackend<A> {
     /// The filesystem of each member attached read-write, to freeze; FAILED_PRECONDITION for
     /// one whose writes cannot be held (see [`super::freeze`]).
     fn writers(&self, members: &[Member]) -> Result<Vec<Mounted>> {
-        let attached: Vec<&Member> = members.iter().filter(|m| m.device.is_some()).collect();
-        if attached.is_empty() {
+        if members.iter().all(|m| m.writers.is_empty()) {
             return Ok(Vec::new());
         }
         let table = freeze::mount_table()?;
         let mut out = Vec::new();
-        for m in attached {
-            let Some(dev) = &m.device else { continue };
-            // A device node that cannot be read names no mount: refused like one unmounted.
-            let device = freeze::device_number(dev).ok();
-            match device.and_then(|d| freeze::mount_of(&table, d).map(|m| (d, m))) {
-                Some((device, mount_point)) => out.push(Mounted {
-                    mount_point,
-                    device,
-                }),
-                None => {
-                    return Err(Error::GroupRefused(format!(
-                        "volume {} is attached read-write as {} and no filesystem of it is \
-                         mounted where the controller can freeze it (a raw block volume, or a \
-                         mount outside the controller's view): its writes cannot be held while \
-                         the group is cut",
-                        m.volume,
-                        dev.display()
-                    )));
+        for m in members {
+            for dev in &m.writers {
+                // A device node that cannot be read names no mount: refused like one unmounted.
+                let device = freeze::device_number(dev).ok();
+                match device.and_then(|d| freeze::mount_of(&table, d).map(|m| (d, m))) {
+                    Some((device, mount_point)) => out.push(Mounted {
+                        mount_point,
+                        device,
+                    }),
+                    None => {
+                        return Err(Error::GroupRefused(format!(
+                            "volume {} is attached read-write as {} and no filesystem of it \
+                             is mounted where the controller can freeze it (a raw block volume, \
+                             or a mount outside the controller's view): its writes cannot be \
+                             held while the group is cut",
+                            m.volume,
+                            dev.display()
+                        )));
+                    }
                 }
             }
         }
@@ -108,8 +111,15 @@ impl<A: Attacher> EmbeddedBackend<A> {
             .dev();
         let start = Instant::now();
         let frozen = Frozen::freeze(&self.store, &mounts, data_dev)?;
+        if frozen.count() != mounts.len() {
+            return Err(Error::Internal(format!(
+                "{} of the members' {} filesystems were frozen",
+                frozen.count(),
+                mounts.len()
+            )));
+        }
         for m in members.iter_mut() {
-            if let Some(dev) = &m.device {
+            for dev in &m.writers {
                 self.flush_device(dev, &m.source)?;
             }
             let src = File::open(&m.source).map_err(|e| Error::io("open", &m.source, e))?;
@@ -119,13 +129,14 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 .metadata()
                 .map_err(|e| Error::io("stat", &m.source, e))?
                 .len();
-            copy::copy_sparse(&src, &dst, size)?;
+            copy::copy(&src, &dst, size, m.sharing)?;
             m.size = size;
         }
         let held = frozen.count();
         drop(frozen);
         info!(
             members = members.len(),
+            writers = members.iter().map(|m| m.writers.len()).sum::<usize>(),
             frozen = held,
             micros = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX),
             "group cloned"
@@ -174,25 +185,36 @@ impl<A: Attacher> EmbeddedBackend<A> {
             .cloned();
         if let Some(existing) = existing {
             let mut theirs = req.source_volume_ids.clone();
-            let mut ours = existing.source_volume_ids.clone();
+            let mut ours: Vec<String> = existing
+                .source_volume_ids
+                .iter()
+                .map(|v| self.show(v))
+                .collect();
             theirs.sort();
             ours.sort();
             if theirs != ours {
                 return Err(Error::GroupSnapshotExists {
                     name: req.name.clone(),
-                    id: existing.id.clone(),
-                    reason: format!(
-                        "it was cut from volumes {}",
-                        existing.source_volume_ids.join(", ")
-                    ),
+                    id: self.show(&existing.id),
+                    reason: format!("it was cut from volumes {}", ours.join(", ")),
                 });
             }
             return Ok(self.group_of(&existing));
         }
         let mut ids = Vec::new();
         for raw in &req.source_volume_ids {
-            let id = VolumeId::parse(raw)
-                .ok_or_else(|| Error::VolumeNotFound(trunc(raw).to_string()))?;
+            let id = match self.find_volume(raw) {
+                Found::Here(id) => id,
+                Found::Elsewhere(node) => {
+                    return Err(Error::GroupRefused(format!(
+                        "volume {} lives on node {node:?}: a group snapshot is cut on one node, \
+                         of volumes that all live there (this is node {:?})",
+                        trunc(raw),
+                        self.node_id()
+                    )));
+                }
+                Found::Unknown => return Err(Error::VolumeNotFound(trunc(raw).to_string())),
+            };
             ids.push(id);
         }
         let keys: Vec<String> = ids.iter().map(volume_key).collect();
@@ -200,33 +222,49 @@ impl<A: Attacher> EmbeddedBackend<A> {
         // Shared: other snapshots may be cut meanwhile, but no member is published,
         // unpublished, grown or deleted until the group is cut.
         let _sources = self.inflight.claim(&[], &key_refs)?;
+        // Who can write to each member is what the kernel says now: a record can be wrong
+        // (a device it lost track of), and a member written to while the others are cloned
+        // would make a group that is not one instant.
+        let live = self.attacher.list(&self.layout.root)?;
         let mut members = Vec::with_capacity(ids.len());
         for vid in ids {
-            let rec = self
-                .volume_record(&vid)
-                .ok_or_else(|| Error::VolumeNotFound(vid.to_string()))?;
-            let device = rec
-                .publication
-                .as_ref()
-                .filter(|p| !p.readonly)
-                .and_then(|p| p.device.as_ref())
-                .map(PathBuf::from);
+            let Some(rec) = self.volume_record(&vid) else {
+                return Err(Error::VolumeNotFound(vid.to_string()));
+            };
+            let source = self.layout.volume_file(&vid);
+            let file = FileId::of_path(&source).map_err(|e| Error::io("stat", &source, e))?;
+            let writers: Vec<PathBuf> = live
+                .iter()
+                .filter(|a| a.file == file && !a.deleted && !a.read_only)
+                .map(|a| a.device.clone())
+                .collect();
             let mut snapshot = self.new_snapshot_id()?;
             while members.iter().any(|m: &Member| m.snapshot == snapshot) {
                 snapshot = self.new_snapshot_id()?;
             }
             members.push(Member {
-                source: self.layout.volume_file(&vid),
+                source,
                 volume: vid,
                 snapshot,
                 size: 0,
-                device,
+                writers,
+                sharing: if super::is_thick(&rec.parameters) {
+                    copy::Sharing::Private
+                } else {
+                    copy::Sharing::Allowed
+                },
                 tmp: None,
             });
         }
         let gid = self.new_group_id()?;
         let created = SystemTime::now();
         self.clone_members(&mut members)?;
+        // The clones hold what they copied: they must not eat the space thin volumes are
+        // promised (refused, they go with their temp files).
+        self.admit(
+            super::space::Claim::default(),
+            &format!("a group snapshot of {} volumes", members.len()),
+        )?;
         let placed = self.place_members(&mut members)?;
         let (created_secs, created_nanos) = SnapshotRecord::time_fields(created);
         let snapshot_records: Vec<SnapshotRecord> = members
@@ -281,26 +319,32 @@ impl<A: Attacher> EmbeddedBackend<A> {
 
     pub(super) fn get_group(&self, req: &GroupSnapshotRef) -> Result<GroupSnapshot> {
         let not_found = || Error::GroupSnapshotNotFound(trunc(&req.id).to_string());
-        let id = GroupId::parse(&req.id).ok_or_else(not_found)?;
+        let id = match self.find_group(&req.id) {
+            Found::Here(id) => id,
+            Found::Elsewhere(node) => {
+                return Err(self.on_other_node("group snapshot", &req.id, node));
+            }
+            Found::Unknown => return Err(not_found()),
+        };
         let rec = self
             .state()
             .groups
             .get(id.as_str())
             .cloned()
             .ok_or_else(not_found)?;
-        req.check_members(&rec.snapshot_ids)?;
+        req.check_members(&self.shown_members(&rec))?;
         Ok(self.group_of(&rec))
     }
 
     pub(super) fn delete_group(&self, req: &GroupSnapshotRef) -> Result<()> {
-        let Some(id) = GroupId::parse(&req.id) else {
+        let Some(id) = self.to_delete("group snapshot", &req.id, self.find_group(&req.id))? else {
             return Ok(());
         };
         let _claim = self.inflight.claim(&[&group_key(&id)], &[])?;
         let Some(rec) = self.state().groups.get(id.as_str()).cloned() else {
             return Ok(());
         };
-        req.check_members(&rec.snapshot_ids)?;
+        req.check_members(&self.shown_members(&rec))?;
         for sid in rec.snapshot_ids.iter().filter_map(|s| SnapshotId::parse(s)) {
             self.delete_member(&sid)?;
         }
@@ -308,6 +352,11 @@ impl<A: Attacher> EmbeddedBackend<A> {
         self.state().groups.remove(id.as_str());
         info!(group = %id, "group snapshot deleted");
         Ok(())
+    }
+
+    /// A group's member snapshot ids as the outside sees them.
+    fn shown_members(&self, rec: &GroupRecord) -> Vec<String> {
+        rec.snapshot_ids.iter().map(|s| self.show(s)).collect()
     }
 
     /// Deletes one member snapshot (record, then data).

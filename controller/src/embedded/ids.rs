@@ -82,6 +82,68 @@ macro_rules! id_type {
     };
 }
 
+/// How a backend's ids are seen outside it: as they are (`vol-<hex>`: the one controller of
+/// its data dir's host), or with the node they live on (`vol-<hex>@<node>`: a node-local
+/// controller, one on each node, each serving its own volumes). The node is its topology value
+/// ([`moor_runtime::limits::topology_value`]): a label value, at most 63 characters, so an id
+/// stays within the spec's 128 bytes. Records and files always use the bare id.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scope {
+    node: Option<String>,
+}
+
+/// Where an id from a request points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Inward<'a> {
+    /// This backend's own form: the bare id (to [`VolumeId::parse`] and the like).
+    Here(&'a str),
+    /// An id of the node-local form naming another node.
+    Elsewhere {
+        /// The bare id.
+        id: &'a str,
+        /// The node it names.
+        node: &'a str,
+    },
+}
+
+impl Scope {
+    /// Ids as they are.
+    pub const HOST: Self = Self { node: None };
+
+    /// Ids that name `node_value` (a topology value).
+    pub fn node(node_value: impl Into<String>) -> Self {
+        Self {
+            node: Some(node_value.into()),
+        }
+    }
+
+    /// The node ids name, if they do.
+    pub fn node_value(&self) -> Option<&str> {
+        self.node.as_deref()
+    }
+
+    /// The id a bare id is seen as outside.
+    pub fn show(&self, bare: &str) -> String {
+        match &self.node {
+            Some(n) => format!("{bare}@{n}"),
+            None => bare.to_string(),
+        }
+    }
+
+    /// Where `raw`, an id from a request, points. Anything not of this backend's form is
+    /// handed on as it is, to be refused by the parse of the bare id (an id with an `@` never
+    /// parses as one).
+    pub fn inward<'a>(&self, raw: &'a str) -> Inward<'a> {
+        match (&self.node, raw.rsplit_once('@')) {
+            (Some(ours), Some((id, node))) if node != ours => Inward::Elsewhere { id, node },
+            (Some(_), Some((id, _))) => Inward::Here(id),
+            // A node-local backend's ids always name their node: a bare one is not its own.
+            (Some(_), None) => Inward::Here("@"),
+            (None, _) => Inward::Here(raw),
+        }
+    }
+}
+
 id_type!(VolumeId, "vol-", "volume");
 id_type!(SnapshotId, "snap-", "snapshot");
 id_type!(GroupId, "group-", "group snapshot");
@@ -110,6 +172,46 @@ mod tests {
         }
         assert!(SnapshotId::parse("snap-0123456789abcdef").is_some());
         assert!(SnapshotId::parse("vol-0123456789abcdef").is_none());
+    }
+
+    #[test]
+    fn scoped_ids_name_their_node() {
+        let host = Scope::HOST;
+        assert_eq!(host.show("vol-0123456789abcdef"), "vol-0123456789abcdef");
+        assert_eq!(
+            host.inward("vol-0123456789abcdef"),
+            Inward::Here("vol-0123456789abcdef")
+        );
+        // Not of the host's form: handed on as it is, and refused by the parse.
+        assert_eq!(
+            host.inward("vol-0123456789abcdef@n1"),
+            Inward::Here("vol-0123456789abcdef@n1")
+        );
+        assert!(VolumeId::parse("vol-0123456789abcdef@n1").is_none());
+
+        let n1 = Scope::node("n1");
+        assert_eq!(n1.show("vol-0123456789abcdef"), "vol-0123456789abcdef@n1");
+        assert_eq!(
+            n1.inward("vol-0123456789abcdef@n1"),
+            Inward::Here("vol-0123456789abcdef")
+        );
+        assert_eq!(
+            n1.inward("snap-0123456789abcdef@node-2.example.com"),
+            Inward::Elsewhere {
+                id: "snap-0123456789abcdef",
+                node: "node-2.example.com"
+            }
+        );
+        // None of these is an id of any node.
+        for raw in ["vol-0123456789abcdef", "", "@", "x@n1@n1", "@n1"] {
+            let bare = match n1.inward(raw) {
+                Inward::Here(b) | Inward::Elsewhere { id: b, .. } => b,
+            };
+            assert!(VolumeId::parse(bare).is_none(), "{raw:?} -> {bare:?}");
+        }
+        // The longest node value keeps an id within the spec's 128 bytes.
+        let long = Scope::node("n".repeat(63));
+        assert!(long.show("group-0123456789abcdef").len() <= 128);
     }
 
     #[test]

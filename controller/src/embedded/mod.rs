@@ -33,6 +33,7 @@ mod operations;
 mod parameters;
 pub mod reconcile;
 pub mod records;
+pub mod space;
 #[cfg(test)]
 pub(crate) mod testdir;
 #[cfg(test)]
@@ -50,7 +51,7 @@ use tracing::{info, warn};
 
 use self::attach::{AttachError, Attacher, FileId};
 use self::copy::CopyError;
-use self::ids::{RandomError, SnapshotId, VolumeId};
+use self::ids::{GroupId, Inward, RandomError, Scope, SnapshotId, VolumeId};
 use self::records::{Publication, RecordError, RecordStore, SnapshotRecord, VolumeRecord};
 use crate::backend::{
     self, ContentSource, NewVolume, Parameters, PublishContext, PublishRequest, Segment,
@@ -59,7 +60,10 @@ use crate::backend::{
 use crate::error::{Error, Result, trunc};
 use crate::inflight::InFlight;
 
-pub use self::parameters::{check_capability, parse_parameters};
+pub use self::parameters::{
+    PROVISIONING_KEY, THICK, THIN, check_capability, is_thick, parse_parameters,
+};
+pub use self::space::Overcommit;
 
 /// Parameter (and volume context key) naming the filesystem the volume is meant for.
 pub const FS_TYPE_KEY: &str = "fsType";
@@ -90,6 +94,26 @@ pub struct Config {
     pub node_id: String,
     /// The topology key of the node segment, e.g. `topology.moor.csi.io/node`.
     pub topology_key: String,
+}
+
+/// How the backend serves its data dir (beyond where it is).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Policy {
+    /// How far thin volumes may be overcommitted ([`space`]).
+    pub overcommit: Overcommit,
+    /// One controller on each node, each serving its own node's volumes: ids name their node
+    /// ([`ids::Scope`]), and one that names another node is answered as such.
+    pub node_local: bool,
+}
+
+/// Where an id from a request points, resolved.
+enum Found<T> {
+    /// One of this backend's.
+    Here(T),
+    /// Of the node-local form, on another node (named).
+    Elsewhere(String),
+    /// Not of this backend's form: nothing.
+    Unknown,
 }
 
 /// Paths inside the data dir.
@@ -227,6 +251,8 @@ struct Source {
     size: u64,
     /// The device the source volume is attached as, to flush first.
     device: Option<PathBuf>,
+    /// A thick volume: never to share an extent with the copy.
+    thick: bool,
 }
 
 /// The embedded backend.
@@ -239,6 +265,12 @@ pub struct EmbeddedBackend<A: Attacher> {
     store: RecordStore,
     state: Mutex<State>,
     inflight: InFlight,
+    policy: Policy,
+    /// How ids are seen outside.
+    scope: Scope,
+    /// Held while an operation checks the space it needs and takes it, so that two cannot
+    /// both be admitted for the same free space.
+    space_lock: Mutex<()>,
     /// Held (flock'ed) while the backend is open: one backend per data dir.
     _lock: File,
 }
@@ -304,10 +336,196 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 store,
                 state: Mutex::new(state),
                 inflight: InFlight::new(),
+                policy: Policy::default(),
+                scope: Scope::HOST,
+                space_lock: Mutex::new(()),
                 _lock: lock,
             },
             report,
         ))
+    }
+
+    /// Serves the data dir with `policy` (the default: thin volumes without limit, ids as
+    /// they are).
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self.scope = if policy.node_local {
+            Scope::node(moor_runtime::limits::topology_value(&self.node_id))
+        } else {
+            Scope::HOST
+        };
+        self
+    }
+
+    /// An id as the outside sees it (see [`Scope`]).
+    pub fn show(&self, bare: &str) -> String {
+        self.scope.show(bare)
+    }
+
+    /// Resolves an id from a request with `parse` (the bare id's form).
+    fn find<T>(&self, raw: &str, parse: impl Fn(&str) -> Option<T>) -> Found<T> {
+        match self.scope.inward(raw) {
+            Inward::Here(bare) => parse(bare).map_or(Found::Unknown, Found::Here),
+            Inward::Elsewhere { id, node } if parse(id).is_some() => {
+                Found::Elsewhere(node.to_string())
+            }
+            Inward::Elsewhere { .. } => Found::Unknown,
+        }
+    }
+
+    fn find_volume(&self, raw: &str) -> Found<VolumeId> {
+        self.find(raw, VolumeId::parse)
+    }
+
+    fn find_snapshot(&self, raw: &str) -> Found<SnapshotId> {
+        self.find(raw, SnapshotId::parse)
+    }
+
+    fn find_group(&self, raw: &str) -> Found<GroupId> {
+        self.find(raw, GroupId::parse)
+    }
+
+    /// NOT_FOUND for an object on another node, saying where it is.
+    fn on_other_node(&self, kind: &'static str, raw: &str, node: String) -> Error {
+        Error::OnOtherNode {
+            kind,
+            id: trunc(raw).to_string(),
+            node,
+            here: self.node_id.clone(),
+        }
+    }
+
+    /// A volume from a request, or NOT_FOUND.
+    fn volume_here(&self, raw: &str) -> Result<VolumeId> {
+        match self.find_volume(raw) {
+            Found::Here(id) => Ok(id),
+            Found::Elsewhere(node) => Err(self.on_other_node("volume", raw, node)),
+            Found::Unknown => Err(Error::VolumeNotFound(trunc(raw).to_string())),
+        }
+    }
+
+    /// A snapshot from a request, or NOT_FOUND.
+    fn snapshot_here(&self, raw: &str) -> Result<SnapshotId> {
+        match self.find_snapshot(raw) {
+            Found::Here(id) => Ok(id),
+            Found::Elsewhere(node) => Err(self.on_other_node("snapshot", raw, node)),
+            Found::Unknown => Err(Error::SnapshotNotFound(trunc(raw).to_string())),
+        }
+    }
+
+    /// For a delete of `raw`: the bare id to delete, None when there is nothing (the spec's
+    /// success), FAILED_PRECONDITION for an object on another node, which only that node's
+    /// controller can delete (answering success would leave it there unseen).
+    fn to_delete<T>(&self, kind: &str, raw: &str, found: Found<T>) -> Result<Option<T>> {
+        match found {
+            Found::Here(id) => Ok(Some(id)),
+            Found::Unknown => Ok(None),
+            Found::Elsewhere(node) => Err(Error::FailedPrecondition(format!(
+                "{kind} {} lives on node {node:?}: only that node's controller deletes it (this \
+                 one serves node {:?})",
+                trunc(raw),
+                self.node_id
+            ))),
+        }
+    }
+
+    /// The policy the data dir is served with.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The data dir's space now: its filesystem, and what the thin volumes may still claim.
+    pub fn space(&self) -> Result<space::Space> {
+        let thin: Vec<PathBuf> = self
+            .state()
+            .volumes
+            .values()
+            .filter(|r| !is_thick(&r.parameters))
+            .filter_map(|r| VolumeId::parse(&r.id))
+            .map(|id| self.layout.volume_file(&id))
+            .collect();
+        space::measure(&self.layout.root, thin.iter().map(PathBuf::as_path))
+            .map_err(|e| Error::io("measure", &self.layout.root, e))
+    }
+
+    /// The data dir's space as Prometheus gauges: its filesystem, what thin volumes may still
+    /// claim, what a new volume of each kind can have now, and the volumes it holds. The
+    /// filling of a node's data dir shows here before it refuses a volume.
+    pub fn space_metrics(&self) -> String {
+        use moor_runtime::metrics::render_gauge;
+        let mut out = String::new();
+        let Ok(s) = self.space() else {
+            return out;
+        };
+        let oc = self.policy.overcommit;
+        let (mut count, mut thin, mut thick) = (0u64, 0u64, 0u64);
+        for r in self.state().volumes.values() {
+            count += 1;
+            if is_thick(&r.parameters) {
+                thick = thick.saturating_add(r.capacity_bytes);
+            } else {
+                thin = thin.saturating_add(r.capacity_bytes);
+            }
+        }
+        let gauges = [
+            (
+                "moor_data_dir_size_bytes",
+                "Size of the filesystem holding the data dir.",
+                s.total,
+            ),
+            (
+                "moor_data_dir_free_bytes",
+                "What the data dir's filesystem has free.",
+                s.free,
+            ),
+            (
+                "moor_thin_unbacked_bytes",
+                "What thin volumes may still claim: their sizes minus what they hold.",
+                s.unbacked,
+            ),
+            (
+                "moor_thin_overcommit_milli",
+                "The thin overcommit ratio in thousandths (0: no limit).",
+                oc.milli().unwrap_or(0),
+            ),
+            (
+                "moor_thick_available_bytes",
+                "The largest thick volume the data dir takes now.",
+                space::thick_available(&s, oc),
+            ),
+            (
+                "moor_thin_available_bytes",
+                "The largest thin volume the data dir takes now (without a ratio: what is free).",
+                space::thin_available(&s, oc).unwrap_or(s.free),
+            ),
+            ("moor_volumes", "Volumes on record.", count),
+            (
+                "moor_thin_volume_bytes",
+                "The sizes of the thin volumes.",
+                thin,
+            ),
+            (
+                "moor_thick_volume_bytes",
+                "The sizes of the thick volumes (all of it held).",
+                thick,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            render_gauge(&mut out, name, help, value);
+        }
+        out
+    }
+
+    /// RESOURCE_EXHAUSTED unless the data dir can take `claim` now ([`space::admits`]).
+    fn admit(&self, claim: space::Claim, what: &str) -> Result<()> {
+        let s = self.space()?;
+        space::admits(&s, self.policy.overcommit, claim)
+            .map_err(|why| Error::NoSpace(format!("{what}: {why}")))
+    }
+
+    /// Holds the space lock (see the field `space_lock`).
+    fn lock_space(&self) -> MutexGuard<'_, ()> {
+        self.space_lock.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The data dir's layout.
@@ -349,7 +567,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
 
     fn volume_of(&self, rec: &VolumeRecord) -> Volume {
         Volume {
-            id: rec.id.clone(),
+            id: self.show(&rec.id),
             name: rec.name.clone(),
             capacity_bytes: rec.capacity_bytes,
             parameters: rec.parameters.clone(),
@@ -359,15 +577,15 @@ impl<A: Attacher> EmbeddedBackend<A> {
         }
     }
 
-    fn snapshot_of(rec: &SnapshotRecord) -> Snapshot {
+    fn snapshot_of(&self, rec: &SnapshotRecord) -> Snapshot {
         Snapshot {
-            id: rec.id.clone(),
+            id: self.show(&rec.id),
             name: rec.name.clone(),
-            source_volume_id: rec.source_volume_id.clone(),
+            source_volume_id: self.show(&rec.source_volume_id),
             size_bytes: rec.size_bytes,
             created_at: rec.created_at(),
             ready_to_use: true,
-            group_snapshot_id: rec.group_snapshot_id.clone(),
+            group_snapshot_id: rec.group_snapshot_id.as_deref().map(|g| self.show(g)),
         }
     }
 
@@ -399,10 +617,32 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 Err(e) => return abnormal(format!("loop device {dev}: {e}")),
             }
         }
+        if let Some(why) = self.thin_at_risk(&path, rec) {
+            return abnormal(why);
+        }
         VolumeCondition {
             abnormal: false,
             message: "volume is healthy".into(),
         }
+    }
+
+    /// Why a thin volume may fail a write for want of space: it may still claim more than the
+    /// data dir's filesystem has free (written elsewhere, or overcommitted), so the next write
+    /// into a hole can fail with ENOSPC under its filesystem. A thick volume never can.
+    fn thin_at_risk(&self, path: &Path, rec: &VolumeRecord) -> Option<String> {
+        if is_thick(&rec.parameters) {
+            return None;
+        }
+        let (holds, size) = space::held(path).ok()?;
+        let claims = size.saturating_sub(holds);
+        let st = rustix::fs::statvfs(&self.layout.root).ok()?;
+        let free = st.f_bavail.saturating_mul(st.f_frsize);
+        (claims > free).then(|| {
+            format!(
+                "thin volume may run out of space: it may still write {claims} bytes it does not \
+                 hold, and the data dir's filesystem has {free} free"
+            )
+        })
     }
 
     fn status_of(&self, id: &VolumeId, rec: &VolumeRecord) -> VolumeStatus {
@@ -493,6 +733,36 @@ impl<A: Attacher> EmbeddedBackend<A> {
         records::sync_dir(dir).map_err(|e| Error::io("fsync dir", dir, e))
     }
 
+    /// Reserves `[offset, offset + len)` of a thick volume's file: allocated now, so that no
+    /// write to it ever needs space later. ENOSPC is RESOURCE_EXHAUSTED; a filesystem that
+    /// cannot allocate ahead refuses thick volumes.
+    fn reserve_range(file: &File, path: &Path, offset: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), offset, len) {
+            Ok(()) => Ok(()),
+            Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::NOSYS) => Err(Error::invalid(
+                "parameters",
+                format!(
+                    "{PROVISIONING_KEY}={THICK}: the data dir's filesystem cannot reserve space \
+                     ahead (fallocate is not supported on {})",
+                    path.display()
+                ),
+            )),
+            Err(e) => Err(size_error(path, offset.saturating_add(len), e.into())),
+        }
+    }
+
+    /// Makes a new, still empty file thick-ready: on btrfs, copy-on-write would make every
+    /// rewrite of a reserved block need a new one, so the file is made no-COW (which only an
+    /// empty file can be). Other filesystems overwrite in place and refuse the flag: ignored.
+    fn no_cow(file: &File) {
+        if let Ok(flags) = rustix::fs::ioctl_getflags(file) {
+            let _ = rustix::fs::ioctl_setflags(file, flags | rustix::fs::IFlags::NOCOW);
+        }
+    }
+
     fn remove_data_file(path: &Path) -> Result<()> {
         match fs::remove_file(path) {
             Ok(()) => {
@@ -548,14 +818,30 @@ impl<A: Attacher> EmbeddedBackend<A> {
     }
 
     /// Resolves and claims (shared) a content source. Returns the claim with the source.
+    /// A source on another node is RESOURCE_EXHAUSTED, the spec's answer for "not in this
+    /// topology": a volume made from it can only be made on its node (copying it across nodes
+    /// is not done), and the provisioner, given that answer, has the scheduler choose again.
     fn resolve_source(&self, src: &ContentSource) -> Result<(crate::inflight::Claim<'_>, Source)> {
+        let elsewhere = |kind: &str, raw: &str, node: String| {
+            Error::TopologyUnsatisfiable(format!(
+                "volume_content_source: {kind} {} lives on node {node:?}, and a volume made \
+                 from it can only be made there (this is node {:?}): schedule the pod that \
+                 uses the new volume on that node",
+                trunc(raw),
+                self.node_id
+            ))
+        };
         match src {
             ContentSource::Snapshot(raw) => {
                 let not_found = || Error::SourceNotFound {
                     kind: "snapshot",
                     id: trunc(raw).to_string(),
                 };
-                let id = SnapshotId::parse(raw).ok_or_else(not_found)?;
+                let id = match self.find_snapshot(raw) {
+                    Found::Here(id) => id,
+                    Found::Elsewhere(node) => return Err(elsewhere("snapshot", raw, node)),
+                    Found::Unknown => return Err(not_found()),
+                };
                 let claim = self.inflight.claim(&[], &[&snapshot_key(&id)])?;
                 let rec = self
                     .state()
@@ -569,6 +855,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
                         path: self.layout.snapshot_file(&id),
                         size: rec.size_bytes,
                         device: None,
+                        thick: false,
                     },
                 ))
             }
@@ -577,7 +864,11 @@ impl<A: Attacher> EmbeddedBackend<A> {
                     kind: "volume",
                     id: trunc(raw).to_string(),
                 };
-                let id = VolumeId::parse(raw).ok_or_else(not_found)?;
+                let id = match self.find_volume(raw) {
+                    Found::Here(id) => id,
+                    Found::Elsewhere(node) => return Err(elsewhere("volume", raw, node)),
+                    Found::Unknown => return Err(not_found()),
+                };
                 let claim = self.inflight.claim(&[], &[&volume_key(&id)])?;
                 let rec = self.volume_record(&id).ok_or_else(not_found)?;
                 Ok((
@@ -585,6 +876,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
                     Source {
                         path: self.layout.volume_file(&id),
                         size: rec.capacity_bytes,
+                        thick: is_thick(&rec.parameters),
                         device: rec.publication.and_then(|p| p.device).map(PathBuf::from),
                     },
                 ))

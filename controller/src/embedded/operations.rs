@@ -1,6 +1,7 @@
 //! The embedded backend's [`Backend`] operations: volumes, publications, snapshots.
 
 use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
@@ -8,11 +9,11 @@ use std::time::SystemTime;
 use tracing::{info, warn};
 
 use super::attach::{AttachError, Attacher, Detach, FileId};
-use super::ids::{SnapshotId, VolumeId};
+use super::ids::{Inward, SnapshotId, VolumeId};
 use super::records::{Publication, SnapshotRecord, VolumeRecord};
 use super::{
-    EmbeddedBackend, POLICY, check_capability, copy, no_parameters, parse_parameters, records,
-    size_error, snapshot_key, volume_key,
+    EmbeddedBackend, Found, GRANULARITY, POLICY, THICK, THIN, check_capability, copy, is_thick,
+    no_parameters, parse_parameters, records, size_error, snapshot_key, space, volume_key,
 };
 use crate::backend::{
     self, Backend, Capability, Capacity, CapacityQuery, ExpandRequest, GroupSnapshot,
@@ -50,6 +51,10 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             .map_err(|e| Error::NotReady(format!("loop devices are not usable: {e}")))
     }
 
+    fn metrics(&self) -> String {
+        self.space_metrics()
+    }
+
     fn create_volume(&self, req: &NewVolume) -> Result<Volume> {
         let params = parse_parameters(&req.parameters)?;
         for cap in &req.capabilities {
@@ -84,21 +89,83 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
         };
         let floor = source.as_ref().map_or(0, |s| s.size);
         let size = backend::choose_size(req.capacity.as_ref(), &POLICY, floor)?;
+        let thick = is_thick(&params);
         let id = self.new_volume_id()?;
         let target = self.layout.volume_file(&id);
-        self.write_data_file(&id.data_file(), &target, |file| match &source {
-            None => file.set_len(size).map_err(|e| size_error(&target, size, e)),
-            Some(src) => {
-                if let Some(dev) = &src.device {
-                    self.flush_device(dev, &src.path)?;
-                }
-                let from =
-                    File::open(&src.path).map_err(|e| Error::io("open source", &src.path, e))?;
-                let method = copy::copy_sparse(&from, file, size)?;
-                info!(volume = %id, source = %src.path.display(), ?method, "copied");
-                Ok(())
+        // What the new volume takes: a thick one all of its size, a thin one a claim on it.
+        let claim = if thick {
+            space::Claim {
+                allocates: size,
+                unbacked: 0,
             }
-        })?;
+        } else {
+            space::Claim {
+                allocates: 0,
+                unbacked: size,
+            }
+        };
+        let what = format!(
+            "a {} volume of {size} bytes",
+            if thick { THICK } else { THIN }
+        );
+        match &source {
+            None => {
+                let _space = self.lock_space();
+                self.admit(claim, &what)?;
+                self.write_data_file(&id.data_file(), &target, |file| {
+                    if thick {
+                        Self::no_cow(file);
+                    }
+                    file.set_len(size)
+                        .map_err(|e| size_error(&target, size, e))?;
+                    if thick {
+                        Self::reserve_range(file, &target, 0, size)?;
+                    }
+                    Ok(())
+                })?;
+            }
+            Some(src) => {
+                // The copy's cost is known once it is made: admitted before as if it took
+                // nothing, and checked again once made (the copy is undone if the data dir
+                // can no longer keep its promises).
+                self.admit(claim, &what)?;
+                self.write_data_file(&id.data_file(), &target, |file| {
+                    if let Some(dev) = &src.device {
+                        self.flush_device(dev, &src.path)?;
+                    }
+                    if thick {
+                        Self::no_cow(file);
+                    }
+                    let from = File::open(&src.path)
+                        .map_err(|e| Error::io("open source", &src.path, e))?;
+                    let sharing = if thick || src.thick {
+                        copy::Sharing::Private
+                    } else {
+                        copy::Sharing::Allowed
+                    };
+                    let method = copy::copy(&from, file, size, sharing)?;
+                    info!(volume = %id, source = %src.path.display(), ?method, "copied");
+                    let unbacked = if thick {
+                        Self::reserve_range(file, &target, 0, size)?;
+                        0
+                    } else {
+                        let holds = file
+                            .metadata()
+                            .map_err(|e| Error::io("stat", &target, e))?
+                            .blocks()
+                            .saturating_mul(512);
+                        size.saturating_sub(holds)
+                    };
+                    self.admit(
+                        space::Claim {
+                            allocates: 0,
+                            unbacked,
+                        },
+                        &what,
+                    )
+                })?;
+            }
+        }
         let rec = VolumeRecord {
             version: records::FORMAT_VERSION,
             id: id.to_string(),
@@ -119,7 +186,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
     }
 
     fn delete_volume(&self, volume_id: &str) -> Result<()> {
-        let Some(id) = VolumeId::parse(volume_id) else {
+        let Some(id) = self.to_delete("volume", volume_id, self.find_volume(volume_id))? else {
             return Ok(());
         };
         let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
@@ -165,7 +232,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
 
     fn publish_volume(&self, req: &PublishRequest) -> Result<PublishContext> {
         let not_found = || Error::VolumeNotFound(trunc(&req.volume_id).to_string());
-        let id = VolumeId::parse(&req.volume_id).ok_or_else(not_found)?;
+        let id = self.volume_here(&req.volume_id)?;
         if req.node_id != self.node_id {
             return Err(Error::NodeNotFound {
                 node: trunc(&req.node_id).to_string(),
@@ -214,7 +281,8 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
     }
 
     fn unpublish_volume(&self, volume_id: &str, node_id: Option<&str>) -> Result<()> {
-        let Some(id) = VolumeId::parse(volume_id) else {
+        // A volume of another node is not published here.
+        let Found::Here(id) = self.find_volume(volume_id) else {
             return Ok(());
         };
         let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
@@ -256,7 +324,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
 
     fn get_volume(&self, volume_id: &str) -> Result<VolumeStatus> {
         let not_found = || Error::VolumeNotFound(trunc(volume_id).to_string());
-        let id = VolumeId::parse(volume_id).ok_or_else(not_found)?;
+        let id = self.volume_here(volume_id)?;
         let rec = self.volume_record(&id).ok_or_else(not_found)?;
         Ok(self.status_of(&id, &rec))
     }
@@ -295,21 +363,34 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
         {
             return Ok(Capacity::default());
         }
-        let st = rustix::fs::statvfs(&self.layout.root)
-            .map_err(|e| Error::io("statvfs", &self.layout.root, e.into()))?;
+        let s = self.space()?;
+        let oc = self.policy.overcommit;
+        // What CreateVolume admits now with these parameters (see `space`).
+        let (available, largest) = if is_thick(&query.parameters) {
+            let a = space::thick_available(&s, oc);
+            (a, a)
+        } else {
+            match space::thin_available(&s, oc) {
+                Some(a) => (a, a),
+                // Thin volumes without limit: any size is made, what is free is what can be
+                // written.
+                None => (s.free, POLICY.max),
+            }
+        };
         Ok(Capacity {
-            available: st.f_bavail.saturating_mul(st.f_frsize),
-            // choose_size's bounds under POLICY: sizes round up to GRANULARITY, so a limit_bytes
-            // below it fits no volume, and nothing above MAX_SIZE is made. A topology this
-            // backend does not serve returns early above with neither set, as no size fits.
-            maximum_volume_size: Some(POLICY.max),
+            available,
+            // choose_size's bounds under POLICY: sizes round up to GRANULARITY, so the largest
+            // volume is a whole number of it, and a limit_bytes below it fits no volume. A
+            // topology this backend does not serve returns early above with neither set, as no
+            // size fits.
+            maximum_volume_size: Some((largest / GRANULARITY * GRANULARITY).min(POLICY.max)),
             minimum_volume_size: Some(POLICY.granularity),
         })
     }
 
     fn expand_volume(&self, req: &ExpandRequest) -> Result<u64> {
         let not_found = || Error::VolumeNotFound(trunc(&req.volume_id).to_string());
-        let id = VolumeId::parse(&req.volume_id).ok_or_else(not_found)?;
+        let id = self.volume_here(&req.volume_id)?;
         let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
         let rec = self.volume_record(&id).ok_or_else(not_found)?;
         if let Some(cap) = &req.capability {
@@ -350,7 +431,31 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
                 },
                 current,
             )?;
+            let thick = is_thick(&rec.parameters);
+            let grow = size - current;
+            let _space = self.lock_space();
+            self.admit(
+                if thick {
+                    space::Claim {
+                        allocates: grow,
+                        unbacked: 0,
+                    }
+                } else {
+                    space::Claim {
+                        allocates: 0,
+                        unbacked: grow,
+                    }
+                },
+                &format!("growing volume {id} by {grow} bytes"),
+            )?;
             file.set_len(size).map_err(|e| size_error(&path, size, e))?;
+            if thick && let Err(e) = Self::reserve_range(&file, &path, current, grow) {
+                // Back to the size it had: what was reserved past it goes with it.
+                if let Err(undo) = file.set_len(current) {
+                    warn!(volume = %id, error = %undo, "cannot shrink back after a failed reserve");
+                }
+                return Err(e);
+            }
             file.sync_all().map_err(|e| Error::io("fsync", &path, e))?;
             size
         };
@@ -387,17 +492,18 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             .find(|s| s.group_snapshot_id.is_none() && s.name == req.name)
             .cloned();
         if let Some(existing) = existing {
-            if existing.source_volume_id != req.source_volume_id {
+            let source = self.show(&existing.source_volume_id);
+            if source != req.source_volume_id {
                 return Err(Error::SnapshotExists {
                     name: req.name.clone(),
-                    id: existing.id.clone(),
-                    reason: format!("it was cut from volume {}", existing.source_volume_id),
+                    id: self.show(&existing.id),
+                    reason: format!("it was cut from volume {source}"),
                 });
             }
-            return Ok(Self::snapshot_of(&existing));
+            return Ok(self.snapshot_of(&existing));
         }
         let not_found = || Error::VolumeNotFound(trunc(&req.source_volume_id).to_string());
-        let vid = VolumeId::parse(&req.source_volume_id).ok_or_else(not_found)?;
+        let vid = self.volume_here(&req.source_volume_id)?;
         let _source = self.inflight.claim(&[], &[&volume_key(&vid)])?;
         let vrec = self.volume_record(&vid).ok_or_else(not_found)?;
         let src_path = self.layout.volume_file(&vid);
@@ -412,10 +518,20 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
         let sid = self.new_snapshot_id()?;
         let target = self.layout.snapshot_file(&sid);
         let created = SystemTime::now();
+        let sharing = if is_thick(&vrec.parameters) {
+            copy::Sharing::Private
+        } else {
+            copy::Sharing::Allowed
+        };
         self.write_data_file(&sid.data_file(), &target, |dst| {
-            let method = copy::copy_sparse(&src, dst, size)?;
+            let method = copy::copy(&src, dst, size, sharing)?;
             info!(snapshot = %sid, volume = %vid, ?method, "copied");
-            Ok(())
+            // A snapshot holds what it copied: it must not eat the space thin volumes are
+            // promised.
+            self.admit(
+                space::Claim::default(),
+                &format!("a snapshot of volume {vid}"),
+            )
         })?;
         let (created_secs, created_nanos) = SnapshotRecord::time_fields(created);
         let rec = SnapshotRecord {
@@ -434,11 +550,12 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
         }
         self.state().snapshots.insert(rec.id.clone(), rec.clone());
         info!(snapshot = %sid, volume = %vid, size, "snapshot cut");
-        Ok(Self::snapshot_of(&rec))
+        Ok(self.snapshot_of(&rec))
     }
 
     fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
-        let Some(id) = SnapshotId::parse(snapshot_id) else {
+        let Some(id) = self.to_delete("snapshot", snapshot_id, self.find_snapshot(snapshot_id))?
+        else {
             return Ok(());
         };
         let _claim = self.inflight.claim(&[&snapshot_key(&id)], &[])?;
@@ -457,12 +574,9 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
 
     fn get_snapshot(&self, snapshot_id: &str) -> Result<Snapshot> {
         let not_found = || Error::SnapshotNotFound(trunc(snapshot_id).to_string());
-        let id = SnapshotId::parse(snapshot_id).ok_or_else(not_found)?;
-        let st = self.state();
-        st.snapshots
-            .get(id.as_str())
-            .map(Self::snapshot_of)
-            .ok_or_else(not_found)
+        let id = self.snapshot_here(snapshot_id)?;
+        let rec = self.state().snapshots.get(id.as_str()).cloned();
+        rec.map(|r| self.snapshot_of(&r)).ok_or_else(not_found)
     }
 
     fn list_snapshots(
@@ -478,17 +592,39 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
                 reason: "not a token this controller hands out".into(),
             });
         }
-        let st = self.state();
-        let matching = st.snapshots.iter().filter(|(id, rec)| {
-            filter.snapshot_id.as_ref().is_none_or(|s| s == *id)
-                && filter
-                    .source_volume_id
-                    .as_ref()
-                    .is_none_or(|v| *v == rec.source_volume_id)
-        });
-        let page = backend::page_after(matching, page.starting_token.as_deref(), page.max_entries);
+        // The filters name ids as the outside sees them: one of another node matches nothing.
+        let bare = |raw: &Option<String>, parse: fn(&str) -> Option<String>| match raw {
+            None => Ok(None),
+            Some(r) => match self.scope.inward(r) {
+                Inward::Here(b) if parse(b).is_some() => Ok(Some(b.to_string())),
+                _ => Err(()),
+            },
+        };
+        let (Ok(snapshot_id), Ok(source_volume_id)) = (
+            bare(&filter.snapshot_id, |b| {
+                SnapshotId::parse(b).map(|i| i.to_string())
+            }),
+            bare(&filter.source_volume_id, |b| {
+                VolumeId::parse(b).map(|i| i.to_string())
+            }),
+        ) else {
+            return Ok(Page {
+                entries: Vec::new(),
+                next_token: None,
+            });
+        };
+        let page = {
+            let st = self.state();
+            let matching = st.snapshots.iter().filter(|(id, rec)| {
+                snapshot_id.as_ref().is_none_or(|s| s == *id)
+                    && source_volume_id
+                        .as_ref()
+                        .is_none_or(|v| *v == rec.source_volume_id)
+            });
+            backend::page_after(matching, page.starting_token.as_deref(), page.max_entries)
+        };
         Ok(Page {
-            entries: page.entries.iter().map(Self::snapshot_of).collect(),
+            entries: page.entries.iter().map(|r| self.snapshot_of(r)).collect(),
             next_token: page.next_token,
         })
     }
@@ -529,7 +665,10 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
                 "target_snapshot_id",
                 format!(
                     "snapshot {} is of volume {}, the base snapshot {} of volume {}",
-                    target.id, target.source_volume_id, base.id, base.source_volume_id
+                    self.show(&target.id),
+                    self.show(&target.source_volume_id),
+                    self.show(&base.id),
+                    self.show(&base.source_volume_id)
                 ),
             ));
         }
@@ -546,7 +685,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
     /// reader); NOT_FOUND for one that does not exist.
     fn open_snapshot(&self, raw: &str) -> Result<(SnapshotRecord, std::path::PathBuf, File)> {
         let not_found = || Error::SnapshotNotFound(trunc(raw).to_string());
-        let id = SnapshotId::parse(raw).ok_or_else(not_found)?;
+        let id = self.snapshot_here(raw)?;
         let rec = self
             .state()
             .snapshots

@@ -447,3 +447,38 @@ fn clone_of_a_published_volume_flushes_and_copies() {
     assert!(b.layout().tmp.read_dir().unwrap().next().is_none());
     assert!(fake.list(Path::new("/")).unwrap().len() == 1);
 }
+
+/// Who writes to a member is what the kernel says, not what the records say: a device bound
+/// read-write to a member's file that no record names (one the records lost track of) must be
+/// held like any other, so a group it cannot be held for is refused, never cut unheld.
+#[test]
+fn a_member_written_through_a_device_no_record_names_is_not_cut_unheld() {
+    let dir = TestDir::new("emb-group-unrecorded");
+    let fake: Fake = Arc::new(FakeAttacher::new());
+    let (b, _) = open(dir.path(), &fake);
+    let a = b.create_volume(&new_volume("a", MIB)).unwrap().id;
+    let c = b.create_volume(&new_volume("c", MIB)).unwrap().id;
+    let group = |name: &str| {
+        b.create_group_snapshot(&crate::backend::NewGroupSnapshot {
+            name: name.into(),
+            source_volume_ids: vec![a.clone(), c.clone()],
+            parameters: Parameters::new(),
+        })
+    };
+    // Nobody writes: the group is cut.
+    group("quiet").expect("a group of idle volumes");
+    // A device bound read-write to `c` that no record names: the records say nobody writes.
+    let file = b.layout().volume_file(&VolumeId::parse(&c).unwrap());
+    let dev = fake.bind(&file).unwrap();
+    assert!(volume_record(&b, &c).publication.is_none());
+    let e = group("busy").expect_err("a writer that cannot be held");
+    assert!(
+        matches!(&e, Error::GroupRefused(m) if m.contains(&dev.display().to_string())),
+        "{e}"
+    );
+    assert_eq!(b.state().groups.len(), 1, "only the quiet group was cut");
+    assert!(
+        std::fs::read_dir(&b.layout().tmp).unwrap().next().is_none(),
+        "nothing left of the refused group"
+    );
+}

@@ -1,5 +1,7 @@
-//! The controller's pod: one replica, Recreate, pinned to a node, data dir and /dev from the
-//! host.
+//! The controller's pods: the one-node controller (a Deployment: one replica, Recreate, pinned
+//! to a node) and a node-local controller (in a DaemonSet, beside moor-node); both keep their
+//! data dir on the host at the same path, use the host's /dev, and see the kubelet's mounts to
+//! freeze volumes in use for group snapshots.
 
 use serde_json::Value;
 
@@ -39,6 +41,35 @@ pub(super) fn controller_pod(
                 .into(),
         );
     }
+    host_dirs(pod, c, flag, p);
+}
+
+/// A node-local controller (`--node-local`), beside its node's moor-node in a DaemonSet.
+pub(super) fn node_local_controller_pod(
+    pod: &Pod<'_>,
+    c: &Value,
+    flag: &dyn Fn(&str) -> Option<String>,
+    p: &mut Vec<String>,
+) {
+    if flag("node-local").as_deref() != Some("true") {
+        p.push(
+            "moor-controller on every node serves each node's volumes: pass --node-local (else \
+             every node's controller would answer for every volume)"
+                .into(),
+        );
+    }
+    host_dirs(pod, c, flag, p);
+}
+
+/// The host dirs every embedded backend needs: its data dir at the same path, /dev, and the
+/// kubelet dir's mounts as they come and go (HostToContainer).
+fn host_dirs(pod: &Pod<'_>, c: &Value, flag: &dyn Fn(&str) -> Option<String>, p: &mut Vec<String>) {
+    if pod.host_path(c, "/dev") != Some("/dev") {
+        p.push("moor-controller needs the host's /dev at /dev (loop devices)".into());
+    }
+    if flag("no-embedded").as_deref() == Some("true") {
+        return;
+    }
     let data = flag("data-dir").unwrap_or_default();
     if pod.host_path(c, &data) != Some(data.as_str()) {
         p.push(format!(
@@ -46,7 +77,17 @@ pub(super) fn controller_pod(
              backing-file paths are published to the node as host paths"
         ));
     }
-    if pod.host_path(c, "/dev") != Some("/dev") {
-        p.push("moor-controller needs the host's /dev at /dev (loop devices)".into());
+
+    const KUBELET: &str = "/var/lib/kubelet";
+    match pod.mount(c, KUBELET) {
+        Some((v, m))
+            if v.pointer("/hostPath/path").and_then(Value::as_str) == Some(KUBELET)
+                && m.get("mountPropagation").and_then(Value::as_str) == Some("HostToContainer") => {
+        }
+        _ => p.push(format!(
+            "moor-controller must see the kubelet's mounts: the host's {KUBELET} at {KUBELET} \
+             with mountPropagation: HostToContainer (a group snapshot freezes the members in \
+             use at their mount points, and refuses a group it cannot)"
+        )),
     }
 }

@@ -2,21 +2,30 @@
 //!
 //! - objects: unique, no `status` or server-set metadata, namespaced kinds in a Namespace of
 //!   the set and cluster-scoped ones without one;
-//! - one CSIDriver, whose name every moor binary, StorageClass and VolumeSnapshotClass uses;
+//! - CSIDrivers, one of whose names every moor binary, StorageClass and snapshot class uses;
+//!   a driver served by node-local controllers is never attached (`attachRequired: false`)
+//!   and has `storageCapacity` exactly when its provisioners publish capacity, one served by
+//!   a one-node controller is attached;
+//! - host-network pods of different workloads never declare the same port (DaemonSets share
+//!   every node);
 //! - pods: selectors match the template, the ServiceAccount exists, every mount names a volume
 //!   and every volume is mounted and has exactly one source, `$(VAR)`s name the container's
 //!   environment, Bidirectional propagation only in privileged containers, images pinned and
 //!   known, value flags written `--name=value`;
 //! - moor containers: the binary's flags ([`crate::flags`]), the node id from `spec.nodeName`,
 //!   privileged, the shutdown grace shorter than the pod's termination grace period;
-//! - sidecars ([`SIDECARS`]): known flags, the same CSI socket as the driver through the same
-//!   volume, `--leader-election` where supported;
+//! - sidecars ([`SIDECARS`]): known flags, the socket of a moor daemon of their pod that serves
+//!   what they call, through the same volume, `--leader-election` where supported unless
+//!   `--node-deployment` (then none, and NODE_NAME from the node), capacity publishing with its
+//!   env and its rights;
 //! - probes: the port is declared and served in the pod; on the host network every HTTP
 //!   endpoint binds loopback and the probe targets 127.0.0.1;
 //! - the node plugin: kubelet dir mounted at its own path with Bidirectional propagation, the
 //!   socket in `<kubelet dir>/plugins/<driver>/`, state kept on the host, exactly one way of
 //!   registering with kubelet, the right registration path;
-//! - the controller: one replica, Recreate, pinned to a node, data dir and /dev from the host;
+//! - the controller: one replica, Recreate, pinned to a node (a Deployment) or `--node-local`
+//!   beside moor-node `--local-controller` (a DaemonSet); data dir, /dev and the kubelet's
+//!   mounts (HostToContainer) from the host;
 //! - RBAC: each ServiceAccount is granted exactly what its containers need ([`Need`]): nothing
 //!   missing, nothing more, no wildcards; bindings name existing roles and accounts.
 
@@ -34,7 +43,7 @@ use serde_json::Value;
 use crate::flags::Cli;
 use crate::kustomize::{Resource, meta};
 
-use self::pods::workload;
+use self::pods::{DriverFact, workload};
 use self::rbac::rbac;
 pub use self::rbac::{CONTROLLER_NEEDS, LEASES, NODE_NEEDS, Need};
 pub use self::sidecars::{REGISTRAR, REGISTRAR_DEFAULT_DIR, SIDECARS, Sidecar};
@@ -72,21 +81,18 @@ pub struct Context {
 pub fn check_all(res: &[Resource], ctx: &Context) -> Vec<String> {
     let mut p = Vec::new();
     objects(res, &mut p);
-    let drivers: Vec<&str> = of_kind(res, "CSIDriver")
+    let drivers: BTreeSet<&str> = of_kind(res, "CSIDriver")
         .filter_map(|d| meta(d, "name"))
         .collect();
-    let driver = match drivers[..] {
-        [d] => d,
-        _ => {
-            p.push(format!("expected exactly one CSIDriver, found {drivers:?}"));
-            "moor.csi.io"
-        }
-    };
+    if drivers.is_empty() {
+        p.push("no CSIDriver".into());
+    }
     for sc in of_kind(res, "StorageClass") {
         let prov = sc.get("provisioner").and_then(Value::as_str);
-        if prov != Some(driver) {
+        if !prov.is_some_and(|d| drivers.contains(d)) {
             p.push(format!(
-                "StorageClass {:?}: provisioner {prov:?}, not {driver}",
+                "StorageClass {:?}: provisioner {prov:?}, not a CSIDriver of the manifests \
+                 ({drivers:?})",
                 name(sc)
             ));
         }
@@ -94,22 +100,97 @@ pub fn check_all(res: &[Resource], ctx: &Context) -> Vec<String> {
     for kind in ["VolumeSnapshotClass", "VolumeGroupSnapshotClass"] {
         for class in of_kind(res, kind) {
             let d = class.get("driver").and_then(Value::as_str);
-            if d != Some(driver) {
+            if !d.is_some_and(|d| drivers.contains(d)) {
                 p.push(format!(
-                    "{kind} {:?}: driver {d:?}, not {driver}",
+                    "{kind} {:?}: driver {d:?}, not a CSIDriver of the manifests ({drivers:?})",
                     name(class)
                 ));
             }
         }
     }
     let mut needs: BTreeMap<(String, String), Vec<Need>> = BTreeMap::new();
+    let mut facts = Vec::new();
     for w in res.iter().filter(|r| is_workload(&r.doc)) {
         let mut wp = Vec::new();
-        workload(&w.doc, res, ctx, driver, &mut needs, &mut wp);
+        workload(&w.doc, res, ctx, &drivers, &mut needs, &mut facts, &mut wp);
         p.extend(wp.into_iter().map(|m| format!("{}: {m}", w.id())));
     }
+    csi_drivers(res, &facts, &mut p);
+    host_ports(res, &mut p);
     rbac(res, &needs, &mut p);
     p
+}
+
+/// Each CSIDriver against what serves it: a driver of node-local controllers is never attached
+/// (no attacher runs for it, and its volumes never leave their node) and lets the scheduler
+/// place by capacity exactly when its provisioners publish it; a driver of a one-node
+/// controller is attached (ControllerPublishVolume binds the device its node stages).
+fn csi_drivers(res: &[Resource], facts: &[DriverFact], p: &mut Vec<String>) {
+    for d in of_kind(res, "CSIDriver") {
+        let dname = name(d);
+        let spec_bool = |f: &str| d.pointer(&format!("/spec/{f}")).and_then(Value::as_bool);
+        for f in facts.iter().filter(|f| f.driver == dname) {
+            let (attach, why) = if f.node_local {
+                (
+                    false,
+                    "its node-local controllers attach volumes for moor-node, not for a CO",
+                )
+            } else {
+                (
+                    true,
+                    "its controller attaches volumes to the node (ControllerPublishVolume)",
+                )
+            };
+            if spec_bool("attachRequired") != Some(attach) {
+                p.push(format!(
+                    "CSIDriver {dname}: attachRequired must be {attach}: {why} ({})",
+                    f.workload
+                ));
+            }
+            if f.node_local && spec_bool("storageCapacity") != Some(f.capacity) {
+                p.push(format!(
+                    "CSIDriver {dname}: storageCapacity must be {} as its provisioners {} \
+                     (--enable-capacity in {})",
+                    f.capacity,
+                    if f.capacity {
+                        "publish capacity"
+                    } else {
+                        "publish none"
+                    },
+                    f.workload
+                ));
+            }
+        }
+    }
+}
+
+/// Host-network pods of different workloads never declare the same port: DaemonSets meet on
+/// every node.
+fn host_ports(res: &[Resource], p: &mut Vec<String>) {
+    let mut seen: BTreeMap<u64, String> = BTreeMap::new();
+    for w in res.iter().filter(|r| is_workload(&r.doc)) {
+        let Some(spec) = w.doc.pointer("/spec/template/spec") else {
+            continue;
+        };
+        if spec.get("hostNetwork") != Some(&Value::Bool(true)) {
+            continue;
+        }
+        for c in array(spec.get("containers")) {
+            for port in array(c.get("ports")) {
+                let Some(n) = port.get("containerPort").and_then(Value::as_u64) else {
+                    continue;
+                };
+                if let Some(other) = seen.insert(n, w.id())
+                    && other != w.id()
+                {
+                    p.push(format!(
+                        "{} and {other} both take port {n} of the host's network",
+                        w.id()
+                    ));
+                }
+            }
+        }
+    }
 }
 
 fn of_kind<'a>(res: &'a [Resource], kind: &'a str) -> impl Iterator<Item = &'a Value> {

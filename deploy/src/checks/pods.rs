@@ -6,11 +6,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::Value;
 
-use super::controller::controller_pod;
+use super::controller::{controller_pod, node_local_controller_pod};
 use super::node::node_pod;
 use super::probes::probes;
 use super::rbac::{CONTROLLER_NEEDS, LEASES, NODE_NEEDS, Need};
-use super::sidecars::{sidecar, sidecar_of};
+use super::sidecars::{PROVISIONER, REGISTRAR, Sidecar, extra_needs, sidecar, sidecar_of};
 use super::{
     Context, arg_value, array, env_field, env_names, has_switch, image_repo, moor_binary, of_kind,
     strs,
@@ -52,8 +52,9 @@ pub(super) fn workload(
     doc: &Value,
     res: &[Resource],
     ctx: &Context,
-    driver: &str,
+    drivers: &BTreeSet<&str>,
     needs: &mut BTreeMap<(String, String), Vec<Need>>,
+    facts: &mut Vec<DriverFact>,
     p: &mut Vec<String>,
 ) {
     let kind = doc.get("kind").and_then(Value::as_str).unwrap_or("");
@@ -128,6 +129,7 @@ pub(super) fn workload(
             if s.leader_election && has_switch(&args, "leader-election") {
                 sa_needs.push(LEASES);
             }
+            sa_needs.extend(extra_needs(s, &args));
         } else {
             cp.push(format!(
                 "image {:?} is neither {} nor a known sidecar (SIDECARS in deploy/src/checks/sidecars.rs)",
@@ -144,30 +146,129 @@ pub(super) fn workload(
             .extend(sa_needs);
     }
     probes(&pod, ctx, p);
-    let (endpoint_container, binary) = match moor[..] {
-        [(bin, c)] => (c, bin),
+    match moor[..] {
+        [_] => {}
+        [("moor-node", _), ("moor-controller", _)] | [("moor-controller", _), ("moor-node", _)]
+            if kind == "DaemonSet" => {}
         _ => {
-            p.push(format!("expected one moor container, found {}", moor.len()));
+            p.push(format!(
+                "expected one moor container (or, in a DaemonSet, moor-node with its node-local \
+                 moor-controller), found {}",
+                moor.len()
+            ));
             return;
         }
-    };
-    let cli = if binary == "moor-node" {
-        &ctx.node
-    } else {
-        &ctx.controller
-    };
-    let args = strs(endpoint_container.get("args"));
-    let flag = |name: &str| -> Option<String> {
-        arg_value(&args, name)
+    }
+    let mut served = Vec::new();
+    for &(binary, c) in &moor {
+        if let Some(s) = moor_daemon(&pod, c, binary, ctx, drivers, p) {
+            served.push(s);
+        }
+    }
+    for c in pod.containers {
+        if let Some(s) = sidecar_of(c) {
+            sidecar_socket(&pod, c, s, &served, p);
+        }
+    }
+    for d in &served {
+        let flag = |name: &str| d.flag(name, ctx);
+        match (kind, d.binary) {
+            ("DaemonSet", "moor-node") => {
+                node_pod(&pod, d.container, &flag, &d.driver, &d.socket, p);
+            }
+            ("Deployment", "moor-controller") => {
+                controller_pod(doc, &pod, d.container, &flag, p);
+            }
+            ("DaemonSet", "moor-controller") => {
+                node_local_controller_pod(&pod, d.container, &flag, p);
+            }
+            (k, b) => p.push(format!("{b} does not belong in a {k}")),
+        }
+    }
+    node_local_pair(&pod, &served, ctx, p);
+    for d in &served {
+        if d.binary != "moor-controller" {
+            continue;
+        }
+        let node_local = d.flag("node-local", ctx).is_some_and(|v| v == "true");
+        let capacity = pod.containers.iter().any(|c| {
+            sidecar_of(c).is_some_and(|s| s.repo == PROVISIONER)
+                && arg_value(&strs(c.get("args")), "csi-address") == Some(d.socket.as_str())
+                && has_switch(&strs(c.get("args")), "enable-capacity")
+        });
+        facts.push(DriverFact {
+            driver: d.driver.clone(),
+            workload: format!("{kind}/{ns}/{}", meta(doc, "name").unwrap_or("?")),
+            node_local,
+            capacity,
+        });
+    }
+}
+
+/// A moor daemon of a pod: its binary, container, driver and socket.
+pub(super) struct Served<'a> {
+    pub(super) binary: &'a str,
+    pub(super) container: &'a Value,
+    pub(super) driver: String,
+    pub(super) socket: String,
+    pub(super) socket_dir: String,
+    socket_volume: Option<&'a Value>,
+    args: Vec<String>,
+}
+
+impl Served<'_> {
+    /// A flag's value as the daemon sees it: given, or its default (switches: "true" when
+    /// given).
+    pub(super) fn flag(&self, name: &str, ctx: &Context) -> Option<String> {
+        let cli = if self.binary == "moor-node" {
+            &ctx.node
+        } else {
+            &ctx.controller
+        };
+        arg_value(&self.args, name)
             .map(str::to_owned)
+            .or_else(|| has_switch(&self.args, name).then(|| "true".to_owned()))
             .or_else(|| cli.flags.get(name).and_then(|f| f.default.clone()))
+    }
+}
+
+/// What a CSIDriver is served with, for the checks of the CSIDriver object.
+#[derive(Debug, Clone)]
+pub(super) struct DriverFact {
+    pub(super) driver: String,
+    pub(super) workload: String,
+    pub(super) node_local: bool,
+    pub(super) capacity: bool,
+}
+
+/// The checks of one moor container that need its pod: the shutdown grace, its driver, its
+/// socket volume.
+fn moor_daemon<'a>(
+    pod: &Pod<'a>,
+    c: &'a Value,
+    binary: &'a str,
+    ctx: &Context,
+    drivers: &BTreeSet<&str>,
+    p: &mut Vec<String>,
+) -> Option<Served<'a>> {
+    let mut d = Served {
+        binary,
+        container: c,
+        driver: String::new(),
+        socket: String::new(),
+        socket_dir: String::new(),
+        socket_volume: None,
+        args: strs(c.get("args")),
     };
     // Shutdown grace < termination grace period.
-    let period = spec
+    let period = pod
+        .spec
         .get("terminationGracePeriodSeconds")
         .and_then(Value::as_u64)
         .unwrap_or(30);
-    if let Some(grace) = flag("shutdown-grace").and_then(|g| g.parse::<u64>().ok())
+    if let Some(grace) = d
+        .flag("shutdown-grace", ctx)
+        .and_then(|g| g.parse::<u64>().ok())
         && grace >= period
     {
         p.push(format!(
@@ -175,46 +276,117 @@ pub(super) fn workload(
              terminationGracePeriodSeconds ({period}): in-flight calls would be killed"
         ));
     }
-    // The driver name.
-    if flag("driver-name").as_deref() != Some(driver) {
+    d.driver = d.flag("driver-name", ctx).unwrap_or_default();
+    if !drivers.contains(d.driver.as_str()) {
         p.push(format!(
-            "{binary} --driver-name is not the CSIDriver's name {driver}"
+            "{binary} --driver-name={} is not the name of a CSIDriver of the manifests \
+             ({drivers:?})",
+            d.driver
         ));
     }
-    // Every sidecar reaches the driver's socket through the same volume.
-    let endpoint = flag("endpoint").unwrap_or_default();
+    let endpoint = d.flag("endpoint", ctx).unwrap_or_default();
     let Some(socket) = endpoint.strip_prefix("unix://") else {
         p.push(format!(
             "{binary} --endpoint={endpoint} is not a unix:// socket"
         ));
-        return;
+        return None;
     };
-    let socket_dir = socket.rsplit_once('/').map_or("", |(d, _)| d);
-    let socket_volume = pod.mount(endpoint_container, socket_dir).map(|(v, _)| v);
-    if socket_volume.is_none() {
+    d.socket = socket.to_owned();
+    d.socket_dir = socket
+        .rsplit_once('/')
+        .map_or("", |(dir, _)| dir)
+        .to_owned();
+    d.socket_volume = pod.mount(c, &d.socket_dir).map(|(v, _)| v);
+    if d.socket_volume.is_none() {
         p.push(format!(
-            "{binary}: the socket dir {socket_dir} is not a volume mount"
+            "{binary}: the socket dir {} is not a volume mount",
+            d.socket_dir
         ));
     }
-    for c in pod.containers.iter().filter(|c| sidecar_of(c).is_some()) {
-        let cname = c.get("name").and_then(Value::as_str).unwrap_or("?");
-        let cargs = strs(c.get("args"));
-        if arg_value(&cargs, "csi-address") != Some(socket) {
-            p.push(format!("container {cname}: --csi-address is not {socket}"));
-        }
-        let v = pod.mount(c, socket_dir).map(|(v, _)| v);
-        if v.is_none() || v != socket_volume {
-            p.push(format!(
-                "container {cname}: does not mount {binary}'s socket volume at {socket_dir}"
-            ));
-        }
+    Some(d)
+}
+
+/// A sidecar reaches a moor daemon of its pod: the socket it dials is that daemon's, through
+/// the same volume, and the daemon serves what the sidecar calls (the registrar registers a
+/// node plugin; the provisioner, attacher, resizer and snapshotter call a controller).
+fn sidecar_socket(
+    pod: &Pod<'_>,
+    c: &Value,
+    s: &Sidecar,
+    served: &[Served<'_>],
+    p: &mut Vec<String>,
+) {
+    let cname = c.get("name").and_then(Value::as_str).unwrap_or("?");
+    let args = strs(c.get("args"));
+    let address = arg_value(&args, "csi-address").unwrap_or("");
+    let Some(d) = served.iter().find(|d| d.socket == address) else {
+        p.push(format!(
+            "container {cname}: --csi-address={address} is the socket of no moor container of \
+             the pod"
+        ));
+        return;
+    };
+    let v = pod.mount(c, &d.socket_dir).map(|(v, _)| v);
+    if v.is_none() || v != d.socket_volume {
+        p.push(format!(
+            "container {cname}: does not mount {}'s socket volume at {}",
+            d.binary, d.socket_dir
+        ));
     }
-    match (kind, binary) {
-        ("DaemonSet", "moor-node") => node_pod(&pod, endpoint_container, &flag, driver, socket, p),
-        ("Deployment", "moor-controller") => {
-            controller_pod(doc, &pod, endpoint_container, &flag, p);
+    let wants = match s.repo {
+        REGISTRAR => Some("moor-node"),
+        r if r.ends_with("/livenessprobe") => None,
+        _ => Some("moor-controller"),
+    };
+    if wants.is_some_and(|w| w != d.binary) {
+        p.push(format!(
+            "container {cname}: calls {} on {}, which {} does not serve",
+            wants.unwrap_or(""),
+            d.socket,
+            d.binary
+        ));
+    }
+}
+
+/// moor-node --local-controller and moor-controller --node-local come together: in one pod,
+/// for one driver, the node dialing the controller's socket through a volume both mount.
+fn node_local_pair(pod: &Pod<'_>, served: &[Served<'_>], ctx: &Context, p: &mut Vec<String>) {
+    let node = served.iter().find(|d| d.binary == "moor-node");
+    let ctl = served.iter().find(|d| d.binary == "moor-controller");
+    let local = node.and_then(|n| n.flag("local-controller", ctx));
+    let node_local = ctl.is_some_and(|c| c.flag("node-local", ctx).is_some_and(|v| v == "true"));
+    match (node, ctl, local) {
+        (Some(n), Some(c), Some(endpoint)) if node_local => {
+            if n.driver != c.driver {
+                p.push(format!(
+                    "moor-node serves {} and its node-local controller {}: one driver",
+                    n.driver, c.driver
+                ));
+            }
+            if endpoint.strip_prefix("unix://") != Some(c.socket.as_str()) {
+                p.push(format!(
+                    "moor-node --local-controller={endpoint} is not the controller's socket \
+                     unix://{}",
+                    c.socket
+                ));
+            }
+            let v = pod.mount(n.container, &c.socket_dir).map(|(v, _)| v);
+            if v.is_none() || v != c.socket_volume {
+                p.push(format!(
+                    "moor-node does not mount the controller's socket volume at {}",
+                    c.socket_dir
+                ));
+            }
         }
-        (k, b) => p.push(format!("{b} does not belong in a {k}")),
+        (_, Some(_), _) if node_local => p.push(
+            "moor-controller --node-local: its volumes are attached by the moor-node beside it \
+             (--local-controller), and there is none"
+                .into(),
+        ),
+        (Some(_), _, Some(endpoint)) => p.push(format!(
+            "moor-node --local-controller={endpoint}: no moor-controller --node-local beside it"
+        )),
+        _ => {}
     }
 }
 

@@ -77,6 +77,10 @@ pub const SIDECARS: &[Sidecar] = &[
             ("worker-threads", false),
             ("strict-topology", true),
             ("immediate-topology", true),
+            ("node-deployment", true),
+            ("enable-capacity", true),
+            ("capacity-ownerref-level", false),
+            ("capacity-poll-interval", false),
         ],
         leader_election: true,
         needs: &[
@@ -169,6 +173,7 @@ pub const SIDECARS: &[Sidecar] = &[
             ("snapshot-name-prefix", false),
             ("feature-gates", false),
             ("group-snapshot-name-prefix", false),
+            ("node-deployment", true),
         ],
         leader_election: true,
         // With --feature-gates=CSIVolumeGroupSnapshot=true (the base passes it): the group
@@ -211,6 +216,47 @@ pub const SIDECARS: &[Sidecar] = &[
 
 /// The registrar sidecar's repository.
 pub const REGISTRAR: &str = "registry.k8s.io/sig-storage/csi-node-driver-registrar";
+/// The provisioner sidecar's repository.
+pub const PROVISIONER: &str = "registry.k8s.io/sig-storage/csi-provisioner";
+
+/// What csi-provisioner `--enable-capacity` needs besides its own rules: the CSIStorageCapacity
+/// objects of its namespace, and `get` on its pod to name it their owner
+/// (`--capacity-ownerref-level=0`, the one level checked here).
+pub const CAPACITY_NEEDS: &[Need] = &[
+    Need {
+        group: "storage.k8s.io",
+        resource: "csistoragecapacities",
+        verbs: &[
+            "get", "list", "watch", "create", "update", "patch", "delete",
+        ],
+        namespaced: true,
+    },
+    Need {
+        group: "",
+        resource: "pods",
+        verbs: &["get"],
+        namespaced: true,
+    },
+];
+
+/// What a sidecar needs for the flags it is given, beyond [`Sidecar::needs`].
+pub(super) fn extra_needs(s: &Sidecar, args: &[String]) -> Vec<Need> {
+    if s.repo == PROVISIONER && has_switch(args, "enable-capacity") {
+        CAPACITY_NEEDS.to_vec()
+    } else {
+        Vec::new()
+    }
+}
+
+/// The `fieldPath` an env var of a container is set from, if it is.
+fn env_from<'a>(c: &'a Value, var: &str) -> Option<&'a str> {
+    c.get("env")?
+        .as_array()?
+        .iter()
+        .find(|e| e.get("name").and_then(Value::as_str) == Some(var))?
+        .pointer("/valueFrom/fieldRef/fieldPath")?
+        .as_str()
+}
 /// The registrar's default `--plugin-registration-path`.
 pub const REGISTRAR_DEFAULT_DIR: &str = "/registration";
 
@@ -252,7 +298,36 @@ pub(super) fn sidecar(c: &Value, s: &Sidecar, args: &[String], p: &mut Vec<Strin
             p.push(format!("--{name} is given twice"));
         }
     }
-    if s.leader_election && !has_switch(args, "leader-election") {
+    // One on each node (--node-deployment) elects no leader: each acts for its node
+    // (csi-snapshotter refuses both); otherwise one acts for the cluster.
+    let node_deployment = has_switch(args, "node-deployment");
+    if s.leader_election && !node_deployment && !has_switch(args, "leader-election") {
         p.push("supports leader election: pass --leader-election".into());
+    }
+    if node_deployment && has_switch(args, "leader-election") {
+        p.push(
+            "--node-deployment runs one on each node, each for its node: no --leader-election"
+                .into(),
+        );
+    }
+    let mut env = Vec::new();
+    if node_deployment {
+        env.push(("NODE_NAME", "spec.nodeName"));
+    }
+    if s.repo == PROVISIONER && has_switch(args, "enable-capacity") {
+        env.push(("NAMESPACE", "metadata.namespace"));
+        env.push(("POD_NAME", "metadata.name"));
+        if super::arg_value(args, "capacity-ownerref-level") != Some("0") {
+            p.push(
+                "--enable-capacity: pass --capacity-ownerref-level=0 (the pod owns its \
+                 CSIStorageCapacity objects; the RBAC checked is for that level)"
+                    .into(),
+            );
+        }
+    }
+    for (var, field) in env {
+        if env_from(c, var) != Some(field) {
+            p.push(format!("needs the env var {var} from fieldRef {field}"));
+        }
     }
 }

@@ -54,7 +54,7 @@ fn checks_catch_broken_manifests() {
     expect_problem(
         "a group snapshot class of another driver",
         |r| find_mut(r, "VolumeGroupSnapshotClass", "moor")["driver"] = json!("other.csi.io"),
-        "VolumeGroupSnapshotClass \"moor\": driver Some(\"other.csi.io\"), not moor.csi.io",
+        "VolumeGroupSnapshotClass \"moor\": driver Some(\"other.csi.io\"), not a CSIDriver",
     );
     expect_problem(
         "group snapshots without their RBAC",
@@ -180,7 +180,7 @@ fn checks_catch_broken_manifests() {
             let dep = find_mut(r, "Deployment", "moor-controller");
             container_mut(dep, "csi-attacher")["args"][0] = json!("--csi-address=/run/x.sock");
         },
-        "container csi-attacher: --csi-address is not /csi/csi.sock",
+        "container csi-attacher: --csi-address=/run/x.sock is the socket of no moor container",
     );
     expect_problem(
         "no leader election",
@@ -265,7 +265,7 @@ fn checks_catch_broken_manifests() {
     expect_problem(
         "driver name mismatch",
         |r| find_mut(r, "StorageClass", "moor")["provisioner"] = json!("moor.example.com"),
-        "StorageClass \"moor\": provisioner Some(\"moor.example.com\"), not moor.csi.io",
+        "StorageClass \"moor\": provisioner Some(\"moor.example.com\"), not a CSIDriver",
     );
     expect_problem(
         "state not on the host",
@@ -288,5 +288,131 @@ fn checks_catch_broken_manifests() {
         "namespace missing",
         |r| r.retain(|x| x.doc["kind"] != "Namespace"),
         "namespace moor-system is not created by these manifests",
+    );
+}
+
+/// Breaks the every-node overlay one way and expects the checks to say so.
+fn expect_distributed_problem(what: &str, change: impl FnOnce(&mut Vec<Resource>), want: &str) {
+    let mut res = render(&deploy_dir().join("overlays/distributed"));
+    assert!(
+        checks::check_all(&res, ctx()).is_empty(),
+        "the overlay itself passes"
+    );
+    change(&mut res);
+    let p = checks::check_all(&res, ctx()).join("\n");
+    assert!(p.contains(want), "{what}: {want:?} not in:\n{p}");
+}
+
+fn local_container<'a>(res: &'a mut [Resource], name: &str) -> &'a mut Value {
+    container_mut(find_mut(res, "DaemonSet", "moor-local"), name)
+}
+
+fn drop_arg(c: &mut Value, arg: &str) {
+    c["args"].as_array_mut().unwrap().retain(|a| a != arg);
+}
+
+fn drop_env(c: &mut Value, var: &str) {
+    c["env"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|e| e["name"] != var);
+}
+
+#[test]
+fn checks_catch_broken_every_node_manifests() {
+    expect_distributed_problem(
+        "attached local volumes",
+        |r| find_mut(r, "CSIDriver", "local.moor.csi.io")["spec"]["attachRequired"] = json!(true),
+        "CSIDriver local.moor.csi.io: attachRequired must be false",
+    );
+    expect_distributed_problem(
+        "no capacity for the scheduler",
+        |r| {
+            find_mut(r, "CSIDriver", "local.moor.csi.io")["spec"]["storageCapacity"] = json!(false);
+        },
+        "CSIDriver local.moor.csi.io: storageCapacity must be true",
+    );
+    expect_distributed_problem(
+        "capacity published for a driver that says it has none",
+        |r| drop_arg(local_container(r, "csi-provisioner"), "--enable-capacity"),
+        "CSIDriver local.moor.csi.io: storageCapacity must be false",
+    );
+    expect_distributed_problem(
+        "every node's controller answering for every volume",
+        |r| drop_arg(local_container(r, "moor-controller"), "--node-local"),
+        "pass --node-local",
+    );
+    expect_distributed_problem(
+        "node plugin without its controller",
+        |r| {
+            let c = local_container(r, "moor-node");
+            let args = c["args"].as_array_mut().unwrap();
+            let a = args
+                .iter_mut()
+                .find(|a| a.as_str().unwrap().starts_with("--local-controller="))
+                .unwrap();
+            *a = json!("--local-controller=unix:///csi/other.sock");
+        },
+        "is not the controller's socket unix:///controller/csi.sock",
+    );
+    expect_distributed_problem(
+        "a leader among provisioners of their own nodes",
+        |r| {
+            local_container(r, "csi-provisioner")["args"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!("--leader-election"));
+        },
+        "--node-deployment runs one on each node, each for its node: no --leader-election",
+    );
+    expect_distributed_problem(
+        "a provisioner that does not know its node",
+        |r| drop_env(local_container(r, "csi-provisioner"), "NODE_NAME"),
+        "needs the env var NODE_NAME from fieldRef spec.nodeName",
+    );
+    expect_distributed_problem(
+        "capacity without an owner",
+        |r| drop_env(local_container(r, "csi-provisioner"), "POD_NAME"),
+        "needs the env var POD_NAME from fieldRef metadata.name",
+    );
+    expect_distributed_problem(
+        "capacity objects it may not write",
+        |r| {
+            find_mut(r, "Role", "moor-local")["rules"]
+                .as_array_mut()
+                .unwrap()
+                .retain(|rule| rule["resources"][0] != "csistoragecapacities");
+        },
+        "ServiceAccount moor-system/moor-local lacks create on storage.k8s.io/csistoragecapacities",
+    );
+    expect_distributed_problem(
+        "a controller blind to the kubelet's mounts",
+        |r| {
+            let c = local_container(r, "moor-controller");
+            c["volumeMounts"]
+                .as_array_mut()
+                .unwrap()
+                .retain(|m| m["name"] != "kubelet-dir");
+        },
+        "moor-controller must see the kubelet's mounts",
+    );
+    expect_distributed_problem(
+        "a provisioner on the node plugin's socket",
+        |r| {
+            let c = local_container(r, "csi-provisioner");
+            c["args"][0] = json!("--csi-address=/csi/csi.sock");
+            c["volumeMounts"][0] = json!({"name": "socket-dir", "mountPath": "/csi"});
+        },
+        "calls moor-controller on /csi/csi.sock, which moor-node does not serve",
+    );
+    expect_distributed_problem(
+        "two DaemonSets on one host port",
+        |r| {
+            let ds = find_mut(r, "DaemonSet", "moor-local");
+            container_mut(ds, "moor-node")["ports"][0]["containerPort"] = json!(9808);
+            container_mut(ds, "liveness-probe")["args"][1] =
+                json!("--http-endpoint=127.0.0.1:9808");
+        },
+        "both take port 9808 of the host's network",
     );
 }

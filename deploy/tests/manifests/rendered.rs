@@ -13,6 +13,7 @@ fn base_and_every_overlay_render_validate_and_check() {
         [
             "base",
             "builtin-registration",
+            "distributed",
             "registrar",
             "selinux",
             "xfs"
@@ -282,4 +283,104 @@ fn overlays_change_only_what_they_say() {
     find_mut(&mut want, "StorageClass", "moor")["parameters"]["csi.storage.k8s.io/fstype"] =
         json!("xfs");
     assert_eq!(docs(&xfs), docs(&want));
+}
+
+#[test]
+fn the_every_node_overlay_adds_the_local_driver_and_changes_nothing_else() {
+    let base = base();
+    let distributed = render(&deploy_dir().join("overlays/distributed"));
+    // Today's binaries run it (no coming flag).
+    let (today, _) = moor_deploy::context(false).unwrap();
+    let p = problems(&distributed, &today);
+    assert!(p.is_empty(), "{}", p.join("\n"));
+    // The base's objects, as they are.
+    for b in &base {
+        let same = distributed
+            .iter()
+            .find(|d| d.id() == b.id())
+            .map(|d| &d.doc);
+        assert_eq!(same, Some(&b.doc), "{}", b.id());
+    }
+    let mut added: Vec<String> = distributed
+        .iter()
+        .map(Resource::id)
+        .filter(|id| base.iter().all(|b| b.id() != *id))
+        .collect();
+    added.sort();
+    assert_eq!(
+        added,
+        [
+            "CSIDriver/local.moor.csi.io",
+            "ClusterRole/moor-local",
+            "ClusterRoleBinding/moor-local",
+            "DaemonSet/moor-system/moor-local",
+            "Role/moor-system/moor-local",
+            "RoleBinding/moor-system/moor-local",
+            "ServiceAccount/moor-system/moor-local",
+            "StorageClass/moor-local",
+            "StorageClass/moor-local-thick",
+            "VolumeGroupSnapshotClass/moor-local",
+            "VolumeSnapshotClass/moor-local",
+        ]
+    );
+    assert_eq!(
+        find(&distributed, "CSIDriver", "local.moor.csi.io")["spec"],
+        json!({
+            "attachRequired": false,
+            "podInfoOnMount": false,
+            "fsGroupPolicy": "File",
+            "volumeLifecycleModes": ["Persistent"],
+            "requiresRepublish": false,
+            "storageCapacity": true
+        })
+    );
+    for (class, params) in [
+        ("moor-local", json!({"csi.storage.k8s.io/fstype": "ext4"})),
+        (
+            "moor-local-thick",
+            json!({"csi.storage.k8s.io/fstype": "ext4", "provisioning": "thick"}),
+        ),
+    ] {
+        let sc = find(&distributed, "StorageClass", class);
+        assert_eq!(sc["provisioner"], "local.moor.csi.io");
+        assert_eq!(sc["parameters"], params);
+        assert_eq!(sc["volumeBindingMode"], "WaitForFirstConsumer");
+        assert_eq!(sc["allowVolumeExpansion"], true);
+    }
+    let ds = find(&distributed, "DaemonSet", "moor-local");
+    let ctl = container(ds, "moor-controller");
+    for a in [
+        "--node-local",
+        "--driver-name=local.moor.csi.io",
+        "--data-dir=/var/lib/moor-local/data",
+        "--thin-overcommit=1",
+    ] {
+        assert!(ctl["args"].as_array().unwrap().contains(&json!(a)), "{a}");
+    }
+    assert!(
+        container(ds, "moor-node")["args"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("--local-controller=unix:///controller/csi.sock"))
+    );
+    assert_eq!(
+        container(ds, "csi-provisioner")["args"],
+        json!([
+            "--csi-address=/controller/csi.sock",
+            "--node-deployment",
+            "--feature-gates=Topology=true",
+            "--strict-topology",
+            "--enable-capacity",
+            "--capacity-ownerref-level=0",
+            "--extra-create-metadata"
+        ])
+    );
+    assert_eq!(
+        container(ds, "csi-snapshotter")["args"],
+        json!([
+            "--csi-address=/controller/csi.sock",
+            "--node-deployment",
+            "--feature-gates=CSIVolumeGroupSnapshot=true"
+        ])
+    );
 }

@@ -11,6 +11,7 @@ mod expand;
 mod format;
 mod hostile;
 mod identity;
+mod local;
 mod paths;
 mod publish;
 pub(crate) mod rbd;

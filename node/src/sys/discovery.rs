@@ -369,10 +369,62 @@ fn confirm_inode(found: &FoundDevice, want: &DeviceIdentity) -> Verdict {
     }
 }
 
+/// Whether sysfs names `named` as the end of `wanted`: the file is named through a mount
+/// that is gone. The kernel names a loop device's file through the mount it was opened by; a
+/// controller in a container opens volume files through its bind mount of the data dir, and
+/// once that container is gone (a restart, a rolling update) the mount is detached and the
+/// file is named from the mount's own root: `/volumes/<id>.img` for
+/// `/var/lib/moor-controller/volumes/<id>.img`. At least the file and its dir must be named.
+pub fn names_the_end_of(named: &Path, wanted: &Path) -> bool {
+    let Ok(tail) = named.strip_prefix("/") else {
+        return false;
+    };
+    let Ok(whole) = wanted.strip_prefix("/") else {
+        return false;
+    };
+    let tail: Vec<_> = tail.iter().collect();
+    let whole: Vec<_> = whole.iter().collect();
+    tail.len() >= 2 && tail.len() < whole.len() && whole.ends_with(&tail)
+}
+
+/// For a loop device whose file sysfs names by the end of the wanted path
+/// ([`names_the_end_of`]): its facts with the wanted path, when the name the device keeps
+/// from its attach (`lo_file_name`, as the controller gave it: its first 63 bytes) is the
+/// wanted path; None otherwise.
+fn named_through_a_gone_mount(
+    found: &FoundDevice,
+    facts: &DeviceFacts,
+    want: &DeviceIdentity,
+) -> Option<DeviceFacts> {
+    let wanted = want.backing_file.as_ref()?;
+    let named = facts.backing_file.as_ref().filter(|b| !b.deleted)?;
+    if !names_the_end_of(&named.path, wanted) {
+        return None;
+    }
+    let kept = loopinfo::attached_name(&found.path).ok()?;
+    let wanted_bytes = wanted.as_os_str().as_bytes();
+    let stored = &wanted_bytes[..wanted_bytes
+        .len()
+        .min(moor_runtime::sys::loopdev::LO_NAME_SIZE - 1)];
+    (kept == stored).then(|| DeviceFacts {
+        backing_file: Some(BackingFile {
+            path: wanted.clone(),
+            deleted: false,
+        }),
+        ..facts.clone()
+    })
+}
+
 /// The full check of a real device: its facts, then (for a loop device) its backing inode.
 fn check(found: &FoundDevice, facts: &DeviceFacts, want: &DeviceIdentity) -> Verdict {
     match verdict(want, facts) {
         Verdict::Match => confirm_inode(found, want),
+        Verdict::Other(why) => match named_through_a_gone_mount(found, facts, want) {
+            Some(renamed) if verdict(want, &renamed) == Verdict::Match => {
+                confirm_inode(found, want)
+            }
+            _ => Verdict::Other(why),
+        },
         other => other,
     }
 }
@@ -542,6 +594,28 @@ mod tests {
         );
         assert_eq!(BackingFile::parse(b"\n"), None);
         assert_eq!(BackingFile::parse(b""), None);
+    }
+
+    #[test]
+    fn a_file_named_through_a_gone_mount_is_the_end_of_its_path() {
+        let wanted = Path::new("/var/lib/moor-local/data/volumes/vol-0123456789abcdef.img");
+        for named in [
+            "/volumes/vol-0123456789abcdef.img",
+            "/data/volumes/vol-0123456789abcdef.img",
+            "/moor-local/data/volumes/vol-0123456789abcdef.img",
+        ] {
+            assert!(names_the_end_of(Path::new(named), wanted), "{named}");
+        }
+        for named in [
+            "/vol-0123456789abcdef.img",
+            "/other/vol-0123456789abcdef.img",
+            "/volumes/vol-0123456789abcdee.img",
+            "/var/lib/moor-local/data/volumes/vol-0123456789abcdef.img",
+            "volumes/vol-0123456789abcdef.img",
+            "/x/var/lib/moor-local/data/volumes/vol-0123456789abcdef.img",
+        ] {
+            assert!(!names_the_end_of(Path::new(named), wanted), "{named}");
+        }
     }
 
     #[test]

@@ -28,6 +28,24 @@ pub fn backing_inode(device: &Path) -> std::io::Result<BackingInode> {
     })
 }
 
+/// The name a bound loop device keeps for its file: the path its attacher gave
+/// (`lo_file_name`, at most 63 bytes of it), whatever mount it was opened through.
+pub fn attached_name(device: &Path) -> std::io::Result<Vec<u8>> {
+    let fd = rustix::fs::open(
+        device,
+        OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NONBLOCK,
+        Mode::empty(),
+    )?;
+    loopdev::status(&fd).map(|info| {
+        let end = info
+            .lo_file_name
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(info.lo_file_name.len());
+        info.lo_file_name[..end].to_vec()
+    })
+}
+
 /// The device and inode of the file at `path`.
 pub fn file_inode(path: &Path) -> std::io::Result<BackingInode> {
     let st = rustix::fs::stat(path)?;

@@ -35,16 +35,16 @@ fn backend_on(dir: &Path) -> Backend {
 
 /// Filesystems mounted by a test, unmounted (lazily) on drop, also when it fails.
 #[derive(Default)]
-struct Mounts(Vec<PathBuf>);
+pub(crate) struct Mounts(Vec<PathBuf>);
 
 impl Mounts {
     /// Makes an ext4 filesystem on `dev` and mounts it at `at`.
-    fn ext4(&mut self, dev: &str, at: &Path) {
+    pub(crate) fn ext4(&mut self, dev: &str, at: &Path) {
         moor_privileged::run("mkfs.ext4", &["-q", "-F", dev]);
         self.mount(dev, at);
     }
 
-    fn mount(&mut self, dev: &str, at: &Path) {
+    pub(crate) fn mount(&mut self, dev: &str, at: &Path) {
         fs::create_dir_all(at).expect("mount point");
         rustix::mount::mount(
             Path::new(dev),
@@ -57,7 +57,7 @@ impl Mounts {
         self.0.push(at.to_path_buf());
     }
 
-    fn unmount(&mut self, at: &Path) {
+    pub(crate) fn unmount(&mut self, at: &Path) {
         rustix::mount::unmount(at, rustix::mount::UnmountFlags::empty()).expect("unmount");
         self.0.retain(|m| m != at);
     }
@@ -79,7 +79,7 @@ const RECORD: usize = 4096;
 /// A thread writing numbered records to two logs, each record to the first log and then, once
 /// that write returned, to the second, with direct I/O (a write returns once the device has
 /// it), round a ring of [`SLOTS`]. Stopped and joined on drop.
-struct Writer {
+pub(crate) struct Writer {
     stop: Arc<AtomicBool>,
     written: Arc<AtomicU64>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -92,7 +92,7 @@ fn fill_record(buf: &mut [u8], i: u64) {
 }
 
 impl Writer {
-    fn start(first: File, second: File) -> Self {
+    pub(crate) fn start(first: File, second: File) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let written = Arc::new(AtomicU64::new(0));
         let (s, w) = (Arc::clone(&stop), Arc::clone(&written));
@@ -123,7 +123,7 @@ impl Writer {
     }
 
     /// Waits until `n` more records are written (the writer is alive and making progress).
-    fn wait_for(&self, n: u64) {
+    pub(crate) fn wait_for(&self, n: u64) {
         let want = self.written() + n;
         let start = Instant::now();
         while self.written() < want {
@@ -146,7 +146,7 @@ impl Drop for Writer {
 }
 
 /// Creates a log of [`SLOTS`] empty records, durably, and opens it for direct I/O.
-fn open_log(path: &Path) -> File {
+pub(crate) fn open_log(path: &Path) -> File {
     fs::write(path, vec![0u8; SLOTS as usize * RECORD]).expect("create log");
     File::open(path)
         .and_then(|f| f.sync_all())
@@ -160,7 +160,7 @@ fn open_log(path: &Path) -> File {
 
 /// The newest record a log holds (0: none). Every slot holds a whole record or nothing, and
 /// the records are the newest one and those just before it, without a gap.
-fn newest_in(path: &Path) -> u64 {
+pub(crate) fn newest_in(path: &Path) -> u64 {
     let data = fs::read(path).expect("read log");
     assert_eq!(data.len(), SLOTS as usize * RECORD, "{}", path.display());
     let mut expect = vec![0u8; RECORD];
@@ -198,7 +198,7 @@ fn newest_in(path: &Path) -> u64 {
     newest
 }
 
-fn group(b: &Backend, name: &str, volumes: &[String]) -> (GroupSnapshot, Duration) {
+pub(crate) fn group(b: &Backend, name: &str, volumes: &[String]) -> (GroupSnapshot, Duration) {
     let start = Instant::now();
     let g = b
         .create_group_snapshot(&NewGroupSnapshot {
@@ -212,7 +212,7 @@ fn group(b: &Backend, name: &str, volumes: &[String]) -> (GroupSnapshot, Duratio
 
 /// The records in the log of a member snapshot: restored as a volume of its own, attached,
 /// mounted, read, and removed again.
-fn restored_records(b: &Backend, snapshot: &str, mounts: &mut Mounts, at: &Path) -> u64 {
+pub(crate) fn restored_records(b: &Backend, snapshot: &str, mounts: &mut Mounts, at: &Path) -> u64 {
     let v = b
         .create_volume(&new_volume(
             &format!("restore-{snapshot}"),
@@ -230,6 +230,17 @@ fn restored_records(b: &Backend, snapshot: &str, mounts: &mut Mounts, at: &Path)
     n
 }
 
+/// Two volumes of 64 MiB, `pvc-0` and `pvc-1`.
+pub(crate) fn two_volumes(b: &Backend) -> Vec<String> {
+    (0..2)
+        .map(|i| {
+            b.create_volume(&new_volume(&format!("pvc-{i}"), 64 * MIB, None))
+                .expect("create")
+                .id
+        })
+        .collect()
+}
+
 /// Group snapshots the consistency test takes.
 const GROUPS: usize = 16;
 
@@ -244,13 +255,7 @@ fn group_snapshots_of_volumes_in_use_are_write_order_consistent() {
     let fx = Fixture::new("groups-consistent");
     let b = fx.b();
     let mut mounts = Mounts::default();
-    let vols: Vec<String> = (0..2)
-        .map(|i| {
-            b.create_volume(&new_volume(&format!("pvc-{i}"), 64 * MIB, None))
-                .expect("create")
-                .id
-        })
-        .collect();
+    let vols = two_volumes(b);
     let mut logs = Vec::new();
     for (i, v) in vols.iter().enumerate() {
         let dev = b.publish_volume(&publish_req(v)).expect("publish")[DEVICE_PATH_KEY].clone();

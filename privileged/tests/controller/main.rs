@@ -11,4 +11,5 @@ mod groups;
 mod grpc;
 mod killed;
 mod reflink;
+mod restarted;
 mod volumes;

@@ -4,22 +4,9 @@ use super::*;
 
 #[tokio::test]
 async fn controller_capabilities() {
-    use csi::controller_service_capability::{Type, rpc};
+    use csi::controller_service_capability::rpc;
     let fx = Fx::new("svc-caps");
-    let caps = fx
-        .svc
-        .controller_get_capabilities(Request::new(csi::ControllerGetCapabilitiesRequest {}))
-        .await
-        .unwrap()
-        .into_inner()
-        .capabilities;
-    let types: Vec<rpc::Type> = caps
-        .iter()
-        .filter_map(|c| match &c.r#type {
-            Some(Type::Rpc(r)) => rpc::Type::try_from(r.r#type).ok(),
-            None => None,
-        })
-        .collect();
+    let types = announced(&fx).await;
     assert_eq!(types.len(), 12);
     for t in [
         rpc::Type::CreateDeleteVolume,

@@ -12,6 +12,8 @@ mod groups;
 mod list_volumes;
 mod metadata;
 mod modify_volume;
+mod node_local;
+mod provisioning;
 mod publish;
 mod snapshots;
 mod unpublish;
@@ -31,7 +33,7 @@ use super::ControllerService;
 use crate::embedded::attach::Attacher as _;
 use crate::embedded::fake::{FakeAttacher, FakeFailure};
 use crate::embedded::testdir::TestDir;
-use crate::embedded::{Config, EmbeddedBackend};
+use crate::embedded::{Config, EmbeddedBackend, Policy};
 
 const MIB: i64 = 1 << 20;
 const GIB: i64 = 1 << 30;
@@ -55,7 +57,22 @@ impl Fx {
         Self::open(dir, fake, NODE)
     }
 
+    /// A backend serving its data dir with `policy`.
+    fn with_policy(tag: &str, policy: Policy) -> Self {
+        Self::open_with(
+            TestDir::new(tag),
+            Arc::new(FakeAttacher::new()),
+            NODE,
+            policy,
+        )
+    }
+
     fn open(dir: TestDir, fake: Arc<FakeAttacher>, node: &str) -> Self {
+        Self::open_with(dir, fake, node, Policy::default())
+    }
+
+    fn open_with(dir: TestDir, fake: Arc<FakeAttacher>, node: &str, policy: Policy) -> Self {
+        let node_local = policy.node_local;
         let (backend, _) = EmbeddedBackend::open(
             Config {
                 data_dir: dir.path().join("data"),
@@ -65,9 +82,9 @@ impl Fx {
             Arc::clone(&fake),
         )
         .unwrap();
-        let backend = Arc::new(backend);
+        let backend = Arc::new(backend.with_policy(policy));
         Self {
-            svc: ControllerService::new(Arc::clone(&backend)),
+            svc: ControllerService::new(Arc::clone(&backend)).node_local(node_local),
             backend,
             fake,
             dir,
@@ -87,8 +104,10 @@ impl Fx {
         Self::open(dir, fake, node)
     }
 
+    /// A volume's data file (named by the bare id, without a node-local id's `@<node>`).
     fn volume_path(&self, id: &str) -> std::path::PathBuf {
-        self.backend.layout().volumes.join(format!("{id}.img"))
+        let bare = id.split('@').next().unwrap_or(id);
+        self.backend.layout().volumes.join(format!("{bare}.img"))
     }
 
     /// Writes into a volume's file, as a workload would through its device.
@@ -172,6 +191,35 @@ fn create_req(name: &str, bytes: i64) -> csi::CreateVolumeRequest {
         volume_capabilities: vec![mount_cap()],
         ..Default::default()
     }
+}
+
+/// ControllerExpandVolume of `id` to at least `bytes`.
+fn expand_req(id: &str, bytes: i64) -> csi::ControllerExpandVolumeRequest {
+    csi::ControllerExpandVolumeRequest {
+        volume_id: id.into(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: bytes,
+            limit_bytes: 0,
+        }),
+        ..Default::default()
+    }
+}
+
+/// The RPCs ControllerGetCapabilities announces.
+async fn announced(fx: &Fx) -> Vec<csi::controller_service_capability::rpc::Type> {
+    use csi::controller_service_capability::{Type, rpc};
+    fx.svc
+        .controller_get_capabilities(Request::new(csi::ControllerGetCapabilitiesRequest {}))
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities
+        .iter()
+        .filter_map(|c| match &c.r#type {
+            Some(Type::Rpc(r)) => rpc::Type::try_from(r.r#type).ok(),
+            None => None,
+        })
+        .collect()
 }
 
 fn publish_req(id: &str, node: &str) -> csi::ControllerPublishVolumeRequest {

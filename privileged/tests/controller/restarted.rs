@@ -1,0 +1,203 @@
+//! A controller started again in a new mount namespace, as a restarted container is: the
+//! devices its predecessor attached through a mount that is gone since are still its own, and
+//! a group snapshot of volumes in use right after the restart is one instant.
+//!
+//! The kernel names a loop device's file through the mount it was opened by. A controller in
+//! a container opens volume files through its bind mount of the data dir; when the container
+//! goes, that mount is detached and sysfs names the file `/volumes/<id>.img`, no longer under
+//! the data dir. A controller that took only paths under its data dir as its own lost every
+//! publication at its next start ("publication corrected: not published"), and then cut group
+//! snapshots of those volumes without freezing them (logged `frozen=0` while both were mounted
+//! read-write).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use moor_controller::backend::{Backend as _, GroupSnapshotRef};
+use moor_controller::embedded::attach::{Attacher as _, FileId, LoopAttacher};
+use moor_controller::embedded::{Config, EmbeddedBackend};
+use moor_privileged::client::DEADLINE;
+use moor_runtime::contract::DEVICE_PATH_KEY;
+
+use crate::fixture::*;
+use crate::groups::{Mounts, Writer, group, open_log, restored_records, two_volumes};
+
+/// Group snapshots cut after the restart, each checked for write order.
+const GROUPS: usize = 8;
+
+/// The test's dir, and the loop devices bound to the volume files of its data dir, released
+/// on drop (also when the test fails): a device named through a mount that is gone is found by
+/// the identity of the file it serves, not by its path.
+struct Cleanup {
+    dir: PathBuf,
+    devices: Vec<PathBuf>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let attacher = LoopAttacher::new();
+        let files: Vec<FileId> = fs::read_dir(self.dir.join("real/volumes"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| FileId::of_path(&e.path()).ok())
+            .collect();
+        for dev in &self.devices {
+            for f in &files {
+                let _ = attacher.detach(dev, *f);
+            }
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A new mount namespace for this thread (a container's), with the data dir `real` mounted at
+/// `view`, as the container runtime bind-mounts a hostPath.
+fn enter_container(real: &Path, view: &Path) {
+    moor_runtime::sys::mount_namespace::enter_private_mount_namespace()
+        .expect("private mount namespace");
+    rustix::mount::mount_bind(real, view).expect("bind the data dir");
+}
+
+fn controller(view: &Path) -> (Backend, moor_controller::embedded::reconcile::Report) {
+    EmbeddedBackend::open(
+        Config {
+            data_dir: view.to_path_buf(),
+            node_id: NODE.into(),
+            topology_key: "topology.moor.csi.io/node".into(),
+        },
+        LoopAttacher::new(),
+    )
+    .expect("open backend")
+}
+
+/// Runs `f` on a thread of its own and returns what it returns (its panic, if it panics).
+fn on_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(f)
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+}
+
+#[test]
+fn a_controller_restarted_in_a_new_mount_namespace_keeps_its_devices_and_freezes_them() {
+    moor_privileged::require_root();
+    moor_runtime::sys::mount_namespace::enter_private_mount_namespace()
+        .expect("private mount namespace");
+    let dir = temp_dir("restarted");
+    let mut cleanup = Cleanup {
+        dir: dir.clone(),
+        devices: Vec::new(),
+    };
+    let (real, view) = (dir.join("real"), dir.join("view"));
+    for d in [&real, &view] {
+        fs::create_dir_all(d).expect("dir");
+    }
+
+    // The first controller, in its container: two volumes, attached for a pod.
+    let (r, v) = (real.clone(), view.clone());
+    let (vols, devices) = on_thread(move || {
+        enter_container(&r, &v);
+        let (b, report) = controller(&v);
+        assert!(report.is_clean(), "{report:?}");
+        let vols = two_volumes(&b);
+        let devices: Vec<String> = vols
+            .iter()
+            .map(|id| b.publish_volume(&publish_req(id)).expect("publish")[DEVICE_PATH_KEY].clone())
+            .collect();
+        (vols, devices)
+        // The thread ends: its mount namespace goes, and the bind mount the devices' files
+        // were opened through is detached.
+    });
+    cleanup.devices = devices.iter().map(PathBuf::from).collect();
+
+    // The container is gone: the kernel names the files from the detached mount's root.
+    let start = Instant::now();
+    for dev in &devices {
+        loop {
+            let named = sysfs_backing(dev).unwrap_or_default();
+            if named.starts_with("/volumes/vol-") {
+                eprintln!("{dev} now names its file {named}");
+                break;
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{dev} still names {named:?} {DEADLINE:?} after its controller's mount \
+                 namespace ended; waited for /volumes/vol-*"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    // The pod's kubelet stages and mounts them on the host.
+    let mut mounts = Mounts::default();
+    let points: Vec<PathBuf> = (0..2).map(|i| dir.join(format!("m{i}"))).collect();
+    for (dev, at) in devices.iter().zip(&points) {
+        mounts.ext4(dev, at);
+    }
+
+    // The restarted controller, in a new container that sees the host's mounts (the kubelet
+    // dir with HostToContainer propagation).
+    let (r, v, d) = (real.clone(), view.clone(), dir.clone());
+    let (vols2, devices2) = (vols.clone(), devices.clone());
+    on_thread(move || {
+        enter_container(&r, &v);
+        let (b, report) = controller(&v);
+        eprintln!("after the restart: {report:?}");
+        // Group snapshots of the two volumes in use, right after the restart: each must be
+        // one instant (the controller freezes both filesystems while it clones).
+        let logs: Vec<_> = points.iter().map(|p| open_log(&p.join("log"))).collect();
+        let mut logs = logs.into_iter();
+        let writer = Writer::start(
+            logs.next().expect("first log"),
+            logs.next().expect("second log"),
+        );
+        let mut groups = Vec::new();
+        for n in 0..GROUPS {
+            writer.wait_for(50);
+            groups.push(group(&b, &format!("g{n}"), &vols2).0);
+        }
+        drop(writer);
+        let mut restored = Mounts::default();
+        for g in &groups {
+            let at = d.join("restored");
+            let first = restored_records(&b, &g.snapshots[0].id, &mut restored, &at);
+            let second = restored_records(&b, &g.snapshots[1].id, &mut restored, &at);
+            eprintln!(
+                "{}: newest record {first} on the first log, {second} on the second",
+                g.id
+            );
+            assert!(
+                second <= first && first - second <= 1,
+                "{} is not one instant: record {second} on the second volume, {first} on the \
+                 first",
+                g.id
+            );
+            b.delete_group_snapshot(&GroupSnapshotRef {
+                id: g.id.clone(),
+                snapshot_ids: Vec::new(),
+            })
+            .expect("delete group");
+        }
+        // And the controller knows why: the devices are still the volumes' publications.
+        for (id, dev) in vols2.iter().zip(&devices2) {
+            let status = b.get_volume(id).expect("get volume");
+            assert_eq!(
+                status.published_nodes,
+                vec![NODE.to_string()],
+                "{id} on {dev}: {report:?}"
+            );
+            assert!(!status.condition.abnormal, "{id}: {:?}", status.condition);
+        }
+        assert!(report.corrected.is_empty(), "{report:?}");
+        assert!(report.detached.is_empty(), "{report:?}");
+    });
+    drop(mounts);
+    // Both volumes stayed attached through the restart, on the devices they had.
+    for dev in &devices {
+        assert!(
+            sysfs_backing(dev).is_some_and(|b| b.starts_with("/volumes/vol-")),
+            "{dev}"
+        );
+    }
+}
