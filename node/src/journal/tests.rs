@@ -197,6 +197,7 @@ fn a_log_ending_in_an_append_cut_short_opens_without_it_and_without_a_corrupt_co
     let (again, problems) = Journal::open(&dir, false).unwrap();
     assert!(problems.is_empty());
     assert_eq!(again.torn_tail(), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
