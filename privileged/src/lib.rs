@@ -15,6 +15,7 @@ pub mod ceph;
 pub mod client;
 pub mod container;
 pub mod krbd_lab;
+pub mod kube;
 pub mod kubelet_calls;
 pub mod logwrites;
 pub mod pathgrpc;
