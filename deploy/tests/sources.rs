@@ -82,7 +82,7 @@ fn stages() -> Vec<Stage> {
 }
 
 #[test]
-fn containerfile_builds_both_binaries_with_the_pinned_toolchain() {
+fn containerfile_builds_the_binaries_with_the_pinned_toolchain() {
     let stages = stages();
     assert_eq!(stages.len(), 2, "a builder and a runtime stage");
     let builder = &stages[0];
@@ -111,7 +111,7 @@ fn containerfile_builds_both_binaries_with_the_pinned_toolchain() {
         .collect();
     assert_eq!(
         build,
-        ["cargo build --release --locked --bin moor-node --bin moor-controller"]
+        ["cargo build --release --locked --bin moor-node --bin moor-controller --bin moorctl"]
     );
     // Every workspace member is in the build context the builder copies.
     let manifest = read_repo_file("Cargo.toml").unwrap();
@@ -233,7 +233,7 @@ fn containerfile_runtime_has_the_binaries_and_the_image_packages() {
         copies,
         [
             "--from=builder /src/target/release/moor-node /src/target/release/moor-controller \
-             /usr/local/bin/"
+             /src/target/release/moorctl /usr/local/bin/"
         ]
     );
     assert_eq!(moor_deploy::install_dir().unwrap(), "/usr/local/bin");

@@ -6,6 +6,8 @@
 //!   dm-log-writes log a guest recorded, to rebuild a device as a power cut left it.
 //! - [`ceph`]: a one-OSD Ceph cluster (`.ci/ceph-cluster`) and the worlds of RBD volumes on it.
 //! - [`container`]: moor's image run as its pods run it, with runc.
+//! - [`kube`]: a real Kubernetes of several nodes on this machine (`.ci/cluster`), driven
+//!   through its API.
 //!
 //! Each lab is set up by a script under `.ci/` and found through the environment; a test whose
 //! lab is absent says so and passes.
@@ -13,5 +15,6 @@
 pub mod ceph;
 pub mod container;
 pub mod krbd_lab;
+pub mod kube;
 pub mod logwrites;
 pub mod vm;

@@ -571,6 +571,19 @@ fn a_volume_life_through_the_containers_survives_a_restart_of_the_node_container
         before.stage.is_some() && before.publishes.len() == 1,
         "{before:?}"
     );
+    // An operator asks the node what it holds with moorctl in the node container (`kubectl
+    // exec ... -c moor-node -- moorctl status`): its defaults are the container's socket and
+    // state dir.
+    let status = node.exec(&["moorctl", "status", "-o", "json"]);
+    let report = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        status.status.success()
+            && report.contains(&vol)
+            && report.contains(&target.display().to_string()),
+        "moorctl status in the node container ({}): {report}{}",
+        status.status,
+        String::from_utf8_lossy(&status.stderr)
+    );
 
     // The node container is killed and started again (kubelet's restart of a crashed one):
     // the mounts stay on the host, the journal stays, and the new container serves them.

@@ -1,0 +1,431 @@
+//! A real Kubernetes for the tests that run against one: the cluster `.ci/cluster up DIR` brings
+//! up (its control plane, nodes and moor installed by its manifests), whose environment file
+//! (`DIR/env`) [`ENV`] names. The tests drive it as an operator would, with kubectl, and look
+//! into a node (its mounts, its files) through `.ci/cluster exec`.
+//!
+//! Every namespaced object a test makes goes in its own [`Namespace`], deleted (with what is in
+//! it: pods, claims, and so the volumes behind them) when it drops, also after a failure.
+//! Waits are for conditions, through `kubectl wait` or by asking again; each has a deadline and
+//! says what it waited for.
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The environment variable naming the cluster's environment file (`DIR/env` of
+/// `.ci/cluster up DIR`).
+pub const ENV: &str = "MOOR_CLUSTER_ENV";
+
+/// The cluster an environment file describes.
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    /// The file's variables (`export NAME=VALUE` lines).
+    pub vars: HashMap<String, String>,
+    /// The administrator's kubeconfig.
+    pub kubeconfig: PathBuf,
+    /// The nodes' names, node-1 first.
+    pub nodes: Vec<String>,
+    /// The node moor's controller (and so every embedded volume) is on.
+    pub controller_node: String,
+    /// moor's StorageClass.
+    pub storage_class: String,
+    /// An image with a shell for test workloads (busybox), on every node.
+    pub busybox: String,
+    /// `.ci/cluster`, and the cluster's dir, for `exec`.
+    script: PathBuf,
+    dir: PathBuf,
+    kubectl: String,
+}
+
+/// Reads `export NAME=VALUE` lines (VALUE optionally in double quotes).
+fn parse_env(text: &str) -> HashMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("export "))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.trim_matches('"').to_owned()))
+        .collect()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+impl Cluster {
+    /// The cluster [`ENV`] names, or None (the reason printed) when it names none.
+    ///
+    /// # Panics
+    /// When the file it names cannot be read or lacks a variable `.ci/cluster` writes.
+    pub fn from_env(test: &str) -> Option<Self> {
+        let Some(file) = std::env::var_os(ENV).filter(|f| !f.is_empty()) else {
+            eprintln!(
+                "{test}: skipped: {ENV} is not set (`.ci/cluster up DIR` brings a cluster up; \
+                 then {ENV}=DIR/env)"
+            );
+            return None;
+        };
+        moor_privileged::require_root();
+        let vars = parse_env(
+            &std::fs::read_to_string(&file)
+                .unwrap_or_else(|e| panic!("{ENV}={}: {e}", Path::new(&file).display())),
+        );
+        let var = |k: &str| {
+            vars.get(k)
+                .filter(|v| !v.is_empty())
+                .cloned()
+                .unwrap_or_else(|| panic!("{} has no {k}", Path::new(&file).display()))
+        };
+        Some(Self {
+            kubeconfig: PathBuf::from(var("KUBECONFIG")),
+            nodes: var("MOOR_CLUSTER_NODES")
+                .split_whitespace()
+                .map(str::to_owned)
+                .collect(),
+            controller_node: var("MOOR_CLUSTER_CONTROLLER_NODE"),
+            storage_class: var("MOOR_CLUSTER_STORAGE_CLASS"),
+            busybox: var("MOOR_CLUSTER_BUSYBOX_IMAGE"),
+            script: PathBuf::from(var("MOOR_CLUSTER_SCRIPT")),
+            dir: PathBuf::from(var("MOOR_CLUSTER_DIR")),
+            kubectl: std::env::var("KUBECTL").unwrap_or_else(|_| "kubectl".to_owned()),
+            vars,
+        })
+    }
+
+    /// kubectl with the cluster's kubeconfig: `args`, `stdin` on its standard input.
+    pub fn kubectl_with(&self, args: &[&str], stdin: Option<&str>) -> Output {
+        let mut cmd = Command::new(&self.kubectl);
+        cmd.arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(args)
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("{}: {e}", self.kubectl));
+        if let Some(input) = stdin {
+            child
+                .stdin
+                .take()
+                .expect("stdin")
+                .write_all(input.as_bytes())
+                .expect("write kubectl's stdin");
+        }
+        child.wait_with_output().expect("kubectl")
+    }
+
+    /// kubectl `args`; its output.
+    pub fn kubectl(&self, args: &[&str]) -> Output {
+        self.kubectl_with(args, None)
+    }
+
+    /// kubectl `args`, which must succeed; its standard output.
+    ///
+    /// # Panics
+    /// When kubectl fails (its standard error is in the message).
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.kubectl(args);
+        assert!(
+            out.status.success(),
+            "kubectl {}: {}{}",
+            args.join(" "),
+            text(&out.stderr),
+            text(&out.stdout)
+        );
+        text(&out.stdout)
+    }
+
+    /// Creates or updates the objects of a YAML document (`kubectl apply -f -`).
+    ///
+    /// # Panics
+    /// When kubectl refuses them.
+    pub fn apply(&self, yaml: &str) {
+        self.apply_in(None, yaml);
+    }
+
+    /// Creates or updates the objects of a YAML document, namespaced ones in `namespace` when
+    /// given.
+    ///
+    /// # Panics
+    /// When kubectl refuses them.
+    pub fn apply_in(&self, namespace: Option<&str>, yaml: &str) {
+        let mut args = vec!["apply", "-f", "-"];
+        if let Some(ns) = namespace {
+            args.extend(["-n", ns]);
+        }
+        let out = self.kubectl_with(&args, Some(yaml));
+        assert!(
+            out.status.success(),
+            "kubectl apply: {}\n{yaml}",
+            text(&out.stderr)
+        );
+    }
+
+    /// The object (`kind/name`, in `namespace` when given) as JSON, or None when there is none.
+    ///
+    /// # Panics
+    /// When kubectl fails otherwise.
+    pub fn get(&self, namespace: Option<&str>, object: &str) -> Option<Value> {
+        let mut args = vec!["get", object, "-o", "json", "--ignore-not-found"];
+        if let Some(ns) = namespace {
+            args.extend(["-n", ns]);
+        }
+        let out = self.ok(&args);
+        (!out.trim().is_empty()).then(|| serde_json::from_str(&out).expect("kubectl get's JSON"))
+    }
+
+    /// Waits with `kubectl wait --for=<condition>` for `object`, at most `deadline`.
+    ///
+    /// # Panics
+    /// When the deadline passes (with kubectl's words and the object as it is).
+    pub fn wait(&self, namespace: &str, object: &str, condition: &str, deadline: Duration) {
+        let timeout = format!("--timeout={}s", deadline.as_secs());
+        let out = self.kubectl(&[
+            "wait",
+            "-n",
+            namespace,
+            &format!("--for={condition}"),
+            &timeout,
+            object,
+        ]);
+        assert!(
+            out.status.success(),
+            "waited {}s for {object} in {namespace} to be {condition}: {}\n{}",
+            deadline.as_secs(),
+            text(&out.stderr),
+            self.describe(namespace, object)
+        );
+    }
+
+    /// Waits until the pod is Ready, at most `deadline`.
+    ///
+    /// # Panics
+    /// When the deadline passes, or the pod ends first (with its logs and events).
+    pub fn wait_pod_ready(&self, namespace: &str, pod: &str, deadline: Duration) {
+        let ended = self.wait_until(&format!("the pod {pod} to be Ready"), deadline, || {
+            let p = self.get(Some(namespace), &format!("pod/{pod}"))?;
+            let ready = p["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            let phase = p["status"]["phase"].as_str().unwrap_or_default();
+            if ready {
+                Some(None)
+            } else if matches!(phase, "Succeeded" | "Failed") {
+                Some(Some(phase.to_owned()))
+            } else {
+                None
+            }
+        });
+        if let Some(phase) = ended {
+            panic!(
+                "the pod {pod} ended ({phase}) before it was Ready: {}{}",
+                self.logs(namespace, pod),
+                self.describe(namespace, &format!("pod/{pod}"))
+            );
+        }
+    }
+
+    /// Waits until the pod has ended, at most `deadline`; its phase (Succeeded or Failed).
+    ///
+    /// # Panics
+    /// When the deadline passes.
+    pub fn wait_pod_finished(&self, namespace: &str, pod: &str, deadline: Duration) -> String {
+        self.wait_until(&format!("the pod {pod} to end"), deadline, || {
+            let p = self.get(Some(namespace), &format!("pod/{pod}"))?;
+            let phase = p["status"]["phase"].as_str().unwrap_or_default();
+            matches!(phase, "Succeeded" | "Failed").then(|| phase.to_owned())
+        })
+    }
+
+    /// The logs of a pod's (only) container.
+    pub fn logs(&self, namespace: &str, pod: &str) -> String {
+        let out = self.kubectl(&["logs", "-n", namespace, pod]);
+        format!("{}{}", text(&out.stdout), text(&out.stderr))
+    }
+
+    /// Asks `check` again until it answers Some, at most `deadline`; `what` says what for.
+    ///
+    /// # Panics
+    /// When the deadline passes.
+    pub fn wait_until<T>(
+        &self,
+        what: &str,
+        deadline: Duration,
+        mut check: impl FnMut() -> Option<T>,
+    ) -> T {
+        let start = Instant::now();
+        loop {
+            if let Some(v) = check() {
+                return v;
+            }
+            assert!(
+                start.elapsed() < deadline,
+                "waited {}s for {what}",
+                deadline.as_secs()
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// Waits until the object is gone, at most `deadline`.
+    ///
+    /// # Panics
+    /// When the deadline passes.
+    pub fn wait_gone(&self, namespace: Option<&str>, object: &str, deadline: Duration) {
+        self.wait_until(&format!("{object} to be gone"), deadline, || {
+            self.get(namespace, object).is_none().then_some(())
+        });
+    }
+
+    /// `kubectl describe` of an object, and the events of its namespace, for a failure's message.
+    pub fn describe(&self, namespace: &str, object: &str) -> String {
+        let d = self.kubectl(&["describe", "-n", namespace, object]);
+        let e = self.kubectl(&["get", "events", "-n", namespace, "--sort-by=.lastTimestamp"]);
+        format!("{}\n{}", text(&d.stdout), text(&e.stdout))
+    }
+
+    /// Runs `args` in the container of a pod (`kubectl exec`).
+    pub fn exec(&self, namespace: &str, pod: &str, container: &str, args: &[&str]) -> Output {
+        let mut all = vec!["exec", "-n", namespace, pod, "-c", container, "--"];
+        all.extend(args);
+        self.kubectl(&all)
+    }
+
+    /// Runs `args` in a node's namespaces (its mounts, its network), through `.ci/cluster exec`.
+    pub fn on_node(&self, node: &str, args: &[&str]) -> Output {
+        Command::new("bash")
+            .arg(&self.script)
+            .arg("exec")
+            .arg(&self.dir)
+            .arg(node)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect(".ci/cluster exec")
+    }
+
+    /// The mounts of a node (`findmnt` in its mount namespace): (target, source, fstype).
+    ///
+    /// # Panics
+    /// When findmnt fails there.
+    pub fn node_mounts(&self, node: &str) -> Vec<(String, String, String)> {
+        let out = self.on_node(node, &["findmnt", "-rn", "-o", "TARGET,SOURCE,FSTYPE"]);
+        assert!(
+            out.status.success(),
+            "findmnt on {node}: {}",
+            text(&out.stderr)
+        );
+        text(&out.stdout)
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split(' ');
+                Some((
+                    f.next()?.to_owned(),
+                    f.next()?.to_owned(),
+                    f.next()?.to_owned(),
+                ))
+            })
+            .collect()
+    }
+
+    /// The moor-node pod on `node`.
+    ///
+    /// # Panics
+    /// When there is none.
+    pub fn moor_node_pod(&self, node: &str) -> String {
+        let pods = self
+            .get(Some("moor-system"), "pods")
+            .expect("pods of moor-system");
+        pods["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| {
+                p["metadata"]["labels"]["app.kubernetes.io/component"] == "node"
+                    && p["spec"]["nodeName"] == node
+            })
+            .and_then(|p| p["metadata"]["name"].as_str())
+            .map(str::to_owned)
+            .unwrap_or_else(|| panic!("no moor-node pod on {node}"))
+    }
+
+    /// A namespace of the test's own, made now and deleted (with everything in it) when it
+    /// drops.
+    pub fn namespace(&self, prefix: &str) -> Namespace<'_> {
+        let name = format!("{prefix}-{}", std::process::id());
+        self.apply(&format!(
+            "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {name}\n"
+        ));
+        // The service account controller gives it a "default" ServiceAccount, which pods need.
+        self.wait_until(
+            &format!("the default ServiceAccount of {name}"),
+            Duration::from_secs(60),
+            || self.get(Some(&name), "serviceaccount/default").map(|_| ()),
+        );
+        Namespace {
+            cluster: self,
+            name,
+        }
+    }
+}
+
+/// A namespace a test made; deleted when it drops.
+#[derive(Debug)]
+pub struct Namespace<'a> {
+    cluster: &'a Cluster,
+    /// Its name.
+    pub name: String,
+}
+
+impl Namespace<'_> {
+    /// Creates or updates the objects of a YAML document in this namespace.
+    pub fn apply(&self, yaml: &str) {
+        self.cluster.apply_in(Some(&self.name), yaml);
+    }
+}
+
+impl Drop for Namespace<'_> {
+    fn drop(&mut self) {
+        // Its pods and claims go with it; the claims' volumes after them (reclaim: Delete).
+        let out = self.cluster.kubectl(&[
+            "delete",
+            "namespace",
+            &self.name,
+            "--ignore-not-found",
+            "--wait=true",
+            "--timeout=180s",
+        ]);
+        if !out.status.success() {
+            eprintln!(
+                "deleting the namespace {}: {}",
+                self.name,
+                text(&out.stderr)
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_env;
+
+    #[test]
+    fn env_files_are_read_as_up_writes_them() {
+        let vars = parse_env(
+            "export KUBECONFIG=/c/kubeconfig\nexport MOOR_CLUSTER_NODES=\"node-1 node-2\"\n\
+             # a comment\nnot an export\n",
+        );
+        assert_eq!(vars["KUBECONFIG"], "/c/kubeconfig");
+        assert_eq!(vars["MOOR_CLUSTER_NODES"], "node-1 node-2");
+        assert_eq!(vars.len(), 2);
+    }
+}
