@@ -1,5 +1,5 @@
-//! csi-sanity, run as moor's runs of it run it (`.ci/csi-sanity`), connects to a daemon even
-//! when its connection turns READY before csi-sanity looks at it (issue 34).
+//! csi-sanity, run as moor's runs of it run it (`.ci/csi-sanity`), passes even when its
+//! connection turns READY before csi-sanity looks at it (issue 34).
 //!
 //! csi-test's `utils.Connect` (v5) dials without blocking, reads the channel's state, then
 //! waits for a change from the state it read before it checks for READY. On a busy machine the
@@ -9,14 +9,16 @@
 //! the daemon, idle, has answered the handshake in milliseconds.
 //!
 //! This test makes that happen on purpose rather than by load: gdb (non-stop, so only that
-//! thread stops) holds the thread running `Connect` at the instruction after its dial returns,
-//! until the channel has turned READY (`connectivityStateManager.updateState(READY)` has
-//! returned), then lets it go. With one Go processor (the fix, in `.ci/csi-sanity`) nothing of
-//! the connection can run while that thread holds the processor: the channel cannot turn READY
-//! and the hold ends at its bound. Either way csi-sanity must then pass its spec. Garbage
-//! collection is off in csi-sanity here: a collection's stop of the world would wait for the
-//! held thread and stop the connection's goroutines too, which is not what a thread off the
-//! CPU for a moment does to a process.
+//! thread stops) holds the thread running `Connect` at the instruction after its dial returns
+//! for up to HOLD_BOUND, or until the channel has turned READY, then lets it go. With one Go
+//! processor (`.ci/csi-sanity`) nothing of the connection runs while that thread is held; but
+//! a thread held that long is preempted as soon as it runs again (the runtime asked for it
+//! while it was held), so the handshake may still win the race, as it can on a real machine
+//! whose thread was off the CPU past the runtime's preemption tick. The spec's second attempt
+//! (`--ginkgo.flake-attempts=2`) connects anew. Either way csi-sanity must pass its spec;
+//! without both defences it fails with "Connection timed out". Garbage collection is off in
+//! csi-sanity here: a collection's stop of the world would wait for the held thread and stop
+//! the connection's goroutines too, which is not what a thread off the CPU does to a process.
 //!
 //! Needs the csi-sanity binary (as `.ci/sanity` finds it; skipped without one) and gdb
 //! (`.ci/deps` installs it). Run as root.
@@ -217,8 +219,9 @@ fn connect_survives_a_connection_ready_before_it_looks() {
             .stderr(out),
     );
     let mut input = gdb.stdin.take().expect("gdb's stdin");
-    // csi-sanity's Connect gives up after a minute; the hold after HOLD_BOUND.
-    let bound = DEADLINE + HOLD_BOUND;
+    // csi-sanity's Connect gives up after a minute, and a second attempt may follow; the hold
+    // ends after HOLD_BOUND.
+    let bound = DEADLINE + HOLD_BOUND + Duration::from_secs(60);
     let start = Instant::now();
     while gdb.try_wait().expect("wait for gdb").is_none() {
         assert!(
@@ -241,7 +244,7 @@ fn connect_survives_a_connection_ready_before_it_looks() {
     assert!(
         text.contains("1 Passed | 0 Failed"),
         "csi-sanity did not connect once its connection was READY before Connect looked \
-         (issue 34; .ci/csi-sanity must run it with one Go processor):\n{}\n\noutput:\n{text}",
+         (issue 34; .ci/csi-sanity must run it with one Go processor and a second attempt):\n{}\n\noutput:\n{text}",
         holds.join("\n")
     );
 }
