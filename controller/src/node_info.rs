@@ -75,6 +75,20 @@ impl csi::node_server::Node for NodeInfoService {
         Err(elsewhere("NodeGetVolumeStats"))
     }
 
+    async fn node_get_volume_health(
+        &self,
+        _: Request<csi::NodeGetVolumeHealthRequest>,
+    ) -> Result<Response<csi::NodeGetVolumeHealthResponse>, Status> {
+        Err(elsewhere("NodeGetVolumeHealth"))
+    }
+
+    async fn node_get_storage_health(
+        &self,
+        _: Request<csi::NodeGetStorageHealthRequest>,
+    ) -> Result<Response<csi::NodeGetStorageHealthResponse>, Status> {
+        Err(elsewhere("NodeGetStorageHealth"))
+    }
+
     async fn node_expand_volume(
         &self,
         _: Request<csi::NodeExpandVolumeRequest>,

@@ -148,6 +148,9 @@ impl Os for Faulty {
         self.tick("fs_errors", Path::new("/sys/fs/ext4"))?;
         self.inner.fs_errors(dev)
     }
+    fn backing_store(&self, dev: (u32, u32)) -> SysResult<Option<crate::sys::BackingStore>> {
+        self.inner.backing_store(dev)
+    }
     fn share_with_group(
         &self,
         path: &Path,

@@ -259,6 +259,10 @@ impl<O: Os> Os for MeteredOs<O> {
         self.inner.fs_errors(dev)
     }
 
+    fn backing_store(&self, dev: (u32, u32)) -> SysResult<Option<crate::sys::BackingStore>> {
+        self.inner.backing_store(dev)
+    }
+
     fn share_with_group(
         &self,
         path: &Path,

@@ -16,7 +16,7 @@ use moor_proto::csi::v1 as csi;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
-use crate::engine::{Engine, StageReport, VolumeStats};
+use crate::engine::{Condition, Engine, Health, StageReport, StorageTrouble, VolumeStats};
 use crate::error::Error;
 use crate::local_controller::LocalController;
 use crate::sys::Os;
@@ -427,6 +427,71 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
             })
         })
         .await
+    }
+
+    async fn node_get_volume_health(
+        &self,
+        request: Request<csi::NodeGetVolumeHealthRequest>,
+    ) -> Result<Response<csi::NodeGetVolumeHealthResponse>, Status> {
+        let req = request.into_inner();
+        let q = validate::volume_health(&req, &self.kubelet_dir())?;
+        let mut conditions = inline(|| self.engine.volume_health(&q))?;
+        // The controller on this node says what the node cannot see (see NodeGetVolumeStats).
+        if let Some(local) = &self.local
+            && let Ok(Some(c)) = local.condition(&req.volume_id).await
+            && c.abnormal
+        {
+            conditions.push(Condition::trouble(
+                Health::Degraded,
+                "BackingStoreShort",
+                c.message,
+            ));
+        }
+        use csi::VolumeHealthErrorType as T;
+        let health_statuses = conditions
+            .into_iter()
+            .map(|c| csi::volume_health::VolumeHealthEntry {
+                status: match c.health {
+                    Health::Inaccessible => T::Inaccessible,
+                    Health::DataLoss => T::DataLoss,
+                    Health::Degraded => T::Degraded,
+                    Health::Healthy => T::UnknownVolumeHealthType,
+                } as i32,
+                reason: c.reason.to_string(),
+                message: c.message,
+            })
+            .collect();
+        Ok(Response::new(csi::NodeGetVolumeHealthResponse {
+            volume_health: Some(csi::VolumeHealth {
+                volume_id: q.volume_id,
+                health_statuses,
+            }),
+        }))
+    }
+
+    async fn node_get_storage_health(
+        &self,
+        _: Request<csi::NodeGetStorageHealthRequest>,
+    ) -> Result<Response<csi::NodeGetStorageHealthResponse>, Status> {
+        let engine = Arc::clone(&self.engine);
+        // A Ceph cluster's answer may take its timeout: off the async threads.
+        let conditions = blocking(move || Ok(engine.storage_health())).await?;
+        use csi::StorageHealthErrorType as T;
+        let backend_health = conditions
+            .into_iter()
+            .map(|c| csi::StorageBackendHealth {
+                status: match c.trouble {
+                    StorageTrouble::Unreachable => T::StorageUnreachable,
+                    StorageTrouble::Degraded => T::StorageDegraded,
+                } as i32,
+                reason: c.reason.to_string(),
+                message: c.message,
+                volume_capability: None,
+            })
+            .collect();
+        Ok(Response::new(csi::NodeGetStorageHealthResponse {
+            backend_health,
+        }))
     }
 
     async fn node_get_capabilities(

@@ -15,7 +15,9 @@ use moor_runtime::contract::{
 };
 use moor_runtime::limits::{self, trunc};
 
-use crate::engine::{Access, Capability, Expand, Publish, Stage, Stats, Unpublish, Unstage};
+use crate::engine::{
+    Access, Capability, Expand, HealthQuery, Publish, Stage, Stats, Unpublish, Unstage,
+};
 use crate::error::{Error, Result};
 use crate::mount_options;
 use crate::sys::MountAttrs;
@@ -329,6 +331,24 @@ pub fn stats(req: &csi::NodeGetVolumeStatsRequest, kubelet_dir: &Path) -> Result
     let volume_id = volume_id("volume_id", &req.volume_id)?;
     let path = volume_path(&volume_id, &req.volume_path, kubelet_dir)?;
     Ok(Stats { volume_id, path })
+}
+
+/// Validates NodeGetVolumeHealth: a volume id, and each path given below the kubelet dir.
+pub fn volume_health(
+    req: &csi::NodeGetVolumeHealthRequest,
+    kubelet_dir: &Path,
+) -> Result<HealthQuery> {
+    let volume_id = volume_id("volume_id", &req.volume_id)?;
+    let mut paths = Vec::new();
+    for (field, raw) in [
+        ("staging_target_path", &req.staging_target_path),
+        ("volume_publish_path", &req.volume_publish_path),
+    ] {
+        if !raw.is_empty() {
+            paths.push(path_under(field, raw, kubelet_dir)?);
+        }
+    }
+    Ok(HealthQuery { volume_id, paths })
 }
 
 /// Validates NodeExpandVolume.

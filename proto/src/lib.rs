@@ -28,4 +28,4 @@ pub mod registration {
 }
 
 /// The CSI specification version this proto was written from.
-pub const CSI_SPEC_VERSION: &str = "1.12.0";
+pub const CSI_SPEC_VERSION: &str = "1.13.0";

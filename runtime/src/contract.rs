@@ -148,7 +148,8 @@ pub fn node_topology_key(driver: &str) -> String {
 }
 
 /// The Node service capabilities moor-node announces: staged volumes, their stats and
-/// condition, growth on the node, SINGLE_NODE_MULTI_WRITER and the pod's fsGroup on mount. A
+/// condition, growth on the node, SINGLE_NODE_MULTI_WRITER, the pod's fsGroup on mount, and
+/// CSI 1.13's volume and storage health (VOLUME_CONDITION stays, for kubelets before them). A
 /// node-local moor-controller repeats them to the sidecars that ask its socket (csi-resizer
 /// looks for EXPAND_VOLUME there).
 #[must_use]
@@ -161,6 +162,8 @@ pub fn node_capabilities() -> Vec<csi::NodeServiceCapability> {
         rpc::Type::VolumeCondition,
         rpc::Type::SingleNodeMultiWriter,
         rpc::Type::VolumeMountGroup,
+        rpc::Type::GetVolumeHealth,
+        rpc::Type::GetStorageHealth,
     ]
     .into_iter()
     .map(|t| csi::NodeServiceCapability {

@@ -140,6 +140,20 @@ impl csi::node_server::Node for Bare {
         }))
     }
 
+    async fn node_get_volume_health(
+        &self,
+        _: Request<csi::NodeGetVolumeHealthRequest>,
+    ) -> Answer<csi::NodeGetVolumeHealthResponse> {
+        Err(Status::unimplemented("bare-node"))
+    }
+
+    async fn node_get_storage_health(
+        &self,
+        _: Request<csi::NodeGetStorageHealthRequest>,
+    ) -> Answer<csi::NodeGetStorageHealthResponse> {
+        Err(Status::unimplemented("bare-node"))
+    }
+
     async fn node_get_info(
         &self,
         _: Request<csi::NodeGetInfoRequest>,

@@ -133,6 +133,13 @@ impl<O: Os> Engine<O> {
         report: &mut StageReport,
     ) -> Result<()> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
+        let r = self.map_and_stage(req, rbd, report);
+        self.note_stage(&req.volume_id, &r, report);
+        r
+    }
+
+    /// [`stage_mapped`](Self::stage_mapped), with the volume's guard held.
+    fn map_and_stage(&self, req: &Stage, rbd: &RbdStage, report: &mut StageReport) -> Result<()> {
         let attacher = Arc::clone(self.attacher_for(None)?);
         let image = &rbd.image;
         let _image = self.locks.try_lock(&image_lock(image))?;

@@ -16,6 +16,7 @@
 mod device;
 mod expand;
 mod format;
+mod health;
 mod mapped;
 mod publish;
 mod reboot;
@@ -38,11 +39,14 @@ use crate::sys::{BufPool, MountPoint, MountState, Os};
 use crate::volume_lock::VolumeLocks;
 
 pub use format::FsckOutcome;
+pub use health::{StorageCondition, StorageTrouble};
 pub use mapped::{STALL_BYTES, stalled};
 pub use reboot::VolumeCounts;
-pub use request::{Access, Capability, Expand, Publish, Stage, Stats, Unpublish, Unstage};
+pub use request::{
+    Access, Capability, Expand, HealthQuery, Publish, Stage, Stats, Unpublish, Unstage,
+};
 pub use stage::{GROW_MIN, StageReport};
-pub use stats::{Condition, VolumeStats};
+pub use stats::{Condition, Health, VolumeStats};
 
 /// How many stacked mounts an unmount peels off before giving up.
 const MAX_STACKED: usize = 16;
@@ -96,6 +100,8 @@ pub struct Engine<O: Os> {
     attacher: Option<Arc<dyn Attacher>>,
     /// Mount points whose unmount ran past its deadline and is still blocked in the kernel.
     unmounting: Arc<Mutex<HashSet<PathBuf>>>,
+    /// Each volume's last failed stage, for NodeGetVolumeHealth (`health`).
+    stage_failures: health::StageFailures,
 }
 
 impl<O: Os> Engine<O> {
@@ -109,6 +115,7 @@ impl<O: Os> Engine<O> {
             probe_bufs: BufPool::new(superblock::HEAD_LEN + superblock::TAIL_LEN, 1),
             attacher: None,
             unmounting: Arc::default(),
+            stage_failures: health::StageFailures::default(),
         }
     }
 

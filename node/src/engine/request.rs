@@ -138,3 +138,13 @@ pub struct Expand {
     /// Capability, if given.
     pub cap: Option<Capability>,
 }
+
+/// NodeGetVolumeHealth, checked: the volume, and the paths the CO names (the staging path and
+/// the target, each where the volume is or was to be), none when it names none.
+#[derive(Debug, Clone)]
+pub struct HealthQuery {
+    /// Volume id.
+    pub volume_id: String,
+    /// staging_target_path and volume_publish_path, those given.
+    pub paths: Vec<PathBuf>,
+}

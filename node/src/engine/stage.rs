@@ -122,7 +122,9 @@ impl<O: Os> Engine<O> {
     /// `report` tells what it did, also when it fails.
     pub fn stage(&self, req: &Stage, report: &mut StageReport) -> Result<()> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
-        self.stage_held(req, report)
+        let r = self.stage_held(req, report);
+        self.note_stage(&req.volume_id, &r, report);
+        r
     }
 
     /// [`stage`](Self::stage), with the volume's guard already held.
@@ -471,6 +473,7 @@ impl<O: Os> Engine<O> {
         let watch = self.watch_unstage(&req.volume_id);
         self.unstage_held(req)?;
         drop(watch);
+        self.forget_stage_failure(&req.volume_id);
         self.unmap_unstaged(&req.volume_id)
     }
 

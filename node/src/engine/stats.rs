@@ -7,13 +7,54 @@ use crate::error::{Error, Result};
 use crate::journal::{AccessRecord, StageRecord, VolumeRecord};
 use crate::sys::{FsUsage, MountPoint, MountState, Os, Presence, is_corruption_errno};
 
-/// The health of a volume at a path, for NodeGetVolumeStats.
+/// The health of a volume at a path, for NodeGetVolumeStats (its `VolumeCondition`) and
+/// NodeGetVolumeHealth (an entry of its `VolumeHealth`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Condition {
     /// Whether something is wrong.
     pub abnormal: bool,
     /// What.
     pub message: String,
+    /// What kind of trouble, in CSI 1.13's words (`Healthy` when nothing is wrong).
+    pub health: Health,
+    /// A short CamelCase name of the trouble, the same for the same trouble.
+    pub reason: &'static str,
+}
+
+/// The kinds of trouble CSI 1.13's `VolumeHealthErrorType` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Health {
+    /// Nothing is wrong.
+    Healthy,
+    /// The volume cannot be reached from this node (its device or mount is gone).
+    Inaccessible,
+    /// Its data is lost or strongly suspected to be (a corrupted filesystem).
+    DataLoss,
+    /// It works, but not as it should (read-only after errors, a device that cannot be
+    /// checked now).
+    Degraded,
+}
+
+impl Condition {
+    /// A healthy volume, saying so.
+    pub fn healthy(message: impl Into<String>) -> Self {
+        Self {
+            abnormal: false,
+            message: message.into(),
+            health: Health::Healthy,
+            reason: "",
+        }
+    }
+
+    /// Trouble of kind `health`, named `reason`.
+    pub fn trouble(health: Health, reason: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            abnormal: true,
+            message: message.into(),
+            health,
+            reason,
+        }
+    }
 }
 
 /// What NodeGetVolumeStats reports.
@@ -37,17 +78,14 @@ impl<O: Os> Engine<O> {
         {
             return Ok((
                 stats,
-                Condition {
-                    abnormal: true,
-                    message: why,
-                },
+                Condition::trouble(Health::Inaccessible, "StorageUnreachable", why),
             ));
         }
         Ok((stats, condition))
     }
 
     /// The usage and condition of the volume at `path`, as this node sees them.
-    fn local_stats(&self, req: &Stats) -> Result<(VolumeStats, Condition)> {
+    pub(super) fn local_stats(&self, req: &Stats) -> Result<(VolumeStats, Condition)> {
         // What a reboot ended is not the volume's, whatever the journal remembers of it.
         let record = self.journal.get(&req.volume_id).map(|r| self.claims(r));
         let stage = record.as_ref().and_then(|r| r.stage.as_ref());
@@ -62,13 +100,10 @@ impl<O: Os> Engine<O> {
         if !known && self.held_by_another(&req.volume_id, &req.path) {
             return Err(not_found());
         }
-        let abnormal = |message: String| {
+        let abnormal = |health, reason, message: String| {
             Ok((
                 VolumeStats::Unavailable,
-                Condition {
-                    abnormal: true,
-                    message,
-                },
+                Condition::trouble(health, reason, message),
             ))
         };
         let is_block = matches!(stage.map(|s| &s.access), Some(AccessRecord::Block));
@@ -78,16 +113,26 @@ impl<O: Os> Engine<O> {
             return self.block_stats(stage, None);
         }
         match state {
-            MountState::Absent if known => abnormal(format!("{} is missing", req.path.display())),
-            MountState::NotMounted { .. } if known => {
-                abnormal(format!("{} is not mounted", req.path.display()))
-            }
+            MountState::Absent if known => abnormal(
+                Health::Inaccessible,
+                "PathMissing",
+                format!("{} is missing", req.path.display()),
+            ),
+            MountState::NotMounted { .. } if known => abnormal(
+                Health::Inaccessible,
+                "NotMounted",
+                format!("{} is not mounted", req.path.display()),
+            ),
             MountState::Absent | MountState::NotMounted { .. } => Err(not_found()),
-            MountState::Corrupted { errno } => abnormal(format!(
-                "the mount at {} is corrupted: {}",
-                req.path.display(),
-                std::io::Error::from_raw_os_error(errno)
-            )),
+            MountState::Corrupted { errno } => abnormal(
+                Health::DataLoss,
+                "MountCorrupted",
+                format!(
+                    "the mount at {} is corrupted: {}",
+                    req.path.display(),
+                    std::io::Error::from_raw_os_error(errno)
+                ),
+            ),
             MountState::Mounted(mp) if mp.rdev.is_some() || is_block => {
                 self.block_stats(stage, mp.rdev)
             }
@@ -95,25 +140,28 @@ impl<O: Os> Engine<O> {
                 let usage = match self.os.fs_usage(&req.path) {
                     Ok(u) => u,
                     Err(e) if e.errno().is_some_and(is_corruption_errno) => {
-                        return abnormal(format!(
-                            "the filesystem at {} fails: {e}",
-                            req.path.display()
-                        ));
+                        return abnormal(
+                            Health::DataLoss,
+                            "FilesystemFailing",
+                            format!("the filesystem at {} fails: {e}", req.path.display()),
+                        );
                     }
                     Err(e) => return Err(e.into()),
                 };
                 let condition = match stage.map(|s| (s, self.presence(s))) {
-                    Some((s, Presence::Gone(why))) => Condition {
-                        abnormal: true,
-                        message: format!("device {} is gone: {why}", s.device.display()),
-                    },
-                    Some((s, Presence::Unknown(why))) => Condition {
-                        abnormal: true,
-                        message: format!(
+                    Some((s, Presence::Gone(why))) => Condition::trouble(
+                        Health::Inaccessible,
+                        "DeviceGone",
+                        format!("device {} is gone: {why}", s.device.display()),
+                    ),
+                    Some((s, Presence::Unknown(why))) => Condition::trouble(
+                        Health::Degraded,
+                        "DeviceUnchecked",
+                        format!(
                             "device {} cannot be checked right now: {why}",
                             s.device.display()
                         ),
-                    },
+                    ),
                     _ => self.fs_condition(record.as_ref(), &req.path, mp),
                 };
                 Ok((VolumeStats::Filesystem(usage), condition))
@@ -136,31 +184,36 @@ impl<O: Os> Engine<O> {
             Some(s) if s.path == path => Some(s.attrs),
             _ => r.publishes.get(path).map(|p| p.attrs),
         });
-        let failing = |message: String| Condition {
-            abnormal: true,
-            message,
-        };
         if mp.read_only && attrs.is_some_and(|a| !a.read_only) {
-            return failing(format!(
-                "the filesystem at {} was mounted read-write and is read-only now: the kernel \
+            return Condition::trouble(
+                Health::Degraded,
+                "FilesystemReadOnly",
+                format!(
+                    "the filesystem at {} was mounted read-write and is read-only now: the kernel \
                  stopped writing to it after errors",
-                path.display()
-            ));
+                    path.display()
+                ),
+            );
         }
         match self.os.fs_errors(mp.dev) {
-            Ok(Some(n)) if n > 0 => failing(format!(
-                "the filesystem at {} has recorded {n} error(s) since its last check; the next \
-                 stage checks it",
-                path.display()
-            )),
-            Ok(_) => Condition {
-                abnormal: false,
-                message: "volume is mounted and healthy".into(),
-            },
-            Err(e) => failing(format!(
-                "the errors of the filesystem at {} cannot be read: {e}",
-                path.display()
-            )),
+            Ok(Some(n)) if n > 0 => Condition::trouble(
+                Health::DataLoss,
+                "FilesystemErrors",
+                format!(
+                    "the filesystem at {} has recorded {n} error(s) since its last check; the \
+                     next stage checks it",
+                    path.display()
+                ),
+            ),
+            Ok(_) => Condition::healthy("volume is mounted and healthy"),
+            Err(e) => Condition::trouble(
+                Health::Degraded,
+                "FilesystemErrorsUnread",
+                format!(
+                    "the errors of the filesystem at {} cannot be read: {e}",
+                    path.display()
+                ),
+            ),
         }
     }
 
@@ -169,44 +222,46 @@ impl<O: Os> Engine<O> {
         stage: Option<&StageRecord>,
         mounted_rdev: Option<(u32, u32)>,
     ) -> Result<(VolumeStats, Condition)> {
-        let Some(s) = stage else {
-            return Ok((
-                VolumeStats::Unavailable,
-                Condition {
-                    abnormal: true,
-                    message: "block volume without a staging record".into(),
-                },
-            ));
-        };
-        let unavailable = |message: String| {
+        let unavailable = |health, reason, message: String| {
             Ok((
                 VolumeStats::Unavailable,
-                Condition {
-                    abnormal: true,
-                    message,
-                },
+                Condition::trouble(health, reason, message),
             ))
+        };
+        let Some(s) = stage else {
+            return unavailable(
+                Health::Inaccessible,
+                "NotStaged",
+                "block volume without a staging record".into(),
+            );
         };
         match self.presence(s) {
             Presence::Present(d) if mounted_rdev.is_none_or(|r| r == d.rdev) => Ok((
                 VolumeStats::Block(d.size),
-                Condition {
-                    abnormal: false,
-                    message: "block device is present".into(),
-                },
+                Condition::healthy("block device is present"),
             )),
-            Presence::Present(_) => unavailable(format!(
-                "the device mounted for {} is not {} any more",
-                s.path.display(),
-                s.device.display()
-            )),
-            Presence::Gone(why) => {
-                unavailable(format!("device {} is gone: {why}", s.device.display()))
-            }
-            Presence::Unknown(why) => unavailable(format!(
-                "device {} cannot be checked right now: {why}",
-                s.device.display()
-            )),
+            Presence::Present(_) => unavailable(
+                Health::Inaccessible,
+                "DeviceReplaced",
+                format!(
+                    "the device mounted for {} is not {} any more",
+                    s.path.display(),
+                    s.device.display()
+                ),
+            ),
+            Presence::Gone(why) => unavailable(
+                Health::Inaccessible,
+                "DeviceGone",
+                format!("device {} is gone: {why}", s.device.display()),
+            ),
+            Presence::Unknown(why) => unavailable(
+                Health::Degraded,
+                "DeviceUnchecked",
+                format!(
+                    "device {} cannot be checked right now: {why}",
+                    s.device.display()
+                ),
+            ),
         }
     }
 }

@@ -27,6 +27,8 @@ async fn capabilities_and_info() {
         rpc::Type::VolumeCondition,
         rpc::Type::SingleNodeMultiWriter,
         rpc::Type::VolumeMountGroup,
+        rpc::Type::GetVolumeHealth,
+        rpc::Type::GetStorageHealth,
     ] {
         assert!(got.contains(&(want as i32)), "{want:?}");
     }

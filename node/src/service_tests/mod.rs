@@ -9,6 +9,7 @@
 mod device;
 mod expand;
 mod format;
+mod health;
 mod hostile;
 mod identity;
 mod local;
@@ -204,6 +205,15 @@ pub(crate) async fn staged(h: &Harness) {
         .node_stage_volume(Request::new(stage_req(ext4())))
         .await
         .expect("stage");
+}
+
+/// Staged, then published read-write at [`TARGET`].
+pub(crate) async fn published(h: &Harness) {
+    staged(h).await;
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
 }
 
 fn tool_calls(h: &Harness) -> Vec<Call> {

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use super::mount_table::MountEntry;
 use super::{
-    BindMount, BlockDevice, FsMount, FsUsage, GroupReport, HeldDevice, MountPoint, MountState, Os,
-    OwnershipError, SysError, SysResult, ToolError, ToolRun,
+    BackingFs, BackingStore, BindMount, BlockDevice, FsMount, FsUsage, GroupReport, HeldDevice,
+    MountPoint, MountState, Os, OwnershipError, SysError, SysResult, ToolError, ToolRun,
 };
 use crate::sys::discovery::{
     self, BackingFile, DeviceFacts, DeviceIdentity, DiscoveryError, EventSource, FoundDevice,
@@ -81,6 +81,7 @@ struct State {
     missing_programs: BTreeSet<String>,
     backing: HashMap<(u32, u32), PathBuf>,
     deleted_backing: BTreeSet<(u32, u32)>,
+    backing_fs: HashMap<PathBuf, BackingFs>,
     serials: HashMap<(u32, u32), String>,
     fs_errors: HashMap<(u32, u32), u64>,
     arrivals: Vec<Arrival>,
@@ -183,6 +184,14 @@ impl FakeOs {
         self.lock()
             .backing
             .insert(rdev, file.as_ref().to_path_buf());
+    }
+
+    /// Makes the filesystem holding backing file `file` say `fs` (a file without one is on a
+    /// healthy filesystem with room to spare).
+    pub fn set_backing_fs(&self, file: impl AsRef<Path>, fs: BackingFs) {
+        self.lock()
+            .backing_fs
+            .insert(file.as_ref().to_path_buf(), fs);
     }
 
     /// Marks the file behind loop device `rdev` as unlinked (the kernel's "(deleted)").
@@ -571,6 +580,24 @@ impl Os for FakeOs {
         let mut st = self.lock();
         Self::take_failure(&mut st, "fs_errors", Path::new("/sys/fs/ext4"))?;
         Ok(st.fs_errors.get(&dev).copied())
+    }
+
+    fn backing_store(&self, dev: (u32, u32)) -> SysResult<Option<BackingStore>> {
+        let mut st = self.lock();
+        Self::take_failure(&mut st, "backing_store", Path::new("/sys/dev/block"))?;
+        Ok(st.backing.get(&dev).map(|file| BackingStore {
+            file: file.clone(),
+            deleted: st.deleted_backing.contains(&dev),
+            fs: Some(
+                st.backing_fs
+                    .get(file)
+                    .copied()
+                    .unwrap_or(BackingFs::Answers {
+                        read_only: false,
+                        available_bytes: 1 << 40,
+                    }),
+            ),
+        }))
     }
 
     fn share_with_group(

@@ -339,6 +339,33 @@ impl HeldDevice {
     }
 }
 
+/// The file behind a loop device, and the filesystem that holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackingStore {
+    /// The backing file, as the kernel names it.
+    pub file: PathBuf,
+    /// The file was unlinked since the loop device was bound to it.
+    pub deleted: bool,
+    /// What the file's filesystem says of itself; None when this process cannot see the file
+    /// (it lives outside this container's mounts: the controller's data dir).
+    pub fs: Option<BackingFs>,
+}
+
+/// What the filesystem holding a backing file says of itself (statvfs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackingFs {
+    /// It answered: mounted read-only or not, with this many bytes left to unprivileged
+    /// writers.
+    Answers {
+        /// Mounted read-only.
+        read_only: bool,
+        /// Bytes left.
+        available_bytes: u64,
+    },
+    /// It failed with this errno (EIO, ENOTCONN, ESTALE: the disk or the share is gone).
+    Fails(i32),
+}
+
 /// Usage of a mounted filesystem.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FsUsage {
@@ -448,6 +475,9 @@ pub trait Os: Send + Sync + 'static {
     /// checked (ext2/3/4's `errors_count` in sysfs, which e2fsck clears), or None when it keeps
     /// no such count (another filesystem). Reads sysfs only: never waits for the device.
     fn fs_errors(&self, dev: (u32, u32)) -> SysResult<Option<u64>>;
+    /// For a loop device `dev`, its backing file and the state of the filesystem that holds it
+    /// (sysfs, then statvfs of the file); None for any other device. For NodeGetStorageHealth.
+    fn backing_store(&self, dev: (u32, u32)) -> SysResult<Option<BackingStore>>;
     /// Gives the filesystem mounted at `path` to group `gid` as kubelet gives a volume to a
     /// pod's fsGroup (see [`ownership`]), unless its root already has the group and setgid;
     /// stops at `deadline`.

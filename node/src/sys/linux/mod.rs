@@ -24,8 +24,9 @@ use super::mount_table::{self, MountEntry};
 use super::ownership::{self, GroupReport, OwnershipError};
 use super::raw::{self, MountAttr};
 use super::{
-    Atime, BindMount, BlockDevice, DIRECT_ALIGN, FsMount, FsUsage, HeldDevice, MountAttrs,
-    MountPoint, MountState, Os, SysError, SysResult, ToolError, ToolRun, is_corruption_errno,
+    Atime, BackingFs, BackingStore, BindMount, BlockDevice, DIRECT_ALIGN, FsMount, FsUsage,
+    HeldDevice, MountAttrs, MountPoint, MountState, Os, SysError, SysResult, ToolError, ToolRun,
+    is_corruption_errno,
 };
 use super::{selinux, spawn};
 use crate::sys::discovery::{self, DeviceIdentity, DiscoveryError, FoundDevice, Verdict};
@@ -471,6 +472,32 @@ impl Os for Linux {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(SysError::new("read filesystem errors", &file, e)),
         }
+    }
+
+    fn backing_store(&self, (major, minor): (u32, u32)) -> SysResult<Option<BackingStore>> {
+        let attr = PathBuf::from(format!("/sys/dev/block/{major}:{minor}/loop/backing_file"));
+        let raw = match std::fs::read(&attr) {
+            Ok(raw) => raw,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(SysError::new("read backing file", &attr, e)),
+        };
+        let Some(b) = discovery::BackingFile::parse(&raw) else {
+            return Ok(None);
+        };
+        let fs = match rustix::fs::statvfs(&b.path) {
+            Ok(v) => Some(BackingFs::Answers {
+                read_only: v.f_flag.contains(StatVfsMountFlags::RDONLY),
+                available_bytes: v.f_bavail.saturating_mul(v.f_frsize),
+            }),
+            // Not in this container's mounts (or unlinked): nothing to say of its filesystem.
+            Err(Errno::NOENT) => None,
+            Err(e) => Some(BackingFs::Fails(e.raw_os_error())),
+        };
+        Ok(Some(BackingStore {
+            file: b.path,
+            deleted: b.deleted,
+            fs,
+        }))
     }
 
     fn identify(&self, rdev: (u32, u32), want: &DeviceIdentity) -> Verdict {
