@@ -498,12 +498,13 @@ fn grow_and_expand(fs: &str) -> Result<(u64, u64), tonic::Status> {
         let before = rustix::fs::statvfs(target.as_path()).expect("statvfs");
         let before = before.f_blocks * before.f_frsize;
         sb.grow_loop(&dev, "e.img", 1024 * MIB);
-        // More than the device holds: OUT_OF_RANGE.
+        // More than the device holds: it has not grown yet, UNAVAILABLE (kubelet retries; an
+        // OUT_OF_RANGE would be infeasible to it).
         let e = n
             .expand("vol", &target, &staging, 2048 * MIB)
             .await
             .expect_err("too big");
-        assert_eq!(e.code(), Code::OutOfRange);
+        assert_eq!(e.code(), Code::Unavailable);
         let result = n.expand("vol", &target, &staging, 1024 * MIB).await;
         let after = rustix::fs::statvfs(target.as_path()).expect("statvfs");
         let after = after.f_blocks * after.f_frsize;

@@ -171,3 +171,14 @@ pub fn node_capabilities() -> Vec<csi::NodeServiceCapability> {
     })
     .collect()
 }
+
+/// The codes of a ControllerExpandVolume or NodeExpandVolume error that kubelet and
+/// csi-resizer take as infeasible (RecoverVolumeExpansionFailure): they stop retrying until
+/// the user changes the claim's size, and may ask for less. Every other code is retried, so
+/// both daemons give these only for what no retry can change: the request itself, a limit
+/// below the volume, a volume that is not there.
+pub const INFEASIBLE_EXPANSION: [tonic::Code; 3] = [
+    tonic::Code::InvalidArgument,
+    tonic::Code::OutOfRange,
+    tonic::Code::NotFound,
+];

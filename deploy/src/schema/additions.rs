@@ -84,9 +84,17 @@ pub const EXTRA_ENUMS: &[(&str, &str, &[&str])] = &[
 /// Fields Kubernetes added after the v1.24 documents that the manifests use, each with the
 /// release that added it: `(schema, property, release, property type)`. [`Schemas::add_field`](super::Schemas::add_field)
 /// puts them in; anything else newer stays an unknown field.
-pub const LATER_FIELDS: &[(&str, &str, &str, &str)] = &[(
-    "io.k8s.api.storage.v1.CSIDriverSpec",
-    "seLinuxMount",
-    "v1.25",
-    "boolean",
-)];
+pub const LATER_FIELDS: &[(&str, &str, &str, &str)] = &[
+    (
+        "io.k8s.api.storage.v1.CSIDriverSpec",
+        "seLinuxMount",
+        "v1.25",
+        "boolean",
+    ),
+    (
+        "io.k8s.api.storage.v1.CSIDriverSpec",
+        "nodeAllocatableUpdatePeriodSeconds",
+        "v1.33",
+        "integer",
+    ),
+];

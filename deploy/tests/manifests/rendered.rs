@@ -14,6 +14,7 @@ fn base_and_every_overlay_render_validate_and_check() {
             "base",
             "builtin-registration",
             "distributed",
+            "kubernetes-1.34",
             "registrar",
             "selinux",
             "xfs"
@@ -277,6 +278,29 @@ fn overlays_change_only_what_they_say() {
     let mut want = base.clone();
     find_mut(&mut want, "CSIDriver", "moor.csi.io")["spec"]["seLinuxMount"] = json!(true);
     assert_eq!(docs(&selinux), docs(&want));
+
+    // Today's Kubernetes: the CSIDriver's allocatable period, the resizer's recovery on.
+    let current = render(&deploy_dir().join("overlays/kubernetes-1.34"));
+    let mut want = base.clone();
+    find_mut(&mut want, "CSIDriver", "moor.csi.io")["spec"]["nodeAllocatableUpdatePeriodSeconds"] =
+        json!(60);
+    let ctl = find_mut(&mut want, "Deployment", "moor-controller");
+    let resizer = container_mut(ctl, "csi-resizer");
+    let gates = resizer["args"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|a| {
+            a.as_str()
+                .is_some_and(|a| a.starts_with("--feature-gates="))
+        })
+        .expect("the resizer's gates");
+    assert_eq!(
+        *gates,
+        json!("--feature-gates=RecoverVolumeExpansionFailure=false")
+    );
+    *gates = json!("--feature-gates=RecoverVolumeExpansionFailure=true");
+    assert_eq!(docs(&current), docs(&want));
 
     let xfs = render(&deploy_dir().join("overlays/xfs"));
     let mut want = base;

@@ -80,8 +80,15 @@ fn later_fields_are_typed_and_only_where_listed() {
         p.contains("spec.seLinuxMount: expected boolean, found string"),
         "{p}"
     );
-    // Another field of a later release is still unknown.
-    let p = validate(&driver(json!({"nodeAllocatableUpdatePeriodSeconds": 60}))).join("\n");
+    assert_eq!(
+        validate(&driver(json!({"nodeAllocatableUpdatePeriodSeconds": 60}))),
+        Vec::<String>::new()
+    );
+    let p = validate(&driver(json!({"nodeAllocatableUpdatePeriodSeconds": "60"}))).join("\n");
+    assert!(p.contains("expected integer, found string"), "{p}");
+    // Another field of a later release is still unknown (CSIDriver serviceAccountTokenInSecrets,
+    // 1.35).
+    let p = validate(&driver(json!({"serviceAccountTokenInSecrets": true}))).join("\n");
     assert!(p.contains("unknown field"), "{p}");
     // A listed field on a schema without properties is an error, not a silent no-op.
     let mut s = moor_deploy::load_schemas().unwrap();

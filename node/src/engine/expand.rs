@@ -58,9 +58,14 @@ impl<O: Os> Engine<O> {
                 req.volume_id
             )));
         }
+        // kubelet asks once the controller has grown the volume: a device still smaller has
+        // not seen its growth yet (a loop device's or a mapping's new size is told after), which
+        // a retry meets. Not OUT_OF_RANGE: kubelet takes that as infeasible and stops trying
+        // until the user changes the claim's size (RecoverVolumeExpansionFailure).
         if req.required_bytes > dev.size {
-            return Err(Error::OutOfRange(format!(
-                "device {} has {} bytes, less than the {} required; expand it on the controller first",
+            return Err(Error::Unavailable(format!(
+                "device {} has {} bytes, less than the {} required: it has not grown to the \
+                 volume's new size yet",
                 stage.device.display(),
                 dev.size,
                 req.required_bytes

@@ -274,3 +274,54 @@ async fn at_a_ratio_thin_volumes_are_admitted_as_capacity_says() {
     let oc = fx.backend.policy().overcommit;
     assert!(space::thin_available(&s, oc).is_some());
 }
+
+/// What kubelet and csi-resizer take as infeasible.
+fn infeasible(code: Code) -> bool {
+    moor_runtime::contract::INFEASIBLE_EXPANSION.contains(&code)
+}
+
+#[tokio::test]
+async fn an_expansion_that_cannot_be_made_leaves_a_working_volume_for_a_smaller_ask() {
+    let fx = Fx::new("svc-prov-expand-back");
+    let v = fx.created(thick_req("pvc-thick-grow", 4 * MIB)).await;
+    let expand = |required_bytes: i64| {
+        fx.svc
+            .controller_expand_volume(Request::new(csi::ControllerExpandVolumeRequest {
+                volume_id: v.volume_id.clone(),
+                capacity_range: Some(csi::CapacityRange {
+                    required_bytes,
+                    limit_bytes: 0,
+                }),
+                ..Default::default()
+            }))
+    };
+    let size = || {
+        std::fs::metadata(fx.volume_path(&v.volume_id))
+            .unwrap()
+            .len()
+    };
+    // More than the data dir has free: worth a retry (space may be freed), not infeasible.
+    let t = fx.capacity(&[(PROVISIONING_KEY, "thick")]).await;
+    let s = assert_code(
+        expand(t.available_capacity + 1024 * GIB).await,
+        Code::ResourceExhausted,
+    );
+    assert!(!infeasible(s.code()));
+    // Larger than any volume: infeasible.
+    let s = assert_code(expand(1 << 61).await, Code::OutOfRange);
+    assert!(infeasible(s.code()));
+    assert_eq!(size(), 4 * MIB as u64, "nothing grew");
+    // The user asks for less: it grows, holds its space, and attaches.
+    let r = expand(8 * MIB).await.unwrap().into_inner();
+    assert_eq!(r.capacity_bytes, 8 * MIB);
+    assert_eq!(size(), 8 * MIB as u64);
+    assert!(
+        std::fs::metadata(fx.volume_path(&v.volume_id))
+            .unwrap()
+            .blocks()
+            * 512
+            >= 8 * MIB as u64,
+        "a thick volume holds its new space"
+    );
+    fx.publish(&v.volume_id).await.expect("publish");
+}
