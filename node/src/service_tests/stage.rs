@@ -241,6 +241,50 @@ async fn stage_beyond_max_volumes_is_resource_exhausted() {
 }
 
 #[tokio::test]
+async fn node_get_info_is_cheap_and_says_the_limit_the_stage_enforces() {
+    // kubelet asks every nodeAllocatableUpdatePeriodSeconds (and after a RESOURCE_EXHAUSTED
+    // stage) and writes the answer to the CSINode's allocatable count, from which the
+    // scheduler subtracts the volumes of the pods it placed here: the answer is the node's
+    // whole limit, the one NodeStageVolume enforces, read without touching the node.
+    let h = harness_with(2);
+    staged(&h).await;
+    h.os.clear_calls();
+    let info = || async {
+        h.svc
+            .node_get_info(Request::new(csi::NodeGetInfoRequest {}))
+            .await
+            .expect("info")
+            .into_inner()
+            .max_volumes_per_node
+    };
+    assert_eq!(info().await, 2);
+    assert_eq!(h.os.calls(), vec![], "NodeGetInfo asks nothing of the OS");
+    // Two staged: the next stage is refused with the code that makes kubelet ask again.
+    h.os.add_device("/dev/loop8", (7, 8), GIB);
+    h.os.add_device("/dev/loop9", (7, 9), GIB);
+    let stage = |id: &str, dev: &str| {
+        let mut r = stage_req(ext4());
+        r.volume_id = id.into();
+        r.publish_context.insert("devicePath".into(), dev.into());
+        r.staging_target_path = format!("{K}/plugins/kubernetes.io/csi/moor.csi.io/abc/{id}");
+        r
+    };
+    h.svc
+        .node_stage_volume(Request::new(stage("vol-2", "/dev/loop8")))
+        .await
+        .expect("second stage");
+    assert_eq!(
+        code(
+            h.svc
+                .node_stage_volume(Request::new(stage("vol-3", "/dev/loop9")))
+        )
+        .await,
+        Code::ResourceExhausted
+    );
+    assert_eq!(info().await, 2);
+}
+
+#[tokio::test]
 async fn failed_mount_leaves_nothing_behind() {
     let h = harness();
     h.os.fail_next("mount_fs", libc::EINVAL);
