@@ -216,6 +216,66 @@ pub struct PublishRequest {
 /// What a publish tells the node (ControllerPublishVolumeResponse.publish_context).
 pub type PublishContext = BTreeMap<String, String>;
 
+/// A volume's QoS limits: the mutable parameters of its VolumeAttributesClass
+/// (ControllerModifyVolume, and CreateVolume's `mutable_parameters`). Each is a cap on the
+/// volume's I/O, none when unset; a new set replaces the old whole, as a claim that moves to
+/// another class takes that class's parameters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Qos {
+    /// Bytes read per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_bps: Option<u64>,
+    /// Bytes written per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_bps: Option<u64>,
+    /// Reads per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_iops: Option<u64>,
+    /// Writes per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_iops: Option<u64>,
+}
+
+/// The mutable parameters moor knows, as a VolumeAttributesClass names them.
+pub const QOS_KEYS: [&str; 4] = [
+    "readBytesPerSecond",
+    "writeBytesPerSecond",
+    "readIOPS",
+    "writeIOPS",
+];
+
+impl Qos {
+    /// No limit at all.
+    #[must_use]
+    pub fn is_none(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Each limit with its key of [`QOS_KEYS`].
+    #[must_use]
+    pub fn limits(&self) -> [(&'static str, Option<u64>); 4] {
+        [
+            (QOS_KEYS[0], self.read_bps),
+            (QOS_KEYS[1], self.write_bps),
+            (QOS_KEYS[2], self.read_iops),
+            (QOS_KEYS[3], self.write_iops),
+        ]
+    }
+
+    /// Sets the limit of `key` (one of [`QOS_KEYS`]); false for another key.
+    pub fn set(&mut self, key: &str, value: u64) -> bool {
+        let slot = match key {
+            k if k == QOS_KEYS[0] => &mut self.read_bps,
+            k if k == QOS_KEYS[1] => &mut self.write_bps,
+            k if k == QOS_KEYS[2] => &mut self.read_iops,
+            k if k == QOS_KEYS[3] => &mut self.write_iops,
+            _ => return false,
+        };
+        *slot = Some(value);
+        true
+    }
+}
+
 /// ControllerExpandVolume, validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpandRequest {
@@ -533,6 +593,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// Grows a volume (never shrinks it) and returns its new size.
     fn expand_volume(&self, req: &ExpandRequest) -> Result<u64>;
+
+    /// Gives a volume the QoS limits `qos` (ControllerModifyVolume), replacing those it had.
+    fn modify_volume(&self, volume_id: &str, qos: &Qos) -> Result<()>;
 
     /// Cuts a snapshot, or returns the one cut earlier under the same name from the same
     /// volume ([`Error::SnapshotExists`] when the source differs).

@@ -8,7 +8,7 @@ use std::fmt;
 use crate::backend::{
     Backend, Capability, Capacity, CapacityQuery, ExpandRequest, GroupSnapshot, GroupSnapshotRef,
     MetadataSink, NewGroupSnapshot, NewSnapshot, NewVolume, Page, PageRequest, Parameters,
-    PublishContext, PublishRequest, Snapshot, SnapshotFilter, Volume, VolumeStatus,
+    PublishContext, PublishRequest, Qos, Snapshot, SnapshotFilter, Volume, VolumeStatus,
 };
 use crate::error::{Error, Result, trunc};
 use crate::rbd::ids::is_rbd_id;
@@ -267,6 +267,12 @@ impl Backend for Backends {
         self.by_id(&req.volume_id)
             .ok_or_else(|| volume_not_found(&req.volume_id))?
             .expand_volume(req)
+    }
+
+    fn modify_volume(&self, volume_id: &str, qos: &Qos) -> Result<()> {
+        self.by_id(volume_id)
+            .ok_or_else(|| volume_not_found(volume_id))?
+            .modify_volume(volume_id, qos)
     }
 
     fn create_snapshot(&self, req: &NewSnapshot) -> Result<Snapshot> {

@@ -21,7 +21,7 @@ use crate::secrets::{self, Secrets};
 use crate::validate;
 
 /// The controller capabilities moor advertises.
-pub const CAPABILITIES: [csi::controller_service_capability::rpc::Type; 12] = {
+pub const CAPABILITIES: [csi::controller_service_capability::rpc::Type; 13] = {
     use csi::controller_service_capability::rpc::Type;
     [
         Type::CreateDeleteVolume,
@@ -36,6 +36,7 @@ pub const CAPABILITIES: [csi::controller_service_capability::rpc::Type; 12] = {
         Type::VolumeCondition,
         Type::GetVolume,
         Type::SingleNodeMultiWriter,
+        Type::ModifyVolume,
     ]
 };
 
@@ -185,12 +186,17 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
         let secrets = Secrets::from_map(&req.secrets);
         self.call_with("CreateVolume", &subject, secrets, move |b| {
             let mut v = validate::create_volume(&req)?;
+            let qos = validate::mutable_parameters("mutable_parameters", &req.mutable_parameters)?;
             v.parameters = b.parse_parameters(&v.parameters)?;
             for cap in &v.capabilities {
                 b.check_capability(cap, &v.parameters)
                     .map_err(|r| Error::invalid("volume_capabilities", r))?;
             }
             let vol = b.create_volume(&v)?;
+            // Its VolumeAttributesClass: set once it exists (again, harmlessly, on a retry).
+            if !qos.is_none() {
+                b.modify_volume(&vol.id, &qos)?;
+            }
             Ok(csi::CreateVolumeResponse {
                 volume: Some(csi_volume(&vol)),
             })
@@ -475,9 +481,13 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
         &self,
         request: Request<csi::ControllerModifyVolumeRequest>,
     ) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
-        let subject = request.into_inner().volume_id;
-        self.call("ControllerModifyVolume", &subject, |_| {
-            Err(Error::Unimplemented("ControllerModifyVolume"))
+        let req = request.into_inner();
+        let subject = req.volume_id.clone();
+        let secrets = Secrets::from_map(&req.secrets);
+        self.call_with("ControllerModifyVolume", &subject, secrets, move |b| {
+            let (id, qos) = validate::modify_volume(&req)?;
+            b.modify_volume(&id, &qos)?;
+            Ok(csi::ControllerModifyVolumeResponse {})
         })
         .await
     }

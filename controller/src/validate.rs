@@ -14,7 +14,7 @@ use moor_runtime::limits;
 use crate::backend::{
     AccessMode, AccessType, Capability, CapacityRange, ContentSource, ExpandRequest,
     GroupSnapshotRef, NewGroupSnapshot, NewSnapshot, NewVolume, PageRequest, Parameters,
-    PublishRequest, Segment, SnapshotFilter, TopologyRequirement,
+    PublishRequest, QOS_KEYS, Qos, Segment, SnapshotFilter, TopologyRequirement,
 };
 use crate::error::{Error, Result, trunc};
 
@@ -267,12 +267,6 @@ pub fn create_volume(req: &csi::CreateVolumeRequest) -> Result<NewVolume> {
     let capabilities = capabilities("volume_capabilities", &req.volume_capabilities)?;
     let parameters = map("parameters", &req.parameters)?;
     map_size("secrets", &req.secrets)?;
-    if !req.mutable_parameters.is_empty() {
-        return Err(Error::invalid(
-            "mutable_parameters",
-            "moor has no mutable parameters (no MODIFY_VOLUME capability)",
-        ));
-    }
     let source = content_source(req.volume_content_source.as_ref())?;
     let accessibility = topology_requirement(req.accessibility_requirements.as_ref())?;
     Ok(NewVolume {
@@ -283,6 +277,71 @@ pub fn create_volume(req: &csi::CreateVolumeRequest) -> Result<NewVolume> {
         source,
         accessibility,
     })
+}
+
+/// The StorageClass parameters of both backends: fixed at creation, never mutable.
+const CREATION_KEYS: [&str; 12] = [
+    crate::embedded::PROVISIONING_KEY,
+    crate::embedded::FS_TYPE_KEY,
+    crate::rbd::parameters::BACKEND_KEY,
+    crate::rbd::parameters::CLUSTER_ID_KEY,
+    crate::rbd::parameters::MONITORS_KEY,
+    crate::rbd::parameters::POOL_KEY,
+    crate::rbd::parameters::IMAGE_FEATURES_KEY,
+    crate::rbd::parameters::DATA_POOL_KEY,
+    crate::rbd::parameters::EXCLUSIVE_LOCK_KEY,
+    crate::rbd::parameters::IMAGE_FORMAT_KEY,
+    crate::rbd::parameters::IMAGE_NAME_KEY,
+    crate::embedded::K8S_FS_TYPE_KEY,
+];
+
+/// The mutable parameters of CreateVolume or ControllerModifyVolume as QoS limits; a key
+/// that is not one of [`QOS_KEYS`] is INVALID_ARGUMENT naming it (saying so when it is a
+/// creation parameter, which cannot change), as is a value that is not a whole number.
+pub fn mutable_parameters(field: &'static str, raw: &HashMap<String, String>) -> Result<Qos> {
+    let raw = map(field, raw)?;
+    let mut qos = Qos::default();
+    for (key, value) in &raw {
+        let Ok(n) = value.parse::<u64>() else {
+            if QOS_KEYS.contains(&key.as_str()) {
+                return Err(Error::invalid(
+                    field,
+                    format!("{}: {:?} is not a whole number", trunc(key), trunc(value)),
+                ));
+            }
+            return Err(not_mutable(field, key));
+        };
+        if !qos.set(key, n) {
+            return Err(not_mutable(field, key));
+        }
+    }
+    Ok(qos)
+}
+
+fn not_mutable(field: &'static str, key: &str) -> Error {
+    let why = if CREATION_KEYS.contains(&key) {
+        "a parameter of the volume's StorageClass, which cannot change after creation"
+    } else {
+        "not a mutable parameter of moor's"
+    };
+    Error::invalid(
+        field,
+        format!(
+            "{}: {why} (the mutable ones: {})",
+            trunc(key),
+            QOS_KEYS.join(", ")
+        ),
+    )
+}
+
+/// Validates ControllerModifyVolume: the volume id and its new QoS limits.
+pub fn modify_volume(req: &csi::ControllerModifyVolumeRequest) -> Result<(String, Qos)> {
+    let volume_id = id("volume_id", &req.volume_id)?;
+    map_size("secrets", &req.secrets)?;
+    Ok((
+        volume_id,
+        mutable_parameters("mutable_parameters", &req.mutable_parameters)?,
+    ))
 }
 
 /// Validates DeleteVolume; returns the volume id.
@@ -727,7 +786,9 @@ mod tests {
         assert!(create_volume(&req).is_ok());
         req.mutable_parameters.insert("a".into(), "b".into());
         assert_eq!(
-            field_of(create_volume(&req).unwrap_err()),
+            field_of(
+                mutable_parameters("mutable_parameters", &req.mutable_parameters).unwrap_err()
+            ),
             "mutable_parameters"
         );
         req.mutable_parameters.clear();

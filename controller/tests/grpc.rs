@@ -234,8 +234,8 @@ async fn volume_lifecycle_over_the_socket() {
 }
 
 #[tokio::test]
-async fn modify_is_unimplemented() {
-    let dir = TempDir::new("unimplemented");
+async fn modify_of_a_volume_that_is_not_there_is_not_found() {
+    let dir = TempDir::new("modify");
     let (socket, stop, task) = serve(&dir.0).await;
     let mut c = ControllerClient::new(connect(&socket).await);
     let e = c
@@ -245,7 +245,7 @@ async fn modify_is_unimplemented() {
         })
         .await
         .unwrap_err();
-    assert_eq!(e.code(), Code::Unimplemented);
+    assert_eq!(e.code(), Code::NotFound);
     stop.send(()).unwrap();
     task.await.unwrap();
 }

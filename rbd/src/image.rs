@@ -95,6 +95,21 @@ impl Image {
         self.raw.id().map_err(|f| self.err(f))
     }
 
+    /// Sets the image's metadata `key` to `value`, or removes it (None). librbd takes a
+    /// `conf_<option>` key as the image's own setting of that option for every client that
+    /// opens it after (librbd, rbd-fuse, rbd-nbd; not the kernel client).
+    pub fn set_metadata(&self, key: &str, value: Option<&str>) -> Result<()> {
+        let c_key = crate::metadata::c_text("image metadata key", key)?;
+        match value {
+            Some(v) => {
+                let c_value = crate::metadata::c_text("image metadata value", v)?;
+                self.raw.metadata_set(&c_key, &c_value)
+            }
+            None => self.raw.metadata_remove(&c_key),
+        }
+        .map_err(|f| self.err(f))
+    }
+
     /// Resizes to `size` bytes; growing is always allowed, shrinking only with
     /// [`Shrink::Allow`].
     pub fn resize(&self, size: u64, shrink: Shrink) -> Result<()> {

@@ -7,7 +7,7 @@ use std::ffi::CString;
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 
-fn c_text(what: &'static str, value: &str) -> Result<CString> {
+pub(crate) fn c_text(what: &'static str, value: &str) -> Result<CString> {
     CString::new(value).map_err(|_| Error::Invalid {
         what,
         reason: format!("{value:?} contains a NUL byte"),

@@ -554,6 +554,13 @@ impl<A: Attacher> EmbeddedBackend<A> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// A volume's QoS limits, for tests.
+    #[cfg(test)]
+    pub(crate) fn qos_of(&self, raw: &str) -> Option<crate::backend::Qos> {
+        let id = self.volume_here(raw).ok()?;
+        self.volume_record(&id).map(|r| r.qos)
+    }
+
     fn volume_record(&self, id: &VolumeId) -> Option<VolumeRecord> {
         self.state().volumes.get(id.as_str()).cloned()
     }

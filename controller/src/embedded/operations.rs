@@ -18,7 +18,7 @@ use super::{
 use crate::backend::{
     self, Backend, Capability, Capacity, CapacityQuery, ExpandRequest, GroupSnapshot,
     GroupSnapshotRef, MetadataSink, NewGroupSnapshot, NewSnapshot, NewVolume, Page, PageRequest,
-    Parameters, PublishContext, PublishRequest, SizePolicy, Snapshot, SnapshotFilter, Volume,
+    Parameters, PublishContext, PublishRequest, Qos, SizePolicy, Snapshot, SnapshotFilter, Volume,
     VolumeStatus,
 };
 use crate::error::{Error, Result, trunc};
@@ -176,6 +176,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             context: params,
             source: req.source.clone(),
             publication: None,
+            qos: Qos::default(),
         };
         if let Err(e) = self.save_volume(&rec) {
             let _ = Self::remove_data_file(&target);
@@ -386,6 +387,22 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             maximum_volume_size: Some((largest / GRANULARITY * GRANULARITY).min(POLICY.max)),
             minimum_volume_size: Some(POLICY.granularity),
         })
+    }
+
+    /// The limits are kept with the volume and said in its condition's message; this backend
+    /// has no I/O path of its own to enforce them on (the loop device is the node's).
+    fn modify_volume(&self, volume_id: &str, qos: &Qos) -> Result<()> {
+        let id = self.volume_here(volume_id)?;
+        let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
+        let mut rec = self
+            .volume_record(&id)
+            .ok_or_else(|| Error::VolumeNotFound(trunc(volume_id).to_string()))?;
+        if rec.qos != *qos {
+            rec.qos = *qos;
+            self.save_volume(&rec)?;
+            info!(volume = %id, ?qos, "modified");
+        }
+        Ok(())
     }
 
     fn expand_volume(&self, req: &ExpandRequest) -> Result<u64> {

@@ -16,7 +16,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use super::ids::{GroupId, SnapshotId, VolumeId};
-use crate::backend::{ContentSource, Parameters};
+use crate::backend::{ContentSource, Parameters, Qos};
 
 /// The record format version this code writes.
 pub const FORMAT_VERSION: u32 = 1;
@@ -87,6 +87,9 @@ pub struct VolumeRecord {
     pub source: Option<ContentSource>,
     /// Its publication, if any.
     pub publication: Option<Publication>,
+    /// Its QoS limits (its VolumeAttributesClass), if any.
+    #[serde(default, skip_serializing_if = "Qos::is_none")]
+    pub qos: Qos,
 }
 
 /// One snapshot.
@@ -448,6 +451,7 @@ mod tests {
                 readonly: false,
                 device: Some("/dev/loop3".into()),
             }),
+            qos: Qos::default(),
         }
     }
 

@@ -46,7 +46,8 @@ use self::records::RecordError;
 use crate::backend::{
     Backend, Capability, Capacity, CapacityQuery, ExpandRequest, GroupSnapshot, GroupSnapshotRef,
     MetadataSink, NewGroupSnapshot, NewSnapshot, NewVolume, Page, PageRequest, Parameters,
-    PublishContext, PublishRequest, SizePolicy, Snapshot, SnapshotFilter, Volume, VolumeStatus,
+    PublishContext, PublishRequest, Qos, SizePolicy, Snapshot, SnapshotFilter, Volume,
+    VolumeStatus,
 };
 use crate::error::{Error, Result};
 use crate::inflight::InFlight;
@@ -289,6 +290,10 @@ impl Backend for RbdBackend {
 
     fn expand_volume(&self, req: &ExpandRequest) -> Result<u64> {
         self.expand_impl(req)
+    }
+
+    fn modify_volume(&self, volume_id: &str, qos: &Qos) -> Result<()> {
+        self.modify_impl(volume_id, qos)
     }
 
     fn create_snapshot(&self, req: &NewSnapshot) -> Result<Snapshot> {

@@ -9,12 +9,20 @@ use super::reap::Disposal;
 use super::records::{FORMAT_VERSION, Registry, SnapshotState, VolumeRecord, VolumeState};
 use super::{POLICY, RbdBackend, Session};
 use crate::backend::{
-    self, ContentSource, ExpandRequest, NewVolume, Parameters, SizePolicy, Volume, VolumeCondition,
-    VolumeStatus,
+    self, ContentSource, ExpandRequest, NewVolume, Parameters, Qos, SizePolicy, Volume,
+    VolumeCondition, VolumeStatus,
 };
 use crate::embedded::FS_TYPE_KEY;
 use crate::error::{Error, Result, trunc};
 use crate::inflight::Claim;
+
+/// The image metadata keys of [`Qos::limits`], in its order: librbd's per-image QoS options.
+const QOS_OPTIONS: [&str; 4] = [
+    "conf_rbd_qos_read_bps_limit",
+    "conf_rbd_qos_write_bps_limit",
+    "conf_rbd_qos_read_iops_limit",
+    "conf_rbd_qos_write_iops_limit",
+];
 
 /// The in-flight key of a volume.
 pub(super) fn volume_key(id: &VolumeId) -> String {
@@ -436,6 +444,28 @@ impl RbdBackend {
             .filter(|r| r.state == VolumeState::Ready)
             .ok_or_else(not_found)?;
         Ok((id, s, pool, rec))
+    }
+
+    /// ControllerModifyVolume: the QoS limits as the image's own librbd settings (image
+    /// metadata `conf_rbd_qos_*`), which every librbd client that opens the image after
+    /// honours (the rbd-fuse attacher; a mapping made before takes them at its next map). The
+    /// kernel client ignores them.
+    pub(super) fn modify_impl(&self, raw: &str, qos: &Qos) -> Result<()> {
+        let not_found = || Error::VolumeNotFound(trunc(raw).to_string());
+        let id = VolumeId::parse(raw).ok_or_else(not_found)?;
+        let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
+        let (id, s, pool, _) = self.ready_volume(&id.to_string())?;
+        let image_name = id.image();
+        let image = pool
+            .open_image(&image_name)
+            .map_err(|e| self.fail(&s, format!("open {image_name}"), e))?;
+        for ((_, limit), option) in qos.limits().into_iter().zip(QOS_OPTIONS) {
+            let value = limit.map(|n| n.to_string());
+            image
+                .set_metadata(option, value.as_deref())
+                .map_err(|e| self.fail(&s, format!("set {option} of {image_name}"), e))?;
+        }
+        Ok(())
     }
 
     pub(super) fn expand_impl(&self, req: &ExpandRequest) -> Result<u64> {

@@ -573,6 +573,25 @@ impl RbdImage {
         })
     }
 
+    /// `rbd_metadata_set`: an image's metadata key (librbd reads `conf_*` keys as the image's
+    /// own configuration, its QoS limits among them).
+    pub(crate) fn metadata_set(&self, key: &CStr, value: &CStr) -> Result<()> {
+        // SAFETY: an open image and two NUL-terminated strings, which librbd copies.
+        let ret =
+            unsafe { (self.api().rbd_metadata_set)(self.handle, key.as_ptr(), value.as_ptr()) };
+        check("rbd_metadata_set", ret).map(drop)
+    }
+
+    /// `rbd_metadata_remove`; a key that is not set is success.
+    pub(crate) fn metadata_remove(&self, key: &CStr) -> Result<()> {
+        // SAFETY: an open image and a NUL-terminated key.
+        let ret = unsafe { (self.api().rbd_metadata_remove)(self.handle, key.as_ptr()) };
+        if ret == -libc::ENOENT {
+            return Ok(());
+        }
+        check("rbd_metadata_remove", ret).map(drop)
+    }
+
     pub(crate) fn resize(&self, size: u64, allow_shrink: bool) -> Result<()> {
         // SAFETY: an open image; a progress callback that ignores its arguments (librbd calls
         // it without checking for null).

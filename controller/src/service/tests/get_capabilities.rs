@@ -7,7 +7,7 @@ async fn controller_capabilities() {
     use csi::controller_service_capability::rpc;
     let fx = Fx::new("svc-caps");
     let types = announced(&fx).await;
-    assert_eq!(types.len(), 12);
+    assert_eq!(types.len(), 13);
     for t in [
         rpc::Type::CreateDeleteVolume,
         rpc::Type::PublishUnpublishVolume,
@@ -21,9 +21,9 @@ async fn controller_capabilities() {
         rpc::Type::VolumeCondition,
         rpc::Type::GetVolume,
         rpc::Type::SingleNodeMultiWriter,
+        rpc::Type::ModifyVolume,
     ] {
         assert!(types.contains(&t), "{t:?}");
     }
-    assert!(!types.contains(&rpc::Type::ModifyVolume));
     assert!(!types.contains(&rpc::Type::PublishReadonly));
 }
