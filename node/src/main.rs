@@ -181,6 +181,11 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         }
         None => NodeService::new(Arc::clone(&engine), info),
     };
+    let node = if args.no_health_capabilities {
+        node.without_health_capabilities()
+    } else {
+        node
+    };
     let http_listener = match &args.http_endpoint {
         Some(e) => Some(http::bind(e).await?),
         None => None,

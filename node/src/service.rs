@@ -208,6 +208,8 @@ pub struct NodeService<O: Os> {
     info: PluginInfo,
     /// The controller on this node, for node-local volumes (see [`crate::local_controller`]).
     local: Option<Arc<dyn LocalController>>,
+    /// Whether NodeGetCapabilities announces CSI 1.13's health calls.
+    health_capabilities: bool,
 }
 
 impl<O: Os> NodeService<O> {
@@ -217,7 +219,16 @@ impl<O: Os> NodeService<O> {
             engine,
             info,
             local: None,
+            health_capabilities: true,
         }
+    }
+
+    /// Leaves GET_VOLUME_HEALTH and GET_STORAGE_HEALTH out of NodeGetCapabilities (the calls
+    /// are served anyway): `--no-health-capabilities`.
+    #[must_use]
+    pub fn without_health_capabilities(mut self) -> Self {
+        self.health_capabilities = false;
+        self
     }
 
     /// Serves node-local volumes, whose controller on this node is `local`.
@@ -498,7 +509,15 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         &self,
         _: Request<csi::NodeGetCapabilitiesRequest>,
     ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
-        let capabilities = moor_runtime::contract::node_capabilities();
+        use csi::node_service_capability::{Type, rpc};
+        let health = [rpc::Type::GetVolumeHealth, rpc::Type::GetStorageHealth].map(|t| t as i32);
+        let capabilities = moor_runtime::contract::node_capabilities()
+            .into_iter()
+            .filter(|c| {
+                self.health_capabilities
+                    || !matches!(&c.r#type, Some(Type::Rpc(r)) if health.contains(&r.r#type))
+            })
+            .collect();
         Ok(Response::new(csi::NodeGetCapabilitiesResponse {
             capabilities,
         }))

@@ -28,6 +28,9 @@ pub const MOUNT_ATTR_NOATIME: u64 = 0x0000_0010;
 pub const MOUNT_ATTR_STRICTATIME: u64 = 0x0000_0020;
 /// `MOUNT_ATTR_NODIRATIME`.
 pub const MOUNT_ATTR_NODIRATIME: u64 = 0x0000_0080;
+/// `MOUNT_ATTR_IDMAP`: the mount maps ids through the user namespace `userns_fd` names (what a
+/// container runtime makes of a volume for a pod with its own user namespace).
+pub const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
 
 /// `struct mount_attr` (`MOUNT_ATTR_SIZE_VER0`).
 #[repr(C)]
