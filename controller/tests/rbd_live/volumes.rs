@@ -1,5 +1,5 @@
-//! Volumes: create (idempotent by name), credentials, expand, ListVolumes's pages, and a
-//! create or a delete interrupted half-way and finished by its retry.
+//! Volumes: create (idempotent by name), credentials, expand, modify (QoS), ListVolumes's pages,
+//! and a create or a delete interrupted half-way and finished by its retry.
 
 use super::*;
 
@@ -291,5 +291,61 @@ fn an_interrupted_create_or_delete_is_finished_by_its_retry() {
             .unwrap();
         cleanup.volume(&fresh.id);
         assert_ne!(fresh.id, v.id);
+    });
+}
+
+/// An image's metadata value, read with Ceph's own `rbd` (None: not set).
+fn image_meta(env: &Env, image: &str, key: &str) -> Option<String> {
+    let out = std::process::Command::new("rbd")
+        .arg("--conf")
+        .arg(&env.conf)
+        .arg("--keyring")
+        .arg(&env.keyring)
+        .args(["--id", &env.user, "image-meta", "get"])
+        .arg(format!("{}/{image}", env.pool))
+        .arg(key)
+        .output()
+        .expect("rbd image-meta get");
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+#[test]
+fn modify_sets_librbds_qos_on_the_image_and_a_new_set_replaces_it() {
+    let Some(env) = Env::get() else {
+        return;
+    };
+    let b = env.backend(false);
+    let mut cleanup = Cleanup::new(&env, &b);
+    secrets::scope(env.secrets(), || {
+        let v = b
+            .create_volume(&new_volume(&env, &name("modify"), 16 * MIB, None))
+            .unwrap();
+        cleanup.volume(&v.id);
+        let image = VolumeId::parse(&v.id).unwrap().image();
+        let qos = moor_controller::backend::Qos {
+            write_iops: Some(1000),
+            read_bps: Some(1 << 20),
+            ..Default::default()
+        };
+        b.modify_volume(&v.id, &qos).unwrap();
+        let meta = |k: &str| image_meta(&env, &image, k);
+        assert_eq!(meta("conf_rbd_qos_write_iops_limit").as_deref(), Some("1000"));
+        assert_eq!(meta("conf_rbd_qos_read_bps_limit").as_deref(), Some("1048576"));
+        assert_eq!(meta("conf_rbd_qos_read_iops_limit"), None);
+        // Another class: its limits only.
+        let qos = moor_controller::backend::Qos {
+            write_bps: Some(4096),
+            ..Default::default()
+        };
+        b.modify_volume(&v.id, &qos).unwrap();
+        assert_eq!(meta("conf_rbd_qos_write_iops_limit"), None);
+        assert_eq!(meta("conf_rbd_qos_read_bps_limit"), None);
+        assert_eq!(meta("conf_rbd_qos_write_bps_limit").as_deref(), Some("4096"));
+        let e = b
+            .modify_volume("rbd/live/moor/moor-vol-000000000000000000000000", &qos)
+            .unwrap_err();
+        assert!(matches!(e, Error::VolumeNotFound(_)), "{e}");
     });
 }
