@@ -331,8 +331,14 @@ fn modify_sets_librbds_qos_on_the_image_and_a_new_set_replaces_it() {
         };
         b.modify_volume(&v.id, &qos).unwrap();
         let meta = |k: &str| image_meta(&env, &image, k);
-        assert_eq!(meta("conf_rbd_qos_write_iops_limit").as_deref(), Some("1000"));
-        assert_eq!(meta("conf_rbd_qos_read_bps_limit").as_deref(), Some("1048576"));
+        assert_eq!(
+            meta("conf_rbd_qos_write_iops_limit").as_deref(),
+            Some("1000")
+        );
+        assert_eq!(
+            meta("conf_rbd_qos_read_bps_limit").as_deref(),
+            Some("1048576")
+        );
         assert_eq!(meta("conf_rbd_qos_read_iops_limit"), None);
         // Another class: its limits only.
         let qos = moor_controller::backend::Qos {
@@ -342,7 +348,10 @@ fn modify_sets_librbds_qos_on_the_image_and_a_new_set_replaces_it() {
         b.modify_volume(&v.id, &qos).unwrap();
         assert_eq!(meta("conf_rbd_qos_write_iops_limit"), None);
         assert_eq!(meta("conf_rbd_qos_read_bps_limit"), None);
-        assert_eq!(meta("conf_rbd_qos_write_bps_limit").as_deref(), Some("4096"));
+        assert_eq!(
+            meta("conf_rbd_qos_write_bps_limit").as_deref(),
+            Some("4096")
+        );
         let e = b
             .modify_volume("rbd/live/moor/moor-vol-000000000000000000000000", &qos)
             .unwrap_err();
