@@ -59,6 +59,8 @@ struct State {
     /// What [`Attacher::activity`] reports.
     activity: u64,
     deadlines: Deadlines,
+    /// Why the clusters do not answer, when they do not.
+    cluster_away: Option<String>,
 }
 
 impl Default for State {
@@ -76,6 +78,7 @@ impl Default for State {
             images: BTreeMap::new(),
             sizes: BTreeMap::new(),
             activity: 0,
+            cluster_away: None,
             deadlines: Deadlines {
                 map: std::time::Duration::from_secs(60),
                 unmap: std::time::Duration::from_secs(30),
@@ -112,6 +115,11 @@ impl FakeAttacher {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Makes every cluster not answer, saying `why` (None: they answer again).
+    pub fn set_cluster_away(&self, why: Option<&str>) {
+        self.lock().cluster_away = why.map(str::to_string);
     }
 
     /// The calls made so far.
@@ -287,9 +295,10 @@ impl Attacher for FakeAttacher {
         "fuse"
     }
 
-    /// The fake's clusters always answer (no monitor is asked).
+    /// The fake's clusters answer unless [`set_cluster_away`](Self::set_cluster_away) says
+    /// otherwise (no monitor is asked).
     fn cluster_answers(&self, _monitors: &str) -> Result<(), String> {
-        Ok(())
+        self.lock().cluster_away.clone().map_or(Ok(()), Err)
     }
 
     fn deadlines(&self) -> Deadlines {

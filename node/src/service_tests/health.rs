@@ -194,3 +194,25 @@ async fn storage_health_sees_the_filesystem_behind_the_loop_devices() {
         .expect("unstage");
     assert_eq!(storage(&h).await, vec![]);
 }
+
+#[tokio::test]
+async fn a_ceph_cluster_that_does_not_answer_is_unreachable_storage_and_an_inaccessible_volume() {
+    let r = super::rbd::rbd_harness();
+    r.h.svc
+        .node_stage_volume(Request::new(super::rbd::rbd_stage("vol-1", ext4())))
+        .await
+        .expect("stage");
+    assert_eq!(storage(&r.h).await, vec![]);
+    assert_eq!(health(&r.h, "", "").await, vec![]);
+    r.attacher.set_cluster_away(Some("no monitor answered"));
+    assert_eq!(
+        storage(&r.h).await,
+        vec![(S::StorageUnreachable, "CephClusterUnreachable".to_string())]
+    );
+    assert_eq!(
+        health(&r.h, "", "").await,
+        vec![(V::Inaccessible, "StorageUnreachable".to_string())]
+    );
+    r.attacher.set_cluster_away(None);
+    assert_eq!(storage(&r.h).await, vec![]);
+}

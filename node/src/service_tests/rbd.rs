@@ -19,12 +19,12 @@ const KEY: &str = "AQBkQkNnAAAAABAAbm9vcmtleW5vb3JrZXlub29yaw==";
 const BLOCK_TARGET: &str =
     "/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/pv1/p1";
 
-struct Rbd {
-    h: Harness,
-    attacher: Arc<FakeAttacher>,
+pub(crate) struct Rbd {
+    pub(crate) h: Harness,
+    pub(crate) attacher: Arc<FakeAttacher>,
 }
 
-fn rbd_harness() -> Rbd {
+pub(crate) fn rbd_harness() -> Rbd {
     rbd_harness_in(&Boot::default())
 }
 
