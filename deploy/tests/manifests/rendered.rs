@@ -279,11 +279,13 @@ fn overlays_change_only_what_they_say() {
     find_mut(&mut want, "CSIDriver", "moor.csi.io")["spec"]["seLinuxMount"] = json!(true);
     assert_eq!(docs(&selinux), docs(&want));
 
-    // Today's Kubernetes: the CSIDriver's allocatable period, the resizer's recovery on.
+    // Today's Kubernetes: the CSIDriver's allocatable period and SELinux mounts, the resizer's
+    // recovery on.
     let current = render(&deploy_dir().join("overlays/kubernetes-1.34"));
     let mut want = base.clone();
-    find_mut(&mut want, "CSIDriver", "moor.csi.io")["spec"]["nodeAllocatableUpdatePeriodSeconds"] =
-        json!(60);
+    let driver = find_mut(&mut want, "CSIDriver", "moor.csi.io");
+    driver["spec"]["nodeAllocatableUpdatePeriodSeconds"] = json!(60);
+    driver["spec"]["seLinuxMount"] = json!(true);
     let ctl = find_mut(&mut want, "Deployment", "moor-controller");
     let resizer = container_mut(ctl, "csi-resizer");
     let gates = resizer["args"]
