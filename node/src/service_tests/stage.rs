@@ -242,8 +242,8 @@ async fn stage_beyond_max_volumes_is_resource_exhausted() {
 
 #[tokio::test]
 async fn node_get_info_is_cheap_and_says_the_limit_the_stage_enforces() {
-    // kubelet asks every nodeAllocatableUpdatePeriodSeconds (and after a RESOURCE_EXHAUSTED
-    // stage) and writes the answer to the CSINode's allocatable count, from which the
+    // kubelet asks every nodeAllocatableUpdatePeriodSeconds (and after an attach refused with
+    // RESOURCE_EXHAUSTED) and writes the answer to the CSINode's allocatable count, from which the
     // scheduler subtracts the volumes of the pods it placed here: the answer is the node's
     // whole limit, the one NodeStageVolume enforces, read without touching the node.
     let h = harness_with(2);
@@ -259,7 +259,7 @@ async fn node_get_info_is_cheap_and_says_the_limit_the_stage_enforces() {
     };
     assert_eq!(info().await, 2);
     assert_eq!(h.os.calls(), vec![], "NodeGetInfo asks nothing of the OS");
-    // Two staged: the next stage is refused with the code that makes kubelet ask again.
+    // Two staged: the next stage is refused, RESOURCE_EXHAUSTED.
     h.os.add_device("/dev/loop8", (7, 8), GIB);
     h.os.add_device("/dev/loop9", (7, 9), GIB);
     let stage = |id: &str, dev: &str| {
