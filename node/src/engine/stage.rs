@@ -388,8 +388,15 @@ impl<O: Os> Engine<O> {
         });
         if let Err(e) = mounted {
             record.stage = None;
-            self.journal.put(record, Durability::Process)?;
-            return Err(e.into());
+            let first = Error::from(e);
+            return Err(match self.journal.put(record, Durability::Process) {
+                Ok(()) => first,
+                // The intent stays: nothing was mounted, which reconciliation and the retry
+                // tell apart from a mount.
+                Err(j) => {
+                    first.with_cleanup_failure(&st.req.volume_id, "dropping the stage record", &j)
+                }
+            });
         }
         let took = start.elapsed();
         crash_points::point("stage.mounted");
@@ -412,11 +419,25 @@ impl<O: Os> Engine<O> {
                 Ok(grown)
             }
             Err(e) => {
-                // Leave nothing half-done.
-                let _ = self.os.unmount(&st.req.staging, false);
+                // Leave nothing half-done. A mount that cannot be undone keeps its record (the
+                // intent): the retry or reconciliation finishes or rolls back the stage, as
+                // after a crash at this point.
+                if let Err(u) = self.os.unmount(&st.req.staging, false) {
+                    return Err(e.with_cleanup_failure(
+                        &st.req.volume_id,
+                        "unmounting the staging path",
+                        &u,
+                    ));
+                }
                 record.stage = None;
-                self.journal.put(record, Durability::Process)?;
-                Err(e)
+                match self.journal.put(record, Durability::Process) {
+                    Ok(()) => Err(e),
+                    Err(j) => Err(e.with_cleanup_failure(
+                        &st.req.volume_id,
+                        "dropping the stage record",
+                        &j,
+                    )),
+                }
             }
         }
     }

@@ -448,3 +448,70 @@ async fn a_device_renumbered_by_a_reboot_is_staged_again_by_its_filesystem() {
         assert_eq!(h.os.mount_depth(STAGING), 0);
     }
 }
+
+/// Issue 38, point 6, the first cause is the error (longhorn #12006: a failure whose cleanup
+/// failed too answered with the cleanup's error, hiding why the call failed): the mount fails
+/// and dropping its record fails too; the answer is the mount's failure, the journal's named
+/// beside it, and the retry converges.
+#[tokio::test]
+async fn a_failed_mount_whose_record_cannot_be_dropped_answers_the_mount_failure() {
+    let h = harness();
+    h.os.fail_next("mount_fs", libc::EINVAL);
+    // The intents before mkfs and before the mount are written; the record's removal after
+    // the mount failed fails.
+    h.engine.journal().fail_put_after(2);
+    let err = h
+        .svc
+        .node_stage_volume(Request::new(stage_req(ext4())))
+        .await
+        .expect_err("the mount fails");
+    // The mount's failure first, the journal's beside it.
+    in_order(err.message(), &["Invalid argument", "Input/output error"]);
+    assert_eq!(err.code(), Code::Internal);
+    assert_eq!(h.os.mount_depth(STAGING), 0);
+    staged(&h).await;
+    assert_eq!(h.os.mount_depth(STAGING), 1);
+}
+
+/// Issue 38, point 6 (longhorn #12006): a step after the mount fails (giving the volume to its
+/// pod's group), and undoing the mount fails too. The answer is the first cause, the unmount's
+/// failure beside it; the mount that could not be undone keeps its record, and kubelet's retry
+/// stages the volume once, on that mount.
+#[tokio::test]
+async fn a_failed_stage_whose_unmount_fails_answers_the_first_cause_and_converges() {
+    let h = harness();
+    let mut cap = ext4();
+    if let Some(AccessType::Mount(m)) = cap.access_type.as_mut() {
+        m.volume_mount_group = "2000".into();
+    }
+    h.os.fail_next("share", libc::EROFS);
+    h.os.fail_next("unmount", libc::EBUSY);
+    let err = h
+        .svc
+        .node_stage_volume(Request::new(stage_req(cap.clone())))
+        .await
+        .expect_err("the group step fails");
+    // The group step's failure first, the unmount's beside it.
+    in_order(err.message(), &["Read-only file system", "busy"]);
+    assert_eq!(h.os.mount_depth(STAGING), 1, "the unmount failed");
+    let kept = h.engine.journal().get("vol-1").and_then(|r| r.stage);
+    assert!(
+        kept.is_some(),
+        "a mount left in place keeps its record, as after a crash"
+    );
+    h.os.clear_calls();
+    h.svc
+        .node_stage_volume(Request::new(stage_req(cap)))
+        .await
+        .expect("the retry");
+    assert_eq!(h.os.mount_depth(STAGING), 1, "staged once");
+    assert_eq!(mkfs_calls(&h), 0, "never formatted again");
+    assert_eq!(
+        h.engine
+            .journal()
+            .get("vol-1")
+            .and_then(|r| r.stage)
+            .map(|s| s.phase),
+        Some(crate::journal::Phase::Done)
+    );
+}
