@@ -531,6 +531,9 @@ impl<O: Os> Engine<O> {
                     .join(", ")
             )));
         }
+        if record.stage.is_none() {
+            self.refuse_unstage_under_pods(req)?;
+        }
         record.publishes.clear();
         if let Some(st) = record.stage.as_mut() {
             st.phase = Phase::InProgress;
@@ -565,6 +568,34 @@ impl<O: Os> Engine<O> {
         self.journal.put(&record, Durability::Process)?;
         crash_points::point("unstage.done");
         Ok(())
+    }
+
+    /// An unstage without a record (a journal lost, or kubelet's fallback for a global mount
+    /// it found without its `vol_data.json`, KEP-6058) has no publications to refuse by: the
+    /// mount table stands in for them. While the filesystem mounted at the staging path is
+    /// also mounted under kubelet's pods dir (a pod's target), the unstage is refused as one
+    /// with a record would be: a running pod may use it.
+    fn refuse_unstage_under_pods(&self, req: &Unstage) -> Result<()> {
+        let MountState::Mounted(mp) = self.os.mount_state(&req.staging)? else {
+            return Ok(());
+        };
+        let pods = self.config().kubelet_dir.join("pods");
+        let users: Vec<String> = self
+            .os
+            .mount_table()?
+            .into_iter()
+            .filter(|m| m.dev == mp.dev && m.mount_point.starts_with(&pods))
+            .map(|m| m.mount_point.display().to_string())
+            .collect();
+        if users.is_empty() {
+            return Ok(());
+        }
+        Err(Error::FailedPrecondition(format!(
+            "{} holds a filesystem that is still mounted for a pod at {}; unpublish it first \
+             (moor has no record of this staging: the mount table says so)",
+            req.staging.display(),
+            users.join(", ")
+        )))
     }
 
     /// Grows the filesystem `content` found on `device` (of `device_size` bytes), mounted at
