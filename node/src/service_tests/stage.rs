@@ -515,3 +515,43 @@ async fn a_failed_stage_whose_unmount_fails_answers_the_first_cause_and_converge
         Some(crate::journal::Phase::Done)
     );
 }
+
+/// Issue 38, point 5 (linstor-csi #385: a filesystem check ran on a device that was mounted,
+/// and corrupted it): a volume staged and published for two pods, then a stage of another
+/// volume naming the same device (kubelet's stage of a second PV on it). Nothing checks or
+/// formats the mounted device, and the pods' mounts stay.
+#[tokio::test]
+async fn a_stage_of_a_device_mounted_for_pods_never_checks_or_formats_it() {
+    let h = harness();
+    let shared = || mount_cap("ext4", &[], Mode::SingleNodeMultiWriter);
+    h.svc
+        .node_stage_volume(Request::new(stage_req(shared())))
+        .await
+        .expect("stage");
+    let second = "/var/lib/kubelet/pods/p2/volumes/kubernetes.io~csi/pv1/mount";
+    h.os.add_dir(Path::new(second).parent().unwrap_or(Path::new("/")));
+    for target in [TARGET, second] {
+        let mut r = publish_req(shared(), false);
+        r.target_path = target.into();
+        h.svc
+            .node_publish_volume(Request::new(r))
+            .await
+            .expect("publish");
+    }
+    h.os.clear_calls();
+    let mut other = stage_req(ext4());
+    other.volume_id = "vol-2".into();
+    other.staging_target_path =
+        format!("{K}/plugins/kubernetes.io/csi/moor.csi.io/def/globalmount");
+    h.os.add_dir(format!("{K}/plugins/kubernetes.io/csi/moor.csi.io/def"));
+    // The answer is the CO's business (a second volume naming the same device); what it
+    // must never do is check or format the filesystem the pods use.
+    let _ = h.svc.node_stage_volume(Request::new(other)).await;
+    assert!(
+        tool_calls(&h).is_empty(),
+        "a tool ran on the mounted device: {:?}",
+        tool_calls(&h)
+    );
+    assert_eq!((h.os.mount_depth(TARGET), h.os.mount_depth(second)), (1, 1));
+    assert_eq!(mkfs_calls(&h), 0);
+}
