@@ -16,7 +16,7 @@ use super::{ADOPTED_MODE, Access, Capability, Engine, FsckOutcome, Stage, Unstag
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem;
-use crate::journal::{AccessRecord, Durability, Phase, StageRecord, VolumeRecord};
+use crate::journal::{AccessRecord, Boot, Durability, Phase, StageRecord, VolumeRecord};
 use crate::mount_options::MountOptions;
 use crate::superblock::Content;
 use crate::sys::{FsMount, HeldDevice, MountAttrs, MountPoint, MountState, Os};
@@ -535,6 +535,27 @@ impl<O: Os> Engine<O> {
             self.refuse_unstage_under_pods(req)?;
         }
         record.publishes.clear();
+        if let Some(st) = record
+            .stage
+            .as_mut()
+            .filter(|s| s.phase == Phase::Formatting)
+        {
+            // A mkfs moor began and did not finish (nothing is mounted: the mount comes after
+            // the record that follows mkfs). The staging ends; the knowledge that the device
+            // holds moor's partial mkfs stays, as durably as it was written, so the next stage
+            // resumes it instead of refusing the unknown data for ever.
+            if st.boot.as_deref() != Some(Boot::ENDED) {
+                st.boot = Some(Boot::ENDED.to_string());
+                self.journal.put(&record, Durability::Power)?;
+                info!(
+                    volume = req.volume_id,
+                    path = %req.staging.display(),
+                    "unstaged while moor's mkfs was unfinished: its intent is kept, and the \
+                     next stage resumes it"
+                );
+            }
+            return Ok(());
+        }
         if let Some(st) = record.stage.as_mut() {
             st.phase = Phase::InProgress;
             self.journal.put(&record, Durability::Process)?;

@@ -200,10 +200,18 @@ impl Boot {
     }
 
     /// Whether a record stamped `written` was written in an earlier boot than this one: both
-    /// known, and different.
+    /// known, and different; or stamped [`Boot::ENDED`].
     pub fn is_earlier(&self, written: Option<&str>) -> bool {
-        matches!((&self.0, written), (Some(now), Some(then)) if now != then)
+        written == Some(Self::ENDED)
+            || matches!((&self.0, written), (Some(now), Some(then)) if now != then)
     }
+
+    /// The stamp of a staging kubelet ended while its record guarded a mkfs moor had begun
+    /// and not finished (its NodeUnstageVolume after the stage failed): no boot's, so a
+    /// memory in every boot, which holds nothing (no place, no path), while the record still
+    /// lets kubelet's next stage resume that mkfs on the device the request proves. Never a
+    /// boot id (those are UUIDs).
+    pub const ENDED: &'static str = "ended";
 }
 
 /// Everything moor knows of one volume on this node.
