@@ -395,24 +395,21 @@ impl World {
         let p = self.nodes[i].kubelet.join(format!(
             "plugins/kubernetes.io/csi/moor.csi.io/{pv}/globalmount"
         ));
-        std::fs::create_dir_all(p.parent().expect("parent")).expect("staging parent");
-        p
+        moor_privileged::kubelets_part(p)
     }
 
     pub fn target(&self, i: usize, pv: &str) -> PathBuf {
         let p = self.nodes[i]
             .kubelet
             .join(format!("pods/pod/volumes/kubernetes.io~csi/{pv}/mount"));
-        std::fs::create_dir_all(p.parent().expect("parent")).expect("target parent");
-        p
+        moor_privileged::kubelets_part(p)
     }
 
     pub fn block_target(&self, i: usize, pv: &str) -> PathBuf {
         let p = self.nodes[i].kubelet.join(format!(
             "plugins/kubernetes.io/csi/volumeDevices/publish/{pv}/pod"
         ));
-        std::fs::create_dir_all(p.parent().expect("parent")).expect("target parent");
-        p
+        moor_privileged::kubelets_part(p)
     }
 
     pub fn stage_req(

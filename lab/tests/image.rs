@@ -279,9 +279,9 @@ impl Pods {
 
     /// kubelet's staging path of a volume.
     fn staging(&self, pv: &str) -> PathBuf {
-        let p = self.sb.k(&format!(
+        let p = moor_privileged::kubelets_part(self.sb.k(&format!(
             "plugins/kubernetes.io/csi/{DRIVER}/{pv}-hash/globalmount"
-        ));
+        )));
         std::fs::create_dir_all(&p).expect("kubelet's globalmount");
         p
     }
@@ -292,7 +292,7 @@ impl Pods {
             .sb
             .k(&format!("pods/pod-{pv}/volumes/kubernetes.io~csi/{pv}"));
         std::fs::create_dir_all(&dir).expect("kubelet's pod volume dir");
-        dir.join("mount")
+        moor_privileged::kubelets_part(dir.join("mount"))
     }
 
     fn controller<Req: prost::Message, Resp: prost::Message + Default>(

@@ -94,7 +94,9 @@ pub enum Command {
     /// Reads moor-node's journal (without changing it) and compares each staged or published
     /// path with the live mount table and the recorded device. Verdicts: healthy, remembered
     /// (recorded before the node's last reboot and not mounted since: a memory moor-node holds
-    /// nothing by, no fault), drifted
+    /// nothing by, no fault), kubelet-forgot (mounted as recorded, but the vol_data.json
+    /// kubelet keeps beside it is gone: kubelet no longer knows the mount, which moor-node
+    /// leaves mounted), drifted
     /// (a recorded mount is missing or from another device, an operation never finished, or a
     /// loop device's file was deleted), unknown (the device cannot be checked: an error other
     /// than "not there", or it reads as 0 bytes, as a detached loop device does), corrupted

@@ -103,6 +103,10 @@ pub enum Error {
     /// An RBD image could not be mapped or unmapped.
     #[error(transparent)]
     Attach(#[from] AttachError),
+    /// A step failed, and undoing what came before it failed too: the answer is the first
+    /// cause (its code, its words first), the cleanup's failure named beside it.
+    #[error("{first} (undoing what it had done failed too: {cleanup})")]
+    CleanupFailed { first: Box<Error>, cleanup: String },
 }
 
 impl From<ToolError> for Error {
@@ -164,6 +168,23 @@ impl Error {
                 DiscoveryError::Poll(_) => Code::Internal,
             },
             Error::Attach(e) => e.code(),
+            Error::CleanupFailed { first, .. } => first.code(),
+        }
+    }
+
+    /// `self`, the first cause, with the failure of the cleanup after it (`what`, `cleanup`)
+    /// logged beside it and named in its message; its code stays the first cause's.
+    pub fn with_cleanup_failure(
+        self,
+        volume: &str,
+        what: &str,
+        cleanup: &dyn std::fmt::Display,
+    ) -> Self {
+        tracing::warn!(volume, error = %self, cleanup = what, cleanup_error = %cleanup,
+            "a cleanup after a failure failed too; answering the first cause");
+        Error::CleanupFailed {
+            first: Box::new(self),
+            cleanup: format!("{what}: {cleanup}"),
         }
     }
 }

@@ -196,12 +196,19 @@ impl<O: Os> Os for MeteredOs<O> {
         self.inner.mount_table()
     }
 
+    // Every change of the mount table moor makes is logged here, where they all pass: a
+    // mount, a bind, an unmount, each with its path (the journal says whose it is).
+
     fn mount_fs(&self, m: &FsMount) -> SysResult<()> {
         let start = Instant::now();
         let r = self.inner.mount_fs(m);
         registry()
             .mount_duration
             .observe(&["filesystem", result_label(&r)], start.elapsed());
+        if r.is_ok() {
+            tracing::info!(device = %m.device.display(), path = %m.target.display(),
+                fs = m.fs_type, read_only = m.attrs.read_only, "mount change: mounted");
+        }
         r
     }
 
@@ -211,6 +218,10 @@ impl<O: Os> Os for MeteredOs<O> {
         registry()
             .mount_duration
             .observe(&["bind", result_label(&r)], start.elapsed());
+        if r.is_ok() {
+            tracing::info!(source = %b.source.display(), path = %b.target.display(),
+                read_only = b.attrs.read_only, "mount change: bound");
+        }
         r
     }
 
@@ -220,6 +231,9 @@ impl<O: Os> Os for MeteredOs<O> {
         registry()
             .unmount_duration
             .observe(&[result_label(&r)], start.elapsed());
+        if r.is_ok() {
+            tracing::info!(path = %target.display(), detach, "mount change: unmounted");
+        }
         r
     }
 

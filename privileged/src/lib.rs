@@ -144,29 +144,24 @@ impl Sandbox {
         self.kubelet.join(rel)
     }
 
-    /// kubelet's staging path for a volume, with its parent made (kubelet's part).
+    /// kubelet's staging path for a volume, with its parent and `vol_data.json` made
+    /// (kubelet's part).
     pub fn staging(&self, pv: &str) -> PathBuf {
-        let p = self.k(&format!(
+        kubelets_part(self.k(&format!(
             "plugins/kubernetes.io/csi/moor.csi.io/{pv}-hash/globalmount"
-        ));
-        std::fs::create_dir_all(p.parent().expect("parent")).expect("staging parent");
-        p
+        )))
     }
 
-    /// kubelet's publish target for a mount volume, with its parent made.
+    /// kubelet's publish target for a mount volume, with its parent and `vol_data.json` made.
     pub fn target(&self, pod: &str, pv: &str) -> PathBuf {
-        let p = self.k(&format!("pods/{pod}/volumes/kubernetes.io~csi/{pv}/mount"));
-        std::fs::create_dir_all(p.parent().expect("parent")).expect("target parent");
-        p
+        kubelets_part(self.k(&format!("pods/{pod}/volumes/kubernetes.io~csi/{pv}/mount")))
     }
 
-    /// kubelet's publish target for a block volume, with its parent made.
+    /// kubelet's publish target for a block volume, with its parent and `vol_data.json` made.
     pub fn block_target(&self, pod: &str, pv: &str) -> PathBuf {
-        let p = self.k(&format!(
+        kubelets_part(self.k(&format!(
             "plugins/kubernetes.io/csi/volumeDevices/publish/{pv}/{pod}"
-        ));
-        std::fs::create_dir_all(p.parent().expect("parent")).expect("target parent");
-        p
+        )))
     }
 
     /// Mount points below the sandbox, deepest first, as this thread sees them.
@@ -195,6 +190,21 @@ impl Drop for Sandbox {
             .clear();
         let _ = std::fs::remove_dir_all(&self.root);
     }
+}
+
+/// What kubelet makes before it calls the plugin with `path`: its parent dir, and the
+/// `vol_data.json` it keeps for the mount (moor-node reports a mount whose file kubelet lost).
+/// The file names the driver and no volume handle (which a test that needs reconciliation to
+/// adopt a mount writes itself): nothing is adopted by it.
+pub fn kubelets_part(path: PathBuf) -> PathBuf {
+    std::fs::create_dir_all(path.parent().expect("parent")).expect("kubelet's dir");
+    if let Some(file) = moor_node::reconcile::vol_data_by_shape(&path) {
+        std::fs::create_dir_all(file.parent().expect("parent")).expect("vol_data dir");
+        if !file.exists() {
+            std::fs::write(&file, br#"{"driverName":"moor.csi.io"}"#).expect("vol_data.json");
+        }
+    }
+    path
 }
 
 /// Loop devices (`/dev/loopN`) whose backing file lies under `root`, read from sysfs.

@@ -411,3 +411,129 @@ fn a_pass_over_ten_thousand_mounts() {
     });
     assert!(n.sb.mounts().is_empty(), "{:?}", n.sb.mounts().len());
 }
+
+/// Issue 38, point 4, mounts kubelet forgot (kubernetes#121937: kubelet restarted, or the node
+/// rebooted, and lost the volume's `vol_data.json`, so it never tears the mounts down by
+/// itself). moor-node reports them (a log line, the reconcile metric, `moorctl status`), never
+/// unmounts them (a pod may use them), and answers the unstage kubelet's fallback sends for a
+/// global mount it finds (KEP-6058): for the volume it staged, refused while a pod's target is
+/// mounted and done once it is not; for a directory it never staged, OK when nothing is there,
+/// and refused, touching nothing, while what is mounted there is mounted for a pod.
+#[test]
+fn mounts_kubelet_forgot_are_reported_kept_and_unstaged_by_kubelets_fallback() {
+    let mut n = Node::new("kubelet-forgot");
+    let log = n.sb.root.join("node.log");
+    let rt = runtime();
+    rt.block_on(async {
+        let mut node = n.start().await;
+        n.stage(&mut node).await.expect("stage");
+        n.publish(&mut node).await.expect("publish");
+        n.write_vol_data();
+        std::fs::write(n.target.join("data"), b"the pod's").expect("write");
+        if let Some(mut d) = n.daemon.take() {
+            d.stop().await;
+        }
+        // kubelet lost what names the mounts.
+        for dir in [&n.staging, &n.target] {
+            let file = dir.parent().expect("parent").join("vol_data.json");
+            std::fs::remove_file(file).expect("lose vol_data.json");
+        }
+        let mut args = n.sb.node_args("n", &["--reconcile-interval", "0"]);
+        args.extend(["--http-endpoint".to_string(), "127.0.0.1:0".to_string()]);
+        let mut d = Daemon::spawn_logged("moor-node", &n.socket, &args, &log);
+        d.wait_answering().await;
+        let text = moor_privileged::client::wait_for_log(&log, "kubelet no longer knows", &mut d);
+        for path in [&n.staging, &n.target] {
+            assert!(
+                text.lines().any(|l| l.contains("kubelet no longer knows")
+                    && l.contains(&path.display().to_string())),
+                "no log line for {}: {text}",
+                path.display()
+            );
+        }
+        let addr = moor_privileged::client::http_address(&log, &mut d);
+        let metrics = moor_privileged::client::http_get(&addr, "/metrics").expect("/metrics");
+        assert!(
+            metrics
+                .body
+                .lines()
+                .any(|l| l.starts_with("moor_reconcile_actions_total")
+                    && l.contains("kubelet_forgot")
+                    && l.ends_with(" 2")),
+            "{}",
+            metrics.body
+        );
+        // Left mounted, the pod's data there.
+        assert_eq!(mount_depth(&n.staging), 1);
+        assert_eq!(mount_depth(&n.target), 1);
+        assert_eq!(
+            std::fs::read(n.target.join("data")).expect("read"),
+            b"the pod's"
+        );
+        let status = std::process::Command::new(moor_privileged::client::binary("moorctl"))
+            .args(["status", "--state-dir"])
+            .arg(&n.sb.state)
+            .output()
+            .expect("moorctl status");
+        let said = String::from_utf8_lossy(&status.stdout);
+        assert!(
+            status.status.code() == Some(4) && said.matches("kubelet-forgot").count() >= 2,
+            "moorctl status ({}): {said}",
+            status.status
+        );
+
+        let mut node = NodeClient::new(connect(&n.socket).await.expect("connect"));
+        // kubelet's fallback for the global mount it found: refused while the pod's target
+        // is mounted, done once the pod is gone.
+        let refused = n
+            .unstage(&mut node)
+            .await
+            .expect_err("a pod's target is mounted");
+        assert_eq!(
+            refused.code(),
+            tonic::Code::FailedPrecondition,
+            "{refused:?}"
+        );
+        assert_eq!(mount_depth(&n.staging), 1);
+        n.unpublish(&mut node).await.expect("unpublish");
+        n.unstage(&mut node).await.expect("the fallback's unstage");
+        assert_eq!(mount_depth(&n.staging), 0);
+
+        // A directory moor never staged, named by kubelet's fallback with a volume moor does
+        // not know: nothing there, OK.
+        let never = n.sb.staging("never");
+        std::fs::create_dir_all(&never).expect("dir");
+        node.node_unstage_volume(unstage_req("vol-never", &never))
+            .await
+            .expect("an unstage of nothing");
+        // Something mounted there (not moor's, no record) and mounted for a pod: refused,
+        // and nothing touched.
+        rustix::mount::mount(
+            "tmpfs",
+            &never,
+            "tmpfs",
+            rustix::mount::MountFlags::empty(),
+            None,
+        )
+        .expect("tmpfs");
+        let pod = n.sb.target("pod-never", "pv-never");
+        std::fs::create_dir_all(&pod).expect("pod dir");
+        rustix::mount::mount_bind(&never, &pod).expect("bind for a pod");
+        let refused = node
+            .node_unstage_volume(unstage_req("vol-never", &never))
+            .await
+            .expect_err("mounted for a pod");
+        assert_eq!(
+            refused.code(),
+            tonic::Code::FailedPrecondition,
+            "{refused:?}"
+        );
+        assert_eq!((mount_depth(&never), mount_depth(&pod)), (1, 1));
+        for m in [&pod, &never] {
+            rustix::mount::unmount(m.as_path(), rustix::mount::UnmountFlags::empty())
+                .expect("unmount");
+        }
+        d.stop().await;
+    });
+    assert!(n.sb.mounts().is_empty(), "{:?}", n.sb.mounts());
+}

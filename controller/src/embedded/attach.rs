@@ -142,8 +142,10 @@ pub trait Attacher: Send + Sync + fmt::Debug + 'static {
     fn flush(&self, device: &Path, expect: FileId) -> Result<(), AttachError>;
 
     /// Every device on this host bound to a file under `root` (the data dir), with the file
-    /// named under `root` (see [`under_root`]: the kernel may name it through a mount this
-    /// process cannot see). No device bound to anything else is looked at: inspecting a device
+    /// named under `root` (see [`under_root`] and [`named_as_a_volume_file`]: the kernel may
+    /// name it through a mount this process cannot see; such a device is ours only if it reads
+    /// the very file under `root`, by device and inode). No device bound to anything else (by
+    /// the name the kernel gives its file) is looked at: inspecting a device
     /// reads its file's attributes, and another user's file may never answer (a FUSE file
     /// whose server hangs), which would hold the controller with it.
     fn list(&self, root: &Path) -> Result<Vec<Attachment>, AttachError>;
@@ -211,6 +213,22 @@ pub fn under_root(root: &Path, named: &Path) -> Option<(PathBuf, bool)> {
         return None;
     }
     Some((root.join(ATTACHED_DIR).join(file), true))
+}
+
+/// Where the file a loop device names would be under `root`, the data dir, by its name alone:
+/// any path ending in `volumes/vol-<id>.img`. The kernel names a file through the mount it was
+/// opened by, as seen from the reader's root; a mount of another mount namespace that still
+/// lives (a controller's container not yet gone, with the data dir at another path: a rollout
+/// that moved it) is named by its path there, which need not end like `root` at all. Only a
+/// candidate: the caller compares the device's file with the one under `root` (device and
+/// inode) before calling it ours, which the name cannot decide. Not for a deleted file, whose
+/// identity cannot be compared with anything under `root` ([`under_root`] alone decides it).
+pub fn named_as_a_volume_file(root: &Path, named: &Path) -> Option<PathBuf> {
+    let file = named.file_name()?;
+    let dir = named.parent()?.file_name()?;
+    let is_volume_file = |f: &str| super::ids::VolumeId::from_file_name(f, "img").is_some();
+    (dir == ATTACHED_DIR && file.to_str().is_some_and(is_volume_file))
+        .then(|| root.join(ATTACHED_DIR).join(file))
 }
 
 /// How often [`LoopAttacher::attach`] asks for another free device after losing a race.
@@ -468,7 +486,11 @@ impl Attacher for LoopAttacher {
             };
             // Someone else's device is not opened at all (sysfs names its file without
             // touching it): its status read could wait on a file that never answers.
-            let Some((backing, verify)) = under_root(root, Path::new(&named)) else {
+            let candidate = under_root(root, Path::new(&named)).or_else(|| {
+                let by_name = named_as_a_volume_file(root, Path::new(&named));
+                by_name.filter(|_| !deleted).map(|p| (p, true))
+            });
+            let Some((backing, verify)) = candidate else {
                 continue;
             };
             let device = self.dev_dir.join(&name);
@@ -570,6 +592,37 @@ mod tests {
             "/".to_string(),
         ] {
             assert_eq!(under_root(root, Path::new(&shown)), None, "{shown}");
+        }
+    }
+
+    #[test]
+    fn a_file_named_through_another_live_namespace_is_a_candidate_by_its_name() {
+        let root = Path::new("/var/lib/moor-controller");
+        let vol = "vol-0123456789abcdef.img";
+        let want = root.join("volumes").join(vol);
+        for shown in [
+            format!("/data/volumes/{vol}"),
+            format!("/usr/var/lib/moor-controller/volumes/{vol}"),
+            format!("/volumes/{vol}"),
+        ] {
+            assert_eq!(
+                named_as_a_volume_file(root, Path::new(&shown)),
+                Some(want.clone()),
+                "{shown}"
+            );
+        }
+        for shown in [
+            "/data/volumes/vol-0123456789abcdef.img.tmp".to_string(),
+            "/data/volumes/other.img".to_string(),
+            format!("/data/snapshots/{vol}"),
+            vol.to_string(),
+            "/".to_string(),
+        ] {
+            assert_eq!(
+                named_as_a_volume_file(root, Path::new(&shown)),
+                None,
+                "{shown}"
+            );
         }
     }
 

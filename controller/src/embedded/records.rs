@@ -44,6 +44,20 @@ pub enum RecordError {
         #[source]
         source: serde_json::Error,
     },
+    /// A record of a newer format than this code's: a newer moor-controller wrote the data
+    /// dir. Nothing was changed.
+    #[error(
+        "{} is a record of format version {version}, newer than this moor-controller's \
+         {FORMAT_VERSION}; it changed nothing and will not start on this data dir: run the \
+         moor-controller that wrote it, or a newer one",
+        path.display()
+    )]
+    Newer {
+        /// The record.
+        path: PathBuf,
+        /// Its version.
+        version: u64,
+    },
 }
 
 fn io<'a>(step: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RecordError + 'a {
@@ -204,6 +218,8 @@ const FREEZE_FILE: &str = "freezing.json";
 impl RecordStore {
     /// Opens (creating) `root/volumes`, `root/snapshots` and `root/groups` and reads every
     /// record.
+    /// A record of a newer format refuses the whole store before anything is changed
+    /// ([`RecordError::Newer`]): a downgrade never sets aside or rewrites what it cannot read.
     pub fn open(root: &Path) -> Result<(Self, Loaded), RecordError> {
         let store = Self {
             root: root.to_path_buf(),
@@ -211,6 +227,9 @@ impl RecordStore {
             snapshots: root.join("snapshots"),
             groups: root.join("groups"),
         };
+        for dir in [&store.volumes, &store.snapshots, &store.groups] {
+            refuse_newer(dir)?;
+        }
         for dir in [root, &store.volumes, &store.snapshots, &store.groups] {
             fs::create_dir_all(dir).map_err(io("create dir", dir))?;
         }
@@ -308,6 +327,35 @@ impl RecordStore {
 /// Reads the records of one kind in `dir`: a record is kept when its file name is an id of
 /// that kind (`id_of`) and the record says the same id and a version this code reads;
 /// anything else is set aside.
+/// [`RecordError::Newer`] for the first record in `dir` (absent: none) whose `version` is
+/// newer than [`FORMAT_VERSION`]; records that do not read as JSON are left to the load, which
+/// sets them aside.
+fn refuse_newer(dir: &Path) -> Result<(), RecordError> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io("read dir", dir)(e)),
+    };
+    for entry in entries {
+        let path = entry.map_err(io("read dir", dir))?.path();
+        let is_record = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.ends_with(".json") && !n.starts_with('.'));
+        if !is_record {
+            continue;
+        }
+        let data = fs::read(&path).map_err(io("read", &path))?;
+        let version = serde_json::from_slice::<serde_json::Value>(&data)
+            .ok()
+            .and_then(|v| v.get("version")?.as_u64());
+        if let Some(version) = version.filter(|v| *v > u64::from(FORMAT_VERSION)) {
+            return Err(RecordError::Newer { path, version });
+        }
+    }
+    Ok(())
+}
+
 fn load_dir<R: serde::de::DeserializeOwned>(
     dir: &Path,
     id_of: impl Fn(&str) -> Option<String>,
@@ -514,5 +562,133 @@ mod tests {
         assert_eq!(ids, ["vol-0000000000000003", "vol-0000000000000005"]);
         assert!(vols.join("vol-0000000000000003.json.corrupt").exists());
         assert!(!vols.join(".vol-0000000000000004.json.tmp").exists());
+    }
+
+    /// Issue 38, point 9 (a downgrade): a data dir a newer moor-controller wrote (a record of
+    /// a newer format) is refused before anything in it changes: no record set aside, no
+    /// leftover temp file removed, and the error says why.
+    #[test]
+    fn a_newer_record_refuses_the_store_before_anything_changes() {
+        let dir = TestDir::new("records-newer");
+        let (store, _) = RecordStore::open(dir.path()).unwrap();
+        store.put_volume(&volume("vol-0000000000000002")).unwrap();
+        let snaps = dir.path().join("snapshots");
+        let mut newer = serde_json::to_value(volume("vol-0000000000000007")).unwrap();
+        newer["version"] = (FORMAT_VERSION + 1).into();
+        newer["placement"] = "elsewhere".into();
+        let newer = serde_json::to_vec(&newer).unwrap();
+        let vols = dir.path().join("volumes");
+        fs::write(vols.join("vol-0000000000000007.json"), &newer).unwrap();
+        fs::write(vols.join("vol-0000000000000003.json"), b"{ torn").unwrap();
+        fs::write(snaps.join(".snap-0000000000000004.json.tmp"), b"partial").unwrap();
+        let before = |d: &Path| {
+            let mut names: Vec<_> = fs::read_dir(d)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            names.sort();
+            names
+        };
+        let (vols_before, snaps_before) = (before(&vols), before(&snaps));
+        match RecordStore::open(dir.path()) {
+            Err(e @ RecordError::Newer { .. }) => {
+                let said = e.to_string();
+                assert!(
+                    said.contains("vol-0000000000000007.json")
+                        && said.contains(&format!("version {}", FORMAT_VERSION + 1))
+                        && said.contains("changed nothing"),
+                    "{said}"
+                );
+            }
+            other => panic!(
+                "opened a newer data dir: {:?}",
+                other.map(|(_, l)| l.volumes)
+            ),
+        }
+        assert_eq!(before(&vols), vols_before);
+        assert_eq!(before(&snaps), snaps_before);
+        assert_eq!(
+            fs::read(vols.join("vol-0000000000000007.json")).unwrap(),
+            newer
+        );
+    }
+
+    /// The records the last release's moor-controller wrote: commit 10525bb (the last landed
+    /// main, taken as the last release, moor having no tags), made by running that commit's
+    /// daemons and moorctl with `node/src/journal/fixtures/make.sh` (which says how): three
+    /// volumes attached to a node (ext4, a raw block volume, xfs) and a snapshot of the first.
+    const RELEASE_10525BB: [(&str, &str); 4] = [
+        (
+            "volumes/vol-0303446ecad272c8.json",
+            include_str!("fixtures/10525bb/volumes/vol-0303446ecad272c8.json"),
+        ),
+        (
+            "volumes/vol-9064927857a2428d.json",
+            include_str!("fixtures/10525bb/volumes/vol-9064927857a2428d.json"),
+        ),
+        (
+            "volumes/vol-c8bac33f6c6a4a72.json",
+            include_str!("fixtures/10525bb/volumes/vol-c8bac33f6c6a4a72.json"),
+        ),
+        (
+            "snapshots/snap-c229c6394dee935a.json",
+            include_str!("fixtures/10525bb/snapshots/snap-c229c6394dee935a.json"),
+        ),
+    ];
+
+    /// Issue 38, point 9, an upgrade from the last release: its records read with every
+    /// volume and snapshot intact (each attachment with its device), none set aside, and what
+    /// this code writes of them is byte for byte what the release wrote (so the release reads
+    /// it back: a downgrade reads it).
+    #[test]
+    fn the_records_of_the_last_release_are_read_with_every_volume_intact() {
+        let dir = TestDir::new("records-release");
+        for sub in ["volumes", "snapshots"] {
+            fs::create_dir_all(dir.path().join(sub)).unwrap();
+        }
+        for (name, text) in RELEASE_10525BB {
+            fs::write(dir.path().join(name), text).unwrap();
+        }
+        let (store, loaded) = RecordStore::open(dir.path()).unwrap();
+        assert!(loaded.set_aside.is_empty(), "{:?}", loaded.set_aside);
+        let attached: Vec<_> = loaded
+            .volumes
+            .values()
+            .map(|v| {
+                let p = v.publication.as_ref().expect("attached");
+                (
+                    v.name.as_str(),
+                    v.capacity_bytes,
+                    p.node_id.as_str(),
+                    p.readonly,
+                    p.device.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            attached,
+            [
+                ("vol-b", 32_505_856, "node-1", false, Some("/dev/loop1")),
+                ("vol-c", 320_864_256, "node-1", false, Some("/dev/loop2")),
+                ("vol-a", 65_011_712, "node-1", false, Some("/dev/loop0")),
+            ]
+        );
+        let snap = &loaded.snapshots["snap-c229c6394dee935a"];
+        assert_eq!(
+            (snap.source_volume_id.as_str(), snap.size_bytes),
+            ("vol-c8bac33f6c6a4a72", 65_011_712)
+        );
+        // Written again by this code: the same bytes.
+        for v in loaded.volumes.values() {
+            store.put_volume(v).unwrap();
+        }
+        store.put_snapshot(snap).unwrap();
+        for (name, text) in RELEASE_10525BB {
+            assert_eq!(
+                fs::read_to_string(dir.path().join(name)).unwrap(),
+                text,
+                "{name}"
+            );
+        }
     }
 }

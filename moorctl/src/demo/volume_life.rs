@@ -106,6 +106,7 @@ impl Demo {
         if let Some(parent) = staging.parent() {
             std::fs::create_dir_all(parent).map_err(io(parent))?;
         }
+        kubelets_vol_data(staging, vol)?;
         self.made.staged.push((vol.into(), staging.into()));
         self.node
             .node_stage_volume(csi::NodeStageVolumeRequest {
@@ -130,6 +131,7 @@ impl Demo {
         if let Some(parent) = target.parent() {
             std::fs::create_dir_all(parent).map_err(io(parent))?;
         }
+        kubelets_vol_data(target, vol)?;
         self.made.published.push((vol.into(), target.into()));
         self.node
             .node_publish_volume(csi::NodePublishVolumeRequest {
@@ -424,4 +426,17 @@ impl Demo {
         .await?;
         Ok(())
     }
+}
+
+/// Writes the `vol_data.json` kubelet keeps for the mount at `path` of volume `vol`, as the
+/// demo plays kubelet (kubelet writes it before it calls the plugin, and removes it after).
+fn kubelets_vol_data(path: &Path, vol: &str) -> Result<(), String> {
+    let Some(file) = moor_node::reconcile::vol_data_by_shape(path) else {
+        return Ok(());
+    };
+    if let Some(dir) = file.parent() {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+    }
+    let data = serde_json::json!({"driverName": "moor.csi.io", "volumeHandle": vol});
+    std::fs::write(&file, data.to_string()).map_err(io(&file))
 }

@@ -35,6 +35,11 @@ pub enum Verdict {
     /// memory of a mount the reboot ended (a power cut may have taken the record of its end),
     /// which moor-node holds nothing by (docs/durability.md). Not a fault.
     Remembered,
+    /// Mounted as recorded, but kubelet no longer knows the mount: the `vol_data.json` it
+    /// keeps beside it is gone (kubelet restarted or the node rebooted and lost it,
+    /// kubernetes#121937). moor-node leaves it mounted (a pod may use it); kubelet's unpublish
+    /// or unstage of the path, or an operator's, ends it.
+    KubeletForgot,
     /// They disagree: a recorded mount is missing or from another device, or a phase is still
     /// in progress.
     Drifted,
@@ -53,6 +58,7 @@ impl Verdict {
         match self {
             Self::Healthy => "healthy",
             Self::Remembered => "remembered",
+            Self::KubeletForgot => "kubelet-forgot",
             Self::Drifted => "drifted",
             Self::Unknown => "unknown",
             Self::Corrupted => "corrupted",
@@ -597,6 +603,19 @@ pub fn check_volume(rec: &VolumeRecord, table: &MountTable, boot: &Boot) -> Volu
             reason,
         });
     }
+    for c in &mut checks {
+        if c.verdict == Verdict::Healthy
+            && matches!(c.role, "staging" | "publish")
+            && moor_node::reconcile::kubelet_forgot(&c.path)
+        {
+            c.verdict = Verdict::KubeletForgot;
+            c.reason = Some(
+                "mounted as recorded, but kubelet's vol_data.json beside it is gone: kubelet \
+                 no longer knows this mount; moor-node leaves it mounted (a pod may use it)"
+                    .into(),
+            );
+        }
+    }
     let verdict = checks
         .iter()
         .map(|c| c.verdict)
@@ -669,6 +688,7 @@ pub fn render(
     for verdict in [
         Verdict::Healthy,
         Verdict::Remembered,
+        Verdict::KubeletForgot,
         Verdict::Drifted,
         Verdict::Unknown,
         Verdict::Corrupted,

@@ -16,6 +16,7 @@ use crate::journal::{Boot, Phase};
 
 /// A volume's RBD mapping.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MappingRecord {
     /// The attacher that made it ("kernel" or "fuse").
     pub attacher: String,

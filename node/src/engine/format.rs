@@ -157,6 +157,17 @@ impl<O: Os> Engine<O> {
         else {
             return Ok(());
         };
+        // A filesystem mounted anywhere (a pod of another volume on the same device, a mount
+        // this node does not know) is never checked: a check of a mounted filesystem is how
+        // it gets corrupted (linstor-csi #385). It is in use, so it is not checked now.
+        if let Err(e) = self.os.check_unclaimed(dev) {
+            if e.errno() != Some(libc::EBUSY) {
+                return Err(Error::Sys(e));
+            }
+            info!(volume = volume_id, device = %dev.node.display(),
+                "the device is in use (mounted or claimed); its filesystem is not checked");
+            return Ok(());
+        }
         let tool = &run.program;
         let mut count = |outcome| report.fsck = Some((fs, outcome));
         match self.os.run_tool(&run) {

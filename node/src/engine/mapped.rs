@@ -402,7 +402,13 @@ impl<O: Os> Engine<O> {
     /// path) or maps nothing.
     pub(super) fn unmap_unstaged(&self, volume_id: &str) -> Result<()> {
         let mut record = self.record(volume_id);
-        if record.stage.is_some() || record.mapping.is_none() {
+        // A staging kubelet ended with moor's mkfs unfinished keeps its record (the intent),
+        // and holds no mapping: the next stage maps the image again.
+        let staged = record
+            .stage
+            .as_ref()
+            .is_some_and(|s| s.boot.as_deref() != Some(crate::journal::Boot::ENDED));
+        if staged || record.mapping.is_none() {
             return Ok(());
         }
         let attacher = Arc::clone(self.attacher_for(record.mapping.as_ref())?);

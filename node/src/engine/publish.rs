@@ -273,9 +273,15 @@ impl<O: Os> Engine<O> {
             attrs: wanted.attrs,
         }) {
             record.publishes.remove(&req.target);
-            let _ = self.os.remove(&req.target);
-            self.journal.put(record, Durability::Process)?;
-            return Err(e.into());
+            let mut first = Error::from(e);
+            if let Err(r) = self.os.remove(&req.target) {
+                first = first.with_cleanup_failure(&req.volume_id, "removing the target's dir", &r);
+            }
+            if let Err(j) = self.journal.put(record, Durability::Process) {
+                first =
+                    first.with_cleanup_failure(&req.volume_id, "dropping the publish record", &j);
+            }
+            return Err(first);
         }
         crash_points::point("publish.bound");
         record.publishes.insert(req.target.clone(), wanted);

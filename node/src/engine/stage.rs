@@ -16,7 +16,7 @@ use super::{ADOPTED_MODE, Access, Capability, Engine, FsckOutcome, Stage, Unstag
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::filesystem;
-use crate::journal::{AccessRecord, Durability, Phase, StageRecord, VolumeRecord};
+use crate::journal::{AccessRecord, Boot, Durability, Phase, StageRecord, VolumeRecord};
 use crate::mount_options::MountOptions;
 use crate::superblock::Content;
 use crate::sys::{FsMount, HeldDevice, MountAttrs, MountPoint, MountState, Os};
@@ -390,8 +390,15 @@ impl<O: Os> Engine<O> {
         });
         if let Err(e) = mounted {
             record.stage = None;
-            self.journal.put(record, Durability::Process)?;
-            return Err(e.into());
+            let first = Error::from(e);
+            return Err(match self.journal.put(record, Durability::Process) {
+                Ok(()) => first,
+                // The intent stays: nothing was mounted, which reconciliation and the retry
+                // tell apart from a mount.
+                Err(j) => {
+                    first.with_cleanup_failure(&st.req.volume_id, "dropping the stage record", &j)
+                }
+            });
         }
         let took = start.elapsed();
         crash_points::point("stage.mounted");
@@ -414,11 +421,25 @@ impl<O: Os> Engine<O> {
                 Ok(grown)
             }
             Err(e) => {
-                // Leave nothing half-done.
-                let _ = self.os.unmount(&st.req.staging, false);
+                // Leave nothing half-done. A mount that cannot be undone keeps its record (the
+                // intent): the retry or reconciliation finishes or rolls back the stage, as
+                // after a crash at this point.
+                if let Err(u) = self.os.unmount(&st.req.staging, false) {
+                    return Err(e.with_cleanup_failure(
+                        &st.req.volume_id,
+                        "unmounting the staging path",
+                        &u,
+                    ));
+                }
                 record.stage = None;
-                self.journal.put(record, Durability::Process)?;
-                Err(e)
+                match self.journal.put(record, Durability::Process) {
+                    Ok(()) => Err(e),
+                    Err(j) => Err(e.with_cleanup_failure(
+                        &st.req.volume_id,
+                        "dropping the stage record",
+                        &j,
+                    )),
+                }
             }
         }
     }
@@ -513,7 +534,31 @@ impl<O: Os> Engine<O> {
                     .join(", ")
             )));
         }
+        if record.stage.is_none() {
+            self.refuse_unstage_under_pods(req)?;
+        }
         record.publishes.clear();
+        if let Some(st) = record
+            .stage
+            .as_mut()
+            .filter(|s| s.phase == Phase::Formatting)
+        {
+            // A mkfs moor began and did not finish (nothing is mounted: the mount comes after
+            // the record that follows mkfs). The staging ends; the knowledge that the device
+            // holds moor's partial mkfs stays, as durably as it was written, so the next stage
+            // resumes it instead of refusing the unknown data for ever.
+            if st.boot.as_deref() != Some(Boot::ENDED) {
+                st.boot = Some(Boot::ENDED.to_string());
+                self.journal.put(&record, Durability::Power)?;
+                info!(
+                    volume = req.volume_id,
+                    path = %req.staging.display(),
+                    "unstaged while moor's mkfs was unfinished: its intent is kept, and the \
+                     next stage resumes it"
+                );
+            }
+            return Ok(());
+        }
         if let Some(st) = record.stage.as_mut() {
             st.phase = Phase::InProgress;
             self.journal.put(&record, Durability::Process)?;
@@ -547,6 +592,34 @@ impl<O: Os> Engine<O> {
         self.journal.put(&record, Durability::Process)?;
         crash_points::point("unstage.done");
         Ok(())
+    }
+
+    /// An unstage without a record (a journal lost, or kubelet's fallback for a global mount
+    /// it found without its `vol_data.json`, KEP-6058) has no publications to refuse by: the
+    /// mount table stands in for them. While the filesystem mounted at the staging path is
+    /// also mounted under kubelet's pods dir (a pod's target), the unstage is refused as one
+    /// with a record would be: a running pod may use it.
+    fn refuse_unstage_under_pods(&self, req: &Unstage) -> Result<()> {
+        let MountState::Mounted(mp) = self.os.mount_state(&req.staging)? else {
+            return Ok(());
+        };
+        let pods = self.config().kubelet_dir.join("pods");
+        let users: Vec<String> = self
+            .os
+            .mount_table()?
+            .into_iter()
+            .filter(|m| m.dev == mp.dev && m.mount_point.starts_with(&pods))
+            .map(|m| m.mount_point.display().to_string())
+            .collect();
+        if users.is_empty() {
+            return Ok(());
+        }
+        Err(Error::FailedPrecondition(format!(
+            "{} holds a filesystem that is still mounted for a pod at {}; unpublish it first \
+             (moor has no record of this staging: the mount table says so)",
+            req.staging.display(),
+            users.join(", ")
+        )))
     }
 
     /// Grows the filesystem `content` found on `device` (of `device_size` bytes), mounted at

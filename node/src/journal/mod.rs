@@ -24,7 +24,17 @@ use serde::{Deserialize, Serialize};
 
 use crate::sys::MountAttrs;
 
+/// The journal's format, the version every line's header names. A moor-node reads a log of
+/// its own version and refuses, before it changes anything, a log holding a line of a newer
+/// one, or a whole line (its checksum holds) whose record it does not understand: a field or a
+/// value only a newer moor-node writes (every record refuses unknown fields). A downgrade
+/// therefore either reads the journal as it is or stops with the reason, never drops what it
+/// cannot read. A change an older moor-node must not read (a new field, a new phase) needs no
+/// new version to be refused; a new version is for a line that is no longer this format.
+pub const FORMAT_VERSION: u32 = 1;
 const MAGIC: &str = "moor-journal v1 ";
+/// What every version's header starts with.
+const MAGIC_STEM: &str = "moor-journal v";
 
 /// Journal failures.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +57,20 @@ pub enum JournalError {
         #[source]
         source: std::io::Error,
     },
+    /// The log was written by a newer moor-node: a line this one cannot read, though it is
+    /// whole. Nothing was changed on disk.
+    #[error(
+        "{path} line {line}: {error}. This moor-node (journal format v{FORMAT_VERSION}) changed \
+         nothing and will not start on it: run the moor-node that wrote it, or a newer one"
+    )]
+    Newer {
+        /// The log.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// What the line is.
+        error: DecodeError,
+    },
 }
 
 /// Why a record file could not be read.
@@ -64,9 +88,20 @@ pub enum DecodeError {
     /// The checksum does not match the body.
     #[error("checksum mismatch")]
     ChecksumMismatch,
-    /// The body is not a valid record.
-    #[error("malformed record: {0}")]
-    Json(String),
+    /// The line is whole (its checksum holds) but its record is not one this moor-node knows:
+    /// written by a newer one.
+    #[error("a record this moor-node does not understand, written by a newer one: {0}")]
+    NotUnderstood(String),
+    /// The line's header names a newer format than this moor-node's.
+    #[error("journal format v{0}, newer than this moor-node's v{FORMAT_VERSION}")]
+    NewerFormat(u32),
+}
+
+impl DecodeError {
+    /// Whether the line is whole but only a newer moor-node can read it.
+    pub fn is_newer(&self) -> bool {
+        matches!(self, Self::NotUnderstood(_) | Self::NewerFormat(_))
+    }
 }
 
 /// How far along an operation is. A record is written with the in-progress phase before the
@@ -83,6 +118,7 @@ pub enum Phase {
 
 /// How a volume is accessed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub enum AccessRecord {
     /// A filesystem.
     Mount {
@@ -99,6 +135,7 @@ pub enum AccessRecord {
 
 /// A staged volume.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StageRecord {
     /// staging_target_path.
     pub path: PathBuf,
@@ -126,6 +163,7 @@ pub struct StageRecord {
 
 /// A published volume at one target.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PublishRecord {
     /// Whether it is a block volume.
     pub block: bool,
@@ -162,14 +200,23 @@ impl Boot {
     }
 
     /// Whether a record stamped `written` was written in an earlier boot than this one: both
-    /// known, and different.
+    /// known, and different; or stamped [`Boot::ENDED`].
     pub fn is_earlier(&self, written: Option<&str>) -> bool {
-        matches!((&self.0, written), (Some(now), Some(then)) if now != then)
+        written == Some(Self::ENDED)
+            || matches!((&self.0, written), (Some(now), Some(then)) if now != then)
     }
+
+    /// The stamp of a staging kubelet ended while its record guarded a mkfs moor had begun
+    /// and not finished (its NodeUnstageVolume after the stage failed): no boot's, so a
+    /// memory in every boot, which holds nothing (no place, no path), while the record still
+    /// lets kubelet's next stage resume that mkfs on the device the request proves. Never a
+    /// boot id (those are UUIDs).
+    pub const ENDED: &'static str = "ended";
 }
 
 /// Everything moor knows of one volume on this node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct VolumeRecord {
     /// CSI volume id.
     pub volume_id: String,
@@ -291,9 +338,9 @@ pub fn encode(record: &VolumeRecord) -> Vec<u8> {
 
 /// Decodes a record file's content. Never panics.
 pub fn decode(bytes: &[u8]) -> Result<VolumeRecord, DecodeError> {
-    let rest = bytes
-        .strip_prefix(MAGIC.as_bytes())
-        .ok_or(DecodeError::BadMagic)?;
+    let Some(rest) = bytes.strip_prefix(MAGIC.as_bytes()) else {
+        return Err(newer_format(bytes).map_or(DecodeError::BadMagic, DecodeError::NewerFormat));
+    };
     let body = rest.strip_suffix(b"\n").ok_or(DecodeError::Truncated)?;
     let (crc_hex, json) = body
         .split_at_checked(8)
@@ -306,7 +353,17 @@ pub fn decode(bytes: &[u8]) -> Result<VolumeRecord, DecodeError> {
     if crc32c(json) != crc {
         return Err(DecodeError::ChecksumMismatch);
     }
-    serde_json::from_slice(json).map_err(|e| DecodeError::Json(e.to_string()))
+    serde_json::from_slice(json).map_err(|e| DecodeError::NotUnderstood(e.to_string()))
+}
+
+/// The version a whole line's header names, when it is a newer one than this code's.
+fn newer_format(line: &[u8]) -> Option<u32> {
+    let rest = line.strip_prefix(MAGIC_STEM.as_bytes())?;
+    line.ends_with(b"\n").then_some(())?;
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    (rest.get(digits) == Some(&b' ')).then_some(())?;
+    let version: u32 = std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()?;
+    (version > FORMAT_VERSION).then_some(version)
 }
 
 /// The log's file name in the state dir.
@@ -341,6 +398,9 @@ pub struct Replay {
     /// power cut before they were synced, or a write still in flight), which never returned
     /// to their callers. Not damage: the log ends before them.
     pub torn_tail: usize,
+    /// The first line only a newer moor-node can read ([`DecodeError::is_newer`]), wherever
+    /// it is: the log is not this moor-node's to use.
+    pub newer: Option<(usize, DecodeError)>,
 }
 
 /// Replays a log's bytes: each complete line is a record and the newest line of a volume wins.
@@ -369,6 +429,9 @@ pub fn replay(bytes: &[u8]) -> Replay {
                 out.records.insert(r.volume_id.clone(), r);
             }
             Err(e) => {
+                if e.is_newer() && out.newer.is_none() {
+                    out.newer = Some((out.lines, e.clone()));
+                }
                 out.problems.push((out.lines, e));
                 continue;
             }
@@ -388,7 +451,7 @@ pub fn replay(bytes: &[u8]) -> Replay {
 }
 
 /// Reads the journal of `state_dir` without changing anything on disk (for `moorctl status`
-/// while the daemon runs).
+/// while the daemon runs). A log a newer moor-node wrote is [`JournalError::Newer`].
 pub fn read_state(state_dir: &Path) -> Result<(Vec<VolumeRecord>, Vec<LoadProblem>), JournalError> {
     let path = state_dir.join(LOG_FILE);
     let bytes = match std::fs::read(&path) {
@@ -397,6 +460,7 @@ pub fn read_state(state_dir: &Path) -> Result<(Vec<VolumeRecord>, Vec<LoadProble
         Err(source) => return Err(JournalError::Dir { path, source }),
     };
     let replayed = replay(&bytes);
+    refuse_newer(&path, &replayed)?;
     let problems = replayed
         .problems
         .into_iter()
@@ -409,6 +473,18 @@ pub fn read_state(state_dir: &Path) -> Result<(Vec<VolumeRecord>, Vec<LoadProble
     Ok((replayed.records.into_values().collect(), problems))
 }
 
+/// [`JournalError::Newer`] when the replayed log holds a line only a newer moor-node reads.
+fn refuse_newer(path: &Path, replayed: &Replay) -> Result<(), JournalError> {
+    match &replayed.newer {
+        Some((line, error)) => Err(JournalError::Newer {
+            path: path.to_path_buf(),
+            line: *line,
+            error: error.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
 #[derive(Debug)]
 struct State {
     records: HashMap<String, VolumeRecord>,
@@ -419,6 +495,9 @@ struct State {
     synced: u64,
     /// Lines in the log.
     lines: usize,
+    /// Tests: how many more `put`s succeed before one fails (with EIO), once.
+    #[cfg(test)]
+    fail_after: Option<usize>,
 }
 
 /// The journal: records in memory, mirrored to an append-only log in the state dir.
@@ -459,6 +538,9 @@ impl Journal {
             Err(source) => return Err(JournalError::Dir { path, source }),
         };
         let replayed = replay(&bytes);
+        // Before anything is written: a newer moor-node's log is neither set aside nor
+        // rewritten.
+        refuse_newer(&path, &replayed)?;
         let problems: Vec<LoadProblem> = replayed
             .problems
             .iter()
@@ -487,6 +569,8 @@ impl Journal {
                     len,
                     synced: len,
                     lines,
+                    #[cfg(test)]
+                    fail_after: None,
                 }),
                 torn_tail: replayed.torn_tail,
             },
@@ -513,6 +597,12 @@ impl Journal {
         self.lock().records.values().cloned().collect()
     }
 
+    /// Tests: the `put` after the next `after` ones fails with EIO (nothing written), once.
+    #[cfg(test)]
+    pub(crate) fn fail_put_after(&self, after: usize) {
+        self.lock().fail_after = Some(after);
+    }
+
     /// How many bytes at the start of `journal.log` are known to be on disk: what a power cut
     /// cannot take (the lines after them may reach the disk, in order, or not). For the
     /// power-cut model of the tests.
@@ -525,6 +615,16 @@ impl Journal {
     pub fn put(&self, record: &VolumeRecord, durability: Durability) -> Result<(), JournalError> {
         let line = encode(record);
         let mut st = self.lock();
+        #[cfg(test)]
+        if let Some(n) = st.fail_after.take() {
+            if n == 0 {
+                return Err(JournalError::Write {
+                    path: self.dir.join(LOG_FILE),
+                    source: std::io::Error::from_raw_os_error(libc::EIO),
+                });
+            }
+            st.fail_after = Some(n - 1);
+        }
         let sync = self.fsync_all || durability == Durability::Power;
         let written = st
             .log

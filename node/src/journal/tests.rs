@@ -292,3 +292,221 @@ fn damaged_logs_are_set_aside_and_rebuilt() {
     assert!(j.all().is_empty());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A line as a newer moor-node might write it: `body` under the header of `version`, with its
+/// checksum right.
+fn line_of(version: u32, body: &str) -> Vec<u8> {
+    format!(
+        "moor-journal v{version} {:08x} {body}\n",
+        crc32c(body.as_bytes())
+    )
+    .into_bytes()
+}
+
+/// Issue 38, point 9 (a downgrade): a moor-node given the log of a newer one refuses it, says
+/// why, and leaves the log exactly as it was (no `journal.log.corrupt`, no rewrite), so the
+/// newer moor-node started again finds all it wrote.
+#[test]
+fn a_log_a_newer_moor_node_wrote_is_refused_before_anything_changes() {
+    let known = String::from_utf8(encode(&sample())).unwrap();
+    let known_body = known.splitn(4, ' ').nth(3).unwrap().trim_end().to_string();
+    // A field this moor-node does not know, in a record otherwise its own.
+    let extra = known_body.replacen('{', r#"{"shared_with":["pod-a"],"#, 1);
+    // A phase it does not know.
+    let phase = known_body.replace(r#""phase":"Done""#, r#""phase":"Quiescing""#);
+    assert_ne!(phase, known_body, "the sample has a Done phase to change");
+    type Case = (&'static str, Vec<u8>, fn(&DecodeError) -> bool);
+    let cases: [Case; 3] = [
+        ("a line of format v2", line_of(2, "{\"anything\":1}"), |e| {
+            *e == DecodeError::NewerFormat(2)
+        }),
+        (
+            "an unknown field",
+            line_of(1, &extra),
+            |e| matches!(e, DecodeError::NotUnderstood(w) if w.contains("shared_with")),
+        ),
+        (
+            "an unknown phase",
+            line_of(1, &phase),
+            |e| matches!(e, DecodeError::NotUnderstood(w) if w.contains("Quiescing")),
+        ),
+    ];
+    for (what, newer, is_it) in cases {
+        let dir = temp_dir("newer");
+        std::fs::create_dir_all(&dir).unwrap();
+        // Its own lines before and after: the newer line is refused wherever it is, even last
+        // (where an unreadable tail would be an append cut short).
+        for log in [
+            [known.as_bytes(), &newer].concat(),
+            [newer.as_slice(), known.as_bytes()].concat(),
+        ] {
+            std::fs::write(dir.join(LOG_FILE), &log).unwrap();
+            let line = if log.starts_with(&newer) { 1 } else { 2 };
+            match Journal::open(&dir, false) {
+                Err(JournalError::Newer {
+                    line: at, error, ..
+                }) => {
+                    assert_eq!(at, line, "{what}");
+                    assert!(is_it(&error), "{what}: {error:?}");
+                    let said = JournalError::Newer {
+                        path: dir.join(LOG_FILE),
+                        line: at,
+                        error,
+                    }
+                    .to_string();
+                    assert!(
+                        said.contains("changed nothing") && said.contains("newer"),
+                        "{what}: {said}"
+                    );
+                }
+                other => panic!("{what}: opened {:?}", other.map(|(j, p)| (j.all(), p))),
+            }
+            assert!(
+                matches!(read_state(&dir), Err(JournalError::Newer { .. })),
+                "{what}: moorctl status reads it"
+            );
+            assert_eq!(
+                std::fs::read(dir.join(LOG_FILE)).unwrap(),
+                log,
+                "{what}: the log changed"
+            );
+            assert!(!dir.join(CORRUPT_FILE).exists(), "{what}: set aside");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// A line of this format that is not whole stays damage (set aside, the log rebuilt), not a
+/// newer moor-node's: only a line whose checksum holds can be one.
+#[test]
+fn a_damaged_line_is_not_taken_for_a_newer_one() {
+    let mut bad = line_of(
+        1,
+        r#"{"volume_id":"x","stage":null,"publishes":{},"new":1}"#,
+    );
+    bad[30] ^= 1;
+    let mut log = bad.clone();
+    log.extend(encode(&sample()));
+    let dir = temp_dir("damaged-not-newer");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(LOG_FILE), &log).unwrap();
+    let (j, problems) = Journal::open(&dir, false).unwrap();
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(!problems[0].error.is_newer(), "{problems:?}");
+    assert_eq!(j.all(), vec![sample()]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The journal the last release's moor-node wrote: commit 10525bb (the last landed main,
+/// taken as the last release, moor having no tags), made by running that commit's moor-node,
+/// moor-controller and moorctl with `fixtures/make.sh` (which says how), as root on loop
+/// devices: an ext4 volume staged and published, a raw block volume staged and published
+/// (SINGLE_NODE_SINGLE_WRITER), an xfs volume with `noatime` staged (SINGLE_NODE_MULTI_WRITER).
+const RELEASE_10525BB: &[u8] = include_bytes!("fixtures/10525bb/journal.log");
+
+/// Issue 38, point 9, an upgrade from the last release: its journal reads with every volume
+/// intact, and what this code writes of those records is byte for byte what the release
+/// wrote, so the release reads this code's journal of them too (a downgrade reads it).
+#[test]
+fn the_journal_of_the_last_release_is_read_with_every_volume_intact() {
+    let dir = temp_dir("release-10525bb");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(LOG_FILE), RELEASE_10525BB).unwrap();
+    let (j, problems) = Journal::open(&dir, false).unwrap();
+    assert!(problems.is_empty(), "{problems:?}");
+    assert_eq!(j.torn_tail(), 0);
+    let root = "/tmp/moor-fixture.vu4H2s/kubelet";
+    let boot = Some("f9f2403a-f7b5-47b0-a6ce-e51826031e7d".to_string());
+    let attrs = |atime| MountAttrs {
+        atime,
+        ..MountAttrs::default()
+    };
+    let done_publish = |block| PublishRecord {
+        block,
+        attrs: attrs(crate::sys::Atime::Relative),
+        access_mode: if block { 6 } else { 1 },
+        phase: Phase::Done,
+        boot: boot.clone(),
+    };
+    // A stage as the release recorded it: (path under the kubelet dir, loop device number,
+    // access, atime, access mode, the UUID of moor's mkfs).
+    let staged = |path: &str, n: u32, access, atime, access_mode, fs_uuid: Option<&str>| {
+        Some(StageRecord {
+            path: format!("{root}/plugins/kubernetes.io/csi/{path}").into(),
+            device: format!("/dev/loop{n}").into(),
+            rdev: (7, n),
+            access,
+            attrs: attrs(atime),
+            access_mode,
+            phase: Phase::Done,
+            fs_uuid: fs_uuid.map(str::to_string),
+            boot: boot.clone(),
+        })
+    };
+    let mount = |fs: &str, options: &[&str]| AccessRecord::Mount {
+        fs_type: fs.into(),
+        fs_options: options.iter().map(|o| (*o).to_string()).collect(),
+        group: None,
+    };
+    let relative = crate::sys::Atime::Relative;
+    let mut a = VolumeRecord::new("vol-c8bac33f6c6a4a72");
+    a.stage = staged(
+        "moor.csi.io/a/globalmount",
+        0,
+        mount("ext4", &[]),
+        relative,
+        1,
+        Some("d30f8de1-2acd-4002-a36c-2d9407f6fafa"),
+    );
+    a.publishes.insert(
+        format!("{root}/pods/pod-a/volumes/kubernetes.io~csi/pvc-a/mount").into(),
+        done_publish(false),
+    );
+    let mut b = VolumeRecord::new("vol-0303446ecad272c8");
+    b.stage = staged(
+        "volumeDevices/staging/pvc-b",
+        1,
+        AccessRecord::Block,
+        relative,
+        6,
+        None,
+    );
+    b.publishes.insert(
+        format!("{root}/pods/pod-b/volumeDevices/kubernetes.io~csi/pvc-b").into(),
+        done_publish(true),
+    );
+    let mut c = VolumeRecord::new("vol-9064927857a2428d");
+    c.stage = staged(
+        "moor.csi.io/c/globalmount",
+        2,
+        mount("xfs", &["nouuid"]),
+        crate::sys::Atime::None,
+        7,
+        Some("08e8db3c-673b-4d4b-92f9-6b7a0e7ce149"),
+    );
+    let mut got = j.all();
+    got.sort_by(|x, y| x.volume_id.cmp(&y.volume_id));
+    assert_eq!(got, vec![b, c, a]);
+    // Each volume's newest line, as the release wrote it, is what this code writes.
+    let text = std::str::from_utf8(RELEASE_10525BB).unwrap();
+    for r in &got {
+        let newest = text
+            .lines()
+            .rfind(|l| l.contains(&format!("{{\"volume_id\":\"{}\"", r.volume_id)))
+            .unwrap();
+        assert_eq!(
+            std::str::from_utf8(&encode(r)).unwrap().trim_end(),
+            newest,
+            "{}",
+            r.volume_id
+        );
+    }
+    // And the log this code rewrote at open reads back the same.
+    drop(j);
+    let (again, problems) = Journal::open(&dir, false).unwrap();
+    assert!(problems.is_empty(), "{problems:?}");
+    let mut back = again.all();
+    back.sort_by(|x, y| x.volume_id.cmp(&y.volume_id));
+    assert_eq!(back, got);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -115,6 +115,17 @@ pub enum Action {
         /// The image.
         image: String,
     },
+    /// A mount of moor's that kubelet no longer knows: the `vol_data.json` kubelet keeps
+    /// beside it is gone (kubelet restarted or the node rebooted and lost it, as in
+    /// kubernetes#121937), so kubelet may never unpublish or unstage it by itself. Reported,
+    /// never unmounted: a running pod may still use it; kubelet's unpublish or unstage of the
+    /// path (its orphan cleanup) ends it.
+    KubeletForgot {
+        /// Volume id.
+        volume: String,
+        /// The staging path or target.
+        path: PathBuf,
+    },
     /// A step failed; the next pass tries again.
     Failed {
         /// Volume id.
@@ -145,6 +156,7 @@ impl Action {
             Action::Unmapped { .. } => "unmapped",
             Action::MappingLost { .. } => "mapping_lost",
             Action::ForeignMapping { .. } => "foreign_mapping",
+            Action::KubeletForgot { .. } => "kubelet_forgot",
             Action::Failed { .. } => "failed",
         }
     }
@@ -231,6 +243,9 @@ impl Action {
                     image,
                     "reconcile: an RBD mapping no record names, not provably moor's; left alone"
                 );
+            }
+            Action::KubeletForgot { volume, path } => {
+                warn!(volume, path = %path.display(), "reconcile: kubelet no longer knows this mount (the vol_data.json it keeps beside it is gone); left mounted, as a pod may use it: kubelet's unpublish or unstage of the path ends it");
             }
             Action::Failed {
                 volume,

@@ -15,6 +15,7 @@
 //!   never touched, and a path kubelet expects mounted is never unmounted while healthy;
 //! * a mount on one of moor's kubelet paths that the journal does not know (the journal was
 //!   damaged) is adopted back into the journal, named by kubelet's `vol_data.json`;
+//! * a mount of moor's whose `vol_data.json` kubelet lost is reported, never unmounted;
 //! * an RBD map or unmap a crash cut short is finished or undone, and a mapping nothing is
 //!   staged on, or that no record names, is unmapped (`engine::mapped`); a volume's mapping
 //!   is reconciled after its mounts, so a stage they roll back no longer holds it.
@@ -112,6 +113,9 @@ impl<O: Os> Reconciler<O> {
             };
             let volume_id = record.volume_id.clone();
             self.volume(record, &index, &mut actions);
+            if let Some(record) = self.engine.journal().get(&volume_id) {
+                self.forgotten_by_kubelet(&record, &mut actions);
+            }
             // The mapping after the mounts: a stage they rolled back no longer holds it.
             if let Some(mut record) = self.engine.journal().get(&volume_id) {
                 self.engine
@@ -434,6 +438,38 @@ impl<O: Os> Reconciler<O> {
         }
     }
 
+    /// The volume's mounts that kubelet no longer knows ([`Action::KubeletForgot`]): a
+    /// staging or a publication done, mounted, on a path of kubelet's shape whose
+    /// `vol_data.json` is gone while its dir is there. Reported only; nothing is touched.
+    fn forgotten_by_kubelet(&self, record: &VolumeRecord, actions: &mut Vec<Action>) {
+        let kubelet = &self.engine.config().kubelet_dir;
+        let stage = record
+            .stage
+            .iter()
+            .filter(|s| s.phase == Phase::Done && !self.engine.stage_is_memory(s))
+            .map(|s| &s.path);
+        let publishes = record
+            .publishes
+            .iter()
+            .filter(|(_, p)| p.phase == Phase::Done)
+            .map(|(t, _)| t);
+        for path in stage.chain(publishes) {
+            let forgot =
+                classify(kubelet, &self.driver_name, path).is_some() && kubelet_forgot(path);
+            if forgot
+                && matches!(
+                    self.engine.os().mount_state(path),
+                    Ok(MountState::Mounted(_))
+                )
+            {
+                actions.push(Action::KubeletForgot {
+                    volume: record.volume_id.clone(),
+                    path: path.clone(),
+                });
+            }
+        }
+    }
+
     /// Records a mount on one of moor's kubelet paths that the journal does not know.
     fn adopt(&self, path: &Path, index: &Index<'_>, actions: &mut Vec<Action>) {
         let kubelet = &self.engine.config().kubelet_dir;
@@ -600,6 +636,35 @@ fn classify(kubelet: &Path, driver: &str, path: &Path) -> Option<KubeletPath> {
         ["pods", _uid, "volumes", "kubernetes.io~csi", _pv, "mount"] => Some(KubeletPath::PodMount),
         _ => None,
     }
+}
+
+/// Where kubelet keeps the `vol_data.json` of the mount at `path`, by the path's shape alone:
+/// beside a staging path (`.../globalmount`) or a pod's target (`.../mount`), and for a block
+/// publication (`.../volumeDevices/publish/<pv>/<pod uid>`) in `.../volumeDevices/<pv>/data`.
+/// None for a path of another shape.
+pub fn vol_data_by_shape(path: &Path) -> Option<PathBuf> {
+    let name = path.file_name()?.to_str()?;
+    if matches!(name, "globalmount" | "mount") {
+        return Some(path.parent()?.join("vol_data.json"));
+    }
+    let pv_dir = path.parent()?;
+    let publish = pv_dir.parent()?;
+    let devices = publish.parent()?;
+    let pv = pv_dir.file_name()?;
+    (publish.file_name()? == "publish" && devices.file_name()? == "volumeDevices")
+        .then(|| devices.join(pv).join("data/vol_data.json"))
+}
+
+/// Whether kubelet lost the `vol_data.json` it keeps for the mount at `path` (kubelet
+/// restarted or the node rebooted and lost it, kubernetes#121937): its dir is there, the
+/// file is not. False for a path of no kubelet shape. Reconciliation and `moorctl status`
+/// report such a mount and leave it mounted.
+pub fn kubelet_forgot(path: &Path) -> bool {
+    vol_data_by_shape(path).is_some_and(|file| {
+        file.parent().is_some_and(Path::is_dir)
+            && std::fs::symlink_metadata(&file)
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+    })
 }
 
 /// The volume handle in kubelet's `vol_data.json`, if it names `driver`.

@@ -2,23 +2,31 @@
 
 use super::*;
 
+/// A stage of DEV, named by its backing file.
+fn backed_req() -> csi::NodeStageVolumeRequest {
+    let mut r = stage_req(ext4());
+    r.publish_context
+        .insert("backingFile".into(), "/var/lib/moor/vol-1.img".into());
+    r
+}
+
+/// A first stage of DEV (named by its backing file) whose mkfs fails, leaving partial data
+/// behind; the journal says moor was formatting this device.
+async fn mkfs_interrupted(h: &Harness) {
+    h.os.set_backing_file((7, 7), "/var/lib/moor/vol-1.img");
+    h.os.fail_next("tool", 1);
+    assert_eq!(
+        code(h.svc.node_stage_volume(Request::new(backed_req()))).await,
+        Code::Internal
+    );
+    h.os.write_device(DEV, 4096, &[0xFF; 16]);
+}
+
 #[tokio::test]
 async fn interrupted_mkfs_is_resumed_only_by_moor() {
     let h = harness();
-    h.os.set_backing_file((7, 7), "/var/lib/moor/vol-1.img");
-    let req = || {
-        let mut r = stage_req(ext4());
-        r.publish_context
-            .insert("backingFile".into(), "/var/lib/moor/vol-1.img".into());
-        r
-    };
-    h.os.fail_next("tool", 1);
-    assert_eq!(
-        code(h.svc.node_stage_volume(Request::new(req()))).await,
-        Code::Internal
-    );
-    // mkfs left partial data behind; the journal says moor was formatting this device.
-    h.os.write_device(DEV, 4096, &[0xFF; 16]);
+    let req = backed_req;
+    mkfs_interrupted(&h).await;
     h.svc
         .node_stage_volume(Request::new(req()))
         .await
@@ -184,4 +192,33 @@ async fn an_existing_ext_filesystem_is_checked_before_a_read_write_mount() {
     }
     stage_xfs(&h, Mode::SingleNodeWriter).await.expect("xfs");
     assert_eq!(tool_calls(&h), vec![]);
+}
+
+/// An interrupted mkfs, then kubelet's unstage (it unstages a stage that failed, or timed out,
+/// before it tries again): the unstage ends the staging but not moor's knowledge that it was
+/// formatting this device, so kubelet's next stage resumes that mkfs and the volume converges
+/// (it used to be refused for ever: the device held unknown data, and the unstage had dropped
+/// the only record that it was moor's partial mkfs).
+#[tokio::test]
+async fn an_unstage_after_an_interrupted_mkfs_keeps_the_intent_and_the_next_stage_converges() {
+    let h = harness();
+    let req = backed_req;
+    mkfs_interrupted(&h).await;
+    // kubelet's unstage, and its retry.
+    for _ in 0..2 {
+        h.svc
+            .node_unstage_volume(Request::new(unstage_req()))
+            .await
+            .expect("unstage");
+    }
+    // It holds no place and no path (a memory), and the device is not formatted meanwhile.
+    assert_eq!(h.engine.volume_counts().staged, 0);
+    assert_eq!(mkfs_calls(&h), 1);
+    h.os.clear_calls();
+    h.svc
+        .node_stage_volume(Request::new(req()))
+        .await
+        .expect("the next stage resumes moor's mkfs");
+    assert_eq!(mkfs_calls(&h), 1);
+    assert_eq!(h.os.mount_depth(STAGING), 1);
 }

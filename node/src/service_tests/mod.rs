@@ -200,6 +200,18 @@ fn mkfs_calls(h: &Harness) -> usize {
     )
 }
 
+/// Asserts that `said` holds each of `words`, in their order: a first cause before the
+/// failures of its cleanups.
+pub(crate) fn in_order(said: &str, words: &[&str]) {
+    let mut from = 0;
+    for w in words {
+        match said[from..].find(w) {
+            Some(at) => from += at + w.len(),
+            None => panic!("{w:?} not after the words before it in: {said}"),
+        }
+    }
+}
+
 pub(crate) async fn staged(h: &Harness) {
     h.svc
         .node_stage_volume(Request::new(stage_req(ext4())))

@@ -283,3 +283,37 @@ async fn corrupted_and_stacked_targets_are_cleaned() {
         .expect("unpublish");
     assert_eq!(h.os.mount_depth(TARGET), 0);
 }
+
+/// Issue 38, point 6 (longhorn #12006): the bind fails, and its cleanups fail too (the
+/// target's dir cannot be removed, the record cannot be dropped). The answer is the bind's
+/// failure, each cleanup's named after it; the retry publishes.
+#[tokio::test]
+async fn a_failed_bind_whose_cleanups_fail_answers_the_bind_failure() {
+    let h = harness();
+    staged(&h).await;
+    h.os.fail_next("bind", libc::ENOSPC);
+    h.os.fail_next("remove", libc::EBUSY);
+    // The intent before the bind is written; the record's removal after it fails.
+    h.engine.journal().fail_put_after(1);
+    let err = h
+        .svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect_err("the bind fails");
+    let said = err.message();
+    let at = |w: &str| {
+        said.find(w)
+            .unwrap_or_else(|| panic!("{w:?} not in {said}"))
+    };
+    assert!(
+        at("No space left") < at("busy") && at("busy") < at("Input/output error"),
+        "the bind's failure first, then the dir's, then the journal's: {said}"
+    );
+    assert_eq!(err.code(), Code::Internal);
+    assert_eq!(h.os.mount_depth(TARGET), 0);
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("the retry");
+    assert_eq!(h.os.mount_depth(TARGET), 1);
+}

@@ -492,3 +492,110 @@ async fn a_device_renumbered_by_a_reboot_is_staged_again_by_its_filesystem() {
         assert_eq!(h.os.mount_depth(STAGING), 0);
     }
 }
+
+/// Issue 38, point 6, the first cause is the error (longhorn #12006: a failure whose cleanup
+/// failed too answered with the cleanup's error, hiding why the call failed): the mount fails
+/// and dropping its record fails too; the answer is the mount's failure, the journal's named
+/// beside it, and the retry converges.
+#[tokio::test]
+async fn a_failed_mount_whose_record_cannot_be_dropped_answers_the_mount_failure() {
+    let h = harness();
+    h.os.fail_next("mount_fs", libc::EINVAL);
+    // The intents before mkfs and before the mount are written; the record's removal after
+    // the mount failed fails.
+    h.engine.journal().fail_put_after(2);
+    let err = h
+        .svc
+        .node_stage_volume(Request::new(stage_req(ext4())))
+        .await
+        .expect_err("the mount fails");
+    // The mount's failure first, the journal's beside it.
+    in_order(err.message(), &["Invalid argument", "Input/output error"]);
+    assert_eq!(err.code(), Code::Internal);
+    assert_eq!(h.os.mount_depth(STAGING), 0);
+    staged(&h).await;
+    assert_eq!(h.os.mount_depth(STAGING), 1);
+}
+
+/// Issue 38, point 6 (longhorn #12006): a step after the mount fails (giving the volume to its
+/// pod's group), and undoing the mount fails too. The answer is the first cause, the unmount's
+/// failure beside it; the mount that could not be undone keeps its record, and kubelet's retry
+/// stages the volume once, on that mount.
+#[tokio::test]
+async fn a_failed_stage_whose_unmount_fails_answers_the_first_cause_and_converges() {
+    let h = harness();
+    let mut cap = ext4();
+    if let Some(AccessType::Mount(m)) = cap.access_type.as_mut() {
+        m.volume_mount_group = "2000".into();
+    }
+    h.os.fail_next("share", libc::EROFS);
+    h.os.fail_next("unmount", libc::EBUSY);
+    let err = h
+        .svc
+        .node_stage_volume(Request::new(stage_req(cap.clone())))
+        .await
+        .expect_err("the group step fails");
+    // The group step's failure first, the unmount's beside it.
+    in_order(err.message(), &["Read-only file system", "busy"]);
+    assert_eq!(h.os.mount_depth(STAGING), 1, "the unmount failed");
+    let kept = h.engine.journal().get("vol-1").and_then(|r| r.stage);
+    assert!(
+        kept.is_some(),
+        "a mount left in place keeps its record, as after a crash"
+    );
+    h.os.clear_calls();
+    h.svc
+        .node_stage_volume(Request::new(stage_req(cap)))
+        .await
+        .expect("the retry");
+    assert_eq!(h.os.mount_depth(STAGING), 1, "staged once");
+    assert_eq!(mkfs_calls(&h), 0, "never formatted again");
+    assert_eq!(
+        h.engine
+            .journal()
+            .get("vol-1")
+            .and_then(|r| r.stage)
+            .map(|s| s.phase),
+        Some(crate::journal::Phase::Done)
+    );
+}
+
+/// Issue 38, point 5 (linstor-csi #385: a filesystem check ran on a device that was mounted,
+/// and corrupted it): a volume staged and published for two pods, then a stage of another
+/// volume naming the same device (kubelet's stage of a second PV on it). Nothing checks or
+/// formats the mounted device, and the pods' mounts stay.
+#[tokio::test]
+async fn a_stage_of_a_device_mounted_for_pods_never_checks_or_formats_it() {
+    let h = harness();
+    let shared = || mount_cap("ext4", &[], Mode::SingleNodeMultiWriter);
+    h.svc
+        .node_stage_volume(Request::new(stage_req(shared())))
+        .await
+        .expect("stage");
+    let second = "/var/lib/kubelet/pods/p2/volumes/kubernetes.io~csi/pv1/mount";
+    h.os.add_dir(Path::new(second).parent().unwrap_or(Path::new("/")));
+    for target in [TARGET, second] {
+        let mut r = publish_req(shared(), false);
+        r.target_path = target.into();
+        h.svc
+            .node_publish_volume(Request::new(r))
+            .await
+            .expect("publish");
+    }
+    h.os.clear_calls();
+    let mut other = stage_req(ext4());
+    other.volume_id = "vol-2".into();
+    other.staging_target_path =
+        format!("{K}/plugins/kubernetes.io/csi/moor.csi.io/def/globalmount");
+    h.os.add_dir(format!("{K}/plugins/kubernetes.io/csi/moor.csi.io/def"));
+    // The answer is the CO's business (a second volume naming the same device); what it
+    // must never do is check or format the filesystem the pods use.
+    let _ = h.svc.node_stage_volume(Request::new(other)).await;
+    assert!(
+        tool_calls(&h).is_empty(),
+        "a tool ran on the mounted device: {:?}",
+        tool_calls(&h)
+    );
+    assert_eq!((h.os.mount_depth(TARGET), h.os.mount_depth(second)), (1, 1));
+    assert_eq!(mkfs_calls(&h), 0);
+}

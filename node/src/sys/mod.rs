@@ -193,6 +193,7 @@ pub type SysResult<T> = Result<T, SysError>;
 
 /// Per-mount attributes the kernel enforces (the new mount API's `MOUNT_ATTR_*`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MountAttrs {
     /// Read-only mount.
     pub read_only: bool,

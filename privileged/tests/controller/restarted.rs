@@ -32,17 +32,20 @@ const GROUPS: usize = 8;
 struct Cleanup {
     dir: PathBuf,
     devices: Vec<PathBuf>,
+    /// Files the devices may serve besides those under `real/volumes` (deleted since).
+    files: Vec<FileId>,
 }
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
         let attacher = LoopAttacher::new();
-        let files: Vec<FileId> = fs::read_dir(self.dir.join("real/volumes"))
+        let mut files: Vec<FileId> = fs::read_dir(self.dir.join("real/volumes"))
             .into_iter()
             .flatten()
             .flatten()
             .filter_map(|e| FileId::of_path(&e.path()).ok())
             .collect();
+        files.extend(&self.files);
         for dev in &self.devices {
             for f in &files {
                 let _ = attacher.detach(dev, *f);
@@ -50,6 +53,24 @@ impl Drop for Cleanup {
         }
         let _ = fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The host of the test (as root, in a mount namespace of its own): a dir with the data dir
+/// `real` and the paths containers mount it at (`view`, `moved`), undone on drop.
+fn host(tag: &str) -> (Cleanup, PathBuf) {
+    moor_privileged::require_root();
+    moor_runtime::sys::mount_namespace::enter_private_mount_namespace()
+        .expect("private mount namespace");
+    let dir = temp_dir(tag);
+    for d in ["real", "view", "moved"] {
+        fs::create_dir_all(dir.join(d)).expect("dir");
+    }
+    let cleanup = Cleanup {
+        dir: dir.clone(),
+        devices: Vec::new(),
+        files: Vec::new(),
+    };
+    (cleanup, dir)
 }
 
 /// A new mount namespace for this thread (a container's), with the data dir `real` mounted at
@@ -81,18 +102,8 @@ fn on_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
 
 #[test]
 fn a_controller_restarted_in_a_new_mount_namespace_keeps_its_devices_and_freezes_them() {
-    moor_privileged::require_root();
-    moor_runtime::sys::mount_namespace::enter_private_mount_namespace()
-        .expect("private mount namespace");
-    let dir = temp_dir("restarted");
-    let mut cleanup = Cleanup {
-        dir: dir.clone(),
-        devices: Vec::new(),
-    };
+    let (mut cleanup, dir) = host("restarted");
     let (real, view) = (dir.join("real"), dir.join("view"));
-    for d in [&real, &view] {
-        fs::create_dir_all(d).expect("dir");
-    }
 
     // The first controller, in its container: two volumes, attached for a pod.
     let (r, v) = (real.clone(), view.clone());
@@ -200,4 +211,106 @@ fn a_controller_restarted_in_a_new_mount_namespace_keeps_its_devices_and_freezes
             "{dev}"
         );
     }
+}
+
+/// The loop devices whose file sysfs names as the volume `id`'s, deleted or not.
+fn bound_to(id: &str) -> Vec<PathBuf> {
+    loop_devices()
+        .into_iter()
+        .filter(|(_, b)| b.contains(&format!("volumes/{id}.img")))
+        .map(|(d, _)| d)
+        .collect()
+}
+
+/// Issue 38, point 8 (found running moor's image under a real kubelet, Kubernetes 1.28.7 with
+/// containerd): with a volume attached as /dev/loop0 the controller pod was deleted; the new
+/// one logged "publication corrected: not published ... loop device /dev/loop0 is gone or
+/// bound to another file", the detach then left /dev/loop0 bound, DeleteVolume removed the
+/// file under it (`losetup` on the host: `/volumes/vol-….img (deleted)`), and the same file
+/// was attached a second time. Here the new controller starts while its predecessor's
+/// container (mount namespace) still lives, with the data dir at another path in it (a rollout
+/// that moved the mount): the kernel names the file by its path in the old container, which
+/// is not under the new data dir and does not end like it. The device is still the volume's,
+/// by the device and inode of its file: the attach retried gets it back, the detach unbinds
+/// it, and the delete leaves no device behind.
+#[test]
+fn a_restarted_controller_keeps_detaches_and_deletes_what_it_attached_named_from_a_live_namespace()
+{
+    let (mut cleanup, dir) = host("restarted-teardown");
+    let (real, view, moved) = (dir.join("real"), dir.join("view"), dir.join("moved"));
+
+    // The first controller, in its container: a volume attached for a pod. The container's
+    // mount namespace lives on after the controller let go of its data dir.
+    let (attached_tx, attached) = std::sync::mpsc::channel();
+    let (end_tx, end) = std::sync::mpsc::channel::<()>();
+    let (r, v) = (real.clone(), view.clone());
+    let first = std::thread::spawn(move || {
+        enter_container(&r, &v);
+        let (b, report) = controller(&v);
+        assert!(report.is_clean(), "{report:?}");
+        let id = b
+            .create_volume(&new_volume("pvc-t", 64 * MIB, None))
+            .expect("create")
+            .id;
+        let dev = b.publish_volume(&publish_req(&id)).expect("publish")[DEVICE_PATH_KEY].clone();
+        drop(b);
+        attached_tx.send((id, dev)).expect("send");
+        let _ = end.recv();
+    });
+    let (id, dev) = attached
+        .recv_timeout(DEADLINE)
+        .expect("the first controller attached a volume");
+    cleanup.devices.push(PathBuf::from(&dev));
+    let file = real.join("volumes").join(format!("{id}.img"));
+    cleanup
+        .files
+        .push(FileId::of_path(&file).expect("the volume's file"));
+    let named = sysfs_backing(&dev).unwrap_or_default();
+    assert!(
+        named
+            == view
+                .join("volumes")
+                .join(format!("{id}.img"))
+                .display()
+                .to_string(),
+        "{dev} names {named:?}: its file through the first container's mount"
+    );
+
+    // The new controller, in a new container that mounts the data dir elsewhere.
+    let (r, m) = (real.clone(), moved.clone());
+    let (id2, dev2) = (id.clone(), dev.clone());
+    let seen = on_thread(move || {
+        enter_container(&r, &m);
+        let (b, report) = controller(&m);
+        assert!(
+            report.corrected.is_empty() && report.detached.is_empty(),
+            "the restart lost or detached the attachment: {report:?}"
+        );
+        assert_eq!(
+            b.get_volume(&id2).expect("get volume").published_nodes,
+            vec![NODE.to_string()]
+        );
+        // The external-attacher retries the attach it was waiting for: the same device.
+        let again = b.publish_volume(&publish_req(&id2)).expect("publish again");
+        assert_eq!(again[DEVICE_PATH_KEY], dev2, "attached a second time");
+        let seen = bound_to(&id2);
+        b.unpublish_volume(&id2, Some(NODE)).expect("unpublish");
+        b.delete_volume(&id2).expect("delete");
+        seen
+    });
+    assert_eq!(seen, vec![PathBuf::from(&dev)], "one device for the volume");
+    end_tx.send(()).expect("end the first container");
+    first.join().expect("the first container's thread");
+    // Detached and deleted: no device serves the volume's file, deleted or not.
+    let start = Instant::now();
+    while !bound_to(&id).is_empty() {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "{:?} still bound to the volume's file {DEADLINE:?} after DeleteVolume answered: {:?}",
+            bound_to(&id),
+            loop_devices()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(!file.exists(), "deleted");
 }
