@@ -405,7 +405,7 @@ fn check_groups(gdt: &[u8], g: &Geometry) -> Result<(), &'static str> {
         let bb = d.pair32(0x00, 0x20);
         let ib = d.pair32(0x04, 0x24);
         let it = d.pair32(0x08, 0x28);
-        let it_end = it + g.inode_table_blocks() - 1;
+        let it_end = it.saturating_add(g.inode_table_blocks() - 1);
         if bb < first || bb > last || ib < first || ib > last || it < first || it_end > last {
             return Err("a bitmap or inode table outside its group");
         }
@@ -494,13 +494,15 @@ fn check_journal(
         wide,
     };
     let table = first.pair32(0x08, 0x28);
-    let at = table * g.block_size + 7 * g.inode_size;
+    let at = table
+        .saturating_mul(g.block_size)
+        .saturating_add(7 * g.inode_size);
     let isize = usize::try_from(g.inode_size).map_err(|_| "inode size")?;
     let inode = read(at, isize)
         .filter(|b| b.len() == isize)
         .ok_or("the journal inode cannot be read")?;
     let blocks = journal_inode(sb, g, &inode, read)?;
-    let jsb = read(blocks.0 * g.block_size, 1024)
+    let jsb = read(blocks.0.saturating_mul(g.block_size), 1024)
         .filter(|b| b.len() == 1024)
         .ok_or("the journal superblock cannot be read")?;
     journal_superblock(&jsb, g, blocks.1)
@@ -571,7 +573,7 @@ fn extent_start(g: &Geometry, root: &[u8], read: Read<'_>) -> Result<u64, &'stat
             return Err("the journal's extent tree outside the filesystem");
         }
         let len = usize::try_from(g.block_size).map_err(|_| "block size")?;
-        node = read(leaf * g.block_size, len)
+        node = read(leaf.saturating_mul(g.block_size), len)
             .filter(|b| b.len() == len)
             .ok_or("the journal's extent tree cannot be read")?;
     }
