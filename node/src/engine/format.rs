@@ -163,7 +163,7 @@ impl<O: Os> Engine<O> {
         else {
             return Ok(());
         };
-        if let Some(head) = ext_head {
+        if let Some(head) = ext_head.filter(|_| !self.cfg.e2fsck_always) {
             match self.e2fsck_would_skip(&dev.handle, head) {
                 Verdict::Clean => {
                     report.fsck = Some((fs, FsckOutcome::Skipped));

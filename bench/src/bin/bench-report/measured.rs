@@ -116,6 +116,27 @@ fn storm_rows(out: &mut Vec<Row>) {
                     "storm",
                 ));
             }
+            if held {
+                for c in [1, 8] {
+                    out.push(row(
+                        "B",
+                        format!(
+                            "boot storm, {n} volumes, {c} client{}, e2fsck exec'd on every stage \
+                             (`--e2fsck-always`, the code before): how much faster moor is",
+                            if c == 1 { "" } else { "s" }
+                        ),
+                        format!("storm/boot-{n}-c{c}-e2fsck/total"),
+                        Some(format!("storm/boot-{n}-c{c}/total")),
+                        Kind::Time,
+                        if n == 500 {
+                            Target::AtLeast(2.0)
+                        } else {
+                            Target::Unset
+                        },
+                        "storm",
+                    ));
+                }
+            }
             out.push(row(
                 "B",
                 format!("{storm} storm, {n} volumes: throughput (volumes/s), 8 clients against 1"),
