@@ -164,7 +164,7 @@ impl<O: Os> Engine<O> {
             return Ok(());
         };
         if let Some(head) = ext_head.filter(|_| !self.cfg.e2fsck_always) {
-            match self.e2fsck_would_skip(&dev.handle, head) {
+            match self.ext_verdict(&dev.handle, head) {
                 Verdict::Clean => {
                     report.fsck = Some((fs, FsckOutcome::Skipped));
                     return Ok(());
@@ -223,11 +223,19 @@ impl<O: Os> Engine<O> {
 }
 
 impl<O: Os> Engine<O> {
+    /// Whether a stage would leave e2fsck out for the filesystem on `device` (`size` bytes):
+    /// the superblock probe and the decision from its bytes, as a stage makes them.
+    pub fn e2fsck_would_skip(&self, device: &Path, size: u64) -> bool {
+        let mut head = None;
+        self.probe_device_keeping(device, size, &mut head).is_ok()
+            && head.is_some_and(|h| self.ext_verdict(device, &h) == Verdict::Clean)
+    }
+
     /// Whether `e2fsck -p` would pass the ext filesystem on `device` as clean without
     /// checking it, from `head` (its first bytes, already read) and the few blocks of
     /// metadata past them (the journal's inode and superblock, the first backup superblock),
     /// read here with O_DIRECT as the probe reads.
-    fn e2fsck_would_skip(&self, device: &Path, head: &[u8]) -> Verdict {
+    fn ext_verdict(&self, device: &Path, head: &[u8]) -> Verdict {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
