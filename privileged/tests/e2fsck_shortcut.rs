@@ -454,4 +454,30 @@ fn a_stage_runs_e2fsck_only_when_e2fsck_would_look_further() {
     );
     let (e2fsck_clean, said) = e2fsck_says(&dev);
     assert!(e2fsck_clean, "e2fsck's run left it clean: {said}");
+
+    // --e2fsck-always: e2fsck runs on the clean filesystem too.
+    let state = sb.root.join("state-always");
+    std::fs::create_dir_all(&state).expect("state dir");
+    let always = sb.node_service_with(&state, |cfg| cfg.e2fsck_always = true);
+    moor_privileged::runtime().block_on(async {
+        always
+            .node_stage_volume(tonic::Request::new(stage_req(
+                "vol", &dev, &staging, "ext4",
+            )))
+            .await
+            .expect("stage");
+        always
+            .node_unstage_volume(tonic::Request::new(unstage_req("vol", &staging)))
+            .await
+            .expect("unstage");
+    });
+    assert_eq!(
+        fsck_count("skipped"),
+        skipped + 2,
+        "--e2fsck-always never skips"
+    );
+    assert_eq!(
+        fsck_count("clean") + fsck_count("corrected"),
+        clean + corrected + 2
+    );
 }
