@@ -11,7 +11,10 @@
 //!   by syscall on C threads (mkdir + mount(2) of the device, mkdir + bind; umount2 + rmdir
 //!   of both);
 //! * `storm/boot-<N>-c<C>/total`, `storm/teardown-<N>-c<C>/total`: moor-node's storm;
-//! * `storm/boot-<N>-c<C>/<call>-{p50,p99,max}`: each call's tail in it.
+//! * `storm/boot-<N>-c<C>/<call>-{p50,p99,max}`: each call's tail in it;
+//! * `storm/boot-<N>-c<C>-e2fsck/total`: the same boot storm on a second moor-node, started
+//!   with `--e2fsck-always`: e2fsck exec'd before every stage, as moor did before it decided
+//!   e2fsck's clean shortcut itself (the code before, measured in the same run).
 //!
 //! `MOOR_BENCH_QUICK=1` runs N = 100 only. A filter given to `cargo bench` runs it only when
 //! the filter contains `storm`.
@@ -87,6 +90,8 @@ fn main() {
         node.sb.data_in_memory();
         let volumes = fleet(&node.sb, &format!("vol-s{n}"), n, SIZE);
         let k = Kubelet::new(node.socket());
+        let before = node.start_second("e2fsck", &["--e2fsck-always"]);
+        let k_before = Kubelet::new(before.socket());
         for c in CLIENTS {
             let (took, _) = run_clients(c, n, |i, _| raw_boot(&volumes[i]));
             println!("storm/raw-boot-{n}/c{c}: {took:.2?}");
@@ -99,7 +104,13 @@ fn main() {
             report(&format!("storm/boot-{n}-c{c}"), n, took, &l);
             let (took, l) = run_clients(c, n, |i, l| teardown(&k, &volumes[i], l));
             report(&format!("storm/teardown-{n}-c{c}"), n, took, &l);
+
+            let (took, l) = run_clients(c, n, |i, l| boot(&k_before, &volumes[i], l));
+            report(&format!("storm/boot-{n}-c{c}-e2fsck"), n, took, &l);
+            let (took, l) = run_clients(c, n, |i, l| teardown(&k_before, &volumes[i], l));
+            report(&format!("storm/teardown-{n}-c{c}-e2fsck"), n, took, &l);
         }
+        drop(before);
         drop(node);
     }
 }

@@ -238,21 +238,26 @@ impl std::ops::DerefMut for Node {
     }
 }
 
+/// A bench's moor-node arguments: its state and kubelet dirs, a short grace at stop.
+fn node_args<'a>(state: &'a Path, kubelet: &'a Path) -> Vec<&'a std::ffi::OsStr> {
+    vec![
+        "--node-id".as_ref(),
+        "bench".as_ref(),
+        "--shutdown-grace".as_ref(),
+        "2".as_ref(),
+        "--state-dir".as_ref(),
+        state.as_os_str(),
+        "--kubelet-dir".as_ref(),
+        kubelet.as_os_str(),
+    ]
+}
+
 impl Node {
     /// Enters a sandbox named `name` and starts `moor-node` in it, its log in
     /// `<sandbox>/moor-node.log` (at its default level, so the daemon does its usual work).
     pub fn start(name: &str) -> Self {
         let sb = Sandbox::new(name);
-        let args = [
-            "--node-id".as_ref(),
-            "bench".as_ref(),
-            "--shutdown-grace".as_ref(),
-            "2".as_ref(),
-            "--state-dir".as_ref(),
-            sb.state.as_os_str(),
-            "--kubelet-dir".as_ref(),
-            sb.kubelet.as_os_str(),
-        ];
+        let args = node_args(&sb.state, &sb.kubelet);
         let plugin = Plugin::start(
             &binary("moor-node"),
             sb.root.join("csi.sock"),
@@ -260,6 +265,22 @@ impl Node {
             &sb.root.join("moor-node.log"),
         );
         Self { plugin, sb }
+    }
+
+    /// Starts a second `moor-node` in this sandbox, with a state dir and socket of its own
+    /// (named by `tag`) and `extra` arguments: the same code otherwise configured, beside the
+    /// first on the same kubelet dir (one of them at a time holds a volume).
+    pub fn start_second(&self, tag: &str, extra: &[&str]) -> Plugin {
+        let state = self.sb.root.join(format!("state-{tag}"));
+        std::fs::create_dir_all(&state).expect("second state dir");
+        let mut args = node_args(&state, &self.sb.kubelet);
+        args.extend(extra.iter().map(|a| std::ffi::OsStr::new(*a)));
+        Plugin::start(
+            &binary("moor-node"),
+            self.sb.root.join(format!("csi-{tag}.sock")),
+            &args,
+            &self.sb.root.join(format!("moor-node-{tag}.log")),
+        )
     }
 
     /// Starts `program`, the `bare-node` binary (the bench's `CARGO_BIN_EXE_bare-node`), in

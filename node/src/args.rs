@@ -44,6 +44,11 @@ pub struct Args {
     /// fsync every journal write (default: only those that must outlive a power loss).
     #[arg(long)]
     pub journal_fsync: bool,
+    /// Run `e2fsck -p` before every read-write mount of an ext2/3/4 filesystem, also when its
+    /// metadata shows that e2fsck would pass it as clean without checking it (by default that
+    /// exec is left out: the answer is e2fsck's, decided from the same bytes).
+    #[arg(long)]
+    pub e2fsck_always: bool,
     /// Deadline for mkfs and resize tools, in seconds.
     #[arg(long, default_value_t = 600)]
     pub tool_timeout: u64,

@@ -144,6 +144,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         mkfs_deadline: Duration::from_secs(args.tool_timeout),
         resize_deadline: Duration::from_secs(args.tool_timeout),
         discovery_deadline: Duration::from_secs(args.device_wait),
+        e2fsck_always: args.e2fsck_always,
         boot,
     };
     let attacher = moor_node::attach::choose(

@@ -69,7 +69,7 @@ impl Registry {
             ),
             fsck_checks: Family::new(
                 "moor_fsck_total",
-                "Filesystem checks before a read-write mount, by filesystem and outcome (clean, corrected, refused: errors left that need a person, failed: the check itself did not run through).",
+                "Filesystem checks before a read-write mount, by filesystem and outcome (skipped: its metadata shows e2fsck -p would pass it clean without checking it, clean, corrected, refused: errors left that need a person, failed: the check itself did not run through).",
                 &["fs_type", "outcome"],
             ),
         }

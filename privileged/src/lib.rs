@@ -66,6 +66,38 @@ impl Sandbox {
         }
     }
 
+    /// The node service of an engine in this process on the sandbox's kubelet and state
+    /// dirs, with the engine's defaults otherwise.
+    pub fn node_service(&self) -> moor_node::service::NodeService<moor_node::sys::linux::Linux> {
+        self.node_service_with(&self.state, |_| {})
+    }
+
+    /// [`node_service`](Self::node_service) on the state dir `state`, its engine's settings
+    /// changed by `config` first.
+    pub fn node_service_with(
+        &self,
+        state: &Path,
+        config: impl FnOnce(&mut moor_node::engine::EngineConfig),
+    ) -> moor_node::service::NodeService<moor_node::sys::linux::Linux> {
+        use std::sync::Arc;
+        let os = Arc::new(moor_node::sys::linux::Linux::new(&self.kubelet).expect("os"));
+        let (journal, _) = moor_node::journal::Journal::open(state, false).expect("journal");
+        let mut cfg = moor_node::engine::EngineConfig {
+            kubelet_dir: self.kubelet.clone(),
+            ..moor_node::engine::EngineConfig::default()
+        };
+        config(&mut cfg);
+        let engine = moor_node::engine::Engine::new(os, Arc::new(journal), cfg);
+        let info = moor_node::service::PluginInfo {
+            driver_name: "moor.csi.io".into(),
+            node_id: "n1".into(),
+            max_volumes: 0,
+            topology_key: "topology.moor.csi.io/node".into(),
+            state_dir: state.to_path_buf(),
+        };
+        moor_node::service::NodeService::new(Arc::new(engine), info)
+    }
+
     /// moor-node's arguments for this sandbox: `--node-id node_id`, its state and kubelet
     /// dirs, then `extra`.
     pub fn node_args(&self, node_id: &str, extra: &[&str]) -> Vec<String> {

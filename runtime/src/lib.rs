@@ -15,6 +15,7 @@ pub mod authority;
 pub mod child;
 pub mod client;
 pub mod contract;
+pub mod crc32c;
 pub mod daemon;
 pub mod http;
 pub mod instance;

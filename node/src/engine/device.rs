@@ -2,6 +2,8 @@
 //! operations, read for what is on it, and checked for presence.
 
 use std::path::{Path, PathBuf};
+
+use moor_runtime::contract::Filesystem;
 use std::time::Duration;
 
 use super::{Engine, Stage};
@@ -111,6 +113,18 @@ impl<O: Os> Engine<O> {
     /// The windows are read into page-aligned buffers, so the OS layer can read them with
     /// O_DIRECT: no copy through the device's page cache, which the mount would throw away.
     pub fn probe_device(&self, device: &Path, size: u64) -> Result<Content> {
+        self.probe_device_keeping(device, size, &mut None)
+    }
+
+    /// [`probe_device`](Self::probe_device), and when it finds an ext filesystem, the first
+    /// bytes it read (its superblock and group descriptors) in `ext_head`, for the check that
+    /// decides from them whether e2fsck need run.
+    pub(super) fn probe_device_keeping(
+        &self,
+        device: &Path,
+        size: u64,
+        ext_head: &mut Option<Vec<u8>>,
+    ) -> Result<Content> {
         let head_len = (superblock::HEAD_LEN as u64).min(size) as usize;
         let quick_len = superblock::QUICK_LEN.min(head_len);
         let tail_len = (superblock::TAIL_LEN as u64).min(size) as usize;
@@ -127,6 +141,13 @@ impl<O: Os> Engine<O> {
             .os
             .read_device(device, 0, head.get_mut(..quick_len).unwrap_or_default())?;
         if let Some(found) = superblock::probe_quick(head.get(..n).unwrap_or_default()) {
+            if let Content::Filesystem {
+                fs: Filesystem::Ext2 | Filesystem::Ext3 | Filesystem::Ext4,
+                ..
+            } = found
+            {
+                *ext_head = head.get(..n).map(<[u8]>::to_vec);
+            }
             return Ok(found);
         }
         let mut got = n;

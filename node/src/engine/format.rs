@@ -2,10 +2,10 @@
 //! device afterwards, and the check of an existing filesystem before a read-write mount.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use moor_runtime::contract::Filesystem;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::stage::Staging;
 use super::{Engine, StageReport};
@@ -14,7 +14,8 @@ use crate::error::{Error, Result};
 use crate::filesystem::{self, FSCK_CORRECTED, FSCK_CORRECTED_REBOOT, FSCK_UNCORRECTED, Fsck};
 use crate::journal::{Durability, Phase, VolumeRecord};
 use crate::superblock::Content;
-use crate::sys::{self, HeldDevice, Os, ToolError};
+use crate::superblock::ext_clean::{self, Verdict};
+use crate::sys::{self, AlignedBuf, HeldDevice, Os, ToolError};
 
 impl Staging<'_> {
     /// Whether the device is formatted. Only a blank device is, and a device moor was
@@ -144,12 +145,17 @@ impl<O: Os> Engine<O> {
     /// repaired; errors left (bit 4) refuse the mount with the check's words; the check itself
     /// failing (not installed, an operational error) is logged and the mount goes on, as it
     /// would without a check.
+    /// An ext filesystem whose metadata (`ext_head`: the first bytes the probe read, and what
+    /// lies past them read here) shows that `e2fsck -p` would pass it as clean without checking
+    /// it is not checked: the answer is e2fsck's, without its exec (see
+    /// [`superblock::ext_clean`]).
     /// The check's outcome goes into `report`, also when it refuses the mount.
     pub(super) fn check_fs(
         &self,
         volume_id: &str,
         fs: Filesystem,
         dev: &HeldDevice,
+        ext_head: Option<&[u8]>,
         report: &mut StageReport,
     ) -> Result<()> {
         let Some(Fsck { run, by_hand }) =
@@ -167,6 +173,18 @@ impl<O: Os> Engine<O> {
             info!(volume = volume_id, device = %dev.node.display(),
                 "the device is in use (mounted or claimed); its filesystem is not checked");
             return Ok(());
+        }
+        if let Some(head) = ext_head.filter(|_| !self.cfg.e2fsck_always) {
+            match self.ext_verdict(&dev.handle, head) {
+                Verdict::Clean => {
+                    report.fsck = Some((fs, FsckOutcome::Skipped));
+                    return Ok(());
+                }
+                Verdict::Check(why) => {
+                    debug!(volume = volume_id, device = %dev.node.display(), reason = why,
+                        "checking the filesystem");
+                }
+            }
         }
         let tool = &run.program;
         let mut count = |outcome| report.fsck = Some((fs, outcome));
@@ -215,9 +233,48 @@ impl<O: Os> Engine<O> {
     }
 }
 
+impl<O: Os> Engine<O> {
+    /// Whether a stage would leave e2fsck out for the filesystem on `device` (`size` bytes):
+    /// the superblock probe and the decision from its bytes, as a stage makes them.
+    pub fn e2fsck_would_skip(&self, device: &Path, size: u64) -> bool {
+        let mut head = None;
+        self.probe_device_keeping(device, size, &mut head).is_ok()
+            && head.is_some_and(|h| self.ext_verdict(device, &h) == Verdict::Clean)
+    }
+
+    /// Whether `e2fsck -p` would pass the ext filesystem on `device` as clean without
+    /// checking it, from `head` (its first bytes, already read) and the few blocks of
+    /// metadata past them (the journal's inode and superblock, the first backup superblock),
+    /// read here with O_DIRECT as the probe reads.
+    fn ext_verdict(&self, device: &Path, head: &[u8]) -> Verdict {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        let align = sys::DIRECT_ALIGN as u64;
+        let mut read = |offset: u64, len: usize| -> Option<Vec<u8>> {
+            let start = offset - offset % align;
+            let end = offset.checked_add(len as u64)?.div_ceil(align) * align;
+            let mut buf = AlignedBuf::zeroed(usize::try_from(end - start).ok()?);
+            let got = self
+                .os
+                .read_device(device, start, buf.as_mut_slice())
+                .ok()?;
+            let from = usize::try_from(offset - start).ok()?;
+            buf.as_slice()
+                .get(from..got.min(from + len))
+                .filter(|b| b.len() == len)
+                .map(<[u8]>::to_vec)
+        };
+        ext_clean::e2fsck_would_skip(head, now, &mut read)
+    }
+}
+
 /// How a filesystem check before a read-write mount ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FsckOutcome {
+    /// Not run: its metadata shows e2fsck would pass the filesystem as clean without
+    /// checking it.
+    Skipped,
     /// Nothing to repair.
     Clean,
     /// Repaired unattended.
@@ -232,6 +289,7 @@ impl FsckOutcome {
     /// The outcome's metric label.
     pub fn name(self) -> &'static str {
         match self {
+            Self::Skipped => "skipped",
             Self::Clean => "clean",
             Self::Corrected => "corrected",
             Self::Refused => "refused",

@@ -69,6 +69,9 @@ pub struct EngineConfig {
     pub resize_deadline: Duration,
     /// How long NodeStageVolume waits for the volume's device to appear.
     pub discovery_deadline: Duration,
+    /// Run e2fsck before every read-write mount of an ext filesystem, also when its metadata
+    /// shows e2fsck would pass it as clean without checking it.
+    pub e2fsck_always: bool,
     /// The node's boot, stamped on the records of mounts and mappings (unknown: every record
     /// is taken as this boot's).
     pub boot: Boot,
@@ -82,6 +85,7 @@ impl Default for EngineConfig {
             mkfs_deadline: Duration::from_secs(600),
             resize_deadline: Duration::from_secs(600),
             discovery_deadline: DEFAULT_DISCOVERY_DEADLINE,
+            e2fsck_always: false,
             boot: Boot::default(),
         }
     }

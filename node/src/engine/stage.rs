@@ -150,7 +150,8 @@ impl<O: Os> Engine<O> {
             return Ok(());
         };
 
-        let mut content = self.probe_device(&st.dev.handle, st.dev.size)?;
+        let mut ext_head = None;
+        let mut content = self.probe_device_keeping(&st.dev.handle, st.dev.size, &mut ext_head)?;
         // The recorded UUID stays only while the device shows it.
         let mut fs_uuid = recorded_uuid(&record, &content);
         if st.must_format(&content, interrupted)? {
@@ -162,7 +163,7 @@ impl<O: Os> Engine<O> {
         }
         self.check_found(&record, &content, *fs, &st.path)?;
         if !report.formatted && !st.attrs.read_only {
-            self.check_fs(&req.volume_id, *fs, &st.dev, report)?;
+            self.check_fs(&req.volume_id, *fs, &st.dev, ext_head.as_deref(), report)?;
         }
 
         record.stage = Some(st.record(Phase::InProgress, fs_uuid.clone()));

@@ -9,6 +9,8 @@
 //! of both windows is zero, and when more than one known signature is present the result is
 //! [`Content::Ambiguous`], which callers must neither format nor mount.
 
+pub mod ext_clean;
+
 use std::fmt::Write as _;
 
 use moor_runtime::contract::Filesystem;

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use super::{Kind, Ratio, Row, Target};
 
 /// The benches that are measured runs, not criterion's: they take no filter.
-pub const BENCHES: [&str; 3] = ["storm", "restart", "tails"];
+pub const BENCHES: [&str; 4] = ["storm", "restart", "tails", "io"];
 
 /// A string that lives as long as the program (the rows are made once).
 fn leak(s: String) -> &'static str {
@@ -116,6 +116,27 @@ fn storm_rows(out: &mut Vec<Row>) {
                     "storm",
                 ));
             }
+            if held {
+                for c in [1, 8] {
+                    out.push(row(
+                        "B",
+                        format!(
+                            "boot storm, {n} volumes, {c} client{}, e2fsck exec'd on every stage \
+                             (`--e2fsck-always`, the code before): how much faster moor is",
+                            if c == 1 { "" } else { "s" }
+                        ),
+                        format!("storm/boot-{n}-c{c}-e2fsck/total"),
+                        Some(format!("storm/boot-{n}-c{c}/total")),
+                        Kind::Time,
+                        if n == 500 {
+                            Target::AtLeast(2.0)
+                        } else {
+                            Target::Unset
+                        },
+                        "storm",
+                    ));
+                }
+            }
             out.push(row(
                 "B",
                 format!("{storm} storm, {n} volumes: throughput (volumes/s), 8 clients against 1"),
@@ -148,6 +169,57 @@ fn storm_rows(out: &mut Vec<Row>) {
                     );
                 }
             }
+        }
+    }
+}
+
+/// fio's jobs in the `io` bench.
+const IO_JOBS: [&str; 8] = [
+    "randread-4k-qd1",
+    "randread-4k-qd32",
+    "randwrite-4k-qd1",
+    "randwrite-4k-qd32",
+    "read-1m",
+    "write-1m",
+    "randwrite-4k-qd1-fsync",
+    "write-1m-fsync",
+];
+
+/// Time per I/O through a published local volume against the disk's: at most 1.11× of it is
+/// at least 90% of the disk's IOPS.
+fn io_rows(out: &mut Vec<Row>) {
+    for job in IO_JOBS {
+        let disk = format!("io/{job}/disk");
+        out.push(row(
+            "I",
+            format!(
+                "fio {job}: time per I/O on the disk (a file beside the volume's backing file)"
+            ),
+            disk.clone(),
+            None,
+            Kind::Time,
+            Target::Unset,
+            "io",
+        ));
+        for (dev, what) in [
+            (
+                "loop",
+                "a loop device as the local controller binds it (buffered)",
+            ),
+            (
+                "loop-dio",
+                "the loop device with direct I/O (LO_FLAGS_DIRECT_IO)",
+            ),
+        ] {
+            out.push(row(
+                "I",
+                format!("fio {job}: through a published volume on {what}"),
+                format!("io/{job}/{dev}"),
+                Some(disk.clone()),
+                Kind::Time,
+                Target::AtMost(1.11),
+                "io",
+            ));
         }
     }
 }
@@ -230,6 +302,7 @@ pub fn rows() -> &'static [Row] {
     ROWS.get_or_init(|| {
         let mut out = Vec::new();
         storm_rows(&mut out);
+        io_rows(&mut out);
         restart_rows(&mut out);
         tails_rows(&mut out);
         out

@@ -2,6 +2,7 @@
 //! `signatures`, robustness against any input in `robustness`, and real images made by mkfs in
 //! `mkfs`.
 
+mod ext_clean;
 mod mkfs;
 mod robustness;
 mod signatures;
