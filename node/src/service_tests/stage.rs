@@ -87,6 +87,24 @@ async fn stage_never_formats_partition_tables_or_unknown_data() {
     }
 }
 
+#[tokio::test]
+async fn stage_never_formats_a_luks2_device_whose_start_was_wiped() {
+    // A LUKS2 secondary header past the head window (metadata of 1, 2 or 4 MiB) with all
+    // else zero: cryptsetup still opens it, so it is LUKS, never blank.
+    for offset in [0x10_0000u64, 0x20_0000, 0x40_0000] {
+        let h = harness();
+        h.os.write_device(DEV, offset, b"SKUL\xba\xbe\x00\x02");
+        let s = h
+            .svc
+            .node_stage_volume(Request::new(stage_req(ext4())))
+            .await
+            .expect_err("must fail");
+        assert_eq!(s.code(), Code::FailedPrecondition, "header at {offset:#x}");
+        assert!(s.message().contains("LUKS2"), "{}", s.message());
+        assert_eq!(mkfs_calls(&h), 0, "header at {offset:#x}");
+    }
+}
+
 #[test]
 fn a_probe_sees_only_its_own_device_through_the_reused_buffer() {
     // The probe's buffer is kept between probes; what one device put in it must never

@@ -3,7 +3,9 @@
 //! The caller reads two windows of the device, the first [`HEAD_LEN`] bytes and the last
 //! [`TAIL_LEN`] bytes, and hands them to [`probe`] together with the device size. Everything
 //! here is a pure function of those bytes: no I/O, no `unsafe`, and no panic on any input, so
-//! the parser can be fuzzed directly.
+//! the parser can be fuzzed directly. A device found blank is blank only once the caller has
+//! also read the few blocks past the head where a LUKS2 secondary header may sit
+//! ([`FAR_OFFSETS`]) and [`confirm_blank`] has found them zero.
 //!
 //! The probe is deliberately conservative: a device is [`Content::Blank`] only when every byte
 //! of both windows is zero, and when more than one known signature is present the result is
@@ -460,10 +462,22 @@ fn detect_btrfs(head: &[u8]) -> Option<FsMatch> {
 const LUKS_MAGIC: &[u8] = b"LUKS\xba\xbe";
 /// Magic of a LUKS2 secondary header.
 const LUKS2_SECONDARY_MAGIC: &[u8] = b"SKUL\xba\xbe";
-/// Where a LUKS2 secondary header may start (those past the head window never match).
+/// Where a LUKS2 secondary header may start: right after the primary header and its JSON
+/// area, whose size is one of 16 KiB to 4 MiB (the LUKS2 on-disk format, `hdr_size`). The
+/// last three lie past the head window: [`FAR_OFFSETS`] covers them.
 const LUKS2_SECONDARY_OFFSETS: [usize; 9] = [
     0x4000, 0x8000, 0x10000, 0x20000, 0x40000, 0x80000, 0x100000, 0x200000, 0x400000,
 ];
+
+/// The device offsets past the head window where a LUKS2 secondary header may start (a
+/// `--luks2-metadata-size` of 1, 2 or 4 MiB). A device whose first bytes were wiped keeps its
+/// secondary header and can still be opened with it, so a device [`probe`] calls blank is
+/// blank only once [`confirm_blank`] has seen these too.
+pub const FAR_OFFSETS: [u64; 3] = [0x10_0000, 0x20_0000, 0x40_0000];
+
+/// How many bytes [`confirm_blank`] expects at each of [`FAR_OFFSETS`]: one 4 KiB block, which
+/// holds a secondary header's magic and version and can be read with O_DIRECT.
+pub const FAR_LEN: usize = 4096;
 
 /// The version of a LUKS primary header at 0, or of the first LUKS2 secondary header.
 fn detect_luks(head: &[u8]) -> Option<u16> {
@@ -474,6 +488,27 @@ fn detect_luks(head: &[u8]) -> Option<u16> {
         .iter()
         .find(|&&off| has_magic(head, off, LUKS2_SECONDARY_MAGIC))
         .and_then(|&off| be16(head, off.checked_add(6)?))
+}
+
+/// What a device [`probe`] found blank is, given the bytes read at those of [`FAR_OFFSETS`]
+/// that lie inside it: `(offset, bytes)`, each at most [`FAR_LEN`] long. Blank only if every
+/// byte is zero; a LUKS2 secondary header makes it [`Content::Luks`], anything else
+/// [`Content::Unknown`] at its first non-zero byte. Never panics.
+#[must_use]
+pub fn confirm_blank(far: &[(u64, &[u8])]) -> Content {
+    for &(offset, bytes) in far {
+        if has_magic(bytes, 0, LUKS2_SECONDARY_MAGIC) {
+            return Content::Luks {
+                version: be16(bytes, 6).unwrap_or(2),
+            };
+        }
+        if let Some(index) = first_nonzero(bytes) {
+            return Content::Unknown {
+                offset: offset.saturating_add(len_u64_of(index)),
+            };
+        }
+    }
+    Content::Blank
 }
 
 // ----- swap ---------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 //! The superblock probe's tests: the filesystems here, the other signatures in
-//! `signatures`, robustness against any input in `robustness`, and real images made by mkfs in
-//! `mkfs`.
+//! `signatures`, robustness against any input in `robustness`, real images made by mkfs in
+//! `mkfs` and real LUKS headers made by cryptsetup in `luks`.
 
+mod luks;
 mod mkfs;
 mod robustness;
 mod signatures;

@@ -227,3 +227,34 @@ fn filesystem_with_empty_boot_sector_signature_is_the_filesystem() {
     let expected = fs(Filesystem::Ext4, Some(UUID_TEXT), Some("boot"));
     assert_eq!(probe(&h, &tail(), SIZE), expected);
 }
+
+#[test]
+fn far_luks2_secondary_headers_unblank_a_blank_device() {
+    let zero = [0u8; FAR_LEN];
+    let all_zero: Vec<(u64, &[u8])> = FAR_OFFSETS.iter().map(|&at| (at, &zero[..])).collect();
+    assert_eq!(confirm_blank(&all_zero), Content::Blank);
+    assert_eq!(confirm_blank(&[]), Content::Blank);
+    for (i, &at) in FAR_OFFSETS.iter().enumerate() {
+        let mut block = zero.to_vec();
+        put(&mut block, 0, LUKS2_SECONDARY_MAGIC);
+        put(&mut block, 6, &2u16.to_be_bytes());
+        let mut far = all_zero.clone();
+        far[i] = (at, &block);
+        assert_eq!(confirm_blank(&far), Content::Luks { version: 2 }, "{at:#x}");
+        let mut other = zero.to_vec();
+        other[100] = 7;
+        far[i] = (at, &other);
+        assert_eq!(
+            confirm_blank(&far),
+            Content::Unknown { offset: at + 100 },
+            "{at:#x}"
+        );
+    }
+    // A short read is looked at as far as it goes.
+    assert_eq!(
+        confirm_blank(&[(FAR_OFFSETS[0], &LUKS2_SECONDARY_MAGIC[..4])]),
+        Content::Unknown {
+            offset: FAR_OFFSETS[0]
+        }
+    );
+}
