@@ -18,6 +18,7 @@ pub mod contract;
 pub mod daemon;
 pub mod http;
 pub mod instance;
+pub mod keys;
 pub mod limits;
 pub mod metrics;
 pub mod server;
