@@ -67,6 +67,9 @@ pub enum Content {
     Luks {
         /// The header's format version (1 or 2 for every real volume).
         version: u16,
+        /// Its UUID as the header holds it (text, `cryptsetup luksFormat --uuid`), or `None`
+        /// if empty.
+        uuid: Option<String>,
     },
     /// A Linux swap area (or a hibernation image written over one).
     Swap,
@@ -91,7 +94,10 @@ impl Content {
             } => describe_fs(*fs, uuid.as_deref(), label.as_deref()),
             Content::PartitionTable(PartitionTable::Mbr) => "an MBR partition table".to_owned(),
             Content::PartitionTable(PartitionTable::Gpt) => "a GPT partition table".to_owned(),
-            Content::Luks { version } => format!("a LUKS{version} encrypted volume"),
+            Content::Luks { version, uuid } => match uuid {
+                Some(uuid) => format!("a LUKS{version} encrypted volume (uuid {uuid})"),
+                None => format!("a LUKS{version} encrypted volume"),
+            },
             Content::Swap => "a swap area".to_owned(),
             Content::Unknown { offset } => format!("unknown data at offset {offset}"),
             Content::Ambiguous(names) => {
@@ -202,8 +208,8 @@ impl<'a> Windows<'a> {
 enum Signature {
     /// A filesystem superblock.
     Fs(FsMatch),
-    /// A LUKS header of the given version.
-    Luks(u16),
+    /// A LUKS header of the given version, with its UUID.
+    Luks(u16, Option<String>),
     /// A swap or hibernation signature.
     Swap,
     /// A partition table.
@@ -215,7 +221,7 @@ impl Signature {
     fn name(&self) -> String {
         match self {
             Signature::Fs(m) => m.fs.name().to_owned(),
-            Signature::Luks(version) => format!("luks{version}"),
+            Signature::Luks(version, _) => format!("luks{version}"),
             Signature::Swap => "swap".to_owned(),
             Signature::Table(table) => table.name().to_owned(),
         }
@@ -235,7 +241,7 @@ impl Signature {
                 label,
                 size,
             },
-            Signature::Luks(version) => Content::Luks { version },
+            Signature::Luks(version, uuid) => Content::Luks { version, uuid },
             Signature::Swap => Content::Swap,
             Signature::Table(table) => Content::PartitionTable(table),
         }
@@ -261,7 +267,7 @@ fn head_signatures(head: &[u8]) -> Vec<Signature> {
         detect_ext(head).map(Signature::Fs),
         detect_xfs(head).map(Signature::Fs),
         detect_btrfs(head).map(Signature::Fs),
-        detect_luks(head).map(Signature::Luks),
+        detect_luks(head).map(|(version, uuid)| Signature::Luks(version, uuid)),
         detect_swap(head).then_some(Signature::Swap),
         detect_primary_gpt(head).then_some(Signature::Table(PartitionTable::Gpt)),
         detect_mbr(head).map(Signature::Table),
@@ -479,15 +485,28 @@ pub const FAR_OFFSETS: [u64; 3] = [0x10_0000, 0x20_0000, 0x40_0000];
 /// holds a secondary header's magic and version and can be read with O_DIRECT.
 pub const FAR_LEN: usize = 4096;
 
-/// The version of a LUKS primary header at 0, or of the first LUKS2 secondary header.
-fn detect_luks(head: &[u8]) -> Option<u16> {
+/// Where a LUKS header (LUKS1, and either LUKS2 header alike) holds its UUID: 40 bytes of
+/// NUL-padded text.
+const LUKS_UUID: usize = 168;
+
+/// The version and UUID of a LUKS primary header at 0, or of the first LUKS2 secondary header.
+fn detect_luks(head: &[u8]) -> Option<(u16, Option<String>)> {
     if has_magic(head, 0, LUKS_MAGIC) {
-        return be16(head, 6);
+        return luks_header_at(head, 0);
     }
     LUKS2_SECONDARY_OFFSETS
         .iter()
         .find(|&&off| has_magic(head, off, LUKS2_SECONDARY_MAGIC))
-        .and_then(|&off| be16(head, off.checked_add(6)?))
+        .and_then(|&off| luks_header_at(head, off))
+}
+
+/// The version and UUID of the LUKS header at `off`, whose magic the caller has seen.
+fn luks_header_at(buf: &[u8], off: usize) -> Option<(u16, Option<String>)> {
+    let version = be16(buf, off.checked_add(6)?)?;
+    let uuid = off
+        .checked_add(LUKS_UUID)
+        .and_then(|at| label_at(buf, at, 40));
+    Some((version, uuid))
 }
 
 /// What a device [`probe`] found blank is, given the bytes read at those of [`FAR_OFFSETS`]
@@ -498,9 +517,8 @@ fn detect_luks(head: &[u8]) -> Option<u16> {
 pub fn confirm_blank(far: &[(u64, &[u8])]) -> Content {
     for &(offset, bytes) in far {
         if has_magic(bytes, 0, LUKS2_SECONDARY_MAGIC) {
-            return Content::Luks {
-                version: be16(bytes, 6).unwrap_or(2),
-            };
+            let (version, uuid) = luks_header_at(bytes, 0).unwrap_or((2, None));
+            return Content::Luks { version, uuid };
         }
         if let Some(index) = first_nonzero(bytes) {
             return Content::Unknown {

@@ -8,11 +8,14 @@ fn luks1_and_luks2() {
         let mut h = head();
         put(&mut h, 0, LUKS_MAGIC);
         put(&mut h, 6, &version.to_be_bytes());
+        put(&mut h, LUKS_UUID, UUID_TEXT.as_bytes());
         if version == 2 {
             put(&mut h, 0x4000, LUKS2_SECONDARY_MAGIC);
             put(&mut h, 0x4006, &2u16.to_be_bytes());
+            put(&mut h, 0x4000 + LUKS_UUID, UUID_TEXT.as_bytes());
         }
-        assert_eq!(probe(&h, &tail(), SIZE), Content::Luks { version });
+        let uuid = Some(UUID_TEXT.to_owned());
+        assert_eq!(probe(&h, &tail(), SIZE), Content::Luks { version, uuid });
         assert_eq!(probe_quick(&h), None);
     }
 }
@@ -25,7 +28,10 @@ fn luks2_secondary_header_alone() {
         put(&mut h, off + 6, &2u16.to_be_bytes());
         assert_eq!(
             probe(&h, &tail(), SIZE),
-            Content::Luks { version: 2 },
+            Content::Luks {
+                version: 2,
+                uuid: None
+            },
             "{off:#x}"
         );
     }
@@ -238,9 +244,14 @@ fn far_luks2_secondary_headers_unblank_a_blank_device() {
         let mut block = zero.to_vec();
         put(&mut block, 0, LUKS2_SECONDARY_MAGIC);
         put(&mut block, 6, &2u16.to_be_bytes());
+        put(&mut block, LUKS_UUID, UUID_TEXT.as_bytes());
         let mut far = all_zero.clone();
         far[i] = (at, &block);
-        assert_eq!(confirm_blank(&far), Content::Luks { version: 2 }, "{at:#x}");
+        let want = Content::Luks {
+            version: 2,
+            uuid: Some(UUID_TEXT.to_owned()),
+        };
+        assert_eq!(confirm_blank(&far), want, "{at:#x}");
         let mut other = zero.to_vec();
         other[100] = 7;
         far[i] = (at, &other);
