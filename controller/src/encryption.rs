@@ -10,7 +10,7 @@ use crate::backend::Parameters;
 use crate::error::{Error, Result, trunc};
 
 /// `"true"` makes the volume LUKS2 on the node; `"false"` (the default) does not.
-pub const ENCRYPTED_KEY: &str = "encrypted";
+pub use moor_runtime::contract::ENCRYPTED_KEY;
 /// The key source of an encrypted volume's key-encryption key.
 pub const KMS_ID_KEY: &str = "kmsID";
 /// The LUKS cipher.
