@@ -20,6 +20,7 @@
 pub mod args;
 pub mod backend;
 pub mod embedded;
+pub mod encryption;
 pub mod error;
 pub mod identity;
 pub mod inflight;

@@ -16,9 +16,24 @@ use tracing::{info, warn};
 use crate::backend::{
     Backend, CapacityQuery, ContentSource, Parameters, Snapshot, Volume, VolumeStatus,
 };
+use crate::encryption::{self, Encryption};
 use crate::error::{Error, Result, trunc};
 use crate::secrets::{self, Secrets};
 use crate::validate;
+
+/// A request's parameters: the encryption ones checked for every backend (see
+/// [`encryption::split`]), the rest by the backend, and the two put back together, normalised.
+fn parse_parameters<B: Backend>(
+    b: &B,
+    raw: &Parameters,
+) -> Result<(Option<Encryption>, Parameters)> {
+    let (encryption, rest) = encryption::split(raw)?;
+    let mut parameters = b.parse_parameters(&rest)?;
+    if let Some(e) = &encryption {
+        parameters.extend(e.parameters());
+    }
+    Ok((encryption, parameters))
+}
 
 /// The controller capabilities moor advertises.
 pub const CAPABILITIES: [csi::controller_service_capability::rpc::Type; 13] = {
@@ -187,7 +202,11 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
         self.call_with("CreateVolume", &subject, secrets, move |b| {
             let mut v = validate::create_volume(&req)?;
             let qos = validate::mutable_parameters("mutable_parameters", &req.mutable_parameters)?;
-            v.parameters = b.parse_parameters(&v.parameters)?;
+            let (encryption, parameters) = parse_parameters(b, &v.parameters)?;
+            if let Some(e) = &encryption {
+                return Err(encryption::refuse_until_served(e));
+            }
+            v.parameters = parameters;
             for cap in &v.capabilities {
                 b.check_capability(cap, &v.parameters)
                     .map_err(|r| Error::invalid("volume_capabilities", r))?;
@@ -261,7 +280,7 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
         self.call_with("ValidateVolumeCapabilities", &subject, secrets, move |b| {
             let v = validate::validate_capabilities(&req)?;
             let status = b.get_volume(&v.volume_id)?;
-            let params = b.parse_parameters(&v.parameters)?;
+            let (_, params) = parse_parameters(b, &v.parameters)?;
             let mut problems = Vec::new();
             if v.has_mutable_parameters {
                 problems.push("moor has no mutable parameters".to_string());
@@ -331,7 +350,7 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
         let req = request.into_inner();
         self.call("GetCapacity", "", move |b| {
             let q = validate::get_capacity(&req)?;
-            let parameters = b.parse_parameters(&q.parameters)?;
+            let (_, parameters) = parse_parameters(b, &q.parameters)?;
             // Storage that cannot make volumes with these capabilities has no capacity for them.
             if q.capabilities
                 .iter()

@@ -20,4 +20,6 @@ fuzz_target!(|data: &[u8]| {
     if let Some(c) = superblock::probe_quick(data) {
         let _ = c.describe();
     }
+    // The far blocks of a blank proof, at any offset.
+    let _ = superblock::confirm_blank(&[(device_size, head), (u64::MAX, tail)]).describe();
 });

@@ -11,7 +11,8 @@ use csi::volume_capability::{AccessType, access_mode::Mode};
 use moor_proto::csi::v1 as csi;
 use moor_runtime::contract::{
     BACKING_FILE_FIELD, BACKING_FILE_KEY, DEVICE_PATH_FIELD, DEVICE_PATH_KEY, DEVICE_SERIAL_FIELD,
-    DEVICE_SERIAL_KEY, DEVICE_WWN_FIELD, DEVICE_WWN_KEY, Filesystem,
+    DEVICE_SERIAL_KEY, DEVICE_WWN_FIELD, DEVICE_WWN_KEY, ENCRYPTED_FIELD, ENCRYPTED_KEY,
+    Filesystem,
 };
 use moor_runtime::limits::{self, trunc};
 
@@ -210,7 +211,24 @@ pub fn stage_but_device(
     map_size("publish_context", &req.publish_context)?;
     map_size("volume_context", &req.volume_context)?;
     map_size("secrets", &req.secrets)?;
+    not_encrypted(&req.volume_context)?;
     Ok((volume_id, staging, cap))
+}
+
+/// Refuses a volume whose context says it is encrypted: this node does not open encrypted
+/// volumes yet (docs/encryption.md), and staging one would format it in the clear.
+fn not_encrypted(ctx: &HashMap<String, String>) -> Result<()> {
+    match ctx.get(ENCRYPTED_KEY).map(String::as_str) {
+        None | Some("false") => Ok(()),
+        Some(other) => Err(Error::invalid(
+            ENCRYPTED_FIELD,
+            format!(
+                "{:?}: this moor-node does not open encrypted volumes yet; refused rather than \
+                 formatted or written in the clear",
+                trunc(other)
+            ),
+        )),
+    }
 }
 
 /// Validates NodeStageVolume.

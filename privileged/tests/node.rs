@@ -367,6 +367,62 @@ fn devices_with_partition_tables_are_never_formatted() {
     });
 }
 
+/// A LUKS2 volume made by cryptsetup with 2 MiB of metadata, whose first 2 MiB (the primary
+/// header and its JSON) were then wiped: cryptsetup still opens it from its secondary header,
+/// so stage must refuse it, though its first and last MiB are all zeros.
+#[test]
+fn a_luks2_device_whose_start_was_wiped_is_never_formatted() {
+    let Some(cryptsetup) = ["/usr/sbin/cryptsetup", "/sbin/cryptsetup"]
+        .into_iter()
+        .find(|p| Path::new(p).is_file())
+    else {
+        eprintln!("skipped: cryptsetup is not installed");
+        return;
+    };
+    let sb = Sandbox::new("luks-wiped");
+    let n = node(&sb);
+    let dev = sb.loop_device("luks.img", 64 * MIB);
+    let mut child = std::process::Command::new(cryptsetup)
+        .args([
+            "luksFormat",
+            "--batch-mode",
+            "--key-file=-",
+            "--type",
+            "luks2",
+        ])
+        .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
+        .args(["--luks2-metadata-size", "2M"])
+        .arg(&dev)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("cryptsetup");
+    std::io::Write::write_all(&mut child.stdin.take().expect("stdin"), b"a passphrase")
+        .expect("passphrase");
+    assert!(child.wait().expect("cryptsetup").success(), "luksFormat");
+    write_at(&dev, 0, &vec![0; 2 * MIB as usize]);
+    let secondary = read_at(&dev, 2 * MIB, MIB as usize);
+    assert_eq!(&secondary[..6], b"SKUL\xba\xbe");
+    rt().block_on(async {
+        let staging = sb.staging("pv");
+        let err = n
+            .stage("v", &dev, &staging, cap("ext4", Mode::SingleNodeWriter))
+            .await
+            .expect_err("must refuse");
+        assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+        assert!(err.message().contains("LUKS2"), "{}", err.message());
+        assert!(!is_mount_point(&staging));
+    });
+    assert_eq!(
+        read_at(&dev, 0, 2 * MIB as usize),
+        vec![0; 2 * MIB as usize]
+    );
+    assert_eq!(
+        read_at(&dev, 2 * MIB, MIB as usize),
+        secondary,
+        "header untouched"
+    );
+}
+
 #[test]
 fn rw_and_ro_publish_are_enforced_by_the_kernel() {
     let sb = Sandbox::new("publish");

@@ -113,6 +113,13 @@ publish_context_key!(
     RBD_EXCLUSIVE_KEY, RBD_EXCLUSIVE_FIELD = "rbdExclusiveLock"
 );
 
+/// StorageClass parameter and volume_context key: `"true"` for a volume that is LUKS2 on the
+/// node (docs/encryption.md). A node that does not open encrypted volumes refuses to stage one,
+/// so that no volume meant to be encrypted is ever formatted or written in the clear.
+pub const ENCRYPTED_KEY: &str = "encrypted";
+/// How an error names the [`ENCRYPTED_KEY`] field of a NodeStageVolume.
+pub const ENCRYPTED_FIELD: &str = "volume_context.encrypted";
+
 /// The secrets key naming the Ceph user (without `client.`), as ceph-csi names it.
 pub const RBD_USER_ID_SECRET: &str = "userID";
 /// The secrets key giving that user's cephx key.

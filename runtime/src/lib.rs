@@ -19,6 +19,7 @@ pub mod crc32c;
 pub mod daemon;
 pub mod http;
 pub mod instance;
+pub mod keys;
 pub mod limits;
 pub mod metrics;
 pub mod server;

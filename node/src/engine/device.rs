@@ -158,11 +158,26 @@ impl<O: Os> Engine<O> {
         }
         let tail = tail.get_mut(..tail_len).unwrap_or_default();
         let tail_got = self.os.read_device(device, size - tail_len as u64, tail)?;
-        Ok(superblock::probe(
+        let content = superblock::probe(
             head.get(..got).unwrap_or_default(),
             tail.get(..tail_got).unwrap_or_default(),
             size,
-        ))
+        );
+        if !content.is_blank() {
+            return Ok(content);
+        }
+        // Blank so far: the head is all zeros, and its first blocks now take the far reads
+        // (where a LUKS2 secondary header outlives a wiped start).
+        let far_at = superblock::FAR_OFFSETS
+            .into_iter()
+            .filter(|&at| at.saturating_add(superblock::FAR_LEN as u64) <= size);
+        let mut far = Vec::with_capacity(superblock::FAR_OFFSETS.len());
+        for (at, block) in far_at.zip(head.chunks_mut(superblock::FAR_LEN)) {
+            let n = self.os.read_device(device, at, block)?;
+            let block: &[u8] = block;
+            far.push((at, block.get(..n).unwrap_or_default()));
+        }
+        Ok(superblock::confirm_blank(&far))
     }
 
     /// Whether a staged volume's device is there (see [`sys::device_presence`]).

@@ -3,7 +3,9 @@
 //! The caller reads two windows of the device, the first [`HEAD_LEN`] bytes and the last
 //! [`TAIL_LEN`] bytes, and hands them to [`probe`] together with the device size. Everything
 //! here is a pure function of those bytes: no I/O, no `unsafe`, and no panic on any input, so
-//! the parser can be fuzzed directly.
+//! the parser can be fuzzed directly. A device found blank is blank only once the caller has
+//! also read the few blocks past the head where a LUKS2 secondary header may sit
+//! ([`FAR_OFFSETS`]) and [`confirm_blank`] has found them zero.
 //!
 //! The probe is deliberately conservative: a device is [`Content::Blank`] only when every byte
 //! of both windows is zero, and when more than one known signature is present the result is
@@ -67,6 +69,9 @@ pub enum Content {
     Luks {
         /// The header's format version (1 or 2 for every real volume).
         version: u16,
+        /// Its UUID as the header holds it (text, `cryptsetup luksFormat --uuid`), or `None`
+        /// if empty.
+        uuid: Option<String>,
     },
     /// A Linux swap area (or a hibernation image written over one).
     Swap,
@@ -91,7 +96,10 @@ impl Content {
             } => describe_fs(*fs, uuid.as_deref(), label.as_deref()),
             Content::PartitionTable(PartitionTable::Mbr) => "an MBR partition table".to_owned(),
             Content::PartitionTable(PartitionTable::Gpt) => "a GPT partition table".to_owned(),
-            Content::Luks { version } => format!("a LUKS{version} encrypted volume"),
+            Content::Luks { version, uuid } => match uuid {
+                Some(uuid) => format!("a LUKS{version} encrypted volume (uuid {uuid})"),
+                None => format!("a LUKS{version} encrypted volume"),
+            },
             Content::Swap => "a swap area".to_owned(),
             Content::Unknown { offset } => format!("unknown data at offset {offset}"),
             Content::Ambiguous(names) => {
@@ -202,8 +210,8 @@ impl<'a> Windows<'a> {
 enum Signature {
     /// A filesystem superblock.
     Fs(FsMatch),
-    /// A LUKS header of the given version.
-    Luks(u16),
+    /// A LUKS header of the given version, with its UUID.
+    Luks(u16, Option<String>),
     /// A swap or hibernation signature.
     Swap,
     /// A partition table.
@@ -215,7 +223,7 @@ impl Signature {
     fn name(&self) -> String {
         match self {
             Signature::Fs(m) => m.fs.name().to_owned(),
-            Signature::Luks(version) => format!("luks{version}"),
+            Signature::Luks(version, _) => format!("luks{version}"),
             Signature::Swap => "swap".to_owned(),
             Signature::Table(table) => table.name().to_owned(),
         }
@@ -235,7 +243,7 @@ impl Signature {
                 label,
                 size,
             },
-            Signature::Luks(version) => Content::Luks { version },
+            Signature::Luks(version, uuid) => Content::Luks { version, uuid },
             Signature::Swap => Content::Swap,
             Signature::Table(table) => Content::PartitionTable(table),
         }
@@ -261,7 +269,7 @@ fn head_signatures(head: &[u8]) -> Vec<Signature> {
         detect_ext(head).map(Signature::Fs),
         detect_xfs(head).map(Signature::Fs),
         detect_btrfs(head).map(Signature::Fs),
-        detect_luks(head).map(Signature::Luks),
+        detect_luks(head).map(|(version, uuid)| Signature::Luks(version, uuid)),
         detect_swap(head).then_some(Signature::Swap),
         detect_primary_gpt(head).then_some(Signature::Table(PartitionTable::Gpt)),
         detect_mbr(head).map(Signature::Table),
@@ -462,20 +470,65 @@ fn detect_btrfs(head: &[u8]) -> Option<FsMatch> {
 const LUKS_MAGIC: &[u8] = b"LUKS\xba\xbe";
 /// Magic of a LUKS2 secondary header.
 const LUKS2_SECONDARY_MAGIC: &[u8] = b"SKUL\xba\xbe";
-/// Where a LUKS2 secondary header may start (those past the head window never match).
+/// Where a LUKS2 secondary header may start: right after the primary header and its JSON
+/// area, whose size is one of 16 KiB to 4 MiB (the LUKS2 on-disk format, `hdr_size`). The
+/// last three lie past the head window: [`FAR_OFFSETS`] covers them.
 const LUKS2_SECONDARY_OFFSETS: [usize; 9] = [
     0x4000, 0x8000, 0x10000, 0x20000, 0x40000, 0x80000, 0x100000, 0x200000, 0x400000,
 ];
 
-/// The version of a LUKS primary header at 0, or of the first LUKS2 secondary header.
-fn detect_luks(head: &[u8]) -> Option<u16> {
+/// The device offsets past the head window where a LUKS2 secondary header may start (a
+/// `--luks2-metadata-size` of 1, 2 or 4 MiB). A device whose first bytes were wiped keeps its
+/// secondary header and can still be opened with it, so a device [`probe`] calls blank is
+/// blank only once [`confirm_blank`] has seen these too.
+pub const FAR_OFFSETS: [u64; 3] = [0x10_0000, 0x20_0000, 0x40_0000];
+
+/// How many bytes [`confirm_blank`] expects at each of [`FAR_OFFSETS`]: one 4 KiB block, which
+/// holds a secondary header's magic and version and can be read with O_DIRECT.
+pub const FAR_LEN: usize = 4096;
+
+/// Where a LUKS header (LUKS1, and either LUKS2 header alike) holds its UUID: 40 bytes of
+/// NUL-padded text.
+const LUKS_UUID: usize = 168;
+
+/// The version and UUID of a LUKS primary header at 0, or of the first LUKS2 secondary header.
+fn detect_luks(head: &[u8]) -> Option<(u16, Option<String>)> {
     if has_magic(head, 0, LUKS_MAGIC) {
-        return be16(head, 6);
+        return luks_header_at(head, 0);
     }
     LUKS2_SECONDARY_OFFSETS
         .iter()
         .find(|&&off| has_magic(head, off, LUKS2_SECONDARY_MAGIC))
-        .and_then(|&off| be16(head, off.checked_add(6)?))
+        .and_then(|&off| luks_header_at(head, off))
+}
+
+/// The version and UUID of the LUKS header at `off`, whose magic the caller has seen.
+fn luks_header_at(buf: &[u8], off: usize) -> Option<(u16, Option<String>)> {
+    let version = be16(buf, off.checked_add(6)?)?;
+    let uuid = off
+        .checked_add(LUKS_UUID)
+        .and_then(|at| label_at(buf, at, 40));
+    Some((version, uuid))
+}
+
+/// What a device [`probe`] found blank is, given the bytes read at those of [`FAR_OFFSETS`]
+/// that lie inside it: `(offset, bytes)`, each at most [`FAR_LEN`] long. Blank only if every
+/// byte is zero; a LUKS2 secondary header makes it [`Content::Luks`], anything else
+/// [`Content::Unknown`] at its first non-zero byte. Never panics.
+#[must_use]
+pub fn confirm_blank(far: &[(u64, &[u8])]) -> Content {
+    for &(offset, bytes) in far {
+        if has_magic(bytes, 0, LUKS2_SECONDARY_MAGIC) {
+            let (version, uuid) = luks_header_at(bytes, 0).unwrap_or((2, None));
+            return Content::Luks { version, uuid };
+        }
+        if let Some(index) = first_nonzero(bytes) {
+            return Content::Unknown {
+                offset: offset.saturating_add(len_u64_of(index)),
+            };
+        }
+    }
+    Content::Blank
 }
 
 // ----- swap ---------------------------------------------------------------------------------

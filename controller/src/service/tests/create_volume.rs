@@ -303,3 +303,56 @@ async fn create_volume_from_sources() {
         "volume_content_source",
     );
 }
+
+#[tokio::test]
+async fn encryption_parameters_are_checked_and_an_encrypted_volume_is_not_made_yet() {
+    use crate::backend::Backend as _;
+    let fx = Fx::new("svc-create-encrypted");
+    let encrypted = |extra: &[(&str, &str)]| {
+        let mut r = create_req("enc", 1 << 20);
+        for (k, v) in [("encrypted", "true"), ("kmsID", "secret")]
+            .iter()
+            .chain(extra)
+        {
+            r.parameters.insert((*k).into(), (*v).into());
+        }
+        r
+    };
+    let s = fx
+        .svc
+        .create_volume(Request::new(encrypted(&[("luksKeySize", "384")])))
+        .await
+        .expect_err("bad key size");
+    assert_eq!(s.code(), Code::InvalidArgument);
+    assert!(
+        s.message().contains("luksKeySize=\"384\""),
+        "{}",
+        s.message()
+    );
+    // A valid encrypted class is refused until the node opens encrypted volumes: nothing is
+    // made that would be written in the clear.
+    let s = fx
+        .svc
+        .create_volume(Request::new(encrypted(&[])))
+        .await
+        .expect_err("not served yet");
+    assert_eq!(s.code(), Code::InvalidArgument);
+    assert!(s.message().contains("not served"), "{}", s.message());
+    assert!(
+        fx.backend
+            .list_volumes(&Default::default())
+            .unwrap()
+            .entries
+            .is_empty()
+    );
+    // encrypted: "false" is the default, and dropped.
+    let mut plain = create_req("plain", 1 << 20);
+    plain.parameters.insert("encrypted".into(), "false".into());
+    let v = fx
+        .svc
+        .create_volume(Request::new(plain))
+        .await
+        .expect("plain");
+    let v = v.into_inner().volume.expect("volume");
+    assert!(!v.volume_context.contains_key("encrypted"), "{v:?}");
+}

@@ -8,10 +8,10 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Deletes the image file when dropped, whatever happens in the test.
-struct TempImage(PathBuf);
+pub(super) struct TempImage(pub(super) PathBuf);
 
 impl TempImage {
-    fn new(tag: &str, size: u64) -> Self {
+    pub(super) fn new(tag: &str, size: u64) -> Self {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let name = format!("moor-probe-{}-{tag}-{n}.img", std::process::id());
@@ -30,7 +30,7 @@ impl Drop for TempImage {
 }
 
 /// The path of an mkfs tool, or `None` (after saying so) if it is not installed.
-fn tool(name: &str) -> Option<PathBuf> {
+pub(super) fn tool(name: &str) -> Option<PathBuf> {
     let found = ["/usr/sbin", "/sbin", "/usr/bin", "/bin"]
         .iter()
         .map(|dir| Path::new(dir).join(name))
@@ -42,7 +42,7 @@ fn tool(name: &str) -> Option<PathBuf> {
 }
 
 /// Reads the head and tail windows of an image, as the node plugin would.
-fn windows(path: &Path) -> (Vec<u8>, Vec<u8>, u64) {
+pub(super) fn windows(path: &Path) -> (Vec<u8>, Vec<u8>, u64) {
     let mut file = File::open(path).expect("open image");
     let size = file.metadata().expect("stat image").len();
     let mut head = vec![0; HEAD_LEN.min(size as usize)];

@@ -1,8 +1,9 @@
 //! The superblock probe's tests: the filesystems here, the other signatures in
-//! `signatures`, robustness against any input in `robustness`, and real images made by mkfs in
-//! `mkfs`.
+//! `signatures`, robustness against any input in `robustness`, real images made by mkfs in
+//! `mkfs` and real LUKS headers made by cryptsetup in `luks`.
 
 mod ext_clean;
+mod luks;
 mod mkfs;
 mod robustness;
 mod signatures;
@@ -287,8 +288,20 @@ fn describe() {
         "unknown data at offset 4096"
     );
     assert_eq!(
-        Content::Luks { version: 2 }.describe(),
+        Content::Luks {
+            version: 2,
+            uuid: None
+        }
+        .describe(),
         "a LUKS2 encrypted volume"
+    );
+    assert_eq!(
+        Content::Luks {
+            version: 1,
+            uuid: Some(UUID_TEXT.to_owned())
+        }
+        .describe(),
+        format!("a LUKS1 encrypted volume (uuid {UUID_TEXT})")
     );
     assert_eq!(Content::Swap.describe(), "a swap area");
     assert_eq!(Content::Blank.describe(), "a blank device (all zeros)");

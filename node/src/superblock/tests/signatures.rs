@@ -8,11 +8,14 @@ fn luks1_and_luks2() {
         let mut h = head();
         put(&mut h, 0, LUKS_MAGIC);
         put(&mut h, 6, &version.to_be_bytes());
+        put(&mut h, LUKS_UUID, UUID_TEXT.as_bytes());
         if version == 2 {
             put(&mut h, 0x4000, LUKS2_SECONDARY_MAGIC);
             put(&mut h, 0x4006, &2u16.to_be_bytes());
+            put(&mut h, 0x4000 + LUKS_UUID, UUID_TEXT.as_bytes());
         }
-        assert_eq!(probe(&h, &tail(), SIZE), Content::Luks { version });
+        let uuid = Some(UUID_TEXT.to_owned());
+        assert_eq!(probe(&h, &tail(), SIZE), Content::Luks { version, uuid });
         assert_eq!(probe_quick(&h), None);
     }
 }
@@ -25,7 +28,10 @@ fn luks2_secondary_header_alone() {
         put(&mut h, off + 6, &2u16.to_be_bytes());
         assert_eq!(
             probe(&h, &tail(), SIZE),
-            Content::Luks { version: 2 },
+            Content::Luks {
+                version: 2,
+                uuid: None
+            },
             "{off:#x}"
         );
     }
@@ -226,4 +232,40 @@ fn filesystem_with_empty_boot_sector_signature_is_the_filesystem() {
     put_ext(&mut h, 0x3c, 0x2c2, 0x7b, b"boot");
     let expected = fs(Filesystem::Ext4, Some(UUID_TEXT), Some("boot"));
     assert_eq!(probe(&h, &tail(), SIZE), expected);
+}
+
+#[test]
+fn far_luks2_secondary_headers_unblank_a_blank_device() {
+    let zero = [0u8; FAR_LEN];
+    let all_zero: Vec<(u64, &[u8])> = FAR_OFFSETS.iter().map(|&at| (at, &zero[..])).collect();
+    assert_eq!(confirm_blank(&all_zero), Content::Blank);
+    assert_eq!(confirm_blank(&[]), Content::Blank);
+    for (i, &at) in FAR_OFFSETS.iter().enumerate() {
+        let mut block = zero.to_vec();
+        put(&mut block, 0, LUKS2_SECONDARY_MAGIC);
+        put(&mut block, 6, &2u16.to_be_bytes());
+        put(&mut block, LUKS_UUID, UUID_TEXT.as_bytes());
+        let mut far = all_zero.clone();
+        far[i] = (at, &block);
+        let want = Content::Luks {
+            version: 2,
+            uuid: Some(UUID_TEXT.to_owned()),
+        };
+        assert_eq!(confirm_blank(&far), want, "{at:#x}");
+        let mut other = zero.to_vec();
+        other[100] = 7;
+        far[i] = (at, &other);
+        assert_eq!(
+            confirm_blank(&far),
+            Content::Unknown { offset: at + 100 },
+            "{at:#x}"
+        );
+    }
+    // A short read is looked at as far as it goes.
+    assert_eq!(
+        confirm_blank(&[(FAR_OFFSETS[0], &LUKS2_SECONDARY_MAGIC[..4])]),
+        Content::Unknown {
+            offset: FAR_OFFSETS[0]
+        }
+    );
 }

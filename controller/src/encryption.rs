@@ -1,0 +1,222 @@
+//! The StorageClass parameters of an encrypted volume (docs/encryption.md): `encrypted`,
+//! `kmsID` and the LUKS parameters, the same for every backend. [`split`] takes them out of a
+//! request's parameters, checks them (INVALID_ARGUMENT naming the one that is wrong) and fills
+//! in the defaults, and leaves the rest to the backend's own parser.
+//!
+//! The node does not open encrypted volumes yet: CreateVolume refuses a valid encrypted class
+//! ([`refuse_until_served`]) rather than make a volume that would be written in the clear.
+
+use crate::backend::Parameters;
+use crate::error::{Error, Result, trunc};
+
+/// `"true"` makes the volume LUKS2 on the node; `"false"` (the default) does not.
+pub use moor_runtime::contract::ENCRYPTED_KEY;
+/// The key source of an encrypted volume's key-encryption key.
+pub const KMS_ID_KEY: &str = "kmsID";
+/// The LUKS cipher.
+pub const CIPHER_KEY: &str = "luksCipher";
+/// The LUKS key size in bits.
+pub const KEY_SIZE_KEY: &str = "luksKeySize";
+/// The LUKS sector size in bytes.
+pub const SECTOR_SIZE_KEY: &str = "luksSectorSize";
+/// The PBKDF of the LUKS key slot.
+pub const PBKDF_KEY: &str = "luksPBKDF";
+
+/// The key sources this driver knows: the Kubernetes Secret given as CSI secrets.
+pub const KMS_IDS: [&str; 1] = ["secret"];
+
+/// A cipher moor makes LUKS volumes with, the key sizes it takes, and its default one.
+struct Cipher {
+    /// cryptsetup's name of it.
+    name: &'static str,
+    /// The key sizes in bits it takes.
+    key_sizes: &'static [u32],
+}
+
+/// The ciphers moor makes volumes with; the first is the default, and each one's first key
+/// size is its default.
+const CIPHERS: [Cipher; 5] = [
+    Cipher {
+        name: "aes-xts-plain64",
+        key_sizes: &[512, 256],
+    },
+    Cipher {
+        name: "serpent-xts-plain64",
+        key_sizes: &[512, 256],
+    },
+    Cipher {
+        name: "twofish-xts-plain64",
+        key_sizes: &[512, 256],
+    },
+    Cipher {
+        name: "xchacha12,aes-adiantum-plain64",
+        key_sizes: &[256],
+    },
+    Cipher {
+        name: "xchacha20,aes-adiantum-plain64",
+        key_sizes: &[256],
+    },
+];
+
+/// The LUKS sector sizes moor takes; the first is the default.
+const SECTOR_SIZES: [u32; 4] = [4096, 512, 1024, 2048];
+
+/// The PBKDFs moor takes; the first is the default (the key slot's passphrase is a random
+/// 256-bit data key: see docs/encryption.md).
+const PBKDFS: [&str; 3] = ["pbkdf2", "argon2id", "argon2i"];
+
+/// How an encrypted volume is made: every parameter, defaults filled in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Encryption {
+    /// The key source, one of [`KMS_IDS`].
+    pub kms_id: String,
+    /// The LUKS cipher.
+    pub cipher: &'static str,
+    /// The key size in bits.
+    pub key_size: u32,
+    /// The sector size in bytes.
+    pub sector_size: u32,
+    /// The PBKDF.
+    pub pbkdf: &'static str,
+}
+
+impl Encryption {
+    /// The parameters that say it, every one explicit (so that a class that names a default
+    /// and one that leaves it out make the same volumes).
+    #[must_use]
+    pub fn parameters(&self) -> Parameters {
+        [
+            (ENCRYPTED_KEY, "true".to_owned()),
+            (KMS_ID_KEY, self.kms_id.clone()),
+            (CIPHER_KEY, self.cipher.to_owned()),
+            (KEY_SIZE_KEY, self.key_size.to_string()),
+            (SECTOR_SIZE_KEY, self.sector_size.to_string()),
+            (PBKDF_KEY, self.pbkdf.to_owned()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
+}
+
+/// A parameter's INVALID_ARGUMENT: `key="value": why`.
+fn bad(key: &str, value: &str, why: impl std::fmt::Display) -> Error {
+    Error::invalid("parameters", format!("{key}={:?}: {why}", trunc(value)))
+}
+
+/// One of `allowed` (the first is the default when the parameter is absent).
+fn one_of<T: Copy + std::fmt::Display + PartialEq>(
+    raw: &Parameters,
+    key: &str,
+    allowed: &[T],
+    parse: impl Fn(&str) -> Option<T>,
+) -> Result<Option<T>> {
+    let Some(value) = raw.get(key) else {
+        return Ok(allowed.first().copied());
+    };
+    match parse(value).filter(|v| allowed.contains(v)) {
+        Some(v) => Ok(Some(v)),
+        None => {
+            let names: Vec<String> = allowed.iter().map(ToString::to_string).collect();
+            Err(bad(key, value, format!("one of {}", names.join(", "))))
+        }
+    }
+}
+
+/// Takes the encryption parameters out of `raw`: the volume's [`Encryption`] (`None` when it
+/// is not encrypted) and the other parameters, for the backend. INVALID_ARGUMENT names the
+/// parameter that is wrong: an `encrypted` other than `"true"` or `"false"`, no `kmsID` or an
+/// unknown one, a cipher, key size, sector size or PBKDF moor does not take, a key size the
+/// cipher does not take, any of them on a volume that is not encrypted.
+pub fn split(raw: &Parameters) -> Result<(Option<Encryption>, Parameters)> {
+    const KEYS: [&str; 6] = [
+        ENCRYPTED_KEY,
+        KMS_ID_KEY,
+        CIPHER_KEY,
+        KEY_SIZE_KEY,
+        SECTOR_SIZE_KEY,
+        PBKDF_KEY,
+    ];
+    let rest: Parameters = raw
+        .iter()
+        .filter(|(k, _)| !KEYS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let encrypted = match raw.get(ENCRYPTED_KEY).map(String::as_str) {
+        Some("true") => true,
+        None | Some("false") => false,
+        Some(other) => return Err(bad(ENCRYPTED_KEY, other, "either \"true\" or \"false\"")),
+    };
+    if !encrypted {
+        if let Some(key) = KEYS[1..].iter().find(|k| raw.contains_key(**k)) {
+            let value = raw.get(*key).map(String::as_str).unwrap_or_default();
+            return Err(bad(key, value, "only for a volume with encrypted=\"true\""));
+        }
+        return Ok((None, rest));
+    }
+    let kms_id = raw.get(KMS_ID_KEY).ok_or_else(|| {
+        Error::invalid(
+            "parameters",
+            format!("{KMS_ID_KEY} is required with {ENCRYPTED_KEY}=\"true\""),
+        )
+    })?;
+    if !KMS_IDS.contains(&kms_id.as_str()) {
+        let why = format!("not a key source moor knows ({})", KMS_IDS.join(", "));
+        return Err(bad(KMS_ID_KEY, kms_id, why));
+    }
+    let names: Vec<&'static str> = CIPHERS.iter().map(|c| c.name).collect();
+    let name = one_of(raw, CIPHER_KEY, &names, |v| {
+        names.iter().copied().find(|n| *n == v)
+    })?
+    .unwrap_or_default();
+    let cipher = CIPHERS
+        .iter()
+        .find(|c| c.name == name)
+        .unwrap_or(&CIPHERS[0]);
+    let key_size = one_of(raw, KEY_SIZE_KEY, cipher.key_sizes, |v| v.parse().ok())
+        .map_err(|e| with_cipher(e, cipher.name))?
+        .unwrap_or_default();
+    let sector_size =
+        one_of(raw, SECTOR_SIZE_KEY, &SECTOR_SIZES, |v| v.parse().ok())?.unwrap_or_default();
+    let pbkdf = one_of(raw, PBKDF_KEY, &PBKDFS, |v| {
+        PBKDFS.iter().copied().find(|p| *p == v)
+    })?
+    .unwrap_or_default();
+    Ok((
+        Some(Encryption {
+            kms_id: kms_id.clone(),
+            cipher: cipher.name,
+            key_size,
+            sector_size,
+            pbkdf,
+        }),
+        rest,
+    ))
+}
+
+/// Says which cipher a key size was refused for.
+fn with_cipher(e: Error, cipher: &str) -> Error {
+    match e {
+        Error::InvalidArgument { field, reason } => Error::InvalidArgument {
+            field,
+            reason: format!("{reason} (for {cipher})"),
+        },
+        other => other,
+    }
+}
+
+/// CreateVolume's answer to a valid encrypted class while the node cannot open one: refused,
+/// so that no volume meant to be encrypted is ever written in the clear.
+pub fn refuse_until_served(encryption: &Encryption) -> Error {
+    Error::invalid(
+        "parameters",
+        format!(
+            "{ENCRYPTED_KEY}=\"true\" (kmsID {:?}, {}): encrypted volumes are not served by \
+             this version of moor yet; refused rather than made in the clear",
+            encryption.kms_id, encryption.cipher
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests;

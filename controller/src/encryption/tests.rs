@@ -1,0 +1,143 @@
+//! The encryption parameters: defaults filled in, every wrong one refused by name.
+
+use super::*;
+
+fn params(pairs: &[(&str, &str)]) -> Parameters {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+/// The INVALID_ARGUMENT reason of `pairs`.
+fn refused(pairs: &[(&str, &str)]) -> String {
+    match split(&params(pairs)) {
+        Err(Error::InvalidArgument { field, reason }) => {
+            assert_eq!(field, "parameters");
+            reason
+        }
+        other => panic!("{pairs:?}: {other:?}"),
+    }
+}
+
+#[test]
+fn a_volume_without_encryption_parameters_is_not_encrypted() {
+    let raw = params(&[("fsType", "xfs"), ("backend", "rbd")]);
+    assert_eq!(split(&raw).expect("split"), (None, raw.clone()));
+    let (e, rest) = split(&params(&[("fsType", "xfs"), ("encrypted", "false")])).expect("split");
+    assert_eq!((e, rest), (None, params(&[("fsType", "xfs")])));
+}
+
+#[test]
+fn an_encrypted_volume_takes_the_safe_defaults() {
+    let (e, rest) = split(&params(&[
+        ("encrypted", "true"),
+        ("kmsID", "secret"),
+        ("fsType", "ext4"),
+    ]))
+    .expect("split");
+    let e = e.expect("encrypted");
+    assert_eq!(
+        e,
+        Encryption {
+            kms_id: "secret".to_owned(),
+            cipher: "aes-xts-plain64",
+            key_size: 512,
+            sector_size: 4096,
+            pbkdf: "pbkdf2",
+        }
+    );
+    assert_eq!(rest, params(&[("fsType", "ext4")]));
+    // Every default explicit: a class that names them makes the same volumes.
+    let named = e.parameters();
+    assert_eq!(named.len(), 6);
+    let (again, _) = split(&named).expect("split");
+    assert_eq!(again, Some(e));
+}
+
+#[test]
+fn every_parameter_can_be_chosen() {
+    let (e, _) = split(&params(&[
+        ("encrypted", "true"),
+        ("kmsID", "secret"),
+        ("luksCipher", "xchacha12,aes-adiantum-plain64"),
+        ("luksKeySize", "256"),
+        ("luksSectorSize", "512"),
+        ("luksPBKDF", "argon2id"),
+    ]))
+    .expect("split");
+    let e = e.expect("encrypted");
+    assert_eq!(
+        (e.cipher, e.key_size, e.sector_size, e.pbkdf),
+        ("xchacha12,aes-adiantum-plain64", 256, 512, "argon2id")
+    );
+    // Adiantum's only key size is its default.
+    let (e, _) = split(&params(&[
+        ("encrypted", "true"),
+        ("kmsID", "secret"),
+        ("luksCipher", "xchacha20,aes-adiantum-plain64"),
+    ]))
+    .expect("split");
+    assert_eq!(e.expect("encrypted").key_size, 256);
+}
+
+#[test]
+fn a_wrong_parameter_is_refused_by_name() {
+    let on = [("encrypted", "true"), ("kmsID", "secret")];
+    let with = |extra: (&'static str, &'static str)| {
+        let mut v = on.to_vec();
+        v.retain(|(k, _)| *k != extra.0);
+        v.push(extra);
+        v
+    };
+    for (pairs, want) in [
+        (
+            vec![("encrypted", "yes")],
+            "encrypted=\"yes\": either \"true\" or \"false\"",
+        ),
+        (
+            vec![("encrypted", "true")],
+            "kmsID is required with encrypted=\"true\"",
+        ),
+        (
+            with(("kmsID", "vault")),
+            "kmsID=\"vault\": not a key source moor knows (secret)",
+        ),
+        (
+            with(("luksCipher", "aes-ecb")),
+            "luksCipher=\"aes-ecb\": one of aes-xts-plain64, serpent-xts-plain64, \
+             twofish-xts-plain64, xchacha12,aes-adiantum-plain64, xchacha20,aes-adiantum-plain64",
+        ),
+        (
+            with(("luksKeySize", "384")),
+            "luksKeySize=\"384\": one of 512, 256 (for aes-xts-plain64)",
+        ),
+        (
+            vec![
+                ("encrypted", "true"),
+                ("kmsID", "secret"),
+                ("luksCipher", "xchacha12,aes-adiantum-plain64"),
+                ("luksKeySize", "512"),
+            ],
+            "luksKeySize=\"512\": one of 256 (for xchacha12,aes-adiantum-plain64)",
+        ),
+        (
+            with(("luksSectorSize", "8192")),
+            "luksSectorSize=\"8192\": one of 4096, 512, 1024, 2048",
+        ),
+        (
+            with(("luksPBKDF", "scrypt")),
+            "luksPBKDF=\"scrypt\": one of pbkdf2, argon2id, argon2i",
+        ),
+        (
+            vec![("luksCipher", "aes-xts-plain64")],
+            "luksCipher=\"aes-xts-plain64\": only for a volume with encrypted=\"true\"",
+        ),
+        (
+            vec![("encrypted", "false"), ("kmsID", "secret")],
+            "kmsID=\"secret\": only for a volume with encrypted=\"true\"",
+        ),
+    ] {
+        assert_eq!(refused(&pairs), want, "{pairs:?}");
+    }
+}
