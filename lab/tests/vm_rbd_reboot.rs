@@ -13,7 +13,7 @@
 //! the reason, without the lab (`.ci/vm setup`) or a cluster on a bridge (`.ci/ceph-cluster up`).
 
 use std::collections::HashMap;
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use moor_lab::ceph::{World, block, ext4, ms};
@@ -21,6 +21,7 @@ use moor_lab::krbd_lab::*;
 use moor_privileged::runtime;
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 use moor_runtime::contract::{RBD_USER_ID_SECRET, RBD_USER_KEY_SECRET};
+use rustix::process::{Pid, Signal, kill_process};
 
 /// The UUID of the filesystem on volume `v`'s kernel device in guest `i` (as blkid reads it).
 fn fs_uuid(lab: &Lab, v: &Volume, i: usize) -> String {
@@ -55,21 +56,44 @@ fn user_who_cannot_blocklist(w: &World) -> HashMap<String, String> {
     ])
 }
 
-/// Removes the user [`user_who_cannot_blocklist`] made.
-fn remove_user(w: &World) {
-    let _ = Command::new("timeout")
-        .args([
-            "120",
-            "ceph",
-            "-c",
-            &w.ceph.conf,
-            "-n",
-            "client.admin",
-            "auth",
-            "del",
-        ])
-        .arg(format!("client.moorcut{}", std::process::id()))
-        .output();
+/// Removes the user [`user_who_cannot_blocklist`] makes when dropped, also after a failure.
+struct RemoveUser(String);
+
+impl Drop for RemoveUser {
+    fn drop(&mut self) {
+        let _ = Command::new("timeout")
+            .args([
+                "120",
+                "ceph",
+                "-c",
+                &self.0,
+                "-n",
+                "client.admin",
+                "auth",
+                "del",
+            ])
+            .arg(format!("client.moorcut{}", std::process::id()))
+            .output();
+    }
+}
+
+/// A librbd client on the host that can be frozen as a dead node's client would be: killed
+/// and reaped when dropped, also after a failure.
+struct StoppedClient(Child);
+
+impl StoppedClient {
+    /// Freezes it (SIGSTOP): it holds what it held, answers nothing, pings no OSD.
+    fn stop(&self) {
+        let pid = Pid::from_raw(self.0.id() as i32).expect("a pid");
+        kill_process(pid, Signal::STOP).expect("SIGSTOP");
+    }
+}
+
+impl Drop for StoppedClient {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// The writer's lines: each the next number from 1, none missing, none torn.
@@ -129,6 +153,7 @@ fn a_node_cut_off_with_volumes_in_use_maps_them_again_at_once() {
             uuids.iter().all(|u| !u.is_empty()),
             "both filesystems have a UUID: {uuids:?}"
         );
+        let _remove = RemoveUser(lab.world.ceph.conf.clone());
         let limited = user_who_cannot_blocklist(&lab.world);
         let seq = lab
             .world
@@ -275,7 +300,56 @@ fn a_node_cut_off_with_volumes_in_use_maps_them_again_at_once() {
             }
         }
 
+        // A dead client whose watch is still there, as a node back within the watch timeout
+        // would meet (the lab's guests boot slower): librbd on the host writes to a fourth
+        // image, holding its lock, and is stopped (SIGSTOP: no pings, no answers). The
+        // guest's map asks it for the lock, waits for its watch to time out and breaks it.
         let w = &lab.world;
+        let mut live = create(w, &mut ctl, "vmcutlive", block(Mode::SingleNodeWriter)).await;
+        let live_ctx = attach(w, &mut ctl, &mut live, 0).await.expect("publish");
+        let owner = StoppedClient(
+            Command::new("rbd")
+                .args(["-c", &w.ceph.conf, "--id", &w.ceph.user, "-p", &w.ceph.pool])
+                .args(["bench", "--io-type", "write", "--io-size", "4096"])
+                .args(["--io-threads", "1", "--io-total", "200M", &live.image])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("rbd bench"),
+        );
+        let waited = Instant::now();
+        while !w
+            .ceph
+            .rbd(&["lock", "ls", &live.image])
+            .is_ok_and(|l| l.contains("auto"))
+        {
+            assert!(
+                waited.elapsed() < Duration::from_secs(120),
+                "waited 120 s for librbd on the host to take the image's lock"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        owner.stop();
+        let stopped = Instant::now();
+        let staged = mount(w, &mut node, &live, &live_ctx, 0)
+            .await
+            .expect("stage of an image whose dead owner's watch is still there");
+        eprintln!(
+            "{test}: re-map of an image whose dead owner still watches it: {} ({} after the \
+             owner stopped; the OSDs' watch timeout is 30 s)",
+            ms(staged),
+            ms(stopped.elapsed())
+        );
+        assert_eq!(
+            w.ceph.watcher_hosts(&live.image),
+            vec![format!("{}.95", lab.net)],
+            "the guest's client alone holds the image"
+        );
+        drop(owner);
+        unmount(&lab, &mut node, &live, 0).await;
+        detach(w, &mut ctl, &live, 0).await;
+        delete(w, &mut ctl, &live).await;
+
         for v in vols {
             unmount(&lab, &mut node, v, 0).await;
             detach(w, &mut ctl, v, 0).await;
@@ -284,7 +358,6 @@ fn a_node_cut_off_with_volumes_in_use_maps_them_again_at_once() {
         for v in vols {
             delete(w, &mut ctl, v).await;
         }
-        remove_user(w);
     });
     lab.vms.clear();
 }
