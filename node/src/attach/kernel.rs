@@ -346,6 +346,18 @@ fn write_error(step: &'static str, image: &ImageSpec, e: &io::Error) -> AttachEr
             image,
             what: "its kernel device".into(),
         },
+        // A map takes the image's exclusive lock; when a dead client holds it (a node that
+        // crashed or rebooted without unmapping), the kernel breaks the lock by blocklisting
+        // that client first, which a user without `mon 'profile rbd'` may not do.
+        Some(libc::EACCES | libc::EPERM) if step == "map" => AttachError::Failed {
+            step,
+            image,
+            reason: format!(
+                "{e} (the user's key or capabilities were refused: a map blocklists the \
+                 client that died holding the image's lock, as a node that crashed or \
+                 rebooted without unmapping, and that needs the user's mon 'profile rbd')"
+            ),
+        },
         Some(libc::EACCES | libc::EPERM) => AttachError::Failed {
             step,
             image,

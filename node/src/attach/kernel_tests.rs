@@ -298,6 +298,10 @@ fn what_the_kernel_answers_maps_to_codes_kubelet_acts_on() {
     let denied = write_error("map", &image, &err(libc::EACCES));
     assert_eq!(denied.code(), tonic::Code::Internal);
     assert!(denied.to_string().contains("refused"), "{denied}");
+    // ceph-csi #5150: a map after a reboot must blocklist the dead client holding the lock.
+    assert!(denied.to_string().contains("mon 'profile rbd'"), "{denied}");
+    let unmap = write_error("unmap", &image, &err(libc::EACCES)).to_string();
+    assert!(!unmap.contains("blocklisted"), "{unmap}");
 }
 
 #[test]
