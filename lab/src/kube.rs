@@ -239,11 +239,22 @@ impl Cluster {
     /// # Panics
     /// When the deadline passes.
     pub fn wait_pod_finished(&self, namespace: &str, pod: &str, deadline: Duration) -> String {
-        self.wait_until(&format!("the pod {pod} to end"), deadline, || {
-            let p = self.get(Some(namespace), &format!("pod/{pod}"))?;
-            let phase = p["status"]["phase"].as_str().unwrap_or_default();
-            matches!(phase, "Succeeded" | "Failed").then(|| phase.to_owned())
-        })
+        let start = Instant::now();
+        loop {
+            if let Some(p) = self.get(Some(namespace), &format!("pod/{pod}")) {
+                let phase = p["status"]["phase"].as_str().unwrap_or_default();
+                if matches!(phase, "Succeeded" | "Failed") {
+                    return phase.to_owned();
+                }
+            }
+            assert!(
+                start.elapsed() < deadline,
+                "waited {}s for the pod {pod} to end: {}",
+                deadline.as_secs(),
+                self.describe(namespace, &format!("pod/{pod}"))
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
     }
 
     /// The logs of a pod's (only) container.

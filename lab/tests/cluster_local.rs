@@ -328,9 +328,18 @@ fn every_node_holds_volumes() {
     let (thick_pv, thick_handle, _) = bound(&c, n, "thick");
     let (path, size, allocated) = volume_file(&c, &smallest, &thick_handle);
     assert_eq!(size, 128 * MI, "{path}");
+    // Reserved whole when made (a thin one of the same size holds a few MiB). Not asserted
+    // whole now: the loop driver turns a write-zeroes without NOUNMAP (ext4's lazy inode
+    // table init after the first mount) and a discard into a hole punched in the file, and
+    // holes of a few MiB were seen appearing minutes after the stage (docs/local.md).
     assert!(
-        allocated >= size,
+        allocated >= size / 2,
         "{path} is thick: {allocated} of {size} bytes allocated"
+    );
+    eprintln!(
+        "cluster_local: thick {path} on {smallest}: {} of {} MiB allocated",
+        allocated / MI,
+        size / MI
     );
     let caps = wait_capacities(
         &c,
@@ -359,6 +368,49 @@ fn every_node_holds_volumes() {
     );
     delete(&c, n, "pod/nomore");
     delete(&c, n, "pvc/nomore");
+
+    // ---- A snapshot, kept and cut on the volume's node; restored there.
+    ns.apply(
+        "apiVersion: snapshot.storage.k8s.io/v1
+kind: VolumeSnapshot
+metadata: {name: away-snap}
+spec:
+  volumeSnapshotClassName: moor-local
+  source: {persistentVolumeClaimName: away}
+",
+    );
+    c.wait_until("the snapshot away-snap to be ready", DEADLINE, || {
+        let snap = c.get(Some(n), "volumesnapshot/away-snap")?;
+        (snap["status"]["readyToUse"] == true).then_some(())
+    });
+    ns.apply(&claim("back", THIN, 64, Some("away-snap")));
+    read_back(&c, n, "back-read", "back", &netns);
+    let (_, _, back_node) = bound(&c, n, "back");
+    assert_eq!(back_node, netns);
+
+    // ---- A restore whose pod must run on another node: refused there, nothing made there.
+    let other_before = data_dir(&c, &host);
+    ns.apply(&claim("elsewhere", THIN, 64, Some("away-snap")));
+    ns.apply(&pod(
+        "elsewhere",
+        "elsewhere",
+        &c.busybox,
+        READ,
+        Some(&host),
+    ));
+    let why = c.wait_event(
+        n,
+        "PersistentVolumeClaim",
+        "elsewhere",
+        "can only be made there",
+        DEADLINE,
+    );
+    eprintln!("cluster_local: a restore of {netns}'s snapshot for a pod on {host}: {why}");
+    let pvc = c.get(Some(n), "pvc/elsewhere").expect("the claim");
+    assert_eq!(pvc["status"]["phase"], "Pending", "{pvc}");
+    assert_eq!(data_dir(&c, &host), other_before, "nothing made on {host}");
+    delete(&c, n, "pod/elsewhere");
+    delete(&c, n, "pvc/elsewhere");
 
     // ---- Growth online: the claim on the netns node grows under its running pod.
     c.ok(&[
@@ -434,49 +486,6 @@ fn every_node_holds_volumes() {
         );
         delete(&c, n, "pod/home-read");
     }
-
-    // ---- A snapshot, kept and cut on the volume's node; restored there.
-    ns.apply(
-        "apiVersion: snapshot.storage.k8s.io/v1
-kind: VolumeSnapshot
-metadata: {name: away-snap}
-spec:
-  volumeSnapshotClassName: moor-local
-  source: {persistentVolumeClaimName: away}
-",
-    );
-    c.wait_until("the snapshot away-snap to be ready", DEADLINE, || {
-        let snap = c.get(Some(n), "volumesnapshot/away-snap")?;
-        (snap["status"]["readyToUse"] == true).then_some(())
-    });
-    ns.apply(&claim("back", THIN, 128, Some("away-snap")));
-    read_back(&c, n, "back-read", "back", &netns);
-    let (_, _, back_node) = bound(&c, n, "back");
-    assert_eq!(back_node, netns);
-
-    // ---- A restore whose pod must run on another node: refused there, nothing made there.
-    let other_before = data_dir(&c, &host);
-    ns.apply(&claim("elsewhere", THIN, 128, Some("away-snap")));
-    ns.apply(&pod(
-        "elsewhere",
-        "elsewhere",
-        &c.busybox,
-        READ,
-        Some(&host),
-    ));
-    let why = c.wait_event(
-        n,
-        "PersistentVolumeClaim",
-        "elsewhere",
-        "can only be made there",
-        DEADLINE,
-    );
-    eprintln!("cluster_local: a restore of {netns}'s snapshot for a pod on {host}: {why}");
-    let pvc = c.get(Some(n), "pvc/elsewhere").expect("the claim");
-    assert_eq!(pvc["status"]["phase"], "Pending", "{pvc}");
-    assert_eq!(data_dir(&c, &host), other_before, "nothing made on {host}");
-    delete(&c, n, "pod/elsewhere");
-    delete(&c, n, "pvc/elsewhere");
 
     // ---- A node that goes away: its volumes stay, reported by the API, not deleted; a claim
     // deleted meanwhile waits for its node; the node back, its volumes are whole.
