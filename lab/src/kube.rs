@@ -239,11 +239,22 @@ impl Cluster {
     /// # Panics
     /// When the deadline passes.
     pub fn wait_pod_finished(&self, namespace: &str, pod: &str, deadline: Duration) -> String {
-        self.wait_until(&format!("the pod {pod} to end"), deadline, || {
-            let p = self.get(Some(namespace), &format!("pod/{pod}"))?;
-            let phase = p["status"]["phase"].as_str().unwrap_or_default();
-            matches!(phase, "Succeeded" | "Failed").then(|| phase.to_owned())
-        })
+        let start = Instant::now();
+        loop {
+            if let Some(p) = self.get(Some(namespace), &format!("pod/{pod}")) {
+                let phase = p["status"]["phase"].as_str().unwrap_or_default();
+                if matches!(phase, "Succeeded" | "Failed") {
+                    return phase.to_owned();
+                }
+            }
+            assert!(
+                start.elapsed() < deadline,
+                "waited {}s for the pod {pod} to end: {}",
+                deadline.as_secs(),
+                self.describe(namespace, &format!("pod/{pod}"))
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
     }
 
     /// The logs of a pod's (only) container.
@@ -313,6 +324,28 @@ impl Cluster {
             .expect(".ci/cluster exec")
     }
 
+    /// Stops (`node-stop`: its kubelet, runtime and containers killed, as a crash does; its
+    /// namespaces, mounts and files stay) or starts again (`node-start`: until it is Ready) a
+    /// node, through `.ci/cluster`.
+    ///
+    /// # Panics
+    /// When `.ci/cluster` fails.
+    pub fn node_power(&self, verb: &str, node: &str) {
+        let out = Command::new("bash")
+            .arg(&self.script)
+            .arg(verb)
+            .arg(&self.dir)
+            .arg(node)
+            .stdin(Stdio::null())
+            .output()
+            .expect(".ci/cluster");
+        assert!(
+            out.status.success(),
+            ".ci/cluster {verb} {node}: {}",
+            text(&out.stderr)
+        );
+    }
+
     /// The mounts of a node (`findmnt` in its mount namespace): (target, source, fstype).
     ///
     /// # Panics
@@ -358,6 +391,66 @@ impl Cluster {
             .unwrap_or_else(|| panic!("no moor-node pod on {node}"))
     }
 
+    /// The messages of the events about an object (`kind`, `name`) in `namespace`, oldest first.
+    ///
+    /// # Panics
+    /// When kubectl fails.
+    pub fn events_about(&self, namespace: &str, kind: &str, name: &str) -> Vec<String> {
+        let selector = format!("involvedObject.kind={kind},involvedObject.name={name}");
+        let out = self.ok(&[
+            "get",
+            "events",
+            "-n",
+            namespace,
+            "--field-selector",
+            &selector,
+            "--sort-by=.lastTimestamp",
+            "-o",
+            "json",
+        ]);
+        let events: Value = serde_json::from_str(&out).expect("kubectl get events' JSON");
+        events["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| {
+                format!(
+                    "{}: {}",
+                    e["reason"].as_str().unwrap_or_default(),
+                    e["message"].as_str().unwrap_or_default()
+                )
+            })
+            .collect()
+    }
+
+    /// Waits until an event about the object (`kind`, `name`) says `words` (as `reason: message`),
+    /// at most `deadline`; that event.
+    ///
+    /// # Panics
+    /// When the deadline passes (with the events there were).
+    pub fn wait_event(
+        &self,
+        namespace: &str,
+        kind: &str,
+        name: &str,
+        words: &str,
+        deadline: Duration,
+    ) -> String {
+        let start = Instant::now();
+        loop {
+            let events = self.events_about(namespace, kind, name);
+            if let Some(e) = events.iter().find(|e| e.contains(words)) {
+                return e.clone();
+            }
+            assert!(
+                start.elapsed() < deadline,
+                "waited {}s for an event about {kind} {name} saying {words:?}; there were: {events:#?}",
+                deadline.as_secs()
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
     /// A namespace of the test's own, made now and deleted (with everything in it) when it
     /// drops.
     pub fn namespace(&self, prefix: &str) -> Namespace<'_> {
@@ -376,6 +469,111 @@ impl Cluster {
             name,
         }
     }
+}
+
+/// A ReadWriteOnce claim of `mib` MiB of the class, restored from the VolumeSnapshot `snapshot`
+/// when given.
+#[must_use]
+pub fn claim(name: &str, class: &str, mib: u64, snapshot: Option<&str>) -> String {
+    let source = snapshot.map_or_else(String::new, |s| {
+        format!(
+            "  dataSource: {{apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: {s}}}\n"
+        )
+    });
+    format!(
+        "apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: {name}}}
+spec:
+  storageClassName: {class}
+  accessModes: [ReadWriteOnce]
+  resources: {{requests: {{storage: {mib}Mi}}}}
+{source}"
+    )
+}
+
+/// A pod running `script` in the busybox image `image` with the claim at /data, on `node` when
+/// given (its `kubernetes.io/hostname`); Ready once /data/done exists.
+#[must_use]
+pub fn pod(name: &str, claim: &str, image: &str, script: &str, node: Option<&str>) -> String {
+    let script: String = script.lines().map(|l| format!("          {l}\n")).collect();
+    let selector = node.map_or_else(String::new, |n| {
+        format!("  nodeSelector: {{kubernetes.io/hostname: {n}}}\n")
+    });
+    format!(
+        "apiVersion: v1
+kind: Pod
+metadata: {{name: {name}}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 10
+{selector}  containers:
+    - name: c
+      image: {image}
+      # Images are imported into the nodes, never pulled.
+      imagePullPolicy: Never
+      command:
+        - sh
+        - -c
+        - |
+{script}      readinessProbe:
+        exec: {{command: [test, -f, /data/done]}}
+        periodSeconds: 1
+      volumeMounts: [{{name: data, mountPath: /data}}]
+  volumes: [{{name: data, persistentVolumeClaim: {{claimName: {claim}}}}}]
+"
+    )
+}
+
+/// A [`pod`] script: writes and fsyncs 4 MiB and its checksum, then says it is done and waits
+/// to be stopped.
+pub const WRITE: &str = "set -e
+echo written by the writer > /data/hello
+dd if=/dev/urandom of=/data/blob bs=64k count=64 conv=fsync 2>/dev/null
+sha256sum /data/blob > /data/blob.sha256
+sync
+touch /data/done
+trap 'exit 0' TERM
+sleep 1000000 & wait";
+
+/// A [`pod`] script: checks what [`WRITE`] left, and ends.
+pub const READ: &str = "set -e
+cd /data
+sha256sum -c blob.sha256
+grep -qx 'written by the writer' hello
+test -f done";
+
+/// A resource quantity as the API writes one (`1Gi`, `573440Ki`, `500M`, `1e9`, `1234`), in
+/// bytes; None when it is not one.
+#[must_use]
+pub fn quantity_bytes(q: &str) -> Option<u64> {
+    const SUFFIXES: [(&str, u64); 12] = [
+        ("Ki", 1 << 10),
+        ("Mi", 1 << 20),
+        ("Gi", 1 << 30),
+        ("Ti", 1 << 40),
+        ("Pi", 1 << 50),
+        ("Ei", 1 << 60),
+        ("k", 1_000),
+        ("M", 1_000_000),
+        ("G", 1_000_000_000),
+        ("T", 1_000_000_000_000),
+        ("P", 1_000_000_000_000_000),
+        ("E", 1_000_000_000_000_000_000),
+    ];
+    let q = q.trim();
+    for (suffix, unit) in SUFFIXES {
+        if let Some(n) = q.strip_suffix(suffix) {
+            return n.parse::<u64>().ok()?.checked_mul(unit);
+        }
+    }
+    if let Some((m, e)) = q.split_once(['e', 'E']) {
+        return m
+            .parse::<u64>()
+            .ok()?
+            .checked_mul(10_u64.checked_pow(e.parse().ok()?)?);
+    }
+    q.parse().ok()
 }
 
 /// A namespace a test made; deleted when it drops.
@@ -416,7 +614,19 @@ impl Drop for Namespace<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_env;
+    use super::{parse_env, quantity_bytes};
+
+    #[test]
+    fn quantities_are_read_as_the_api_writes_them() {
+        assert_eq!(quantity_bytes("1Gi"), Some(1 << 30));
+        assert_eq!(quantity_bytes("573440Ki"), Some(573_440 * 1024));
+        assert_eq!(quantity_bytes("500M"), Some(500_000_000));
+        assert_eq!(quantity_bytes("1e9"), Some(1_000_000_000));
+        assert_eq!(quantity_bytes("1234"), Some(1234));
+        assert_eq!(quantity_bytes("0"), Some(0));
+        assert_eq!(quantity_bytes("1.5Gi"), None);
+        assert_eq!(quantity_bytes("Gi"), None);
+    }
 
     #[test]
     fn env_files_are_read_as_up_writes_them() {

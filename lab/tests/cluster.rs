@@ -7,71 +7,13 @@
 
 use std::time::{Duration, Instant};
 
-use moor_lab::kube::Cluster;
+use moor_lab::kube::{Cluster, READ, WRITE, claim, pod};
 use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
 use serde_json::Value;
 
 const DRIVER: &str = "moor.csi.io";
 /// How long anything the cluster does may take: a claim bound, a pod running, a volume gone.
 const DEADLINE: Duration = Duration::from_secs(300);
-
-fn claim(name: &str, class: &str) -> String {
-    format!(
-        "apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {{name: {name}}}
-spec:
-  storageClassName: {class}
-  accessModes: [ReadWriteOnce]
-  resources: {{requests: {{storage: 256Mi}}}}
-"
-    )
-}
-
-/// A pod running `script` in busybox with the claim at /data; Ready once /data/done exists.
-fn pod(name: &str, claim: &str, image: &str, script: &str) -> String {
-    let script: String = script.lines().map(|l| format!("          {l}\n")).collect();
-    format!(
-        "apiVersion: v1
-kind: Pod
-metadata: {{name: {name}}}
-spec:
-  restartPolicy: Never
-  terminationGracePeriodSeconds: 10
-  containers:
-    - name: c
-      image: {image}
-      # Images are imported into the nodes, never pulled.
-      imagePullPolicy: Never
-      command:
-        - sh
-        - -c
-        - |
-{script}      readinessProbe:
-        exec: {{command: [test, -f, /data/done]}}
-        periodSeconds: 1
-      volumeMounts: [{{name: data, mountPath: /data}}]
-  volumes: [{{name: data, persistentVolumeClaim: {{claimName: {claim}}}}}]
-"
-    )
-}
-
-/// Writes and fsyncs 4 MiB and its checksum, then says it is done and waits to be stopped.
-const WRITE: &str = "set -e
-echo written by the writer > /data/hello
-dd if=/dev/urandom of=/data/blob bs=64k count=64 conv=fsync 2>/dev/null
-sha256sum /data/blob > /data/blob.sha256
-sync
-touch /data/done
-trap 'exit 0' TERM
-sleep 1000000 & wait";
-
-/// Checks what the writer left.
-const READ: &str = "set -e
-cd /data
-sha256sum -c blob.sha256
-grep -qx 'written by the writer' hello
-test -f done";
 
 fn s(v: &Value) -> &str {
     v.as_str().unwrap_or_default()
@@ -96,14 +38,14 @@ fn a_volume_life_through_the_api() {
     let node = c.controller_node.clone();
 
     // The StorageClass binds on first use: no volume until a pod needs the claim.
-    ns.apply(&claim("data", &c.storage_class));
+    ns.apply(&claim("data", &c.storage_class, 256, None));
     let pvc = c.get(Some(n), "pvc/data").expect("the claim");
     assert_eq!(pvc["status"]["phase"], "Pending", "{pvc}");
     assert!(pvc["spec"]["volumeName"].is_null(), "{pvc}");
 
     // A pod writes and fsyncs: Ready once its data is on the volume.
     let start = Instant::now();
-    ns.apply(&pod("writer", "data", &c.busybox, WRITE));
+    ns.apply(&pod("writer", "data", &c.busybox, WRITE, None));
     c.wait_pod_ready(n, "writer", DEADLINE);
     eprintln!(
         "cluster: claim to a Running pod that has written and fsynced its data: {:.1}s",
@@ -204,7 +146,7 @@ fn a_volume_life_through_the_api() {
     );
 
     // Another pod finds the data as the writer left it: it outlived unpublish, unstage, detach.
-    ns.apply(&pod("reader", "data", &c.busybox, READ));
+    ns.apply(&pod("reader", "data", &c.busybox, READ, None));
     let phase = c.wait_pod_finished(n, "reader", DEADLINE);
     assert_eq!(
         phase,

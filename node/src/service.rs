@@ -256,9 +256,11 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         traced("NodeStageVolume", req.volume_id.clone(), async move {
             // A node-local volume: the controller on this node attaches it, as a CO's attach
             // would have, once the rest of the request holds.
+            let mut attached_here = false;
             if let Some(local) = &local
                 && !crate::local_controller::names_a_device(&req.publish_context)
             {
+                attached_here = true;
                 validate::stage_but_device(&req, &dir)?;
                 let ctx = local
                     .attach(
@@ -272,6 +274,7 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
             }
             let v = validate::stage(&req, &dir)?;
             let rbd = crate::attach::request::stage(&req)?;
+            let journal = Arc::clone(engine.journal());
             let (staged, report) = blocking(move || {
                 let mut report = StageReport::default();
                 let staged = match &rbd {
@@ -284,7 +287,25 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
             if let Some((fs, outcome)) = report.fsck {
                 crate::metrics::registry().fsck_outcome(fs.name(), outcome.name());
             }
-            staged?;
+            if let Err(e) = staged {
+                let e = Status::from(e);
+                // A node-local volume this call attached and the failure left unstaged: nothing
+                // uses its device, and the kubelet sends no NodeUnstageVolume after a final
+                // error, so it is released here (else its volume could never be deleted). Not
+                // after ABORTED: another call on the volume holds it, and may be staging it.
+                let still_staged = journal
+                    .get(&req.volume_id)
+                    .is_some_and(|r| r.stage.is_some());
+                if attached_here
+                    && !still_staged
+                    && e.code() != tonic::Code::Aborted
+                    && let Some(local) = &local
+                    && let Err(d) = local.detach(&req.volume_id, &node_id).await
+                {
+                    warn!(volume = req.volume_id, error = %d.message(), "releasing the device of a failed stage");
+                }
+                return Err(e);
+            }
             if report.formatted {
                 info!(volume = req.volume_id, mkfs = ?report.mkfs, "formatted blank device");
             }

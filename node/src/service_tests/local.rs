@@ -185,6 +185,45 @@ async fn nothing_is_attached_for_a_stage_that_cannot_go_on() {
 }
 
 #[tokio::test]
+async fn a_stage_that_fails_after_the_attach_releases_the_device() {
+    // The mount fails (a final error: the kubelet will send no NodeUnstageVolume): the device
+    // the controller attached for it is released, or the volume could never be deleted.
+    let (h, local) = local_harness();
+    h.os.fail_next("mount_fs", libc::EIO);
+    assert_ne!(
+        code(h.svc.node_stage_volume(Request::new(local_stage_req()))).await,
+        Code::Ok
+    );
+    assert_eq!(h.os.mount_depth(STAGING), 0);
+    assert_eq!(
+        local.asked(),
+        vec![
+            Asked::Attach("vol-1".into(), "node-1".into()),
+            Asked::Detach("vol-1".into(), "node-1".into())
+        ]
+    );
+    // Staged, then a stage that fails (another filesystem asked): the staged volume keeps its
+    // device.
+    let (h, local) = local_harness();
+    h.svc
+        .node_stage_volume(Request::new(local_stage_req()))
+        .await
+        .expect("stage");
+    let mut other = local_stage_req();
+    other.volume_capability = Some(mount_cap("xfs", &[], Mode::SingleNodeWriter));
+    assert_ne!(
+        code(h.svc.node_stage_volume(Request::new(other))).await,
+        Code::Ok
+    );
+    assert_eq!(h.os.mount_depth(STAGING), 1);
+    assert!(
+        !local.asked().iter().any(|a| matches!(a, Asked::Detach(..))),
+        "{:?}",
+        local.asked()
+    );
+}
+
+#[tokio::test]
 async fn a_node_local_volume_grows_where_it_lives_then_its_filesystem() {
     let (h, local) = local_harness();
     h.svc
