@@ -12,6 +12,7 @@
 //! * the recursive relabel `context=` exists to avoid never runs: after the volume's life, a
 //!   mount without the flag shows the files as they are on disk (the file that was there keeps
 //!   its own label, the one made in the pod has none written);
+//! * a read-only publish of the same label (bind, then remount read-only) keeps it;
 //! * a pod asking another label of the staged volume is refused (FAILED_PRECONDITION, the
 //!   target left unmounted): the staged filesystem has one label. kubelet does not send that
 //!   call: with SELinuxMount it refuses to start a pod whose label conflicts with a volume
@@ -328,7 +329,7 @@ async fn life(vm: &Vm, dirs: &Dirs, node: &mut NodeClient<Channel>, fs: &str, qu
     eprintln!("{fs}: the file made before the volume's life is labelled {on_disk} on disk");
 
     let staging = dirs.kubelet.join(format!("plugins/staging/{vol}"));
-    let targets: Vec<_> = ["pod-a", "pod-b", "pod-c"]
+    let targets: Vec<_> = ["pod-a", "pod-b", "pod-c", "pod-ro"]
         .iter()
         .map(|p| dirs.kubelet.join(format!("pods/{p}/volumes/{vol}/mount")))
         .collect();
@@ -437,7 +438,23 @@ async fn life(vm: &Vm, dirs: &Dirs, node: &mut NodeClient<Channel>, fs: &str, qu
     assert!(!is_mounted(vm, &targets[2].display().to_string()));
     eprintln!("{fs}: a publish of {OTHER}: {}: {}", e.code(), e.message());
 
-    for target in &targets[..2] {
+    // A read-only publish (a bind mount, then its remount read-only) of the same label: the
+    // remount keeps the label, and the pod reads the files with it.
+    let mut ro = publish(&vol, &staging, &targets[3], cap(fs, LABEL));
+    ro.readonly = true;
+    node.node_publish_volume(ro)
+        .await
+        .unwrap_or_else(|e| panic!("{fs}: a read-only publish with the label: {e:?}"));
+    let r = targets[3].display().to_string();
+    assert!(
+        is_mounted(vm, &r),
+        "{fs}: the read-only target is not mounted"
+    );
+    assert_eq!(label_of(vm, &format!("{r}/new")), LABEL, "{fs}: {r}/new");
+    let write = vm.exec(&["sh", "-c", &format!("echo x > {r}/ro")]);
+    assert!(!write.ok(), "{fs}: the read-only target took a write");
+
+    for target in [&targets[0], &targets[1], &targets[3]] {
         node.node_unpublish_volume(unpublish_req(&vol, target))
             .await
             .unwrap_or_else(|e| panic!("{fs}: unpublish: {e:?}"));
