@@ -8,7 +8,8 @@
 //! * the label is the mount's: files made under a pod's target carry it (`security.selinux`),
 //!   and so do files that were on the volume before, seen through the mount;
 //! * a process of another domain is refused the volume by the enforcing kernel, and its AVC
-//!   denial names the volume's label, while the node's own domain reads it;
+//!   denial names the volume's label, while the node's own domain reads it; as between two
+//!   pods, a process of the pod's label reads it and one of other MCS categories is refused;
 //! * the recursive relabel `context=` exists to avoid never runs: after the volume's life, a
 //!   mount without the flag shows the files as they are on disk (the file that was there keeps
 //!   its own label, the one made in the pod has none written);
@@ -23,7 +24,9 @@
 //! Fedora and RHEL): the label here is `svirt_image_t`, refpolicy's type for a sandboxed
 //! guest's files, with MCS categories as kubelet gives a pod. The refused process is the
 //! policy's `ntpd_t` (a confined daemon's domain), reached from the guest's `kernel_t` through
-//! the two dynamic transitions the policy allows (to `init_t`, then to a system daemon).
+//! the two dynamic transitions the policy allows (to `init_t`, then to a system daemon). The
+//! pods' processes run in `svirt_t`, refpolicy's MCS-constrained sandbox domain (as
+//! `container_t` is), at the pod's categories or another pod's.
 //!
 //! Everything the guest runs (its init, the agent, moor-node) is in `kernel_t`, which the
 //! lab's policy makes permissive (`.ci/vm`: the host's shared files have no labels the policy
@@ -54,6 +57,8 @@ const MIB: u64 = 1 << 20;
 const LABEL: &str = "system_u:object_r:svirt_image_t:s0:c15,c25";
 /// Another pod's label: same type, other categories.
 const OTHER: &str = "system_u:object_r:svirt_image_t:s0:c7,c8";
+/// The pods' domain: refpolicy's MCS-constrained sandbox (container-selinux's `container_t`).
+const POD_DOMAIN: &str = "svirt_t";
 /// The label on disk of a file that was on the volume before its life.
 const PRE_LABEL: &str = "system_u:object_r:etc_t:s0";
 /// The kernel command line that turns SELinux on in Debian's kernel (built without the
@@ -427,6 +432,34 @@ async fn life(vm: &Vm, dirs: &Dirs, node: &mut NodeClient<Channel>, fs: &str, qu
     // Enforced, not only logged: the guest's own domain is permissive (`.ci/vm`), this one not.
     assert!(denial.contains("permissive=0"), "{fs}: {denial}");
     eprintln!("{fs}: the refused read: {}", denial.trim());
+
+    // MCS, as between two pods: a process of the pod's own label (refpolicy's sandbox domain,
+    // MCS-constrained as container_t is) reads the volume; one of the other pod's categories is
+    // refused. The lab's permissive kernel_t moves straight into the domain (the move is only
+    // logged); the read is the sandbox domain's own, enforced.
+    let pod = |level: &str| format!("system_u:system_r:{POD_DOMAIN}:{level}");
+    assert_eq!(
+        read(&pod("s0:c15,c25")),
+        Some(0),
+        "{fs}: a process of the pod's label reads the volume"
+    );
+    assert_eq!(
+        read(&pod("s0:c7,c8")),
+        Some(13),
+        "{fs}: a process of the other pod's categories must be refused the volume"
+    );
+    let denial = vm.sh(&format!(
+        "dmesg | grep 'avc: *denied' | grep 'scontext={} ' | grep 'tcontext={LABEL} ' \
+         | tail -n 1",
+        pod("s0:c7,c8")
+    ));
+    assert!(
+        denial.contains("permissive=0"),
+        "{fs}: no enforced AVC denial of {} on {LABEL}: {}",
+        pod("s0:c7,c8"),
+        vm.sh("dmesg | grep avc || true")
+    );
+    eprintln!("{fs}: the other pod's read: {}", denial.trim());
 
     // A pod of another label: refused, nothing mounted.
     let e = node
