@@ -360,8 +360,10 @@ async fn life(vm: &Vm, dirs: &Dirs, node: &mut NodeClient<Channel>, fs: &str, qu
         });
     let staging_s = staging.display().to_string();
     let opts = super_options(vm, &staging_s);
-    assert!(
-        opts.contains(LABEL),
+    // The label, once, as the kernel shows it (quoted).
+    assert_eq!(
+        opts.matches(&flag(LABEL)).count(),
+        1,
         "{fs}: the staging mount's options: {opts}"
     );
 
@@ -386,7 +388,11 @@ async fn life(vm: &Vm, dirs: &Dirs, node: &mut NodeClient<Channel>, fs: &str, qu
         let t = target.display().to_string();
         assert!(is_mounted(vm, &t), "{fs}: target {k} is not mounted");
         let opts = super_options(vm, &t);
-        assert!(opts.contains(LABEL), "{fs}: target {k}'s options: {opts}");
+        assert_eq!(
+            opts.matches(&flag(LABEL)).count(),
+            1,
+            "{fs}: target {k}'s options: {opts}"
+        );
     }
     let a = targets[0].display().to_string();
     let b = targets[1].display().to_string();
