@@ -18,7 +18,10 @@
 //!   target left unmounted): the staged filesystem has one label. kubelet does not send that
 //!   call: with SELinuxMount it refuses to start a pod whose label conflicts with a volume
 //!   already mounted for another pod (its volume manager's SELinux label check), so moor's
-//!   refusal is the defence behind kubelet's, never what a pod sees first.
+//!   refusal is the defence behind kubelet's, never what a pod sees first;
+//! * a label the policy does not know (`container_file_t`, which kubelet takes from Debian's
+//!   `lxc_contexts`, though the policy has no such type) is refused before a blank device is
+//!   formatted (FAILED_PRECONDITION), where the kernel would refuse the mount after mkfs.
 //!
 //! Debian's reference policy has no `container_file_t` (that type is container-selinux's, on
 //! Fedora and RHEL): the label here is `svirt_image_t`, refpolicy's type for a sandboxed
@@ -57,6 +60,8 @@ const MIB: u64 = 1 << 20;
 const LABEL: &str = "system_u:object_r:svirt_image_t:s0:c15,c25";
 /// Another pod's label: same type, other categories.
 const OTHER: &str = "system_u:object_r:svirt_image_t:s0:c7,c8";
+/// The label kubelet makes of Debian's `lxc_contexts`: a type the reference policy lacks.
+const UNKNOWN: &str = "system_u:object_r:container_file_t:s0:c15,c25";
 /// The pods' domain: refpolicy's MCS-constrained sandbox (container-selinux's `container_t`).
 const POD_DOMAIN: &str = "svirt_t";
 /// The label on disk of a file that was on the volume before its life.
@@ -219,7 +224,8 @@ fn a_volume_labelled_by_its_mount_on_an_enforcing_kernel() {
     let bridge = Bridge::new();
     let filesystems = ["ext4", "xfs"];
     let mut qemu_opts = vec!["-cpu".to_string(), "qemu64,svm=off".to_string()];
-    for (k, fs) in filesystems.iter().enumerate() {
+    // A disk per filesystem, and a blank one for a label the policy does not know.
+    for (k, fs) in filesystems.iter().chain(&["blank"]).enumerate() {
         let file = sb.data.join(format!("{fs}.img"));
         std::fs::File::create(&file)
             .and_then(|f| f.set_len(320 * MIB))
@@ -278,6 +284,7 @@ fn a_volume_labelled_by_its_mount_on_an_enforcing_kernel() {
         for fs in filesystems {
             life(&vm, &dirs, &mut node, fs, quick).await;
         }
+        unknown_label(&vm, &dirs, &mut node).await;
     });
     // The whole run's denials: each is the refused reader's, of the volume's label.
     let avc = vm.sh("dmesg | grep 'avc: *denied' || true");
@@ -309,6 +316,37 @@ impl Dirs {
         )
         .await
     }
+}
+
+/// Kubelet's label on a node with Debian's reference policy: its pod file type comes from the
+/// runtime's `lxc_contexts`, which names `container_file_t`, a type this policy does not have.
+/// The kernel would refuse the mount (EINVAL) after mkfs; moor refuses the stage first
+/// (FAILED_PRECONDITION), the device left blank.
+async fn unknown_label(vm: &Vm, dirs: &Dirs, node: &mut NodeClient<Channel>) {
+    let dev = disk(vm, "sel-blank");
+    let staging = dirs.kubelet.join("plugins/staging/vol-unknown");
+    let req = csi::NodeStageVolumeRequest {
+        volume_id: "vol-unknown".into(),
+        publish_context: HashMap::from([(DEVICE_PATH_KEY.into(), dev.clone())]),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(cap("ext4", UNKNOWN)),
+        ..Default::default()
+    };
+    let e = node
+        .node_stage_volume(req)
+        .await
+        .expect_err("a stage with a label the policy does not know");
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().contains("policy does not know"),
+        "{}",
+        e.message()
+    );
+    assert!(!is_mounted(vm, &staging.display().to_string()));
+    // Blank still: blkid finds nothing (exit 2).
+    let probe = vm.exec(&["blkid", "-p", &dev]);
+    assert_eq!(probe.code, Some(2), "the device was written: {probe:?}");
+    eprintln!("a stage of {UNKNOWN}: {}: {}", e.code(), e.message());
 }
 
 async fn life(vm: &Vm, dirs: &Dirs, node: &mut NodeClient<Channel>, fs: &str, quick: bool) {
