@@ -67,6 +67,7 @@ impl Lab {
                     memory: "1G".into(),
                     hotplug: 2,
                     qemu_opts: qemu_opts(i, &world),
+                    append: Vec::new(),
                 }
             })
             .collect();

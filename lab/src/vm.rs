@@ -66,6 +66,8 @@ pub struct VmOptions {
     pub hotplug: usize,
     /// More QEMU arguments, each passed whole (`-drive`, `-device`: disks attached at boot).
     pub qemu_opts: Vec<String>,
+    /// More kernel command-line arguments (the LSM list that turns SELinux on).
+    pub append: Vec<String>,
 }
 
 /// A running guest.
@@ -168,6 +170,9 @@ impl Vm {
         }
         for o in &self.opts.qemu_opts {
             cmd.arg("--qemu-opt").arg(o);
+        }
+        for a in &self.opts.append {
+            cmd.arg("--append").arg(a);
         }
         // If the test dies without dropping the guest (killed), the script is told, and its
         // trap takes QEMU with it.

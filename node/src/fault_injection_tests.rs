@@ -163,6 +163,9 @@ impl Os for Faulty {
     fn selinux(&self) -> bool {
         self.inner.selinux()
     }
+    fn selinux_label_known(&self, label: &str) -> bool {
+        self.inner.selinux_label_known(label)
+    }
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {
         self.tick("run_tool", Path::new(&run.program))
             .map_err(|e| ToolError::Spawn {

@@ -290,6 +290,10 @@ impl<O: Os> Os for MeteredOs<O> {
         self.inner.selinux()
     }
 
+    fn selinux_label_known(&self, label: &str) -> bool {
+        self.inner.selinux_label_known(label)
+    }
+
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {
         let start = Instant::now();
         let r = self.inner.run_tool(run);

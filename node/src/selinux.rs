@@ -3,7 +3,8 @@
 //!
 //! The label is a property of the superblock: the stage's filesystem mount gets it, and a
 //! publish, a bind mount of that filesystem, can only have the same. A node whose kernel has no
-//! SELinux cannot label a mount at all.
+//! SELinux cannot label a mount at all, and one whose policy does not know a label cannot mount
+//! with it: both are refused before the device is touched.
 
 use crate::engine::ADOPTED_MODE;
 use crate::engine::Access;
@@ -22,7 +23,20 @@ pub fn require_support<O: Os + ?Sized>(os: &O, access: &Access) -> Result<()> {
             "mount option {label:?} needs SELinux, and this node's kernel has none"
         ))),
         _ => Ok(()),
+    }?;
+    // A label the node's policy does not know fails the mount (EINVAL), after a blank device
+    // was formatted: refused first. (Kubelet takes the pod's file type from the runtime's
+    // `lxc_contexts`; Debian's reference policy names `container_file_t` there and has no
+    // such type.)
+    for opt in options.selinux() {
+        let label = opt.split_once('=').map_or(opt, |(_, v)| v);
+        if !os.selinux_label_known(label) {
+            return Err(Error::FailedPrecondition(format!(
+                "mount option {opt:?}: this node's SELinux policy does not know the label"
+            )));
+        }
     }
+    Ok(())
 }
 
 /// NodePublishVolume: the labels asked for must be the ones the volume was staged with. A

@@ -145,6 +145,26 @@ async fn a_node_without_selinux_refuses_labels_and_touches_nothing() {
 }
 
 #[tokio::test]
+async fn a_label_the_policy_does_not_know_is_refused_before_anything() {
+    // Debian's reference policy: kubelet's container_file_t (from its lxc_contexts) is not a
+    // type of the policy, and the kernel would refuse the mount only after mkfs.
+    let h = selinux_node();
+    h.os.set_label_unknown(POD_A_OPTION.trim_start_matches("context="));
+    let e = stage(&h, &[POD_A]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().contains("policy does not know"),
+        "{}",
+        e.message()
+    );
+    assert!(h.os.calls().is_empty(), "{:?}", h.os.calls());
+    assert!(h.engine.journal().get("vol-1").is_none());
+    // Another label, which the policy knows, stages.
+    stage(&h, &[POD_B]).await.expect("stage with a known label");
+    assert_eq!(mount_options(&h).len(), 1);
+}
+
+#[tokio::test]
 async fn malformed_labels_are_invalid_argument() {
     let h = selinux_node();
     for flags in [

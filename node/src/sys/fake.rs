@@ -86,6 +86,7 @@ struct State {
     fs_errors: HashMap<(u32, u32), u64>,
     arrivals: Vec<Arrival>,
     selinux: bool,
+    unknown_labels: Vec<String>,
     next_mount_id: u64,
     calls: Vec<Call>,
 }
@@ -260,6 +261,11 @@ impl FakeOs {
     /// Says whether the kernel has SELinux (a new fake has not).
     pub fn set_selinux(&self, present: bool) {
         self.lock().selinux = present;
+    }
+
+    /// Says the policy does not know `label` (a new fake's knows every label).
+    pub fn set_label_unknown(&self, label: &str) {
+        self.lock().unknown_labels.push(label.to_string());
     }
 
     /// Pretends a program is not installed.
@@ -622,6 +628,10 @@ impl Os for FakeOs {
 
     fn selinux(&self) -> bool {
         self.lock().selinux
+    }
+
+    fn selinux_label_known(&self, label: &str) -> bool {
+        !self.lock().unknown_labels.iter().any(|l| l == label)
     }
 
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {

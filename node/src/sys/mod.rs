@@ -490,6 +490,9 @@ pub trait Os: Send + Sync + 'static {
     ) -> Result<GroupReport, OwnershipError>;
     /// Whether the kernel has SELinux, which the `context=` mount options need.
     fn selinux(&self) -> bool;
+    /// Whether the loaded SELinux policy knows `label` (a mount of a label it does not know is
+    /// refused); true where that cannot be asked.
+    fn selinux_label_known(&self, label: &str) -> bool;
     /// Runs a tool to completion within its deadline.
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError>;
     /// Whether a program is on the PATH.

@@ -20,6 +20,23 @@ pub fn in_kernel() -> bool {
     })
 }
 
+/// Whether the loaded policy knows `label`: selinuxfs's `context` node takes a label and the
+/// kernel refuses one its policy does not know (EINVAL), as a mount with it would be refused.
+/// True where that cannot be asked (no selinuxfs mounted here, or no right to ask).
+pub fn label_known(label: &str) -> bool {
+    use std::io::Write as _;
+    let Ok(mut node) = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/sys/fs/selinux/context")
+    else {
+        return true;
+    };
+    match node.write_all(label.as_bytes()) {
+        Ok(()) => true,
+        Err(e) => e.raw_os_error() != Some(rustix::io::Errno::INVAL.raw_os_error()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

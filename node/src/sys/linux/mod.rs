@@ -441,6 +441,10 @@ impl Os for Linux {
         selinux::in_kernel()
     }
 
+    fn selinux_label_known(&self, label: &str) -> bool {
+        selinux::label_known(label)
+    }
+
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {
         run_with_deadline(run)
     }
