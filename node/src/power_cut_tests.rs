@@ -71,6 +71,11 @@ fn boot(name: &str, boot: &str, log: &[u8], size: u64, data: &[(u64, Vec<u8>)]) 
     boot_with(name, boot, log, size, data, 0)
 }
 
+/// [`boot`] with the journal's mark of what is synced as the cut left it beside the log.
+fn boot_marked(name: &str, log: &[u8], mark: &[u8], size: u64, data: &[(u64, Vec<u8>)]) -> World {
+    boot_in(name, AFTER, log, Some(mark), size, data, 0)
+}
+
 /// [`boot`] with `--max-volumes` at `max_volumes`, and DEV2 (blank) beside DEV.
 fn boot_with(
     name: &str,
@@ -80,9 +85,25 @@ fn boot_with(
     data: &[(u64, Vec<u8>)],
     max_volumes: u64,
 ) -> World {
+    boot_in(name, boot, log, None, size, data, max_volumes)
+}
+
+/// [`boot_with`], with the journal's `mark` of what is synced beside the log, if any.
+fn boot_in(
+    name: &str,
+    boot: &str,
+    log: &[u8],
+    mark: Option<&[u8]>,
+    size: u64,
+    data: &[(u64, Vec<u8>)],
+    max_volumes: u64,
+) -> World {
     let state = state_dir(name);
     std::fs::create_dir_all(&state).expect("state dir");
     std::fs::write(state.join(journal::LOG_FILE), log).expect("log");
+    if let Some(mark) = mark {
+        std::fs::write(state.join(journal::SYNCED_FILE), mark).expect("mark");
+    }
     let os = Arc::new(FakeOs::new());
     os.add_dir(Path::new(STAGING).parent().unwrap_or(Path::new("/")));
     os.add_dir(Path::new(TARGET).parent().unwrap_or(Path::new("/")));
@@ -154,6 +175,30 @@ impl World {
 /// synced prefix, and each in-order prefix of the lines after it, whole or cut in the middle
 /// of its last line (a filesystem keeps an unsynced append up to any block: the block-level
 /// replay on a real kernel, `lab/tests/vm_crash.rs`, found a log ending mid-line).
+/// The states a power cut can leave when it writes the unsynced pages back out of order: the
+/// whole log with one line after the first `synced` bytes torn in its middle (a hole of
+/// zeros, as the VM lab's real cut left it), and every line after it whole.
+pub(crate) fn torn_middle_states(log: &[u8], synced: usize) -> Vec<Vec<u8>> {
+    let mut starts = vec![synced];
+    for (i, b) in log.iter().enumerate().skip(synced) {
+        if *b == b'\n' {
+            starts.push(i + 1);
+        }
+    }
+    starts
+        .windows(2)
+        .filter(|w| w[1] < log.len())
+        .map(|w| {
+            let mut torn = log.to_vec();
+            let middle = w[0] + (w[1] - w[0]) / 2;
+            if let Some(hole) = torn.get_mut(middle.saturating_sub(8)..middle) {
+                hole.fill(0);
+            }
+            torn
+        })
+        .collect()
+}
+
 pub(crate) fn power_cut_states(log: &[u8], synced: usize) -> Vec<&[u8]> {
     let mut states = vec![log.get(..synced).unwrap_or(log)];
     let mut start = synced;
@@ -190,19 +235,27 @@ async fn every_state_a_power_cut_leaves_keeps_the_data_and_formats_once() {
     let life = LIFE;
     let mut size = GIB;
     let node = boot("life", BEFORE, b"", size, &[]);
-    let mut states = 0;
+    let (mut states, mut torn_states) = (0, 0);
     for (i, step) in life.iter().enumerate() {
         node.run(*step, &mut size).await;
         let log = std::fs::read(node.state.join(journal::LOG_FILE)).expect("log");
         let synced = usize::try_from(node.engine.journal().durable_len()).expect("len");
+        let mark = std::fs::read(node.state.join(journal::SYNCED_FILE)).expect("mark");
         let data = node.os.device_data(DEV);
         let written = life.get(..=i).is_some_and(|s| s.contains(&Step::Write));
-        for (j, state) in power_cut_states(&log, synced).into_iter().enumerate() {
+        let in_order = power_cut_states(&log, synced)
+            .into_iter()
+            .map(<[u8]>::to_vec);
+        let torn = torn_middle_states(&log, synced);
+        torn_states += torn.len();
+        for (j, state) in in_order.chain(torn).enumerate() {
+            let state = state.as_slice();
             states += 1;
             let name = format!("after {step:?} #{i}, state {j}");
             // What replaying the state says of the volume: never "formatting" once mkfs has
             // finished (only that record lets a later call format a device with data).
-            let replayed = journal::replay(state);
+            let durable = journal::SyncedMark::decode(&mark).and_then(|m| m.durable_in(state));
+            let replayed = journal::replay_after_sync(state, durable);
             let newest = replayed.records.get("vol-1").and_then(|r| r.stage.as_ref());
             assert!(
                 newest.is_none_or(|s| s.phase != Phase::Formatting),
@@ -211,7 +264,7 @@ async fn every_state_a_power_cut_leaves_keeps_the_data_and_formats_once() {
             // The reboot: no mounts, the journal as the power cut left it, the device as it
             // was (the pod's data was fsynced). Reconciliation, then kubelet stages and
             // publishes the volume for its pod again.
-            let after = boot(&format!("cut-{i}-{j}"), AFTER, state, size, &data);
+            let after = boot_marked(&format!("cut-{i}-{j}"), state, &mark, size, &data);
             Reconciler::new(Arc::clone(&after.engine), "moor.csi.io")
                 .run()
                 .unwrap_or_else(|e| panic!("{name}: reconcile: {e}"));
@@ -239,7 +292,8 @@ async fn every_state_a_power_cut_leaves_keeps_the_data_and_formats_once() {
     }
     assert_eq!(mkfs_runs(&node.os), 1, "one mkfs in the whole life");
     assert!(data_intact(&node.os));
-    eprintln!("power-cut states replayed: {states}");
+    assert!(torn_states > 0, "no unsynced line was torn in the middle");
+    eprintln!("power-cut states replayed: {states} ({torn_states} torn in the middle)");
 }
 
 #[test]

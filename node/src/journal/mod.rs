@@ -13,6 +13,11 @@
 //! A compaction is fsynced (temp file, then the dir after the rename) only while such a record
 //! is live, or with `--journal-fsync`: otherwise a power loss can cost at most records of
 //! mounts the reboot has undone anyway, and the hot path does not wait for the disk.
+//!
+//! After each sync, [`SYNCED_FILE`] marks how much of the log is durable ([`SyncedMark`]): at
+//! start, damage after that point is an append a power cut tore (unsynced pages reach the disk
+//! in any order, so it can lie in the middle of the unsynced part), dropped from the torn line
+//! on like a torn tail; damage inside it is damage.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
@@ -317,6 +322,69 @@ pub const LOG_FILE: &str = "journal.log";
 /// Where an unreadable log is kept for inspection when it is rebuilt.
 pub const CORRUPT_FILE: &str = "journal.log.corrupt";
 
+/// The side file holding how much of the log is durable ([`SyncedMark`]).
+pub const SYNCED_FILE: &str = "journal.log.synced";
+const SYNCED_MAGIC: &str = "moor-journal-synced v1 ";
+
+/// How much of the log is durable, kept beside it in [`SYNCED_FILE`]: the log's length at its
+/// last sync, and the CRC-32C of its bytes up to there. Written, and `fdatasync`ed, after each
+/// sync of the log returned; fixed-width, overwritten in place, itself checksummed. It proves
+/// itself against the log it is read with: it counts only when the log's first `len` bytes have
+/// that checksum, which a torn mark, a mark of an earlier log (a compaction renamed a new one
+/// over it) or damage inside the durable part all fail. A mark that does not count says
+/// nothing, and every damaged line is damage, as before there was a mark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncedMark {
+    /// Bytes of the log up to its last sync.
+    pub len: u64,
+    /// CRC-32C of those bytes.
+    pub crc: u32,
+}
+
+impl SyncedMark {
+    /// The mark's file content (always the same length).
+    pub fn encode(&self) -> Vec<u8> {
+        let body = format!("{:016x} {:08x}", self.len, self.crc);
+        format!("{SYNCED_MAGIC}{:08x} {body}\n", crc32c(body.as_bytes())).into_bytes()
+    }
+
+    /// A mark file's content, or None when it is not a whole mark. Never panics.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let line = text.strip_prefix(SYNCED_MAGIC)?.strip_suffix('\n')?;
+        let (crc, body) = line.split_once(' ')?;
+        (u32::from_str_radix(crc, 16).ok()? == crc32c(body.as_bytes())).then_some(())?;
+        let (len, prefix_crc) = body.split_once(' ')?;
+        Some(Self {
+            len: u64::from_str_radix(len, 16).ok()?,
+            crc: u32::from_str_radix(prefix_crc, 16).ok()?,
+        })
+    }
+
+    /// How many bytes at the start of `log` this mark proves durable, if it counts for `log`.
+    pub fn durable_in(&self, log: &[u8]) -> Option<usize> {
+        let len = usize::try_from(self.len).ok()?;
+        (crc32c(log.get(..len)?) == self.crc).then_some(len)
+    }
+}
+
+/// Writes the mark of a log durable up to `len` bytes whose checksum is `crc`, `fdatasync`ed
+/// when `sync`. In place, the same length every time: a power cut during the write leaves the
+/// old mark, the new, or one that fails its own checksum and says nothing.
+fn write_mark(dir: &Path, mark: SyncedMark, sync: bool) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    let f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(dir.join(SYNCED_FILE))?;
+    f.write_all_at(&mark.encode(), 0)?;
+    if sync {
+        f.sync_data()?;
+    }
+    Ok(())
+}
+
 /// Compact once this many lines have been appended beyond four per live record.
 const COMPACT_SLACK: usize = 1024;
 
@@ -356,7 +424,22 @@ pub struct Replay {
 /// append cut short, which the log ends before ([`Replay::torn_tail`]). A log with no readable
 /// line at all is damage, but for an unterminated end. Never panics.
 pub fn replay(bytes: &[u8]) -> Replay {
+    replay_after_sync(bytes, None)
+}
+
+/// [`replay`] of a log whose first `durable` bytes are known to be on disk (a [`SyncedMark`]
+/// that counts for it). Damage that lies wholly after them is a tear, not damage: a power cut
+/// writes unsynced pages back in any order, so an append in the middle of the unsynced part
+/// can come back torn while later ones read. The log then ends before the first damaged line
+/// after the durable part: that line and every one after it, readable or not, are the torn
+/// tail ([`Replay::torn_tail`]), which leaves the durable part and an in-order prefix of the
+/// appends after it, a state a power cut may leave anyway. Damage inside the durable part
+/// cannot be a tear (the mark would not count), and a whole line only a newer moor-node reads
+/// is never torn: it is refused wherever it is ([`Replay::newer`]). Never panics.
+pub fn replay_after_sync(bytes: &[u8], durable: Option<usize>) -> Replay {
     let mut out = Replay::default();
+    // Where each line starts.
+    let mut starts = Vec::new();
     let mut rest = bytes;
     // Where the last readable line ends, and how many lines were read up to it.
     let (mut good_end, mut good_lines) = (0, 0);
@@ -366,6 +449,7 @@ pub fn replay(bytes: &[u8]) -> Replay {
             None => break,
         };
         out.lines += 1;
+        starts.push(bytes.len() - rest.len());
         rest = next;
         match decode(line) {
             Ok(r) if r.is_empty() => {
@@ -384,6 +468,19 @@ pub fn replay(bytes: &[u8]) -> Replay {
         }
         good_end = bytes.len() - rest.len();
         good_lines = out.lines;
+    }
+    let torn_after_sync = durable.and_then(|durable| {
+        out.problems
+            .iter()
+            .filter(|(_, e)| !e.is_newer())
+            .filter_map(|(line, _)| starts.get(line - 1).copied())
+            .find(|start| *start >= durable)
+    });
+    if let Some(start) = torn_after_sync {
+        let mut torn = replay(bytes.get(..start).unwrap_or_default());
+        torn.torn_tail = bytes.len() - start;
+        torn.newer = out.newer;
+        return torn;
     }
     if good_lines == 0 {
         // Nothing reads: whole lines that do not are damage; only an unterminated end is torn.
@@ -405,7 +502,7 @@ pub fn read_state(state_dir: &Path) -> Result<(Vec<VolumeRecord>, Vec<LoadProble
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), Vec::new())),
         Err(source) => return Err(JournalError::Dir { path, source }),
     };
-    let replayed = replay(&bytes);
+    let replayed = replay_after_sync(&bytes, durable_part(state_dir, &bytes));
     refuse_newer(&path, &replayed)?;
     let problems = replayed
         .problems
@@ -417,6 +514,13 @@ pub fn read_state(state_dir: &Path) -> Result<(Vec<VolumeRecord>, Vec<LoadProble
         })
         .collect();
     Ok((replayed.records.into_values().collect(), problems))
+}
+
+/// How much of the log `bytes` of `state_dir` its last sync made durable, when the mark beside
+/// it says so (None: no mark, or one that does not count for this log).
+fn durable_part(state_dir: &Path, bytes: &[u8]) -> Option<usize> {
+    let mark = std::fs::read(state_dir.join(SYNCED_FILE)).ok()?;
+    SyncedMark::decode(&mark)?.durable_in(bytes)
 }
 
 /// [`JournalError::Newer`] when the replayed log holds a line only a newer moor-node reads.
@@ -439,6 +543,9 @@ struct State {
     len: u64,
     /// Bytes of the log known to be on disk (up to the last sync).
     synced: u64,
+    /// The CRC-32C of the log's `len` bytes, as [`moor_runtime::crc32c::extend`] carries it
+    /// (inverted).
+    crc: u32,
     /// Lines in the log.
     lines: usize,
     /// Tests: how many more `put`s succeed before one fails (with EIO), once.
@@ -467,7 +574,9 @@ impl Journal {
     /// the damaged file is kept as `journal.log.corrupt` and the log rewritten from what could
     /// be read, so reconciliation can rebuild the rest from the mount table. An unterminated
     /// last line is no damage but an append a crash or power cut left half on disk (its call
-    /// never returned): the log is rewritten without it ([`torn_tail`](Self::torn_tail)).
+    /// never returned): the log is rewritten without it ([`torn_tail`](Self::torn_tail)); so
+    /// is the unsynced part from a torn line on, when [`SYNCED_FILE`] proves where the synced
+    /// part ends ([`replay_after_sync`]).
     pub fn open(
         state_dir: &Path,
         fsync_all: bool,
@@ -483,7 +592,7 @@ impl Journal {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(source) => return Err(JournalError::Dir { path, source }),
         };
-        let replayed = replay(&bytes);
+        let replayed = replay_after_sync(&bytes, durable_part(state_dir, &bytes));
         // Before anything is written: a newer moor-node's log is neither set aside nor
         // rewritten.
         refuse_newer(&path, &replayed)?;
@@ -504,7 +613,14 @@ impl Journal {
             })?;
         }
         let records: HashMap<String, VolumeRecord> = replayed.records.into_iter().collect();
-        let (log, len, lines) = write_compacted(state_dir, &records, true)?;
+        let (log, len, lines, crc) = write_compacted(state_dir, &records, true)?;
+        // The rewritten log is durable: its mark, then the dir (the mark may be new).
+        let marked = write_mark(state_dir, SyncedMark { len, crc: !crc }, true)
+            .and_then(|()| File::open(state_dir)?.sync_all());
+        marked.map_err(|source| JournalError::Write {
+            path: state_dir.join(SYNCED_FILE),
+            source,
+        })?;
         Ok((
             Self {
                 dir: state_dir.to_path_buf(),
@@ -514,6 +630,7 @@ impl Journal {
                     log,
                     len,
                     synced: len,
+                    crc,
                     lines,
                     #[cfg(test)]
                     fail_after: None,
@@ -586,9 +703,13 @@ impl Journal {
             });
         }
         st.len += line.len() as u64;
+        st.crc = moor_runtime::crc32c::extend(st.crc, &line);
         st.lines += 1;
         if sync {
             st.synced = st.len;
+            // The record is durable whether or not its mark is: a mark left behind only counts
+            // less of the log as durable, and one that fails says nothing.
+            let _ = write_mark(&self.dir, st.mark(), true);
         }
         if record.is_empty() {
             st.records.remove(&record.volume_id);
@@ -598,26 +719,48 @@ impl Journal {
         if st.lines > st.records.len() * 4 + COMPACT_SLACK {
             // A failed compaction leaves the old log, which is still whole: carry on with it.
             let durable = self.fsync_all || st.records.values().any(VolumeRecord::guards_data);
-            if let Ok((log, len, lines)) = write_compacted(&self.dir, &st.records, durable) {
+            if let Ok((log, len, lines, crc)) = write_compacted(&self.dir, &st.records, durable) {
                 st.log = log;
                 st.len = len;
+                st.crc = crc;
                 st.lines = lines;
                 // Unsynced, the new log may reach the disk empty, or with any prefix of its
-                // lines.
+                // lines. Its mark, written after the rename: until it lands, the old mark
+                // fails against the new log and says nothing.
                 st.synced = if durable { len } else { 0 };
+                let mark = if durable {
+                    st.mark()
+                } else {
+                    SyncedMark {
+                        len: 0,
+                        crc: crc32c(b""),
+                    }
+                };
+                let _ = write_mark(&self.dir, mark, durable);
             }
         }
         Ok(())
     }
 }
 
+impl State {
+    /// The mark of what the log's last sync made durable.
+    fn mark(&self) -> SyncedMark {
+        SyncedMark {
+            len: self.synced,
+            crc: !self.crc,
+        }
+    }
+}
+
 /// Writes `records` as a fresh log: temp file, fsync, rename over the log, fsync the dir.
-/// Returns the log opened for appending, its length and line count.
+/// Returns the log opened for appending, its length, line count and checksum (inverted, as
+/// [`moor_runtime::crc32c::extend`] carries it).
 fn write_compacted(
     dir: &Path,
     records: &HashMap<String, VolumeRecord>,
     durable: bool,
-) -> Result<(File, u64, usize), JournalError> {
+) -> Result<(File, u64, usize, u32), JournalError> {
     let path = dir.join(LOG_FILE);
     let tmp = dir.join("journal.log.tmp");
     let mut sorted: Vec<&VolumeRecord> = records.values().collect();
@@ -647,7 +790,8 @@ fn write_compacted(
         path: path.clone(),
         source,
     })?;
-    Ok((log, content.len() as u64, sorted.len()))
+    let crc = moor_runtime::crc32c::extend(!0, &content);
+    Ok((log, content.len() as u64, sorted.len(), crc))
 }
 
 #[cfg(test)]
