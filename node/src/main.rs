@@ -109,7 +109,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
     if journal.torn_tail() > 0 {
         info!(
             bytes = journal.torn_tail(),
-            "the journal ended in appends a crash or power cut cut short before they were synced (bytes no record reads from, or from a torn unsynced line on); dropped"
+            "the journal ended in bytes no record reads from (appends a crash or power cut cut short before they were synced: its end, or its unsynced part from a torn line on); dropped"
         );
     }
     let journal = Arc::new(journal);
