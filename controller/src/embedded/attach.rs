@@ -141,6 +141,14 @@ pub trait Attacher: Send + Sync + fmt::Debug + 'static {
     /// Writes `device`'s cached data through to its backing file (`expect`).
     fn flush(&self, device: &Path, expect: FileId) -> Result<(), AttachError>;
 
+    /// Stops `device` (bound to `expect`, a thick volume's file) from giving its file's blocks
+    /// back: the loop driver turns a discard, and a write-zeroes that may unmap, into a hole
+    /// punched in the file, which the thick reservation then no longer holds. Nothing to do
+    /// where no device punches holes (the default).
+    fn keep_allocated(&self, _device: &Path, _expect: FileId) -> Result<(), AttachError> {
+        Ok(())
+    }
+
     /// Every device on this host bound to a file under `root` (the data dir), with the file
     /// named under `root` (see [`under_root`] and [`named_as_a_volume_file`]: the kernel may
     /// name it through a mount this process cannot see; such a device is ours only if it reads
@@ -169,6 +177,9 @@ impl<A: Attacher> Attacher for Arc<A> {
     }
     fn flush(&self, device: &Path, expect: FileId) -> Result<(), AttachError> {
         (**self).flush(device, expect)
+    }
+    fn keep_allocated(&self, device: &Path, expect: FileId) -> Result<(), AttachError> {
+        (**self).keep_allocated(device, expect)
     }
     fn list(&self, root: &Path) -> Result<Vec<Attachment>, AttachError> {
         (**self).list(root)
@@ -340,6 +351,50 @@ impl LoopAttacher {
         (!text.is_empty()).then(|| text.to_string())
     }
 
+    /// `loopN`'s queue attribute `attr` (sysfs), trimmed; None when it cannot be read.
+    fn queue_attr(&self, name: &str, attr: &str) -> Option<String> {
+        let text = std::fs::read_to_string(self.sys_block.join(name).join("queue").join(attr));
+        text.ok().map(|t| t.trim().to_string())
+    }
+
+    /// Whether `loopN`'s discards were turned off by [`Attacher::keep_allocated`]: the kernel
+    /// would offer them (`discard_max_hw_bytes`) but the device takes none. The kernel keeps
+    /// that setting on the device number after it is unbound, and it cannot be undone through
+    /// sysfs (with discards off the granularity reads 0, and any other value is refused).
+    fn discard_turned_off(&self, name: &str) -> bool {
+        let off = self.queue_attr(name, "discard_max_bytes").as_deref() == Some("0");
+        let offered = self
+            .queue_attr(name, "discard_max_hw_bytes")
+            .is_some_and(|v| v != "0");
+        off && offered
+    }
+
+    /// Deletes the unbound device `loopN` whose discards were turned off, so that the next
+    /// volume given this number (a thin one, for which punching holes is right) gets a new
+    /// device with the kernel's defaults. Best effort: a device bound or opened again
+    /// meanwhile is busy and stays.
+    fn forget_device(&self, name: &str) {
+        let Some(n) = name
+            .strip_prefix("loop")
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            return;
+        };
+        let control_path = self.control_path();
+        let result = rustix::fs::open(&control_path, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
+            .map_err(io::Error::from)
+            .and_then(|control| loopdev::remove(&control, n));
+        match result {
+            Ok(()) => tracing::debug!(device = name, "removed a device whose discards were off"),
+            Err(e) => tracing::warn!(
+                device = name,
+                error = %e,
+                "cannot remove a device whose discards were turned off for a thick volume; \
+                 a thin volume bound to it will not give space back"
+            ),
+        }
+    }
+
     /// A short pause after losing a race for a device, growing with the attempt and spread
     /// out so that racing attachers do not collide again in lockstep.
     fn backoff(attempt: u32) {
@@ -424,6 +479,7 @@ impl Attacher for LoopAttacher {
             .unwrap_or_default()
             .to_string();
         let ours = self.sysfs_backing(&name);
+        let forget = self.discard_turned_off(&name);
         match loopdev::clear_fd(&fd) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(Errno::NXIO.raw_os_error()) => {
@@ -438,6 +494,9 @@ impl Attacher for LoopAttacher {
         let start = Instant::now();
         while start.elapsed() < DETACH_WAIT {
             let now = self.sysfs_backing(&name);
+            if now.is_none() && forget {
+                self.forget_device(&name);
+            }
             if now.is_none() || now != ours {
                 return Ok(Detach::Done);
             }
@@ -461,6 +520,21 @@ impl Attacher for LoopAttacher {
     fn flush(&self, device: &Path, expect: FileId) -> Result<(), AttachError> {
         let fd = Self::open_bound(device, expect)?;
         rustix::fs::fsync(&fd).map_err(|e| AttachError::sys("fsync", device, e))
+    }
+
+    /// Turns the device's discards off (sysfs `queue/discard_max_bytes` = 0). On this kind of
+    /// kernel that also stops the write-zeroes that would unmap (ext4's lazy inode-table
+    /// zeroing; `fallocate --punch-hole` on the device is refused): the filesystem on it then
+    /// writes zeroes, and mkfs, fstrim and `-o discard` find nothing to discard with.
+    fn keep_allocated(&self, device: &Path, expect: FileId) -> Result<(), AttachError> {
+        // Held open: the device cannot be unbound and rebound to another file meanwhile.
+        let _fd = Self::open_bound(device, expect)?;
+        let name = device
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let path = self.sys_block.join(name).join("queue/discard_max_bytes");
+        std::fs::write(&path, "0").map_err(|e| AttachError::sys("write", &path, e))
     }
 
     fn list(&self, root: &Path) -> Result<Vec<Attachment>, AttachError> {

@@ -761,6 +761,28 @@ impl<A: Attacher> EmbeddedBackend<A> {
         }
     }
 
+    /// Allocates again whatever of a thick volume's file is a hole (fallocate over all of it,
+    /// which keeps every byte written: a hole reads as zeroes and is made zeroed blocks), for a
+    /// file whose holes were punched through its device before [`Attacher::keep_allocated`]
+    /// existed. Without the space for it the volume is still attached, with a warning: its
+    /// data is worth more than the reservation.
+    fn refill(rec: &VolumeRecord, path: &Path) {
+        let result = OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(|e| Error::io("open", path, e))
+            .and_then(|file| {
+                let len = file
+                    .metadata()
+                    .map_err(|e| Error::io("stat", path, e))?
+                    .len();
+                Self::reserve_range(&file, path, 0, len)
+            });
+        if let Err(e) = result {
+            warn!(volume = %rec.id, error = %e, "cannot reserve all of a thick volume's file again");
+        }
+    }
+
     /// Makes a new, still empty file thick-ready: on btrfs, copy-on-write would make every
     /// rewrite of a reserved block need a new one, so the file is made no-COW (which only an
     /// empty file can be). Other filesystems overwrite in place and refuse the flag: ignored.
@@ -912,6 +934,10 @@ impl<A: Attacher> EmbeddedBackend<A> {
             device: None,
         });
         self.save_volume(&intent)?;
+        let thick = is_thick(&rec.parameters) && !req.readonly;
+        if thick {
+            Self::refill(rec, path);
+        }
         let device = match self.attacher.attach(path, req.readonly) {
             Ok(d) => d,
             Err(e) => {
@@ -921,6 +947,21 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 return Err(e.into());
             }
         };
+        if thick {
+            let kept = match FileId::of_path(path) {
+                Ok(id) => self.attacher.keep_allocated(&device, id),
+                Err(e) => Err(AttachError::Sys {
+                    step: "stat",
+                    path: path.to_path_buf(),
+                    source: e,
+                }),
+            };
+            if let Err(e) = kept {
+                warn!(volume = %rec.id, device = %device.display(), error = %e,
+                    "cannot stop the device from punching holes in a thick volume's file: \
+                     discards and fstrim on it give its reserved space back");
+            }
+        }
         let device = device.display().to_string();
         let mut done = intent;
         if let Some(p) = done.publication.as_mut() {

@@ -12,4 +12,5 @@ mod grpc;
 mod killed;
 mod reflink;
 mod restarted;
+mod thick;
 mod volumes;

@@ -3,6 +3,8 @@
 //!
 //! * `LOOP_CTL_GET_FREE` on `/dev/loop-control`: the number of a free loop device (the kernel
 //!   creates one when none is free);
+//! * `LOOP_CTL_REMOVE` on `/dev/loop-control`: delete an unbound device, so that its number
+//!   comes back (from `LOOP_CTL_GET_FREE`) as a new device with the kernel's defaults;
 //! * `LOOP_CONFIGURE` (Linux 5.8) on `/dev/loopN`: bind a backing file and set the flags in
 //!   one step;
 //! * `LOOP_GET_STATUS64`: which file (device and inode) a loop device is bound to;
@@ -25,6 +27,7 @@ const LOOP_GET_STATUS64: Opcode = 0x4C05;
 const LOOP_SET_CAPACITY: Opcode = 0x4C07;
 const LOOP_SET_DIRECT_IO: Opcode = 0x4C08;
 const LOOP_CONFIGURE: Opcode = 0x4C0A;
+const LOOP_CTL_REMOVE: Opcode = 0x4C81;
 const LOOP_CTL_GET_FREE: Opcode = 0x4C82;
 
 /// `LO_FLAGS_READ_ONLY`: the device refuses writes.
@@ -203,6 +206,16 @@ pub fn set_direct_io(device: impl AsFd, on: bool) -> io::Result<()> {
     let op = unsafe { IntegerSetter::<LOOP_SET_DIRECT_IO>::new_usize(usize::from(on)) };
     // SAFETY: `device` is a live descriptor borrowed for the call; the argument is an integer.
     unsafe { ioctl(device, op) }?;
+    Ok(())
+}
+
+/// Deletes the unbound loop device number `n` (EBUSY while it is bound or open).
+pub fn remove(control: impl AsFd, n: u32) -> io::Result<()> {
+    let n = usize::try_from(n).map_err(|_| io::Error::from(Errno::INVAL))?;
+    // SAFETY: LOOP_CTL_REMOVE takes the device number by value, not a pointer.
+    let op = unsafe { IntegerSetter::<LOOP_CTL_REMOVE>::new_usize(n) };
+    // SAFETY: `control` is a live descriptor borrowed for the call; the argument is an integer.
+    unsafe { ioctl(control, op) }?;
     Ok(())
 }
 
