@@ -592,15 +592,18 @@ impl Attacher for LoopAttacher {
                 continue;
             }
             // Named through a mount this process cannot see: ours only if it is the very
-            // file under the data dir, or (unlinked since) a file of the data dir's
-            // filesystem.
+            // file under the data dir. An unlinked file named so cannot be compared with
+            // anything under the data dir: another install on the same filesystem (the
+            // every-node controller beside the one-node one, a test's) names its volume files
+            // the same way, so such a device is not ours to detach.
             if verify {
-                let ours = if deleted {
-                    FileId::of_path(root).is_ok_and(|r| r.dev == file.dev)
-                } else {
-                    FileId::of_path(&backing).is_ok_and(|f| f == file)
-                };
+                let ours = !deleted && FileId::of_path(&backing).is_ok_and(|f| f == file);
                 if !ours {
+                    if deleted {
+                        tracing::info!(device = %device.display(), backing = named,
+                            "a loop device serves an unlinked volume file named from a mount \
+                             this controller cannot see; it may be another install's: left alone");
+                    }
                     continue;
                 }
             }
