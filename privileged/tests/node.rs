@@ -747,7 +747,16 @@ fn nothing_is_left_in_the_sandbox_after_a_lifecycle() {
     let left: Vec<PathBuf> = std::fs::read_dir(&sb.state)
         .expect("state")
         .map(|e| e.expect("entry").path())
-        .filter(|p| p.file_name() != Some(std::ffi::OsStr::new(moor_node::journal::LOG_FILE)))
+        .filter(|p| {
+            // The log, and the mark of how much of it is durable, are the journal itself.
+            let kept = [
+                moor_node::journal::LOG_FILE,
+                moor_node::journal::SYNCED_FILE,
+            ];
+            !kept
+                .iter()
+                .any(|k| p.file_name() == Some(std::ffi::OsStr::new(k)))
+        })
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }

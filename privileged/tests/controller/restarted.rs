@@ -314,3 +314,62 @@ fn a_restarted_controller_keeps_detaches_and_deletes_what_it_attached_named_from
     }
     assert!(!file.exists(), "deleted");
 }
+
+/// Another install on the same filesystem (the every-node controller beside the one-node one on
+/// a node, or another test's) leaked a device whose volume file it then unlinked, through a
+/// mount that is gone: sysfs names it `/volumes/vol-<id>.img (deleted)`, exactly as one of this
+/// controller's own would be named, and nothing under this data dir can be compared with it.
+/// A controller that starts leaves it alone: it is not provably its own. (It detached such a
+/// device at every start, and so every test of this binary failed on a machine where another
+/// install had leaked one.)
+#[test]
+fn a_device_of_another_installs_unlinked_volume_file_is_left_alone() {
+    let (mut cleanup, dir) = host("foreign");
+    let (other, view) = (dir.join("real"), dir.join("view"));
+
+    // The other install, in its container: a volume attached for a pod.
+    let (o, v) = (other.clone(), view.clone());
+    let (vol, device) = on_thread(move || {
+        enter_container(&o, &v);
+        let (b, _) = controller(&v);
+        let vol = two_volumes(&b).remove(0);
+        let device =
+            b.publish_volume(&publish_req(&vol)).expect("publish")[DEVICE_PATH_KEY].clone();
+        (vol, device)
+    });
+    cleanup.devices = vec![PathBuf::from(&device)];
+    // Its container is gone, and its volume file is unlinked under the device.
+    let file = other.join("volumes").join(format!("{vol}.img"));
+    cleanup
+        .files
+        .push(FileId::of_path(&file).expect("the other install's file"));
+    fs::remove_file(&file).expect("unlink the other install's file");
+    let start = Instant::now();
+    loop {
+        let named = sysfs_backing(&device).unwrap_or_default();
+        if named.starts_with("/volumes/vol-") && named.ends_with(" (deleted)") {
+            eprintln!("{device} names its file {named}");
+            break;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "{device} names {named:?} {DEADLINE:?} after its install's container ended and \
+             its file was unlinked; waited for /volumes/vol-*.img (deleted)"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+
+    // This install, with a data dir of its own on the same filesystem.
+    let mine = dir.join("mine");
+    fs::create_dir_all(&mine).expect("dir");
+    let report = on_thread(move || controller(&mine).1);
+    assert!(
+        report.detached.is_empty(),
+        "another install's device was detached: {report:?}"
+    );
+    assert!(report.is_clean(), "{report:?}");
+    assert!(
+        sysfs_backing(&device).is_some_and(|b| b.ends_with(" (deleted)")),
+        "{device} is no longer bound to the other install's file"
+    );
+}
