@@ -356,6 +356,28 @@ pub fn is_mount_point(path: &Path) -> bool {
 }
 
 /// Runs a program and asserts it succeeded.
+/// Unmounts `at` (not lazily) once nothing holds it: a child another test of this process
+/// forks holds a copy of every descriptor, also of files open in the mount, from its fork
+/// until its exec closes them (close-on-exec), so the mount can be busy for that moment.
+/// EBUSY is waited out until [`client::DEADLINE`]; any other error, or a mount still busy
+/// then, panics with what it waited for.
+pub fn unmount_when_free(at: &Path) {
+    let deadline = std::time::Instant::now() + client::DEADLINE;
+    loop {
+        match rustix::mount::unmount(at, rustix::mount::UnmountFlags::empty()) {
+            Ok(()) => return,
+            Err(rustix::io::Errno::BUSY) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err(e) => panic!(
+                "unmount {} (waited up to {:?} for it to be free): {e}",
+                at.display(),
+                client::DEADLINE
+            ),
+        }
+    }
+}
+
 pub fn run(program: &str, args: &[&str]) {
     let out = Command::new(program).args(args).output().expect(program);
     assert!(

@@ -875,22 +875,10 @@ fn a_runtime_idmaps_every_filesystems_published_volume_and_the_fs_group_still_ho
             !as_user(BASE + 1001, BASE + 1001, &["touch", &by_other]),
             "{fs}: a user outside the fsGroup wrote"
         );
-        // The descriptor of the attached mount holds it busy until closed. A child another
-        // test of this process forks holds a copy of it too, from its fork until its exec
-        // closes it (CLOEXEC): the view is busy until then, so EBUSY is waited out.
+        // The descriptor of the attached mount holds it busy until closed (and a child
+        // another test forks holds a copy of it until its exec).
         drop(tree);
-        let deadline = std::time::Instant::now() + DEADLINE;
-        loop {
-            match rustix::mount::unmount(seen.as_path(), rustix::mount::UnmountFlags::empty()) {
-                Ok(()) => break,
-                Err(rustix::io::Errno::BUSY) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
-                Err(e) => panic!(
-                    "{fs}: unmount the container's view (waited {DEADLINE:?} for it to be free): {e}"
-                ),
-            }
-        }
+        moor_privileged::unmount_when_free(&seen);
         drop(holder);
         rt().block_on(async {
             n.unpublish("vol", &target).await.expect("unpublish");

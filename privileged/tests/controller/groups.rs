@@ -58,7 +58,7 @@ impl Mounts {
     }
 
     pub(crate) fn unmount(&mut self, at: &Path) {
-        rustix::mount::unmount(at, rustix::mount::UnmountFlags::empty()).expect("unmount");
+        moor_privileged::unmount_when_free(at);
         self.0.retain(|m| m != at);
     }
 }
