@@ -33,11 +33,11 @@ pub struct Args {
     /// Most volumes this node takes (reported as max_volumes_per_node; 0: no limit).
     #[arg(long, env = "MOOR_MAX_VOLUMES", default_value_t = 0)]
     pub max_volumes: u64,
-    /// Do not announce CSI 1.13's GET_VOLUME_HEALTH and GET_STORAGE_HEALTH (the calls are
-    /// served anyway): for a CO or test suite of CSI 1.12 or older that refuses node
-    /// capabilities it does not know (csi-sanity v5).
+    /// Announce CSI 1.13's GET_VOLUME_HEALTH and GET_STORAGE_HEALTH (the calls are served
+    /// either way): for a CO of CSI 1.13. Off by default: clients of older specs refuse or
+    /// crash on capabilities they do not know (csi-sanity v5, csi-resizer v1.13).
     #[arg(long)]
-    pub no_health_capabilities: bool,
+    pub health_capabilities: bool,
     /// Log format.
     #[arg(long, value_enum, default_value_t = daemon::LogFormat::Text)]
     pub log_format: daemon::LogFormat,

@@ -182,8 +182,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         }
         None => NodeService::new(Arc::clone(&engine), info),
     };
-    let node = if args.no_health_capabilities {
-        node.without_health_capabilities()
+    let node = if args.health_capabilities {
+        node.with_health_capabilities()
     } else {
         node
     };

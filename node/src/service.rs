@@ -219,15 +219,15 @@ impl<O: Os> NodeService<O> {
             engine,
             info,
             local: None,
-            health_capabilities: true,
+            health_capabilities: false,
         }
     }
 
-    /// Leaves GET_VOLUME_HEALTH and GET_STORAGE_HEALTH out of NodeGetCapabilities (the calls
-    /// are served anyway): `--no-health-capabilities`.
+    /// Announces CSI 1.13's GET_VOLUME_HEALTH and GET_STORAGE_HEALTH in NodeGetCapabilities
+    /// (the calls are served either way): `--health-capabilities`.
     #[must_use]
-    pub fn without_health_capabilities(mut self) -> Self {
-        self.health_capabilities = false;
+    pub fn with_health_capabilities(mut self) -> Self {
+        self.health_capabilities = true;
         self
     }
 
@@ -530,15 +530,10 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         &self,
         _: Request<csi::NodeGetCapabilitiesRequest>,
     ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
-        use csi::node_service_capability::{Type, rpc};
-        let health = [rpc::Type::GetVolumeHealth, rpc::Type::GetStorageHealth].map(|t| t as i32);
-        let capabilities = moor_runtime::contract::node_capabilities()
-            .into_iter()
-            .filter(|c| {
-                self.health_capabilities
-                    || !matches!(&c.r#type, Some(Type::Rpc(r)) if health.contains(&r.r#type))
-            })
-            .collect();
+        let mut capabilities = moor_runtime::contract::node_capabilities();
+        if self.health_capabilities {
+            capabilities.extend(moor_runtime::contract::node_health_capabilities());
+        }
         Ok(Response::new(csi::NodeGetCapabilitiesResponse {
             capabilities,
         }))

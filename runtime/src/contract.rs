@@ -155,28 +155,45 @@ pub fn node_topology_key(driver: &str) -> String {
 }
 
 /// The Node service capabilities moor-node announces: staged volumes, their stats and
-/// condition, growth on the node, SINGLE_NODE_MULTI_WRITER, the pod's fsGroup on mount, and
-/// CSI 1.13's volume and storage health (VOLUME_CONDITION stays, for kubelets before them). A
+/// condition, growth on the node, SINGLE_NODE_MULTI_WRITER and the pod's fsGroup on mount. A
 /// node-local moor-controller repeats them to the sidecars that ask its socket (csi-resizer
-/// looks for EXPAND_VOLUME there).
+/// looks for EXPAND_VOLUME there). CSI 1.13's health capabilities are not among them
+/// ([`node_health_capabilities`]): a client built against an older spec may refuse a value it
+/// does not know (csi-sanity v5 fails the node; csi-resizer v1.13's request logging panics on
+/// it and the container crash-loops), and their numbers are moor's reading of 1.13.
 #[must_use]
 pub fn node_capabilities() -> Vec<csi::NodeServiceCapability> {
-    use csi::node_service_capability::{Rpc, Type, rpc};
-    [
-        rpc::Type::StageUnstageVolume,
-        rpc::Type::GetVolumeStats,
-        rpc::Type::ExpandVolume,
-        rpc::Type::VolumeCondition,
-        rpc::Type::SingleNodeMultiWriter,
-        rpc::Type::VolumeMountGroup,
-        rpc::Type::GetVolumeHealth,
-        rpc::Type::GetStorageHealth,
-    ]
-    .into_iter()
-    .map(|t| csi::NodeServiceCapability {
-        r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })),
-    })
-    .collect()
+    rpc_capabilities(&[
+        csi::node_service_capability::rpc::Type::StageUnstageVolume,
+        csi::node_service_capability::rpc::Type::GetVolumeStats,
+        csi::node_service_capability::rpc::Type::ExpandVolume,
+        csi::node_service_capability::rpc::Type::VolumeCondition,
+        csi::node_service_capability::rpc::Type::SingleNodeMultiWriter,
+        csi::node_service_capability::rpc::Type::VolumeMountGroup,
+    ])
+}
+
+/// CSI 1.13's GET_VOLUME_HEALTH and GET_STORAGE_HEALTH, which moor-node announces beside
+/// [`node_capabilities`] only when asked to (`--health-capabilities`: a CO of CSI 1.13). The
+/// calls themselves are served either way.
+#[must_use]
+pub fn node_health_capabilities() -> Vec<csi::NodeServiceCapability> {
+    rpc_capabilities(&[
+        csi::node_service_capability::rpc::Type::GetVolumeHealth,
+        csi::node_service_capability::rpc::Type::GetStorageHealth,
+    ])
+}
+
+fn rpc_capabilities(
+    types: &[csi::node_service_capability::rpc::Type],
+) -> Vec<csi::NodeServiceCapability> {
+    use csi::node_service_capability::{Rpc, Type};
+    types
+        .iter()
+        .map(|t| csi::NodeServiceCapability {
+            r#type: Some(Type::Rpc(Rpc { r#type: *t as i32 })),
+        })
+        .collect()
 }
 
 /// The codes of a ControllerExpandVolume or NodeExpandVolume error that kubelet and

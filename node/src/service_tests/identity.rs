@@ -27,10 +27,28 @@ async fn capabilities_and_info() {
         rpc::Type::VolumeCondition,
         rpc::Type::SingleNodeMultiWriter,
         rpc::Type::VolumeMountGroup,
-        rpc::Type::GetVolumeHealth,
-        rpc::Type::GetStorageHealth,
     ] {
         assert!(got.contains(&(want as i32)), "{want:?}");
+    }
+    // CSI 1.13's health capabilities only when asked for (--health-capabilities): clients of
+    // older specs refuse or crash on values they do not know.
+    let health = [rpc::Type::GetVolumeHealth, rpc::Type::GetStorageHealth].map(|t| t as i32);
+    assert!(got.iter().all(|t| !health.contains(t)), "{got:?}");
+    let asked = harness()
+        .svc
+        .with_health_capabilities()
+        .node_get_capabilities(Request::new(csi::NodeGetCapabilitiesRequest {}))
+        .await
+        .expect("caps")
+        .into_inner()
+        .capabilities;
+    for want in health {
+        assert!(
+            asked
+                .iter()
+                .any(|c| matches!(&c.r#type, Some(Type::Rpc(r)) if r.r#type == want)),
+            "{want}"
+        );
     }
     let info = h
         .svc
