@@ -34,8 +34,7 @@ async fn capabilities_and_info() {
     // older specs refuse or crash on values they do not know.
     let health = [rpc::Type::GetVolumeHealth, rpc::Type::GetStorageHealth].map(|t| t as i32);
     assert!(got.iter().all(|t| !health.contains(t)), "{got:?}");
-    let asked = harness()
-        .svc
+    let asked = NodeService::new(Arc::clone(&h.engine), h.info.clone())
         .with_health_capabilities()
         .node_get_capabilities(Request::new(csi::NodeGetCapabilitiesRequest {}))
         .await
