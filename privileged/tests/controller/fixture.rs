@@ -197,6 +197,26 @@ pub(crate) fn wait_unbound(dev: &str, dir: &Path) -> bool {
     false
 }
 
+/// Deletes volume `id` once its loop device is free. After an unpublish, the device stays
+/// bound (autoclear) while anyone holds it open, and a child another test of this process
+/// forks holds a copy of every descriptor from its fork until its exec: for that moment the
+/// delete is refused as in use (FAILED_PRECONDITION, which the CO retries). That refusal is
+/// waited out until [`DEADLINE`]; any other error, or one still refused then, panics.
+pub(crate) fn delete_when_unbound(b: &Backend, id: &str) {
+    let start = Instant::now();
+    loop {
+        match b.delete_volume(id) {
+            Ok(()) => return,
+            Err(moor_controller::error::Error::VolumeInUse { reason, .. })
+                if reason.contains("still bound") && start.elapsed() < DEADLINE =>
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => panic!("delete {id} (waited up to {DEADLINE:?} for its device): {e:?}"),
+        }
+    }
+}
+
 pub(crate) fn block_cap() -> Capability {
     Capability {
         access: AccessType::Block,

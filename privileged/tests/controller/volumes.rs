@@ -57,7 +57,7 @@ fn attach_and_detach() {
     );
     assert!(fx.devices().is_empty());
     fx.unpublish(&id);
-    fx.b().delete_volume(&id).expect("delete");
+    delete_when_unbound(fx.b(), &id);
     assert!(!Path::new(&backing).exists());
 }
 
@@ -136,7 +136,7 @@ fn snapshot_restore_and_clone_carry_the_data() {
 
     for id in [&src, &restored.id, &clone.id] {
         fx.unpublish(id);
-        fx.b().delete_volume(id).expect("delete");
+        delete_when_unbound(fx.b(), id);
     }
     // Snapshots outlive their source.
     let again = fx
