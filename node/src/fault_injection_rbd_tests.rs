@@ -89,7 +89,8 @@ fn world(fault: Fault, tag: &str) -> World {
     if let Fault::Attacher(k, f) = fault {
         attacher.fail_step(k, f);
     }
-    let state = std::env::temp_dir().join(format!("moor-faults-rbd-{}-{tag}", std::process::id()));
+    let state = crate::service_tests::scratch_root()
+        .join(format!("moor-faults-rbd-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&state);
     let (journal, _) = Journal::open(&state, false).expect("journal");
     let cfg = EngineConfig {

@@ -245,7 +245,7 @@ fn world(fail_at: usize, errno: i32) -> World {
     inner.add_dir(Path::new(TARGET).parent().unwrap_or(Path::new("/")));
     inner.add_device(DEV, (7, 7), 1 << 30);
     let os = Arc::new(Faulty::new(inner, fail_at, errno));
-    let state = std::env::temp_dir().join(format!(
+    let state = crate::service_tests::scratch_root().join(format!(
         "moor-faults-{}-{fail_at}-{errno}",
         std::process::id()
     ));
