@@ -465,3 +465,24 @@ impl Queue {
         self.ring.submit().map(drop)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The driver reads these structs by their C sizes, and decodes the commands' numbers.
+    #[test]
+    fn the_uapi_layout() {
+        assert_eq!(std::mem::size_of::<CtrlCmd>(), 32);
+        assert_eq!(std::mem::size_of::<DevInfo>(), 64);
+        assert_eq!(std::mem::size_of::<IoDesc>(), 24);
+        assert_eq!(std::mem::size_of::<IoCmd>(), 16);
+        // The header and the basic parameters.
+        assert_eq!(std::mem::size_of::<Params>(), 8 + 32);
+        assert_eq!(CMD_ADD_DEV, 0xc020_7504);
+        assert_eq!(CMD_START_USER_RECOVERY, 0xc020_7510);
+        assert_eq!(CMD_END_USER_RECOVERY, 0xc020_7511);
+        assert_eq!(IO_FETCH_REQ, 0xc010_7520);
+        assert_eq!(IO_COMMIT_AND_FETCH_REQ, 0xc010_7521);
+    }
+}
