@@ -33,6 +33,16 @@ pub fn script() -> PathBuf {
 /// skips every guest: the test command's `cargo test --workspace` sets it, as it runs the
 /// lab's tests in blocks of their own (with their quick modes), not twice.
 pub fn available(test: &str) -> bool {
+    check(test, None)
+}
+
+/// Whether the lab can boot the second kernel of Debian's package `package` (set up by
+/// `MOOR_VM_KERNEL_PACKAGE=<package> .ci/vm setup`); prints why `test` is skipped when not.
+pub fn available_kernel(test: &str, package: &str) -> bool {
+    check(test, Some(package))
+}
+
+fn check(test: &str, package: Option<&str>) -> bool {
     if std::env::var("MOOR_VM_LAB").is_ok_and(|v| v == "off") {
         eprintln!(
             "{test}: skipped: MOOR_VM_LAB=off (the test command runs the VM lab's tests in \
@@ -40,11 +50,19 @@ pub fn available(test: &str) -> bool {
         );
         return false;
     }
-    match Command::new("bash").arg(script()).arg("check").output() {
+    let mut cmd = Command::new("bash");
+    cmd.arg(script()).arg("check");
+    if let Some(p) = package {
+        cmd.env(KERNEL_PACKAGE_ENV, p);
+    }
+    match cmd.output() {
         Ok(o) if o.status.success() => true,
         Ok(o) => {
             eprintln!(
-                "{test}: skipped: the VM lab cannot run here: {}",
+                "{test}: skipped: the VM lab cannot run here{}: {}",
+                package
+                    .map(|p| format!(" with the kernel {p}"))
+                    .unwrap_or_default(),
                 String::from_utf8_lossy(&o.stderr).trim()
             );
             false
@@ -55,6 +73,9 @@ pub fn available(test: &str) -> bool {
         }
     }
 }
+
+/// What names the lab's second kernel to `.ci/vm`.
+const KERNEL_PACKAGE_ENV: &str = "MOOR_VM_KERNEL_PACKAGE";
 
 /// How a guest is booted.
 #[derive(Debug, Clone)]
@@ -86,6 +107,8 @@ pub struct Vm {
     pub opts: VmOptions,
     child: Option<Child>,
     boots: u32,
+    /// The second kernel's package it boots, or None: the lab's default kernel.
+    kernel: Option<String>,
 }
 
 /// What a program run in the guest did.
@@ -109,7 +132,15 @@ impl Output {
 impl Vm {
     /// Boots a guest running the agent and waits until the agent answers.
     pub fn boot(opts: VmOptions) -> Self {
-        let mut vm = Self::launch(opts);
+        let mut vm = Self::launch(opts, None);
+        vm.wait_booted();
+        vm
+    }
+
+    /// [`boot`](Self::boot) on the lab's second kernel of Debian's package `package` (see
+    /// [`available_kernel`]), also when it boots again.
+    pub fn boot_kernel(opts: VmOptions, package: &str) -> Self {
+        let mut vm = Self::launch(opts, Some(package.to_string()));
         vm.wait_booted();
         vm
     }
@@ -117,19 +148,20 @@ impl Vm {
     /// Boots guests side by side (their QEMUs started at once, then each waited for): each
     /// returned once its agent answers.
     pub fn boot_all(opts: Vec<VmOptions>) -> Vec<Self> {
-        let mut vms: Vec<Self> = opts.into_iter().map(Self::launch).collect();
+        let mut vms: Vec<Self> = opts.into_iter().map(|o| Self::launch(o, None)).collect();
         for vm in &mut vms {
             vm.wait_booted();
         }
         vms
     }
 
-    fn launch(opts: VmOptions) -> Self {
+    fn launch(opts: VmOptions, kernel: Option<String>) -> Self {
         std::fs::create_dir_all(&opts.dir).expect("the guest's dir");
         let mut vm = Self {
             opts,
             child: None,
             boots: 0,
+            kernel,
         };
         vm.spawn_qemu();
         vm
@@ -182,6 +214,9 @@ impl Vm {
         }
         for a in &self.opts.append {
             cmd.arg("--append").arg(a);
+        }
+        if let Some(p) = &self.kernel {
+            cmd.env(KERNEL_PACKAGE_ENV, p);
         }
         // If the test dies without dropping the guest (killed), the script is told, and its
         // trap takes QEMU with it.

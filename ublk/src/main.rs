@@ -1,0 +1,119 @@
+//! moor-ublk: serve an RBD image as /dev/ublkbN, or take over a device whose server died.
+//!
+//!   moor-ublk add     --mon-host H --user U --keyring K --pool P --image I
+//!   moor-ublk recover --dev N (and the same connection flags)
+//!   moor-ublk info    --dev N
+//!   moor-ublk delete  --dev N
+//!
+//! `add` and `recover` print `dev N /dev/ublkbN` once the device is served, then serve it until
+//! it is deleted.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use moor_rbd::{Auth, Cluster, ConnectOptions};
+use moor_ublk::Rbd;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "moor-ublk",
+    about = "An RBD image as a recoverable ublk device"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Args, Debug)]
+struct Image {
+    #[arg(long)]
+    mon_host: String,
+    #[arg(long)]
+    user: String,
+    #[arg(long)]
+    keyring: PathBuf,
+    #[arg(long)]
+    pool: String,
+    #[arg(long)]
+    image: String,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// A new device serving the image.
+    Add(Image),
+    /// Take over device N, whose server died, serving the image.
+    Recover {
+        #[arg(long)]
+        dev: u32,
+        /// How long to wait for the driver to quiesce the device (seconds).
+        #[arg(long, default_value_t = 120)]
+        deadline: u64,
+        #[command(flatten)]
+        image: Image,
+    },
+    /// The driver's view of device N.
+    Info {
+        #[arg(long)]
+        dev: u32,
+    },
+    /// Stop and delete device N.
+    Delete {
+        #[arg(long)]
+        dev: u32,
+    },
+}
+
+fn open(i: &Image) -> Result<(Rbd, u64), String> {
+    let options = ConnectOptions::new(&i.mon_host, &i.user, Auth::Keyring(i.keyring.clone()));
+    let cluster = Cluster::connect(&options).map_err(|e| e.to_string())?;
+    let pool = cluster.pool(&i.pool).map_err(|e| e.to_string())?;
+    let image = pool.open_image(&i.image).map_err(|e| e.to_string())?;
+    let size = image.size().map_err(|e| e.to_string())?;
+    Ok((Rbd(image), size))
+}
+
+fn served(s: moor_ublk::Served) -> Result<(), String> {
+    println!("dev {} {}", s.dev_id, s.block_device());
+    let _ = std::io::stdout().flush();
+    s.wait().map_err(|e| e.to_string())
+}
+
+fn run(cli: Cli) -> Result<(), String> {
+    match cli.cmd {
+        Cmd::Add(i) => {
+            let (rbd, size) = open(&i)?;
+            served(moor_ublk::add(size, Box::new(rbd)).map_err(|e| format!("add: {e}"))?)
+        }
+        Cmd::Recover {
+            dev,
+            deadline,
+            image,
+        } => {
+            let (rbd, _) = open(&image)?;
+            let s = moor_ublk::recover(dev, Box::new(rbd), Duration::from_secs(deadline))
+                .map_err(|e| format!("recover: {e}"))?;
+            served(s)
+        }
+        Cmd::Info { dev } => {
+            let i = moor_ublk::info(dev).map_err(|e| e.to_string())?;
+            println!(
+                "dev {dev} state {} pid {} flags {:#x}",
+                moor_ublk::state_name(i.state),
+                i.ublksrv_pid,
+                i.flags
+            );
+            Ok(())
+        }
+        Cmd::Delete { dev } => moor_ublk::delete(dev).map_err(|e| e.to_string()),
+    }
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("moor-ublk: {e}");
+        std::process::exit(1);
+    }
+}
