@@ -4,7 +4,9 @@
 //! published for that pod by moor-node in the guest, `io.max` holding the rule for the loop
 //! device, direct I/O from a process in that cgroup counted in its `io.stat` on that device,
 //! and the rule gone after the unpublish. (This machine's own cgroups are v1:
-//! `privileged/tests/qos.rs` proves blkio there.)
+//! `privileged/tests/qos.rs` proves blkio there.) Then, in the same guest, user namespaces on
+//! the lab's kernel: a runtime's idmapped mounts of moor's published ext4, xfs and btrfs
+//! volumes (`moor_privileged::idmap`, which `privileged/tests/node.rs` runs on this machine).
 //!
 //! The guest's agent reaches the host over the Ceph test cluster's bridge, so this runs beside
 //! that cluster (skipped, with the reason, without it or without the lab).
@@ -116,4 +118,29 @@ fn a_pods_cgroup_v2_holds_its_volumes_io_max_and_counts_its_direct_io() {
     lab.vms[0].sh(&format!(
         "losetup -d {dev}; rm -f /run/moor-qos.img; rmdir {pod}; true"
     ));
+
+    // User namespaces on this kernel, in the same guest: this test binary runs the
+    // privileged test's idmapped mounts (ext4, xfs, btrfs) there.
+    let exe = std::env::current_exe().expect("this test binary");
+    let out = lab.vms[0].sh(&format!(
+        "modprobe -a xfs btrfs; mkdir -p /run/moor-idmap && TMPDIR=/run/moor-idmap {} \
+         --ignored --exact in_the_guest_a_runtime_idmaps_every_filesystem --test-threads=1 2>&1; \
+         rm -rf /run/moor-idmap",
+        exe.display()
+    ));
+    assert!(
+        out.contains("1 passed"),
+        "the idmapped mounts in the guest: {out}"
+    );
+}
+
+/// What the test above runs inside the guest: the idmapped mounts of a runtime on each
+/// filesystem moor mounts (on this machine's kernel, `privileged/tests/node.rs` runs it).
+#[test]
+#[ignore = "run inside a VM lab guest by a_pods_cgroup_v2_holds_its_volumes_io_max_..."]
+fn in_the_guest_a_runtime_idmaps_every_filesystem() {
+    moor_privileged::require_root();
+    for fs in ["ext4", "xfs", "btrfs"] {
+        moor_privileged::idmap::a_runtime_idmaps_a_published_volume(fs);
+    }
 }
