@@ -237,12 +237,7 @@ pub struct Qos {
 }
 
 /// The mutable parameters moor knows, as a VolumeAttributesClass names them.
-pub const QOS_KEYS: [&str; 4] = [
-    "readBytesPerSecond",
-    "writeBytesPerSecond",
-    "readIOPS",
-    "writeIOPS",
-];
+pub use moor_runtime::contract::QOS_KEYS;
 
 impl Qos {
     /// No limit at all.
@@ -260,6 +255,17 @@ impl Qos {
             (QOS_KEYS[2], self.read_iops),
             (QOS_KEYS[3], self.write_iops),
         ]
+    }
+
+    /// The limits as the node reads them ([`moor_runtime::contract::QOS_LIMITS_KEY`]).
+    #[must_use]
+    pub fn to_context(&self) -> String {
+        moor_runtime::contract::qos_to_context(&[
+            self.read_bps,
+            self.write_bps,
+            self.read_iops,
+            self.write_iops,
+        ])
     }
 
     /// Sets the limit of `key` (one of [`QOS_KEYS`]); false for another key.

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use moor_proto::csi::v1 as csi;
+use moor_runtime::contract;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
@@ -213,11 +214,17 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
             }
             let vol = b.create_volume(&v)?;
             // Its VolumeAttributesClass: set once it exists (again, harmlessly, on a retry).
+            let mut volume = csi_volume(&vol);
             if !qos.is_none() {
                 b.modify_volume(&vol.id, &qos)?;
+                // The limits the node applies where no ControllerPublishVolume tells it the
+                // current ones (a driver without attach).
+                volume
+                    .volume_context
+                    .insert(contract::QOS_LIMITS_KEY.to_string(), qos.to_context());
             }
             Ok(csi::CreateVolumeResponse {
-                volume: Some(csi_volume(&vol)),
+                volume: Some(volume),
             })
         })
         .await

@@ -453,7 +453,12 @@ mod tests {
             capabilities: &ALL_CAPABILITIES,
         };
         // Directory hostPaths must exist.
-        for d in ["dev", "sys", "var/lib/kubelet/plugins_registry"] {
+        for d in [
+            "dev",
+            "sys",
+            "sys/fs/cgroup",
+            "var/lib/kubelet/plugins_registry",
+        ] {
             std::fs::create_dir_all(created.join(d)).unwrap();
         }
         let res = base();

@@ -159,7 +159,7 @@ impl Pods {
         }
         match path {
             "/var/lib/moor" => self.sb.state.clone(),
-            "/dev" | "/sys" => p.to_path_buf(),
+            "/dev" | "/sys" | "/sys/fs/cgroup" => p.to_path_buf(),
             "/run/udev" if p.is_dir() => p.to_path_buf(),
             "/run/udev" => self.sb.root.join("run-udev"),
             other => panic!("a hostPath the test does not expect: {other} (map it in image.rs)"),

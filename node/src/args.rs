@@ -30,6 +30,10 @@ pub struct Args {
     /// kubelet's root dir: every staging and target path must lie under it.
     #[arg(long, default_value = "/var/lib/kubelet")]
     pub kubelet_dir: PathBuf,
+    /// Where the host's cgroup hierarchies are mounted, as moor-node sees them: a volume's QoS
+    /// limits go in its pod's cgroup there (cgroup v2 `io.max`, or v1 blkio).
+    #[arg(long, default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
     /// Most volumes this node takes (reported as max_volumes_per_node; 0: no limit).
     #[arg(long, env = "MOOR_MAX_VOLUMES", default_value_t = 0)]
     pub max_volumes: u64,

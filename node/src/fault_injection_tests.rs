@@ -166,6 +166,13 @@ impl Os for Faulty {
     fn selinux_label_known(&self, label: &str) -> bool {
         self.inner.selinux_label_known(label)
     }
+    fn read_cgroup(&self, path: &Path) -> SysResult<String> {
+        self.inner.read_cgroup(path)
+    }
+    fn write_cgroup(&self, path: &Path, line: &str) -> SysResult<()> {
+        self.tick("write_cgroup", path)?;
+        self.inner.write_cgroup(path, line)
+    }
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {
         self.tick("run_tool", Path::new(&run.program))
             .map_err(|e| ToolError::Spawn {

@@ -146,6 +146,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         discovery_deadline: Duration::from_secs(args.device_wait),
         e2fsck_always: args.e2fsck_always,
         boot,
+        cgroup_root: args.cgroup_root.clone(),
     };
     let attacher = moor_node::attach::choose(
         args.rbd_attacher,

@@ -36,6 +36,7 @@ pub struct Registry {
     resize_duration: Family<Histogram>,
     reconcile_actions: Family<AtomicU64>,
     fsck_checks: Family<AtomicU64>,
+    qos_outcomes: Family<AtomicU64>,
 }
 
 impl Registry {
@@ -72,12 +73,22 @@ impl Registry {
                 "Filesystem checks before a read-write mount, by filesystem and outcome (skipped: its metadata shows e2fsck -p would pass it clean without checking it, clean, corrected, refused: errors left that need a person, failed: the check itself did not run through).",
                 &["fs_type", "outcome"],
             ),
+            qos_outcomes: Family::new(
+                "moor_qos_total",
+                "Publications by what became of the volume's QoS limits in the pod's cgroup (unlimited: none to apply, applied, or why not: no_pod, no_cgroupfs, no_io_controller, no_pod_cgroup, not_written, not_held).",
+                &["outcome"],
+            ),
         }
     }
 
     /// Counts one filesystem check and its outcome.
     pub fn fsck_outcome(&self, fs_type: &str, outcome: &str) {
         self.fsck_checks.inc(&[fs_type, outcome]);
+    }
+
+    /// Counts one publication by what became of its QoS limits.
+    pub fn qos_outcome(&self, outcome: &str) {
+        self.qos_outcomes.inc(&[outcome]);
     }
 
     /// Counts one reconcile action.
@@ -93,6 +104,7 @@ impl Registry {
         self.resize_duration.render(out);
         self.reconcile_actions.render(out);
         self.fsck_checks.render(out);
+        self.qos_outcomes.render(out);
         render_gauge(
             out,
             "moor_volumes_staged",
@@ -292,6 +304,14 @@ impl<O: Os> Os for MeteredOs<O> {
 
     fn selinux_label_known(&self, label: &str) -> bool {
         self.inner.selinux_label_known(label)
+    }
+
+    fn read_cgroup(&self, path: &Path) -> SysResult<String> {
+        self.inner.read_cgroup(path)
+    }
+
+    fn write_cgroup(&self, path: &Path, line: &str) -> SysResult<()> {
+        self.inner.write_cgroup(path, line)
     }
 
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {

@@ -347,7 +347,8 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         let dir = self.kubelet_dir();
         traced("NodePublishVolume", req.volume_id.clone(), async {
             let v = validate::publish(&req, &dir)?;
-            inline(|| self.engine.publish(&v))?;
+            let qos = inline(|| self.engine.publish_report(&v))?;
+            crate::metrics::registry().qos_outcome(qos.label());
             Ok(csi::NodePublishVolumeResponse {})
         })
         .await

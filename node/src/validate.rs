@@ -12,7 +12,7 @@ use moor_proto::csi::v1 as csi;
 use moor_runtime::contract::{
     BACKING_FILE_FIELD, BACKING_FILE_KEY, DEVICE_PATH_FIELD, DEVICE_PATH_KEY, DEVICE_SERIAL_FIELD,
     DEVICE_SERIAL_KEY, DEVICE_WWN_FIELD, DEVICE_WWN_KEY, ENCRYPTED_FIELD, ENCRYPTED_KEY,
-    Filesystem,
+    Filesystem, QOS_LIMITS_FIELD, QOS_LIMITS_KEY, QosLimits, qos_from_context,
 };
 use moor_runtime::limits::{self, trunc};
 
@@ -333,7 +333,34 @@ pub fn publish(req: &csi::NodePublishVolumeRequest, kubelet_dir: &Path) -> Resul
         target,
         cap,
         readonly: req.readonly,
+        pod_uid: pod_uid(&req.volume_context),
+        limits: qos_limits(req)?,
     })
+}
+
+/// The volume_context key kubelet gives the pod's UID in (with `podInfoOnMount`).
+pub const POD_UID_KEY: &str = "csi.storage.k8s.io/pod.uid";
+
+/// The pod's UID kubelet gives, when it can be one (else the engine takes the target path's).
+fn pod_uid(context: &HashMap<String, String>) -> Option<String> {
+    context
+        .get(POD_UID_KEY)
+        .filter(|u| crate::engine::is_pod_uid(u))
+        .cloned()
+}
+
+/// The volume's QoS limits: those of the controller's publish (of the moment), else those of
+/// the volume's creation; none when neither says.
+fn qos_limits(req: &csi::NodePublishVolumeRequest) -> Result<QosLimits> {
+    let (field, text) = match (
+        req.publish_context.get(QOS_LIMITS_KEY),
+        req.volume_context.get(QOS_LIMITS_KEY),
+    ) {
+        (Some(t), _) => (QOS_LIMITS_FIELD, t),
+        (None, Some(t)) => ("volume_context.qosLimits", t),
+        (None, None) => return Ok([None; 4]),
+    };
+    qos_from_context(text).map_err(|why| Error::invalid(field, why))
 }
 
 /// Validates NodeUnpublishVolume.

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 pub mod client;
 pub mod gosym;
+pub mod idmap;
 pub mod kubelet_calls;
 pub mod pathgrpc;
 pub mod requests;

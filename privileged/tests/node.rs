@@ -107,22 +107,6 @@ fn publish_req(
 }
 
 impl TestNode {
-    /// Volume "vol" staged from `dev` and published read-write at `target`; panics on an error.
-    async fn stage_and_publish(
-        &self,
-        dev: &Path,
-        staging: &Path,
-        target: &Path,
-        c: &csi::VolumeCapability,
-    ) {
-        self.stage("vol", dev, staging, c.clone())
-            .await
-            .expect("stage");
-        self.publish("vol", staging, target, c.clone(), false)
-            .await
-            .expect("publish");
-    }
-
     async fn stage(
         &self,
         vol: &str,
@@ -761,21 +745,6 @@ fn nothing_is_left_in_the_sandbox_after_a_lifecycle() {
     assert!(left.is_empty(), "{left:?}");
 }
 
-/// Runs `args` as host user `uid` and group `gid` (no supplementary groups); whether it
-/// succeeded.
-fn as_user(uid: u32, gid: u32, args: &[&str]) -> bool {
-    std::process::Command::new("setpriv")
-        .args([
-            &format!("--reuid={uid}"),
-            &format!("--regid={gid}"),
-            "--clear-groups",
-        ])
-        .args(args)
-        .status()
-        .expect("setpriv")
-        .success()
-}
-
 /// A pod with `hostUsers: false` (user namespaces, GA in Kubernetes 1.36): its container runtime
 /// clones the target moor published (open_tree), idmaps the clone to the pod's user namespace
 /// (mount_setattr with MOUNT_ATTR_IDMAP) and attaches it where the container sees it. Every
@@ -783,106 +752,8 @@ fn as_user(uid: u32, gid: u32, args: &[&str]) -> bool {
 /// through VOLUME_MOUNT_GROUP, must still let the pod's users write.
 #[test]
 fn a_runtime_idmaps_every_filesystems_published_volume_and_the_fs_group_still_holds() {
-    use moor_node::sys::raw::{MOUNT_ATTR_IDMAP, MountAttr, mount_setattr_fd};
-    use rustix::mount::{MoveMountFlags, OpenTreeFlags};
-    use std::os::fd::AsRawFd as _;
-    use std::os::unix::fs::MetadataExt as _;
-
     moor_privileged::require_root();
-    // The pod's user namespace: container ids 0..65536 are host ids 100000..165536.
-    const BASE: u32 = 100_000;
-    const GROUP: u32 = 2000;
     for fs in ["ext4", "xfs", "btrfs"] {
-        let sb = Sandbox::new(&format!("idmap-{fs}"));
-        let n = node(&sb);
-        let dev = sb.loop_device("v.img", 320 * MIB);
-        let staging = sb.staging("pv1");
-        let target = sb.target("p1", "pv1");
-        let mut c = cap(fs, Mode::SingleNodeWriter);
-        if let Some(AccessType::Mount(m)) = &mut c.access_type {
-            m.volume_mount_group = GROUP.to_string();
-        }
-        rt().block_on(n.stage_and_publish(&dev, &staging, &target, &c));
-        // A process in a new user namespace (as the runtime's pod sandbox), whose ids this
-        // process maps (root of the parent namespace may write both maps).
-        let holder = moor_privileged::client::spawn_guarded(
-            std::process::Command::new("unshare")
-                .args(["--user", "sleep", "600"])
-                .stdin(std::process::Stdio::null()),
-        );
-        let pid = holder.id();
-        let deadline = std::time::Instant::now() + DEADLINE;
-        let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/user")).ok();
-        while ns(&pid.to_string()) == ns("self") || ns(&pid.to_string()).is_none() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{fs}: unshare did not enter a user namespace within {DEADLINE:?}"
-            );
-            std::thread::yield_now();
-        }
-        for map in ["uid_map", "gid_map"] {
-            std::fs::write(format!("/proc/{pid}/{map}"), format!("0 {BASE} 65536\n"))
-                .unwrap_or_else(|e| panic!("{fs}: write {map}: {e}"));
-        }
-        let userns = std::fs::File::open(format!("/proc/{pid}/ns/user")).expect("userns");
-        let tree = rustix::mount::open_tree(
-            rustix::fs::CWD,
-            target.as_path(),
-            OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
-        )
-        .expect("open_tree of the target");
-        mount_setattr_fd(
-            &tree,
-            &MountAttr {
-                attr_set: MOUNT_ATTR_IDMAP,
-                userns_fd: u64::try_from(userns.as_raw_fd()).expect("fd"),
-                ..MountAttr::default()
-            },
-        )
-        .unwrap_or_else(|e| panic!("{fs}: an idmapped mount of moor's target is refused: {e}"));
-        let seen = sb.root.join("container-view");
-        std::fs::create_dir_all(&seen).expect("container view dir");
-        rustix::mount::move_mount(
-            &tree,
-            c"",
-            rustix::fs::CWD,
-            seen.as_path(),
-            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
-        )
-        .expect("attach the idmapped mount");
-        let meta = |p: &std::path::Path| std::fs::metadata(p).expect("stat");
-        // The volume's root: the fsGroup's on disk, the container's group through the mount.
-        assert_eq!(meta(&target).gid(), GROUP, "{fs}");
-        assert_eq!(meta(&seen).gid(), BASE + GROUP, "{fs}");
-        // The container's root writes; on disk the file is root's.
-        let by_root = seen.join("by-root").display().to_string();
-        assert!(
-            as_user(BASE, BASE, &["touch", &by_root]),
-            "{fs}: container root"
-        );
-        assert_eq!(meta(&target.join("by-root")).uid(), 0, "{fs}");
-        // A container user in the fsGroup writes (the group's, setgid: as kubelet leaves it).
-        let by_user = seen.join("by-user").display().to_string();
-        assert!(
-            as_user(BASE + 1000, BASE + GROUP, &["touch", &by_user]),
-            "{fs}: a user of the fsGroup"
-        );
-        let on_disk = meta(&target.join("by-user"));
-        assert_eq!((on_disk.uid(), on_disk.gid()), (1000, GROUP), "{fs}");
-        // A container user outside the group cannot.
-        let by_other = seen.join("by-other").display().to_string();
-        assert!(
-            !as_user(BASE + 1001, BASE + 1001, &["touch", &by_other]),
-            "{fs}: a user outside the fsGroup wrote"
-        );
-        // The descriptor of the attached mount holds it busy until closed (and a child
-        // another test forks holds a copy of it until its exec).
-        drop(tree);
-        moor_privileged::unmount_when_free(&seen);
-        drop(holder);
-        rt().block_on(async {
-            n.unpublish("vol", &target).await.expect("unpublish");
-            n.unstage("vol", &staging).await.expect("unstage");
-        });
+        moor_privileged::idmap::a_runtime_idmaps_a_published_volume(fs);
     }
 }

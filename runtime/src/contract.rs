@@ -120,6 +120,64 @@ pub const ENCRYPTED_KEY: &str = "encrypted";
 /// How an error names the [`ENCRYPTED_KEY`] field of a NodeStageVolume.
 pub const ENCRYPTED_FIELD: &str = "volume_context.encrypted";
 
+/// The mutable parameters moor knows (a VolumeAttributesClass's QoS limits), in the order of
+/// [`QosLimits`]' fields: bytes read, bytes written, reads, writes per second.
+pub const QOS_KEYS: [&str; 4] = [
+    "readBytesPerSecond",
+    "writeBytesPerSecond",
+    "readIOPS",
+    "writeIOPS",
+];
+
+/// publish_context and volume_context key: a volume's QoS limits for the node to apply to the
+/// pod's cgroup, as `readIOPS=100,writeBytesPerSecond=1048576` (empty: no limit). The
+/// controller puts the limits of the moment in a ControllerPublishVolume's publish_context
+/// (which wins) and those given at creation in the volume_context (for a driver without
+/// attach).
+pub const QOS_LIMITS_KEY: &str = "qosLimits";
+/// How an error names the [`QOS_LIMITS_KEY`] field of a NodePublishVolume.
+pub const QOS_LIMITS_FIELD: &str = "publish_context.qosLimits";
+
+/// QoS limits per second, each none when unset, as [`QOS_LIMITS_KEY`] carries them.
+pub type QosLimits = [Option<u64>; 4];
+
+/// The text of [`QOS_LIMITS_KEY`] for `limits`.
+#[must_use]
+pub fn qos_to_context(limits: &QosLimits) -> String {
+    QOS_KEYS
+        .iter()
+        .zip(limits)
+        .filter_map(|(k, v)| v.map(|n| format!("{k}={n}")))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The limits a [`QOS_LIMITS_KEY`] text gives, or what is wrong with it.
+pub fn qos_from_context(text: &str) -> Result<QosLimits, String> {
+    let mut limits: QosLimits = [None; 4];
+    for item in text.split(',').filter(|i| !i.is_empty()) {
+        let (key, value) = item
+            .split_once('=')
+            .ok_or_else(|| format!("{item:?} is not key=value"))?;
+        let slot = QOS_KEYS
+            .iter()
+            .position(|k| *k == key)
+            .and_then(|i| limits.get_mut(i))
+            .ok_or_else(|| {
+                format!(
+                    "{key:?} is not a QoS limit (known: {})",
+                    QOS_KEYS.join(", ")
+                )
+            })?;
+        *slot = Some(
+            value
+                .parse()
+                .map_err(|_| format!("{key}: {value:?} is not a whole number"))?,
+        );
+    }
+    Ok(limits)
+}
+
 /// The secrets key naming the Ceph user (without `client.`), as ceph-csi names it.
 pub const RBD_USER_ID_SECRET: &str = "userID";
 /// The secrets key giving that user's cephx key.
@@ -206,3 +264,20 @@ pub const INFEASIBLE_EXPANSION: [tonic::Code; 3] = [
     tonic::Code::OutOfRange,
     tonic::Code::NotFound,
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qos_limits_go_through_the_context_and_back() {
+        let limits = [Some(1_048_576), None, None, Some(100)];
+        let text = qos_to_context(&limits);
+        assert_eq!(text, "readBytesPerSecond=1048576,writeIOPS=100");
+        assert_eq!(qos_from_context(&text), Ok(limits));
+        assert_eq!(qos_from_context(""), Ok([None; 4]));
+        assert!(qos_from_context("readIOPS").is_err());
+        assert!(qos_from_context("readIOPS=ten").is_err());
+        assert!(qos_from_context("fsType=ext4").is_err());
+    }
+}

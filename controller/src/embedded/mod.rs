@@ -46,7 +46,7 @@ use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
+use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY, QOS_LIMITS_KEY};
 use tracing::{info, warn};
 
 use self::attach::{AttachError, Attacher, FileId};
@@ -913,10 +913,13 @@ impl<A: Attacher> EmbeddedBackend<A> {
         }
     }
 
-    fn publish_context(device: &str, file: &Path) -> PublishContext {
+    /// What the node is told: the device, its file, and the volume's QoS limits of now, which
+    /// the node applies to the pods it publishes the volume to.
+    fn publish_context(device: &str, file: &Path, qos: &crate::backend::Qos) -> PublishContext {
         PublishContext::from([
             (DEVICE_PATH_KEY.to_string(), device.to_string()),
             (BACKING_FILE_KEY.to_string(), file.display().to_string()),
+            (QOS_LIMITS_KEY.to_string(), qos.to_context()),
         ])
     }
 
@@ -978,7 +981,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
             return Err(e);
         }
         info!(volume = %rec.id, device, node = %req.node_id, "attached");
-        Ok(Self::publish_context(&device, path))
+        Ok(Self::publish_context(&device, path, &rec.qos))
     }
 
     /// Detaches every device bound to the volume's file (used when the record does not say

@@ -270,7 +270,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             }
             if let Some(dev) = &p.device {
                 if self.attacher.backing_of(Path::new(dev))? == Some(file) {
-                    return Ok(Self::publish_context(dev, &path));
+                    return Ok(Self::publish_context(dev, &path, &rec.qos));
                 }
                 warn!(volume = %id, device = %dev, "recorded device no longer backs the volume; attaching again");
             }

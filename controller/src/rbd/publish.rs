@@ -20,9 +20,10 @@ use super::parameters;
 use super::records::{FENCINGS_KEPT, Publication, Registry};
 use super::volumes::volume_key;
 use super::{RbdBackend, Session};
-use crate::backend::{AccessMode, PublishContext, PublishRequest};
+use crate::backend::{AccessMode, PublishContext, PublishRequest, Qos};
 use crate::error::{Error, Result, trunc};
 
+use moor_runtime::contract::QOS_LIMITS_KEY;
 pub use moor_runtime::contract::{
     RBD_CLUSTER_ID_KEY as CLUSTER_ID_KEY, RBD_EXCLUSIVE_KEY as EXCLUSIVE_KEY,
     RBD_IMAGE_KEY as IMAGE_KEY, RBD_MONITORS_KEY as MONITORS_KEY, RBD_POOL_KEY as POOL_KEY,
@@ -31,8 +32,15 @@ pub use moor_runtime::contract::{
 
 /// What the node is told: the image, the monitors, how to map it (read-only; with the
 /// exclusive lock held, when the volume's StorageClass asks and the map is read-write).
-fn publish_context(s: &Session, id: &VolumeId, readonly: bool, exclusive: bool) -> PublishContext {
+fn publish_context(
+    s: &Session,
+    id: &VolumeId,
+    qos: &Qos,
+    readonly: bool,
+    exclusive: bool,
+) -> PublishContext {
     let mut ctx = PublishContext::from([
+        (QOS_LIMITS_KEY.to_string(), qos.to_context()),
         (POOL_KEY.to_string(), id.location.pool.clone()),
         (IMAGE_KEY.to_string(), id.image()),
         (MONITORS_KEY.to_string(), s.mon_host.clone()),
@@ -82,7 +90,7 @@ impl RbdBackend {
                     reason: format!("it is published {} with {}", access(p.readonly), p.mode),
                 });
             }
-            return Ok(publish_context(&s, &id, readonly, exclusive));
+            return Ok(publish_context(&s, &id, &rec.qos, readonly, exclusive));
         }
         let shared = req.capability.mode == AccessMode::MultiNodeReaderOnly;
         let reader_only = AccessMode::MultiNodeReaderOnly.name();
@@ -101,7 +109,7 @@ impl RbdBackend {
         });
         Registry::new(&pool).put_volume(&id.suffix, &rec)?;
         info!(volume = %id, node = %req.node_id, readonly, mode, "published");
-        Ok(publish_context(&s, &id, readonly, exclusive))
+        Ok(publish_context(&s, &id, &rec.qos, readonly, exclusive))
     }
 
     pub(super) fn unpublish_impl(&self, raw: &str, node_id: Option<&str>) -> Result<()> {

@@ -126,6 +126,10 @@ pub struct VolumeRecord {
     /// The latest fencings.
     #[serde(default)]
     pub fencings: Vec<Fencing>,
+    /// Its QoS limits, as last set (also in the image's librbd settings): what a
+    /// ControllerPublishVolume tells the node to apply in the pod's cgroup.
+    #[serde(default, skip_serializing_if = "crate::backend::Qos::is_none")]
+    pub qos: crate::backend::Qos,
 }
 
 /// Where a snapshot is in its life.
@@ -437,6 +441,10 @@ mod tests {
                 mode: "SINGLE_NODE_WRITER".into(),
             }],
             fencings: vec![],
+            qos: crate::backend::Qos {
+                write_iops: Some(100),
+                ..Default::default()
+            },
         };
         let text = serde_json::to_string(&rec).unwrap();
         assert!(text.contains("\"state\":\"ready\""), "{text}");

@@ -352,6 +352,7 @@ impl RbdBackend {
                     capacity_bytes: size,
                     publications: Vec::new(),
                     fencings: Vec::new(),
+                    qos: crate::backend::Qos::default(),
                 };
                 reg.put_volume(&suffix, &rec)?;
                 rec
@@ -454,7 +455,7 @@ impl RbdBackend {
         let not_found = || Error::VolumeNotFound(trunc(raw).to_string());
         let id = VolumeId::parse(raw).ok_or_else(not_found)?;
         let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
-        let (id, s, pool, _) = self.ready_volume(&id.to_string())?;
+        let (id, s, pool, mut rec) = self.ready_volume(&id.to_string())?;
         let image_name = id.image();
         let image = pool
             .open_image(&image_name)
@@ -464,6 +465,11 @@ impl RbdBackend {
             image
                 .set_metadata(option, value.as_deref())
                 .map_err(|e| self.fail(&s, format!("set {option} of {image_name}"), e))?;
+        }
+        // For the node, whose kernel client ignores librbd's settings: its next publish.
+        if rec.qos != *qos {
+            rec.qos = *qos;
+            Registry::new(&pool).put_volume(&id.suffix, &rec)?;
         }
         Ok(())
     }

@@ -5,7 +5,8 @@
 //! - CSIDrivers, one of whose names every moor binary, StorageClass and snapshot class uses;
 //!   a driver served by node-local controllers is never attached (`attachRequired: false`)
 //!   and has `storageCapacity` exactly when its provisioners publish capacity, one served by
-//!   a one-node controller is attached;
+//!   a one-node controller is attached; every driver has `podInfoOnMount` (the pod whose
+//!   cgroup a volume's QoS limits go in);
 //! - host-network pods of different workloads never declare the same port (DaemonSets share
 //!   every node);
 //! - pods: selectors match the template, the ServiceAccount exists, every mount names a volume
@@ -144,6 +145,13 @@ fn csi_drivers(res: &[Resource], facts: &[DriverFact], p: &mut Vec<String>) {
             if spec_bool("attachRequired") != Some(attach) {
                 p.push(format!(
                     "CSIDriver {dname}: attachRequired must be {attach}: {why} ({})",
+                    f.workload
+                ));
+            }
+            if spec_bool("podInfoOnMount") != Some(true) {
+                p.push(format!(
+                    "CSIDriver {dname}: podInfoOnMount must be true: moor-node puts a volume's \
+                     QoS limits in the cgroup of the pod kubelet names ({})",
                     f.workload
                 ));
             }

@@ -1,5 +1,5 @@
-//! The node plugin's pod: the kubelet dir, the socket, the state dir, the host's /dev and /sys,
-//! and exactly one way of registering with the kubelet.
+//! The node plugin's pod: the kubelet dir, the socket, the state dir, the host's /dev, /sys and
+//! cgroups, and exactly one way of registering with the kubelet.
 
 use serde_json::Value;
 
@@ -53,6 +53,13 @@ pub(super) fn node_pod(
         if pod.host_path(c, dev) != Some(dev) {
             p.push(format!("moor-node needs the host's {dev} at {dev}"));
         }
+    }
+    let cgroup = flag("cgroup-root").unwrap_or_default();
+    if pod.host_path(c, &cgroup) != Some("/sys/fs/cgroup") {
+        p.push(format!(
+            "moor-node's --cgroup-root {cgroup} must be the host's /sys/fs/cgroup: a volume's \
+             QoS limits go in its pod's cgroup there"
+        ));
     }
     let registry = format!("{kubelet}/plugins_registry");
     let registrars: Vec<&Value> = pod

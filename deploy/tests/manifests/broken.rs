@@ -76,6 +76,22 @@ fn checks_catch_broken_manifests() {
         "the kubelet dir /var/lib/kubelet needs mountPropagation: Bidirectional",
     );
     expect_problem(
+        "no pod info on mount",
+        |r| find_mut(r, "CSIDriver", "moor.csi.io")["spec"]["podInfoOnMount"] = json!(false),
+        "CSIDriver moor.csi.io: podInfoOnMount must be true",
+    );
+    expect_problem(
+        "the cgroup root not the host's",
+        |r| {
+            let ds = find_mut(r, "DaemonSet", "moor-node");
+            container_mut(ds, "moor-node")["args"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!("--cgroup-root=/host/cgroup"));
+        },
+        "moor-node's --cgroup-root /host/cgroup must be the host's /sys/fs/cgroup",
+    );
+    expect_problem(
         "wrong registration path",
         |r| {
             let ds = find_mut(r, "DaemonSet", "moor-node");

@@ -113,7 +113,7 @@ fn base_objects_are_as_specified() {
         find(&res, "CSIDriver", "moor.csi.io")["spec"],
         json!({
             "attachRequired": true,
-            "podInfoOnMount": false,
+            "podInfoOnMount": true,
             "fsGroupPolicy": "File",
             "volumeLifecycleModes": ["Persistent"],
             "requiresRepublish": false,
@@ -196,6 +196,7 @@ fn base_objects_are_as_specified() {
             "/var/lib/moor",
             "/dev",
             "/sys",
+            "/sys/fs/cgroup",
             "/run/udev"
         ]
     );
@@ -353,7 +354,7 @@ fn the_every_node_overlay_adds_the_local_driver_and_changes_nothing_else() {
         find(&distributed, "CSIDriver", "local.moor.csi.io")["spec"],
         json!({
             "attachRequired": false,
-            "podInfoOnMount": false,
+            "podInfoOnMount": true,
             "fsGroupPolicy": "File",
             "volumeLifecycleModes": ["Persistent"],
             "requiresRepublish": false,

@@ -144,6 +144,9 @@ impl<O: Os> Engine<O> {
                 &mut out,
             );
         }
+        for c in self.qos_notes.of(&q.volume_id) {
+            add(c, &mut out);
+        }
         Ok(out)
     }
 

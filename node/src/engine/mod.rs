@@ -19,6 +19,7 @@ mod format;
 mod health;
 mod mapped;
 mod publish;
+mod qos;
 mod reboot;
 mod request;
 mod stage;
@@ -41,6 +42,7 @@ use crate::volume_lock::VolumeLocks;
 pub use format::FsckOutcome;
 pub use health::{StorageCondition, StorageTrouble};
 pub use mapped::{STALL_BYTES, stalled};
+pub use qos::{QOS_NOT_APPLIED, QosOutcome, is_pod_uid, pod_uid_of_target};
 pub use reboot::VolumeCounts;
 pub use request::{
     Access, Capability, Expand, HealthQuery, Publish, Stage, Stats, Unpublish, Unstage,
@@ -75,6 +77,9 @@ pub struct EngineConfig {
     /// The node's boot, stamped on the records of mounts and mappings (unknown: every record
     /// is taken as this boot's).
     pub boot: Boot,
+    /// Where the cgroup hierarchies are mounted (the host's, as moor-node sees them), for a
+    /// volume's QoS limits in its pod's cgroup.
+    pub cgroup_root: PathBuf,
 }
 
 impl Default for EngineConfig {
@@ -87,6 +92,7 @@ impl Default for EngineConfig {
             discovery_deadline: DEFAULT_DISCOVERY_DEADLINE,
             e2fsck_always: false,
             boot: Boot::default(),
+            cgroup_root: PathBuf::from("/sys/fs/cgroup"),
         }
     }
 }
@@ -106,6 +112,8 @@ pub struct Engine<O: Os> {
     unmounting: Arc<Mutex<HashSet<PathBuf>>>,
     /// Each volume's last failed stage, for NodeGetVolumeHealth (`health`).
     stage_failures: health::StageFailures,
+    /// Each publication whose QoS limits are not in force (`qos`).
+    qos_notes: qos::QosNotes,
 }
 
 impl<O: Os> Engine<O> {
@@ -120,6 +128,7 @@ impl<O: Os> Engine<O> {
             attacher: None,
             unmounting: Arc::default(),
             stage_failures: health::StageFailures::default(),
+            qos_notes: qos::QosNotes::default(),
         }
     }
 

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 use tracing::{info, warn};
 
-use super::{ADOPTED_MODE, Access, Engine, Publish, Unpublish};
+use super::{ADOPTED_MODE, Access, Engine, Publish, QosOutcome, Unpublish};
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::fsgroup;
@@ -122,8 +122,13 @@ fn check_publications(record: &VolumeRecord, req: &Publish, wanted: &PublishReco
 
 impl<O: Os> Engine<O> {
     /// NodePublishVolume: a bind mount of the staged volume on the target, as the access mode
-    /// allows.
+    /// allows, and the volume's QoS limits in the pod's cgroup.
     pub fn publish(&self, req: &Publish) -> Result<()> {
+        self.publish_report(req).map(|_| ())
+    }
+
+    /// [`Engine::publish`], saying what became of the volume's QoS limits.
+    pub fn publish_report(&self, req: &Publish) -> Result<QosOutcome> {
         let _guard = self.locks.try_lock(&req.volume_id)?;
         let mut record = self.record(&req.volume_id);
         let stage = staged_for_publish(
@@ -153,6 +158,8 @@ impl<O: Os> Engine<O> {
         };
         let source = self.bind_source(req, &stage)?;
         check_publications(&record, req, &wanted)?;
+        // Before the bind: a limit the kernel refuses leaves nothing mounted.
+        let qos = self.apply_qos(req, stage.rdev)?;
         if self.prepare_target(req, &source, wanted.attrs.read_only)? {
             // A retry, or a crash after the bind: the same mount is there. The journal is
             // written only if its record says otherwise (a crash before the confirmation, an
@@ -162,7 +169,7 @@ impl<O: Os> Engine<O> {
                 record.publishes.insert(req.target.clone(), wanted);
                 self.journal.put(&record, Durability::Process)?;
             }
-            return Ok(());
+            return Ok(qos);
         }
         if let Access::Mount {
             group: Some(gid), ..
@@ -171,7 +178,8 @@ impl<O: Os> Engine<O> {
         {
             fsgroup::apply(self, &req.volume_id, &stage.path, *gid)?;
         }
-        self.bind_target(&mut record, req, source.path, wanted)
+        self.bind_target(&mut record, req, source.path, wanted)?;
+        Ok(qos)
     }
 
     /// Where the bind comes from, and how to recognise it on the target.
@@ -314,6 +322,7 @@ impl<O: Os> Engine<O> {
         crash_points::point("unpublish.unmounted");
         self.os.remove(&req.target)?;
         crash_points::point("unpublish.removed");
+        self.remove_qos(req, record.stage.as_ref().map(|s| s.rdev));
         if known {
             record.publishes.remove(&req.target);
             self.journal.put(&record, Durability::Process)?;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use csi::volume_capability::access_mode::Mode;
 use moor_proto::csi::v1 as csi;
-use moor_runtime::contract::Filesystem;
+use moor_runtime::contract::{Filesystem, QosLimits};
 
 use crate::mount_options::MountOptions;
 use crate::sys::MountAttrs;
@@ -102,6 +102,11 @@ pub struct Publish {
     pub cap: Capability,
     /// readonly.
     pub readonly: bool,
+    /// The pod it is published to, as kubelet names it (`csi.storage.k8s.io/pod.uid`); None:
+    /// the pod of the target path, if any.
+    pub pod_uid: Option<String>,
+    /// The volume's QoS limits, for the pod's cgroup (`engine::qos`).
+    pub limits: QosLimits,
 }
 
 /// NodeUnpublishVolume, checked.

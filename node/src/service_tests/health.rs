@@ -15,7 +15,7 @@ fn health_req(staging: &str, target: &str) -> csi::NodeGetVolumeHealthRequest {
 }
 
 /// The (status, reason) of each entry NodeGetVolumeHealth gives.
-async fn health(h: &Harness, staging: &str, target: &str) -> Vec<(V, String)> {
+pub(super) async fn health(h: &Harness, staging: &str, target: &str) -> Vec<(V, String)> {
     let r = h
         .svc
         .node_get_volume_health(Request::new(health_req(staging, target)))

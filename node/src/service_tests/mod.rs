@@ -15,6 +15,7 @@ mod identity;
 mod local;
 mod paths;
 mod publish;
+mod qos;
 pub(crate) mod rbd;
 mod reboot;
 mod stage;

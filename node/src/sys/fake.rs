@@ -40,6 +40,8 @@ pub enum Call {
     ShareWithGroup(PathBuf, u32),
     /// `find_device(identity, wait)`.
     FindDevice(DeviceIdentity, Duration),
+    /// `write_cgroup(path, line)`.
+    WriteCgroup(PathBuf, String),
 }
 
 #[derive(Debug, Clone)]
@@ -87,6 +89,8 @@ struct State {
     arrivals: Vec<Arrival>,
     selinux: bool,
     unknown_labels: Vec<String>,
+    /// cgroupfs control files and their text, as the kernel would show them.
+    cgroup: BTreeMap<PathBuf, String>,
     next_mount_id: u64,
     calls: Vec<Call>,
 }
@@ -113,6 +117,25 @@ impl FakeOs {
         self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Adds a cgroup control file holding `text` (an empty rule list: "").
+    pub fn add_cgroup_file(&self, path: impl AsRef<Path>, text: &str) {
+        self.lock()
+            .cgroup
+            .insert(path.as_ref().to_path_buf(), text.to_string());
+    }
+
+    /// The text of a cgroup control file, if there is one.
+    pub fn cgroup_file(&self, path: impl AsRef<Path>) -> Option<String> {
+        self.lock().cgroup.get(path.as_ref()).cloned()
+    }
+
+    /// Removes every cgroup file under `dir` (the pod's cgroup died with it).
+    pub fn remove_cgroup(&self, dir: impl AsRef<Path>) {
+        self.lock()
+            .cgroup
+            .retain(|p, _| !p.starts_with(dir.as_ref()));
     }
 
     /// Creates a directory and all its parents.
@@ -634,6 +657,28 @@ impl Os for FakeOs {
         !self.lock().unknown_labels.iter().any(|l| l == label)
     }
 
+    fn read_cgroup(&self, path: &Path) -> SysResult<String> {
+        let mut st = self.lock();
+        Self::take_failure(&mut st, "read_cgroup", path)?;
+        st.cgroup
+            .get(path)
+            .cloned()
+            .ok_or_else(|| err("read cgroup file", path, libc::ENOENT))
+    }
+
+    fn write_cgroup(&self, path: &Path, line: &str) -> SysResult<()> {
+        let mut st = self.lock();
+        st.calls
+            .push(Call::WriteCgroup(path.to_path_buf(), line.to_string()));
+        Self::take_failure(&mut st, "write_cgroup", path)?;
+        let Some(text) = st.cgroup.get_mut(path) else {
+            return Err(err("open cgroup file", path, libc::ENOENT));
+        };
+        *text = kernel_rules(path, text, line)
+            .ok_or_else(|| err("write cgroup file", path, libc::EINVAL))?;
+        Ok(())
+    }
+
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {
         let mut st = self.lock();
         st.calls
@@ -730,6 +775,58 @@ fn mkfs_uuid(args: &[String]) -> Option<String> {
             ("-m", m) => m.strip_prefix("uuid=").map(str::to_owned),
             _ => None,
         })
+}
+
+/// A throttling file's rules after the kernel took `line` (`MAJ:MIN ...`): cgroup v2's
+/// `io.max` merges the keys given into the device's rule (dropped when all are `max`), v1's
+/// `blkio.throttle.*` sets the device's number (dropped at 0). None: a line the kernel refuses.
+fn kernel_rules(path: &Path, text: &str, line: &str) -> Option<String> {
+    let mut words = line.split_whitespace();
+    let dev = words.next().filter(|d| d.split_once(':').is_some())?;
+    let v2 = path.file_name().is_some_and(|n| n == "io.max");
+    let mut rules: BTreeMap<String, String> = text
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(d, r)| (d.to_string(), r.to_string()))
+        .collect();
+    let rule = if v2 {
+        let mut keys: BTreeMap<&str, String> = ["rbps", "wbps", "riops", "wiops"]
+            .into_iter()
+            .map(|k| (k, "max".to_string()))
+            .collect();
+        if let Some(old) = rules.get(dev) {
+            for w in old.split_whitespace() {
+                let (k, v) = w.split_once('=')?;
+                if let Some(slot) = keys.get_mut(k) {
+                    *slot = v.to_string();
+                }
+            }
+        }
+        for w in words {
+            let (k, v) = w.split_once('=')?;
+            if v != "max" && v.parse::<u64>().ok().filter(|n| *n > 0).is_none() {
+                return None;
+            }
+            *keys.get_mut(k)? = v.to_string();
+        }
+        let all_max = keys.values().all(|v| v == "max");
+        let order = ["rbps", "wbps", "riops", "wiops"];
+        (!all_max).then(|| {
+            order
+                .iter()
+                .map(|k| format!("{k}={}", keys.get(k).map_or("max", String::as_str)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+    } else {
+        let n: u64 = words.next()?.parse().ok()?;
+        (n > 0).then(|| n.to_string())
+    };
+    match rule {
+        Some(r) => rules.insert(dev.to_string(), r),
+        None => rules.remove(dev),
+    };
+    Some(rules.iter().map(|(d, r)| format!("{d} {r}\n")).collect())
 }
 
 /// The signature bytes a real mkfs would leave, with the filesystem's UUID (hyphenated hex)

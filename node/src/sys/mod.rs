@@ -493,6 +493,12 @@ pub trait Os: Send + Sync + 'static {
     /// Whether the loaded SELinux policy knows `label` (a mount of a label it does not know is
     /// refused); true where that cannot be asked.
     fn selinux_label_known(&self, label: &str) -> bool;
+    /// Reads a cgroup control file (`io.max`, `blkio.throttle.*`, `cgroup.controllers`), for
+    /// a volume's QoS limits in its pod's cgroup.
+    fn read_cgroup(&self, path: &Path) -> SysResult<String>;
+    /// Writes `line` to an existing cgroup control file in one write, as the kernel parses
+    /// it (EINVAL: the kernel refuses the line).
+    fn write_cgroup(&self, path: &Path, line: &str) -> SysResult<()>;
     /// Runs a tool to completion within its deadline.
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError>;
     /// Whether a program is on the PATH.

@@ -139,8 +139,22 @@ pub fn statmount(mnt_id: u64, mask: u64, buf: &mut [u8]) -> io::Result<()> {
 }
 
 /// `fchmodat2(fd, "", mode, AT_EMPTY_PATH)`: sets the mode of what `fd` refers to (an `O_PATH`
-/// descriptor too). The kernel refuses a symlink (EOPNOTSUPP).
+/// descriptor too). The kernel refuses a symlink (EOPNOTSUPP). A kernel older than 6.6 has no
+/// fchmodat2 (ENOSYS; Debian 12's 6.1): there the mode is set through `/proc/self/fd/<fd>`,
+/// whose magic link names the descriptor's own inode, never a path looked up again (as glibc
+/// does for `fchmodat(AT_EMPTY_PATH)`); never used on a symlink.
 pub fn fchmodat2_empty(fd: impl AsFd, mode: u32) -> io::Result<()> {
+    match fchmodat2_syscall(fd.as_fd(), mode) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+            let link = format!("/proc/self/fd/{}", fd.as_fd().as_raw_fd());
+            rustix::fs::chmod(link.as_str(), rustix::fs::Mode::from_raw_mode(mode))
+                .map_err(io::Error::from)
+        }
+        r => r,
+    }
+}
+
+fn fchmodat2_syscall(fd: impl AsFd, mode: u32) -> io::Result<()> {
     let empty = c"";
     // SAFETY: `fd` is a live descriptor borrowed for the call; `empty` is a NUL-terminated
     // string that outlives the call and that the kernel only reads; the mode and flags are

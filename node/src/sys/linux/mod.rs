@@ -445,6 +445,24 @@ impl Os for Linux {
         selinux::label_known(label)
     }
 
+    fn read_cgroup(&self, path: &Path) -> SysResult<String> {
+        std::fs::read_to_string(path).map_err(|e| SysError::new("read cgroup file", path, e))
+    }
+
+    fn write_cgroup(&self, path: &Path, line: &str) -> SysResult<()> {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        // An existing control file only (no create), not through a symlink; the kernel takes
+        // one rule per write.
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| SysError::new("open cgroup file", path, e))?;
+        file.write_all(line.as_bytes())
+            .map_err(|e| SysError::new("write cgroup file", path, e).with_detail(line))
+    }
+
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {
         run_with_deadline(run)
     }
