@@ -81,7 +81,8 @@ fn cryptsetup(args: Vec<String>, deadline: Duration) -> ToolRun {
 /// What an encrypted stage found and opened: the mapping, held, and whether the LUKS volume
 /// is moor's fresh one (its filesystem made whatever the mapping holds).
 pub(super) struct Opened {
-    /// The mapping's path.
+    /// The mapping's kernel node (`/dev/dm-<n>`): `/dev/mapper/<name>` is a symlink, and a
+    /// block volume's bind of a symlink would give the pod the link, not the device.
     pub(super) path: PathBuf,
     /// The mapping, held.
     pub(super) dev: HeldDevice,
@@ -124,7 +125,7 @@ impl<O: Os> Engine<O> {
                 "the volume's mapping is open: used"
             );
             return Ok(Opened {
-                path: mapper,
+                path: held.node.clone(),
                 dev: held,
                 fresh,
             });
@@ -197,7 +198,7 @@ impl<O: Os> Engine<O> {
             "the volume's mapping is open"
         );
         Ok(Opened {
-            path: mapper,
+            path: held.node.clone(),
             dev: held,
             fresh,
         })
