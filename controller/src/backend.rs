@@ -578,6 +578,27 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// compatible ([`Error::VolumeExists`] when it is not).
     fn create_volume(&self, req: &NewVolume) -> Result<Volume>;
 
+    /// Whether this backend makes encrypted volumes (docs/encryption.md): it keeps a
+    /// volume's wrapped data key in its record ([`record_wrapped_dek`](Self::record_wrapped_dek)).
+    fn serves_encryption(&self) -> bool {
+        false
+    }
+
+    /// Keeps `wrapped`, the wrapped data key of the encrypted volume `volume_id`, in its
+    /// record and its volume context, unless the record already holds one (a retry): the
+    /// volume as it is then. Called before CreateVolume first answers, so the context the CO
+    /// sees never changes.
+    fn record_wrapped_dek(&self, volume_id: &str, wrapped: &str) -> Result<Volume> {
+        let _ = wrapped;
+        Err(Error::invalid(
+            "parameters",
+            format!(
+                "volume {:?}: this backend does not keep encrypted volumes' keys yet",
+                crate::error::trunc(volume_id)
+            ),
+        ))
+    }
+
     /// Deletes a volume; a volume that does not exist is success.
     fn delete_volume(&self, volume_id: &str) -> Result<()>;
 

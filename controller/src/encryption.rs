@@ -3,8 +3,9 @@
 //! request's parameters, checks them (INVALID_ARGUMENT naming the one that is wrong) and fills
 //! in the defaults, and leaves the rest to the backend's own parser.
 //!
-//! The node does not open encrypted volumes yet: CreateVolume refuses a valid encrypted class
-//! ([`refuse_until_served`]) rather than make a volume that would be written in the clear.
+//! CreateVolume of an encrypted class makes the volume's data key, wraps it with the key
+//! source's KEK ([`kek_from_secrets`], [`new_wrapped_dek`]) and keeps the wrapped key in the
+//! volume's record and context; a copy of an encrypted volume is refused ([`refuse_copy`]).
 
 use crate::backend::Parameters;
 use crate::error::{Error, Result, trunc};
@@ -12,15 +13,15 @@ use crate::error::{Error, Result, trunc};
 /// `"true"` makes the volume LUKS2 on the node; `"false"` (the default) does not.
 pub use moor_runtime::contract::ENCRYPTED_KEY;
 /// The key source of an encrypted volume's key-encryption key.
-pub const KMS_ID_KEY: &str = "kmsID";
+pub use moor_runtime::contract::KMS_ID_KEY;
 /// The LUKS cipher.
-pub const CIPHER_KEY: &str = "luksCipher";
+pub use moor_runtime::contract::LUKS_CIPHER_KEY as CIPHER_KEY;
 /// The LUKS key size in bits.
-pub const KEY_SIZE_KEY: &str = "luksKeySize";
-/// The LUKS sector size in bytes.
-pub const SECTOR_SIZE_KEY: &str = "luksSectorSize";
+pub use moor_runtime::contract::LUKS_KEY_SIZE_KEY as KEY_SIZE_KEY;
 /// The PBKDF of the LUKS key slot.
-pub const PBKDF_KEY: &str = "luksPBKDF";
+pub use moor_runtime::contract::LUKS_PBKDF_KEY as PBKDF_KEY;
+/// The LUKS sector size in bytes.
+pub use moor_runtime::contract::LUKS_SECTOR_SIZE_KEY as SECTOR_SIZE_KEY;
 
 /// The key sources this driver knows: the Kubernetes Secret given as CSI secrets.
 pub const KMS_IDS: [&str; 1] = ["secret"];
@@ -205,15 +206,77 @@ fn with_cipher(e: Error, cipher: &str) -> Error {
     }
 }
 
-/// CreateVolume's answer to a valid encrypted class while the node cannot open one: refused,
-/// so that no volume meant to be encrypted is ever written in the clear.
-pub fn refuse_until_served(encryption: &Encryption) -> Error {
+/// Whether a volume made with `parameters` (normalised) is encrypted.
+#[must_use]
+pub fn is_encrypted(parameters: &Parameters) -> bool {
+    parameters.get(ENCRYPTED_KEY).is_some_and(|v| v == "true")
+}
+
+/// `raw` split by [`split`], the rest parsed by the backend's `parse`, and the two put back
+/// together, normalised: what a volume's record keeps.
+pub fn parse_with(
+    raw: &Parameters,
+    parse: impl FnOnce(&Parameters) -> Result<Parameters>,
+) -> Result<(Option<Encryption>, Parameters)> {
+    let (encryption, rest) = split(raw)?;
+    let mut parameters = parse(&rest)?;
+    if let Some(e) = &encryption {
+        parameters.extend(e.parameters());
+    }
+    Ok((encryption, parameters))
+}
+
+/// The key-encryption key of the `secret` key source, from a call's CSI secrets (the
+/// StorageClass's provisioner secret at CreateVolume). A missing or malformed one is
+/// INVALID_ARGUMENT naming the secrets key, never its value.
+pub fn kek_from_secrets(
+    secrets: &std::collections::HashMap<String, String>,
+) -> Result<moor_runtime::keys::Kek> {
+    moor_runtime::keys::kek_from_secret(|k| secrets.get(k).map(String::as_str)).map_err(|e| {
+        Error::invalid(
+            "secrets",
+            format!(
+                "{e}: an encrypted volume's key source {:?} needs the provisioner secret \
+                 (csi.storage.k8s.io/provisioner-secret-name) with {:?} and {:?}",
+                KMS_IDS[0],
+                moor_runtime::keys::SECRET_KEK_KEY,
+                moor_runtime::keys::SECRET_KEK_ID_KEY
+            ),
+        )
+    })
+}
+
+/// A new data key for `volume_id`, wrapped by `kek`: the text its record keeps.
+pub fn new_wrapped_dek(kek: &moor_runtime::keys::Kek, volume_id: &str) -> Result<String> {
+    let dek = moor_runtime::keys::Dek::generate()
+        .map_err(|e| Error::Internal(format!("volume {volume_id:?}: {e}")))?;
+    let wrapped = dek
+        .wrap(kek, volume_id)
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    Ok(wrapped.encode())
+}
+
+/// CreateVolume's answer to an encrypted class on a backend that does not keep encrypted
+/// volumes' keys yet (RBD): refused, so that nothing meant to be encrypted is made in the clear.
+pub fn refuse_backend() -> Error {
     Error::invalid(
         "parameters",
         format!(
-            "{ENCRYPTED_KEY}=\"true\" (kmsID {:?}, {}): encrypted volumes are not served by \
-             this version of moor yet; refused rather than made in the clear",
-            encryption.kms_id, encryption.cipher
+            "{ENCRYPTED_KEY}=\"true\": encrypted volumes are served on the embedded backend \
+             only by this version of moor; refused rather than made in the clear"
+        ),
+    )
+}
+
+/// The answer to a copy (a snapshot, a clone, a restore) of an encrypted volume, or into one:
+/// refused until the copy opens with a key of its own (docs/encryption.md). A copy is never
+/// made in the clear, nor one that shares its source's key.
+pub fn refuse_copy(what: &str) -> Error {
+    Error::invalid(
+        "volume_content_source",
+        format!(
+            "{what}: snapshots, clones and restores of encrypted volumes are not served by \
+             this version of moor yet (the copy would share its source's key); refused"
         ),
     )
 }

@@ -221,9 +221,25 @@ impl Backend for Backends {
     }
 
     fn create_volume(&self, req: &NewVolume) -> Result<Volume> {
-        self.by_parameters(&req.parameters)
-            .ok_or_else(|| Error::invalid("parameters", "the backend is not enabled"))?
-            .create_volume(req)
+        let b = self
+            .by_parameters(&req.parameters)
+            .ok_or_else(|| Error::invalid("parameters", "the backend is not enabled"))?;
+        if crate::encryption::is_encrypted(&req.parameters) && !b.serves_encryption() {
+            return Err(crate::encryption::refuse_backend());
+        }
+        b.create_volume(req)
+    }
+
+    fn serves_encryption(&self) -> bool {
+        // Only where the volume goes is known: `create_volume` of a backend that does not
+        // serve it refuses, and `record_wrapped_dek` goes to the volume's.
+        true
+    }
+
+    fn record_wrapped_dek(&self, volume_id: &str, wrapped: &str) -> Result<Volume> {
+        self.by_id(volume_id)
+            .ok_or_else(|| volume_not_found(volume_id))?
+            .record_wrapped_dek(volume_id, wrapped)
     }
 
     fn delete_volume(&self, volume_id: &str) -> Result<()> {

@@ -21,6 +21,7 @@ use crate::encryption::{self, Encryption};
 use crate::error::{Error, Result, trunc};
 use crate::secrets::{self, Secrets};
 use crate::validate;
+use moor_runtime::contract::ENCRYPTED_DEK_KEY;
 
 /// A request's parameters: the encryption ones checked for every backend (see
 /// [`encryption::split`]), the rest by the backend, and the two put back together, normalised.
@@ -28,12 +29,37 @@ fn parse_parameters<B: Backend>(
     b: &B,
     raw: &Parameters,
 ) -> Result<(Option<Encryption>, Parameters)> {
-    let (encryption, rest) = encryption::split(raw)?;
-    let mut parameters = b.parse_parameters(&rest)?;
-    if let Some(e) = &encryption {
-        parameters.extend(e.parameters());
-    }
-    Ok((encryption, parameters))
+    encryption::parse_with(raw, |rest| b.parse_parameters(rest))
+}
+
+/// Whether the volume `id` exists and is encrypted.
+pub(crate) fn source_is_encrypted<B: Backend>(b: &B, id: &str) -> bool {
+    b.get_volume(id)
+        .is_ok_and(|s| encryption::is_encrypted(&s.volume.parameters))
+}
+
+/// A clone or a restore from an encrypted volume, or into an encrypted class: refused
+/// ([`encryption::refuse_copy`]). A snapshot of an encrypted volume is refused when it is
+/// taken, so a snapshot source is checked only for an encrypted class.
+fn refuse_encrypted_copy<B: Backend>(
+    b: &B,
+    source: Option<&ContentSource>,
+    encrypted: bool,
+) -> Result<()> {
+    let what = match source {
+        None => return Ok(()),
+        Some(ContentSource::Volume(id)) if encrypted || source_is_encrypted(b, id) => {
+            format!("a clone of volume {:?}", trunc(id))
+        }
+        Some(ContentSource::Snapshot(id)) if encrypted => {
+            format!(
+                "a restore of snapshot {:?} into an encrypted volume",
+                trunc(id)
+            )
+        }
+        Some(_) => return Ok(()),
+    };
+    Err(encryption::refuse_copy(&what))
 }
 
 /// The controller capabilities moor advertises.
@@ -204,15 +230,27 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
             let mut v = validate::create_volume(&req)?;
             let qos = validate::mutable_parameters("mutable_parameters", &req.mutable_parameters)?;
             let (encryption, parameters) = parse_parameters(b, &v.parameters)?;
-            if let Some(e) = &encryption {
-                return Err(encryption::refuse_until_served(e));
-            }
+            // An encrypted volume's key-encryption key, before anything is made.
+            let kek = match &encryption {
+                Some(_) if !b.serves_encryption() => return Err(encryption::refuse_backend()),
+                Some(_) => Some(encryption::kek_from_secrets(&req.secrets)?),
+                None => None,
+            };
+            refuse_encrypted_copy(b, v.source.as_ref(), encryption.is_some())?;
             v.parameters = parameters;
             for cap in &v.capabilities {
                 b.check_capability(cap, &v.parameters)
                     .map_err(|r| Error::invalid("volume_capabilities", r))?;
             }
-            let vol = b.create_volume(&v)?;
+            let mut vol = b.create_volume(&v)?;
+            // Its data key, made and wrapped once (a retry finds it in the record), kept in
+            // the record before the volume is first answered.
+            if let Some(kek) = &kek
+                && !vol.context.contains_key(ENCRYPTED_DEK_KEY)
+            {
+                let wrapped = encryption::new_wrapped_dek(kek, &vol.id)?;
+                vol = b.record_wrapped_dek(&vol.id, &wrapped)?;
+            }
             // Its VolumeAttributesClass: set once it exists (again, harmlessly, on a retry).
             let mut volume = csi_volume(&vol);
             if !qos.is_none() {
@@ -402,7 +440,14 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
         let subject = req.name.clone();
         let secrets = Secrets::from_map(&req.secrets);
         self.call_with("CreateSnapshot", &subject, secrets, move |b| {
-            let s = b.create_snapshot(&validate::create_snapshot(&req)?)?;
+            let new = validate::create_snapshot(&req)?;
+            if source_is_encrypted(b, &new.source_volume_id) {
+                return Err(encryption::refuse_copy(&format!(
+                    "a snapshot of volume {:?}",
+                    trunc(&new.source_volume_id)
+                )));
+            }
+            let s = b.create_snapshot(&new)?;
             Ok(csi::CreateSnapshotResponse {
                 snapshot: Some(csi_snapshot(&s)),
             })

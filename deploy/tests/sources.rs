@@ -155,6 +155,7 @@ const TOOL_PACKAGES: &[(&str, &str)] = &[
     ("mkfs.btrfs", "btrfs-progs"),
     ("btrfs", "btrfs-progs"),
     ("rbd-fuse", "rbd-fuse"),
+    ("cryptsetup", "cryptsetup-bin"),
 ];
 
 /// Which Debian package provides each library the daemons load: the ones the controller's RBD

@@ -77,6 +77,45 @@ fn check(test: &str, package: Option<&str>) -> bool {
 /// What names the lab's second kernel to `.ci/vm`.
 const KERNEL_PACKAGE_ENV: &str = "MOOR_VM_KERNEL_PACKAGE";
 
+/// A Linux bridge of a test's own, with the host's address (`.1`) on a /24, for a guest that
+/// needs no Ceph cluster's bridge; removed when dropped.
+#[derive(Debug)]
+pub struct Bridge {
+    /// The bridge's name (`<tag><pid>`).
+    pub name: String,
+    /// Its /24, without the last octet (`10.<second>.<n>`).
+    pub net: String,
+}
+
+impl Bridge {
+    /// A bridge named `tag` (at most 4 characters) and this process's id, on
+    /// `10.<second>.<20 + pid % 200>.0/24`.
+    pub fn new(tag: &str, second: u8) -> Self {
+        let pid = std::process::id();
+        let b = Self {
+            name: format!("{tag}{}", pid % 100_000),
+            net: format!("10.{second}.{}", 20 + pid % 200),
+        };
+        let ip = |args: &[&str]| {
+            let out = Command::new("ip").args(args).output().expect("ip");
+            assert!(out.status.success(), "ip {args:?}: {out:?}");
+        };
+        let _ = Command::new("ip").args(["link", "del", &b.name]).output();
+        ip(&["link", "add", &b.name, "type", "bridge"]);
+        ip(&["addr", "add", &format!("{}.1/24", b.net), "dev", &b.name]);
+        ip(&["link", "set", &b.name, "up"]);
+        b
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.name])
+            .output();
+    }
+}
+
 /// How a guest is booted.
 #[derive(Debug, Clone)]
 pub struct VmOptions {

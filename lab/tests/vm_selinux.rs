@@ -47,7 +47,7 @@ use std::process::Command;
 
 use moor_lab::ceph::publish;
 use moor_lab::krbd_lab::start_node_in;
-use moor_lab::vm::{Vm, VmOptions};
+use moor_lab::vm::{Bridge, Vm, VmOptions};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, fs_cap, runtime};
 use moor_proto::csi::v1 as csi;
@@ -105,39 +105,6 @@ fn cap(fs: &str, label: &str) -> csi::VolumeCapability {
         m.mount_flags = vec![flag(label)];
     }
     c
-}
-
-/// A Linux bridge of the test's own with the host's address on a /24, removed when dropped.
-struct Bridge {
-    name: String,
-    net: String,
-}
-
-impl Bridge {
-    fn new() -> Self {
-        let pid = std::process::id();
-        let b = Self {
-            name: format!("msel{}", pid % 100_000),
-            net: format!("10.253.{}", 20 + pid % 200),
-        };
-        let ip = |args: &[&str]| {
-            let out = Command::new("ip").args(args).output().expect("ip");
-            assert!(out.status.success(), "ip {args:?}: {out:?}");
-        };
-        let _ = Command::new("ip").args(["link", "del", &b.name]).output();
-        ip(&["link", "add", &b.name, "type", "bridge"]);
-        ip(&["addr", "add", &format!("{}.1/24", b.net), "dev", &b.name]);
-        ip(&["link", "set", &b.name, "up"]);
-        b
-    }
-}
-
-impl Drop for Bridge {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.name])
-            .output();
-    }
 }
 
 /// The reference policy `.ci/vm setup` built, or None with the reason printed.
@@ -221,7 +188,7 @@ fn a_volume_labelled_by_its_mount_on_an_enforcing_kernel() {
     };
     let quick = std::env::var("MOOR_VM_SELINUX_QUICK").is_ok_and(|v| v == "1");
     let sb = Sandbox::new("vm-selinux");
-    let bridge = Bridge::new();
+    let bridge = Bridge::new("msel", 253);
     let filesystems = ["ext4", "xfs"];
     let mut qemu_opts = vec!["-cpu".to_string(), "qemu64,svm=off".to_string()];
     // A disk per filesystem, and a blank one for a label the policy does not know.

@@ -49,6 +49,16 @@ pub const MAP_POINTS: &[&str] = &[
     "unmap.unmapped",
 ];
 
+/// The crash points of an encrypted volume's mapping (`engine::crypt`), in the order a stage
+/// and an unstage reach them (only the VM lab has dm-crypt to reach them).
+pub const CRYPT_POINTS: &[&str] = &[
+    "stage.luks_formatting",
+    "stage.opening",
+    "stage.opened",
+    "unstage.closing",
+    "unstage.closed",
+];
+
 /// Arms the point named by [`ENV`], if set. Returns it.
 #[cfg(feature = "crash-points")]
 pub fn arm_from_env() -> Option<&'static str> {

@@ -186,6 +186,14 @@ impl Os for Faulty {
         }
         self.inner.run_tool(run)
     }
+    fn run_tool_with_key(&self, run: &ToolRun, key: &[u8]) -> Result<(), ToolError> {
+        self.tick("run_tool", Path::new(&run.program))
+            .map_err(|e| ToolError::Spawn {
+                program: run.program.clone(),
+                source: e.source,
+            })?;
+        self.inner.run_tool_with_key(run, key)
+    }
     fn has_program(&self, program: &str) -> bool {
         self.inner.has_program(program)
     }

@@ -328,6 +328,10 @@ impl<O: Os> Os for MeteredOs<O> {
         r
     }
 
+    fn run_tool_with_key(&self, run: &ToolRun, key: &[u8]) -> Result<(), ToolError> {
+        self.inner.run_tool_with_key(run, key)
+    }
+
     fn has_program(&self, program: &str) -> bool {
         self.inner.has_program(program)
     }

@@ -43,15 +43,17 @@ pub const MANIFEST_STATE_DIR: &str = "state_dir";
 
 /// Tools the node needs for its default filesystem; Probe is not ready without them.
 pub const REQUIRED_TOOLS: [&str; 2] = ["mkfs.ext4", "resize2fs"];
-/// Tools for the other filesystems; their absence is logged.
-pub const OPTIONAL_TOOLS: [&str; 3] = ["mkfs.xfs", "xfs_growfs", "mkfs.btrfs"];
+/// Tools for the other filesystems and for encrypted volumes; their absence is logged.
+pub const OPTIONAL_TOOLS: [&str; 4] = ["mkfs.xfs", "xfs_growfs", "mkfs.btrfs", "cryptsetup"];
 
-/// Every program moor-node may run: the filesystems' tools ([`crate::filesystem::programs`])
-/// and the FUSE attacher's ([`crate::attach::fuse::PROGRAM`]). The image must hold them all.
+/// Every program moor-node may run: the filesystems' tools ([`crate::filesystem::programs`]),
+/// the FUSE attacher's ([`crate::attach::fuse::PROGRAM`]) and cryptsetup, for encrypted
+/// volumes. The image must hold them all.
 #[must_use]
 pub fn programs() -> Vec<String> {
     let mut out = crate::filesystem::programs();
     out.push(crate::attach::fuse::PROGRAM.to_owned());
+    out.push(crate::engine::CRYPTSETUP.to_owned());
     out
 }
 

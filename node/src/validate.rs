@@ -1,8 +1,9 @@
 //! Request validation for every Node RPC, in one place.
 //!
 //! Each function turns a CSI request into a typed request the engine can trust, or an
-//! INVALID_ARGUMENT naming the field, before anything on the node is touched. Secrets are
-//! never read here and never appear in an error.
+//! INVALID_ARGUMENT naming the field, before anything on the node is touched. Secrets never
+//! appear in an error; the one secret read here is an encrypted volume's key-encryption key,
+//! to unwrap its data key (`encryption`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -11,13 +12,16 @@ use csi::volume_capability::{AccessType, access_mode::Mode};
 use moor_proto::csi::v1 as csi;
 use moor_runtime::contract::{
     BACKING_FILE_FIELD, BACKING_FILE_KEY, DEVICE_PATH_FIELD, DEVICE_PATH_KEY, DEVICE_SERIAL_FIELD,
-    DEVICE_SERIAL_KEY, DEVICE_WWN_FIELD, DEVICE_WWN_KEY, ENCRYPTED_FIELD, ENCRYPTED_KEY,
-    Filesystem, QOS_LIMITS_FIELD, QOS_LIMITS_KEY, QosLimits, qos_from_context,
+    DEVICE_SERIAL_KEY, DEVICE_WWN_FIELD, DEVICE_WWN_KEY, ENCRYPTED_DEK_FIELD, ENCRYPTED_DEK_KEY,
+    ENCRYPTED_FIELD, ENCRYPTED_KEY, Filesystem, KMS_ID_KEY, LUKS_CIPHER_KEY, LUKS_KEY_SIZE_KEY,
+    LUKS_PBKDF_KEY, LUKS_SECTOR_SIZE_KEY, QOS_LIMITS_FIELD, QOS_LIMITS_KEY, QosLimits,
+    qos_from_context,
 };
+use moor_runtime::keys::{SECRET_KEK_ID_KEY, SECRET_KEK_KEY, WrappedDek, kek_from_secret};
 use moor_runtime::limits::{self, trunc};
 
 use crate::engine::{
-    Access, Capability, Expand, HealthQuery, Publish, Stage, Stats, Unpublish, Unstage,
+    Access, Capability, Encryption, Expand, HealthQuery, Publish, Stage, Stats, Unpublish, Unstage,
 };
 use crate::error::{Error, Result};
 use crate::mount_options;
@@ -211,36 +215,133 @@ pub fn stage_but_device(
     map_size("publish_context", &req.publish_context)?;
     map_size("volume_context", &req.volume_context)?;
     map_size("secrets", &req.secrets)?;
-    not_encrypted(&req.volume_context)?;
+    encrypted_context(&req.volume_context)?;
     Ok((volume_id, staging, cap))
 }
 
-/// Refuses a volume whose context says it is encrypted: this node does not open encrypted
-/// volumes yet (docs/encryption.md), and staging one would format it in the clear.
-fn not_encrypted(ctx: &HashMap<String, String>) -> Result<()> {
+/// What an encrypted volume's context says of how to open it (docs/encryption.md), checked;
+/// `None` for a volume that is not encrypted (`encrypted` absent or `"false"`).
+struct EncryptedContext<'a> {
+    wrapped: WrappedDek,
+    cipher: &'a str,
+    key_size: u32,
+    sector_size: u32,
+    pbkdf: &'a str,
+}
+
+/// The volume context's encryption keys, checked: `encrypted` `"true"` or `"false"`, and for
+/// an encrypted volume the key source `secret`, its wrapped data key and the LUKS parameters,
+/// each a plain word (they reach cryptsetup's command line, as arguments of their own).
+fn encrypted_context(ctx: &HashMap<String, String>) -> Result<Option<EncryptedContext<'_>>> {
     match ctx.get(ENCRYPTED_KEY).map(String::as_str) {
-        None | Some("false") => Ok(()),
-        Some(other) => Err(Error::invalid(
-            ENCRYPTED_FIELD,
-            format!(
-                "{:?}: this moor-node does not open encrypted volumes yet; refused rather than \
-                 formatted or written in the clear",
-                trunc(other)
-            ),
-        )),
+        None | Some("false") => return Ok(None),
+        Some("true") => {}
+        Some(other) => {
+            return Err(Error::invalid(
+                ENCRYPTED_FIELD,
+                format!("{:?}: either \"true\" or \"false\"", trunc(other)),
+            ));
+        }
     }
+    let word = |key: &'static str| -> Result<&str> {
+        let v = ctx.get(key).map(String::as_str).unwrap_or_default();
+        let plain = !v.is_empty()
+            && v.len() <= 64
+            && !v.starts_with('-')
+            && v.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b',' || b == b'-');
+        if plain {
+            Ok(v)
+        } else {
+            Err(Error::invalid(
+                "volume_context",
+                format!(
+                    "{key}={:?}: required for an encrypted volume, a plain word",
+                    trunc(v)
+                ),
+            ))
+        }
+    };
+    let number = |key: &'static str| -> Result<u32> {
+        word(key)?.parse().map_err(|_| {
+            Error::invalid(
+                "volume_context",
+                format!("{key}: required for an encrypted volume, a number"),
+            )
+        })
+    };
+    let kms = word(KMS_ID_KEY)?;
+    if kms != "secret" {
+        return Err(Error::invalid(
+            "volume_context",
+            format!(
+                "{KMS_ID_KEY}={:?}: this moor-node knows the key source \"secret\" only",
+                trunc(kms)
+            ),
+        ));
+    }
+    let wrapped = ctx
+        .get(ENCRYPTED_DEK_KEY)
+        .ok_or_else(|| Error::invalid(ENCRYPTED_DEK_FIELD, "required for an encrypted volume"))
+        .and_then(|t| {
+            WrappedDek::decode(t).map_err(|e| Error::invalid(ENCRYPTED_DEK_FIELD, e.to_string()))
+        })?;
+    Ok(Some(EncryptedContext {
+        wrapped,
+        cipher: word(LUKS_CIPHER_KEY)?,
+        key_size: number(LUKS_KEY_SIZE_KEY)?,
+        sector_size: number(LUKS_SECTOR_SIZE_KEY)?,
+        pbkdf: word(LUKS_PBKDF_KEY)?,
+    }))
+}
+
+/// An encrypted volume's data key, unwrapped with the key-encryption key of the stage secrets
+/// (the StorageClass's node-stage secret). A secret without the key or its id, or a malformed
+/// one: INVALID_ARGUMENT naming the secrets key (a required field of the request is missing).
+/// A well-formed key that does not unwrap the volume's data key (another KEK, a wrapped key of
+/// another volume, a damaged one): FAILED_PRECONDITION, naming the key's id, never a byte.
+fn encryption(
+    volume_id: &str,
+    ctx: EncryptedContext<'_>,
+    secrets: &HashMap<String, String>,
+) -> Result<Encryption> {
+    let kek = kek_from_secret(|k| secrets.get(k).map(String::as_str)).map_err(|e| {
+        Error::invalid(
+            "secrets",
+            format!(
+                "{e}: an encrypted volume's node-stage secret \
+                 (csi.storage.k8s.io/node-stage-secret-name) holds its key-encryption key"
+            ),
+        )
+    })?;
+    let dek = kek
+        .unwrap(&ctx.wrapped, volume_id)
+        .map_err(|e| Error::FailedPrecondition(format!("{e}; nothing was opened")))?;
+    Ok(Encryption {
+        key: std::sync::Arc::new(dek),
+        wrapped: ctx.wrapped,
+        kek_id: kek.id().to_owned(),
+        cipher: ctx.cipher.to_owned(),
+        key_size: ctx.key_size,
+        sector_size: ctx.sector_size,
+        pbkdf: ctx.pbkdf.to_owned(),
+    })
 }
 
 /// Validates NodeStageVolume.
 pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<Stage> {
     let (volume_id, staging, cap) = stage_but_device(req, kubelet_dir)?;
     let (device, identity) = device_identity(&req.publish_context, kubelet_dir)?;
+    let encryption = encrypted_context(&req.volume_context)?
+        .map(|ctx| encryption(&volume_id, ctx, &req.secrets))
+        .transpose()?;
     Ok(Stage {
         volume_id,
         device,
         identity,
         staging,
         cap,
+        encryption,
     })
 }
 
@@ -432,11 +533,24 @@ pub fn expand(req: &csi::NodeExpandVolumeRequest, kubelet_dir: &Path) -> Result<
         None => None,
         Some(c) => Some(capability(Some(c))?),
     };
+    // An encrypted volume's KEK (the StorageClass's node-expand secret): its mapping grows
+    // only with its key. Secrets that hold none are another driver's business.
+    let kek = if req.secrets.contains_key(SECRET_KEK_KEY)
+        || req.secrets.contains_key(SECRET_KEK_ID_KEY)
+    {
+        Some(std::sync::Arc::new(
+            kek_from_secret(|k| req.secrets.get(k).map(String::as_str))
+                .map_err(|e| Error::invalid("secrets", e.to_string()))?,
+        ))
+    } else {
+        None
+    };
     // Last: a malformed field is INVALID_ARGUMENT even when the volume is not there.
     let path = volume_path(&volume_id, &req.volume_path, kubelet_dir)?;
     Ok(Expand {
         volume_id,
         path,
+        kek,
         staging,
         required_bytes,
         limit_bytes,

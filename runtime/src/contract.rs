@@ -178,6 +178,24 @@ pub fn qos_from_context(text: &str) -> Result<QosLimits, String> {
     Ok(limits)
 }
 
+/// volume_context key of an encrypted volume: its data key wrapped by the key-encryption key
+/// (`v1:<kek id>:<base64>`, `moor_runtime::keys::WrappedDek`), not secret. Written by the
+/// controller once, before CreateVolume first answers, from the volume's record.
+pub const ENCRYPTED_DEK_KEY: &str = "encryptedDEK";
+/// How an error names the [`ENCRYPTED_DEK_KEY`] field of a NodeStageVolume.
+pub const ENCRYPTED_DEK_FIELD: &str = "volume_context.encryptedDEK";
+/// StorageClass parameter and volume_context key: the key source of an encrypted volume's
+/// key-encryption key (`secret`: the CSI secrets of the call).
+pub const KMS_ID_KEY: &str = "kmsID";
+/// StorageClass parameter and volume_context key: the LUKS cipher.
+pub const LUKS_CIPHER_KEY: &str = "luksCipher";
+/// StorageClass parameter and volume_context key: the LUKS key size in bits.
+pub const LUKS_KEY_SIZE_KEY: &str = "luksKeySize";
+/// StorageClass parameter and volume_context key: the LUKS sector size in bytes.
+pub const LUKS_SECTOR_SIZE_KEY: &str = "luksSectorSize";
+/// StorageClass parameter and volume_context key: the PBKDF of the LUKS key slot.
+pub const LUKS_PBKDF_KEY: &str = "luksPBKDF";
+
 /// The secrets key naming the Ceph user (without `client.`), as ceph-csi names it.
 pub const RBD_USER_ID_SECRET: &str = "userID";
 /// The secrets key giving that user's cephx key.

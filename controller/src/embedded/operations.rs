@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
+use moor_runtime::contract::ENCRYPTED_DEK_KEY;
 use tracing::{info, warn};
 
 use super::attach::{AttachError, Attacher, Detach, FileId};
@@ -56,7 +57,8 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
     }
 
     fn create_volume(&self, req: &NewVolume) -> Result<Volume> {
-        let params = parse_parameters(&req.parameters)?;
+        // An encrypted volume's parameters (checked by the service) are kept as they are.
+        let (_, params) = crate::encryption::parse_with(&req.parameters, parse_parameters)?;
         for cap in &req.capabilities {
             check_capability(cap, &params).map_err(|r| Error::invalid("volume_capabilities", r))?;
         }
@@ -183,6 +185,25 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             return Err(e);
         }
         info!(volume = %id, name = %req.name, size, "created");
+        Ok(self.volume_of(&rec))
+    }
+
+    fn serves_encryption(&self) -> bool {
+        true
+    }
+
+    fn record_wrapped_dek(&self, volume_id: &str, wrapped: &str) -> Result<Volume> {
+        let id = self.volume_here(volume_id)?;
+        let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
+        let mut rec = self
+            .volume_record(&id)
+            .ok_or_else(|| Error::VolumeNotFound(trunc(volume_id).to_string()))?;
+        if !rec.context.contains_key(ENCRYPTED_DEK_KEY) {
+            rec.context
+                .insert(ENCRYPTED_DEK_KEY.to_owned(), wrapped.to_owned());
+            self.save_volume(&rec)?;
+            info!(volume = %id, "its wrapped data key recorded");
+        }
         Ok(self.volume_of(&rec))
     }
 

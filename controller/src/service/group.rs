@@ -48,7 +48,18 @@ impl<B: Backend> csi::group_controller_server::GroupController for ControllerSer
         let subject = req.name.clone();
         let secrets = Secrets::from_map(&req.secrets);
         self.call_with("CreateVolumeGroupSnapshot", &subject, secrets, move |b| {
-            let g = b.create_group_snapshot(&validate::create_group_snapshot(&req)?)?;
+            let new = validate::create_group_snapshot(&req)?;
+            if let Some(id) = new
+                .source_volume_ids
+                .iter()
+                .find(|id| super::source_is_encrypted(b, id))
+            {
+                return Err(crate::encryption::refuse_copy(&format!(
+                    "a group snapshot of volume {:?}",
+                    crate::error::trunc(id)
+                )));
+            }
+            let g = b.create_group_snapshot(&new)?;
             Ok(csi::CreateVolumeGroupSnapshotResponse {
                 group_snapshot: Some(csi_group_snapshot(&g)),
             })

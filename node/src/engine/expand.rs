@@ -50,6 +50,11 @@ impl<O: Os> Engine<O> {
         let stage = staged_for_expand(record.as_ref(), req)?;
         // An RBD image grown on the controller: its device takes the new size first.
         self.refresh_mapping(&req.volume_id)?;
+        // An encrypted volume's mapping takes its device's new size before the filesystem.
+        let crypt = record.as_ref().and_then(|r| r.crypt.clone());
+        if crypt.is_some() {
+            self.resize_mapping(&req.volume_id, req.kek.as_deref())?;
+        }
         let dev = self.open_device(&req.volume_id, &stage.device)?;
         if dev.rdev != stage.rdev {
             return Err(Error::FailedPrecondition(format!(
@@ -62,12 +67,18 @@ impl<O: Os> Engine<O> {
         // not seen its growth yet (a loop device's or a mapping's new size is told after), which
         // a retry meets. Not OUT_OF_RANGE: kubelet takes that as infeasible and stops trying
         // until the user changes the claim's size (RecoverVolumeExpansionFailure).
-        if req.required_bytes > dev.size {
+        // The size the controller gave is the encrypted volume's device's, its LUKS header
+        // and the mapping together.
+        let volume_size = match &crypt {
+            Some(c) => self.os.block_device(&c.device).map_err(Error::Sys)?.size,
+            None => dev.size,
+        };
+        if req.required_bytes > volume_size {
             return Err(Error::Unavailable(format!(
                 "device {} has {} bytes, less than the {} required: it has not grown to the \
                  volume's new size yet",
                 stage.device.display(),
-                dev.size,
+                volume_size,
                 req.required_bytes
             )));
         }

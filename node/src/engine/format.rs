@@ -26,6 +26,8 @@ impl Staging<'_> {
     pub(super) fn must_format(&self, content: &Content, interrupted: bool) -> Result<bool> {
         match content {
             c if c.is_blank() => Ok(true),
+            // moor's fresh LUKS volume (its UUID recorded durably before luksFormat).
+            Content::Unknown { .. } if self.fresh_luks => Ok(true),
             Content::Unknown { .. } if interrupted => {
                 if self.req.identity.is_empty() {
                     return Err(Error::FailedPrecondition(format!(

@@ -13,6 +13,7 @@
 //! from before a reboot (memories) from those that hold something (claims). Here is what they
 //! share: the engine, its settings, the journal record, unmounting.
 
+mod crypt;
 mod device;
 mod expand;
 mod format;
@@ -39,13 +40,14 @@ use crate::sys::discovery::DEFAULT_DISCOVERY_DEADLINE;
 use crate::sys::{BufPool, MountPoint, MountState, Os};
 use crate::volume_lock::VolumeLocks;
 
+pub use crypt::{CRYPTSETUP, mapping_name};
 pub use format::FsckOutcome;
 pub use health::{StorageCondition, StorageTrouble};
 pub use mapped::{STALL_BYTES, stalled};
 pub use qos::{QOS_NOT_APPLIED, QosOutcome, is_pod_uid, pod_uid_of_target};
 pub use reboot::VolumeCounts;
 pub use request::{
-    Access, Capability, Expand, HealthQuery, Publish, Stage, Stats, Unpublish, Unstage,
+    Access, Capability, Encryption, Expand, HealthQuery, Publish, Stage, Stats, Unpublish, Unstage,
 };
 pub use stage::{GROW_MIN, StageReport};
 pub use stats::{Condition, Health, VolumeStats};

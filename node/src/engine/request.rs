@@ -64,6 +64,29 @@ impl Capability {
     }
 }
 
+/// How an encrypted volume is opened (docs/encryption.md): its data key, unwrapped, and the
+/// LUKS parameters of its first luksFormat, each checked to be a plain word (they reach a
+/// command line as arguments of their own).
+#[derive(Debug, Clone)]
+pub struct Encryption {
+    /// The data key: the passphrase of the LUKS key slot. Shared by the request's clones,
+    /// zeroed when the last goes; its `Debug` shows no byte.
+    pub key: std::sync::Arc<moor_runtime::keys::Dek>,
+    /// The data key as the volume context gives it, wrapped (not secret): the journal keeps
+    /// it for NodeExpandVolume, which has no volume context.
+    pub wrapped: moor_runtime::keys::WrappedDek,
+    /// The id of the key-encryption key that unwrapped it (for errors: it is not secret).
+    pub kek_id: String,
+    /// `--cipher`.
+    pub cipher: String,
+    /// `--key-size`, in bits.
+    pub key_size: u32,
+    /// `--sector-size`, in bytes.
+    pub sector_size: u32,
+    /// `--pbkdf`.
+    pub pbkdf: String,
+}
+
 /// NodeStageVolume, checked.
 #[derive(Debug, Clone)]
 pub struct Stage {
@@ -78,6 +101,8 @@ pub struct Stage {
     pub staging: PathBuf,
     /// Capability.
     pub cap: Capability,
+    /// How to open it, when it is encrypted.
+    pub encryption: Option<Encryption>,
 }
 
 /// NodeUnstageVolume, checked.
@@ -136,6 +161,9 @@ pub struct Expand {
     pub path: PathBuf,
     /// staging_target_path, if given.
     pub staging: Option<PathBuf>,
+    /// The key-encryption key of the request's secrets (an encrypted volume's node-expand
+    /// secret), if they hold one.
+    pub kek: Option<std::sync::Arc<moor_runtime::keys::Kek>>,
     /// capacity_range.required_bytes (0: unset).
     pub required_bytes: u64,
     /// capacity_range.limit_bytes (0: unset).

@@ -88,6 +88,9 @@ pub(super) struct Staging<'a> {
     pub(super) attrs: MountAttrs,
     /// The boot its records are written in.
     pub(super) boot: Option<String>,
+    /// The device is the mapping of a LUKS volume moor formatted whose filesystem is not made
+    /// yet: what it holds (noise: zeros decrypt to it) is formatted.
+    pub(super) fresh_luks: bool,
 }
 
 impl Staging<'_> {
@@ -133,12 +136,21 @@ impl<O: Os> Engine<O> {
         let mut record = self.record(&req.volume_id);
         self.check_stage_record(&record, req)?;
         let (path, dev) = self.resolve_device(req)?;
+        // An encrypted volume: the rest of the stage uses its open mapping.
+        let (path, dev, fresh_luks) = match &req.encryption {
+            Some(enc) => {
+                let opened = self.open_encrypted(&mut record, req, enc, (&path, &dev))?;
+                (opened.path, opened.dev, opened.fresh)
+            }
+            None => (path, dev, false),
+        };
         let st = Staging {
             req,
             path,
             dev,
             attrs: stage_attrs(&req.cap),
             boot: self.boot().stamp(),
+            fresh_luks,
         };
         let interrupted = self.check_recorded_device(&record, &st)?;
         if self.prepare_staging_dir(&record, &st)? {
@@ -155,7 +167,8 @@ impl<O: Os> Engine<O> {
         // The recorded UUID stays only while the device shows it.
         let mut fs_uuid = recorded_uuid(&record, &content);
         if st.must_format(&content, interrupted)? {
-            let (uuid, took) = self.format(&mut record, &st, *fs, interrupted)?;
+            let force = interrupted || st.fresh_luks;
+            let (uuid, took) = self.format(&mut record, &st, *fs, force)?;
             report.mkfs = Some(took);
             report.formatted = true;
             fs_uuid = Some(uuid);
@@ -167,6 +180,11 @@ impl<O: Os> Engine<O> {
         }
 
         record.stage = Some(st.record(Phase::InProgress, fs_uuid.clone()));
+        // The LUKS volume holds its filesystem now: never formatted again.
+        if let Some(c) = record.crypt.as_mut() {
+            c.fresh = false;
+            c.luks_uuid = None;
+        }
         // After a mkfs, durable before the first mount: from the mount on the device holds
         // data, and the record that let mkfs run must never be the newest one a power cut
         // leaves.
@@ -495,6 +513,8 @@ impl<O: Os> Engine<O> {
         let watch = self.watch_unstage(&req.volume_id);
         self.unstage_held(req)?;
         drop(watch);
+        // The filesystem is gone: then its encrypted volume's mapping.
+        self.close_unstaged(&req.volume_id)?;
         self.forget_stage_failure(&req.volume_id);
         self.unmap_unstaged(&req.volume_id)
     }

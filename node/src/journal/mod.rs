@@ -232,6 +232,44 @@ pub struct VolumeRecord {
     /// The RBD image mapped for the volume, if any (`attach`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mapping: Option<crate::attach::journal::MappingRecord>,
+    /// The dm-crypt mapping of an encrypted volume, if any (`engine::crypt`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crypt: Option<CryptRecord>,
+}
+
+/// An encrypted volume's dm-crypt mapping (docs/encryption.md), as the journal keeps it:
+/// written `InProgress` before `cryptsetup luksFormat` or `open`, `Done` after the open, set
+/// back to `InProgress` before the close and dropped after it. Like an RBD mapping it lasts no
+/// longer than the boot, so it needs to outlive only the process; but while `fresh` (moor's
+/// own luksFormat made the LUKS volume and its filesystem is not made yet) it guards data as
+/// a `Formatting` stage does, and is written to survive a power cut. No key in the clear is
+/// ever in it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CryptRecord {
+    /// The mapping's name (`/dev/mapper/<name>`).
+    pub name: String,
+    /// The LUKS device under it, as the stage found it.
+    pub device: PathBuf,
+    /// Its number.
+    pub rdev: (u32, u32),
+    /// The volume's data key, wrapped (`v1:<kek id>:<base64>`: not secret, as the volume
+    /// context holds it), for NodeExpandVolume's `cryptsetup resize`, which needs the key and
+    /// has no volume context.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wrapped_dek: Option<String>,
+    /// The UUID of the LUKS header moor's luksFormat wrote, while `fresh`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub luks_uuid: Option<String>,
+    /// moor formatted the LUKS volume and has not yet made its filesystem: the mapping's
+    /// content (noise: zeros decrypt to it) is formatted whatever it holds.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fresh: bool,
+    /// `InProgress` while a format, an open or a close runs; `Done` once open.
+    pub phase: Phase,
+    /// The boot it was written in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<String>,
 }
 
 impl VolumeRecord {
@@ -242,6 +280,7 @@ impl VolumeRecord {
             stage: None,
             publishes: BTreeMap::new(),
             mapping: None,
+            crypt: None,
         }
     }
 
@@ -251,11 +290,15 @@ impl VolumeRecord {
         self.stage
             .as_ref()
             .is_some_and(|s| s.phase == Phase::Formatting)
+            || self.crypt.as_ref().is_some_and(|c| c.fresh)
     }
 
     /// Whether the record says nothing (and can be deleted).
     pub fn is_empty(&self) -> bool {
-        self.stage.is_none() && self.publishes.is_empty() && self.mapping.is_none()
+        self.stage.is_none()
+            && self.publishes.is_empty()
+            && self.mapping.is_none()
+            && self.crypt.is_none()
     }
 }
 

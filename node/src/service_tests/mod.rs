@@ -3,10 +3,11 @@
 //!
 //! One file to an RPC (`stage`, `publish`, `stats`, `expand`, `identity`), with the stage's
 //! device and filesystem apart (`device`, `format`), and the calls at another volume's paths
-//! (`paths`), hostile input (`hostile`) and the calls after a reboot against what the journal
+//! (`paths`), encrypted volumes (`encryption`), hostile input (`hostile`) and the calls after a reboot against what the journal
 //! kept of the boot before (`reboot`) across RPCs; here is the harness they share.
 
 mod device;
+mod encryption;
 mod expand;
 mod format;
 mod health;

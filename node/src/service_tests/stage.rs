@@ -105,39 +105,6 @@ async fn stage_never_formats_a_luks2_device_whose_start_was_wiped() {
     }
 }
 
-#[tokio::test]
-async fn an_encrypted_volume_is_refused_until_this_node_opens_them_and_its_device_untouched() {
-    for value in ["true", "TRUE", "yes"] {
-        let h = harness();
-        let mut req = stage_req(ext4());
-        req.volume_context.insert("encrypted".into(), value.into());
-        let s = h
-            .svc
-            .node_stage_volume(Request::new(req))
-            .await
-            .expect_err("refused");
-        assert_eq!(s.code(), Code::InvalidArgument, "{value}");
-        assert!(
-            s.message().contains("volume_context.encrypted"),
-            "{}",
-            s.message()
-        );
-        assert_eq!(mkfs_calls(&h), 0, "{value}");
-        assert_eq!(h.os.mount_depth(STAGING), 0);
-        assert!(h.engine.journal().get("vol-1").is_none());
-    }
-    // "false" is a volume in the clear, staged as any.
-    let h = harness();
-    let mut req = stage_req(ext4());
-    req.volume_context
-        .insert("encrypted".into(), "false".into());
-    h.svc
-        .node_stage_volume(Request::new(req))
-        .await
-        .expect("staged");
-    assert_eq!(mkfs_calls(&h), 1);
-}
-
 #[test]
 fn a_probe_sees_only_its_own_device_through_the_reused_buffer() {
     // The probe's buffer is kept between probes; what one device put in it must never

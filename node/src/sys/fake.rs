@@ -62,6 +62,22 @@ struct FakeDevice {
     data: BTreeMap<u64, Vec<u8>>,
 }
 
+/// A LUKS volume cryptsetup made on a fake device: the key that opens it, and what its
+/// mapping held when it was last closed.
+#[derive(Debug, Clone)]
+struct FakeLuks {
+    /// The passphrase of its one key slot (a fake's: it models the check, nothing else).
+    key: Vec<u8>,
+    /// The mapping's written extents.
+    data: BTreeMap<u64, Vec<u8>>,
+}
+
+/// The device-mapper major number of the fake's mappings.
+pub const FAKE_DM_MAJOR: u32 = 253;
+
+/// What a fake LUKS header takes of its device: the mapping is this much smaller.
+pub const FAKE_LUKS_HEADER: u64 = 16 << 20;
+
 /// A device that appears while a `find_device` waits (as if announced by an event).
 #[derive(Debug, Clone)]
 struct Arrival {
@@ -92,6 +108,11 @@ struct State {
     /// cgroupfs control files and their text, as the kernel would show them.
     cgroup: BTreeMap<PathBuf, String>,
     next_mount_id: u64,
+    /// LUKS volumes by their device.
+    luks: HashMap<PathBuf, FakeLuks>,
+    /// Open mappings: name -> the LUKS device under it.
+    mappings: BTreeMap<String, PathBuf>,
+    next_dm_minor: u32,
     calls: Vec<Call>,
 }
 
@@ -136,6 +157,27 @@ impl FakeOs {
         self.lock()
             .cgroup
             .retain(|p, _| !p.starts_with(dir.as_ref()));
+    }
+
+    /// The open LUKS mappings: name -> the device under it.
+    pub fn luks_mappings(&self) -> BTreeMap<String, PathBuf> {
+        self.lock().mappings.clone()
+    }
+
+    /// Whether the key `key` opens the LUKS volume on `device`.
+    pub fn luks_opens_with(&self, device: impl AsRef<Path>, key: &[u8]) -> bool {
+        self.lock()
+            .luks
+            .get(device.as_ref())
+            .is_some_and(|l| l.key == key)
+    }
+
+    /// Drops every mapping, as a reboot does (what they held stays in their LUKS volumes).
+    pub fn close_all_mappings(&self) {
+        let mut st = self.lock();
+        for (name, _) in std::mem::take(&mut st.mappings) {
+            st.devices.remove(&mapper_path(&name));
+        }
     }
 
     /// Creates a directory and all its parents.
@@ -328,6 +370,42 @@ impl FakeOs {
     pub fn exists(&self, path: impl AsRef<Path>) -> bool {
         let st = self.lock();
         st.dirs.contains(path.as_ref()) || st.files.contains(path.as_ref())
+    }
+
+    /// A tool run: mkfs writes a superblock, cryptsetup makes, opens, closes and resizes
+    /// LUKS volumes (`key`: what it read on its standard input).
+    fn tool(&self, run: &ToolRun, key: Option<&[u8]>) -> Result<(), ToolError> {
+        let mut st = self.lock();
+        st.calls
+            .push(Call::Tool(run.program.clone(), run.args.clone()));
+        let failure = match st.tool_failures.remove(&run.program) {
+            Some(code) => Some(code),
+            None => st.failures.remove("tool"),
+        };
+        if let Some(code) = failure {
+            return Err(tool_failed(run, code, "injected failure"));
+        }
+        if run.program == "cryptsetup" {
+            return cryptsetup(&mut st, run, key);
+        }
+
+        // mkfs writes a superblock the probe recognises; the device is its last argument.
+        let fs = run.program.strip_prefix("mkfs.");
+        let device = run.args.last().map(PathBuf::from);
+        if let (Some(fs), Some(device)) = (fs, device) {
+            let Some(d) = st.devices.get_mut(&device) else {
+                return Err(tool_failed(
+                    run,
+                    1,
+                    &format!("{}: no such device", device.display()),
+                ));
+            };
+            let uuid = mkfs_uuid(&run.args);
+            for (offset, bytes) in superblock_with_uuid(fs, uuid.as_deref()) {
+                d.data.insert(offset, bytes);
+            }
+        }
+        Ok(())
     }
 
     fn take_failure(st: &mut State, op: &'static str, path: &Path) -> SysResult<()> {
@@ -680,39 +758,11 @@ impl Os for FakeOs {
     }
 
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError> {
-        let mut st = self.lock();
-        st.calls
-            .push(Call::Tool(run.program.clone(), run.args.clone()));
-        let failure = match st.tool_failures.remove(&run.program) {
-            Some(code) => Some(code),
-            None => st.failures.remove("tool"),
-        };
-        if let Some(code) = failure {
-            return Err(ToolError::Failed {
-                program: run.program.clone(),
-                code: Some(code),
-                status: format!("exit status: {code}"),
-                stderr: "injected failure".into(),
-            });
-        }
-        // mkfs writes a superblock the probe recognises; the device is its last argument.
-        let fs = run.program.strip_prefix("mkfs.");
-        let device = run.args.last().map(PathBuf::from);
-        if let (Some(fs), Some(device)) = (fs, device) {
-            let Some(d) = st.devices.get_mut(&device) else {
-                return Err(ToolError::Failed {
-                    program: run.program.clone(),
-                    code: Some(1),
-                    status: "exit status: 1".into(),
-                    stderr: format!("{}: no such device", device.display()),
-                });
-            };
-            let uuid = mkfs_uuid(&run.args);
-            for (offset, bytes) in superblock_with_uuid(fs, uuid.as_deref()) {
-                d.data.insert(offset, bytes);
-            }
-        }
-        Ok(())
+        self.tool(run, None)
+    }
+
+    fn run_tool_with_key(&self, run: &ToolRun, key: &[u8]) -> Result<(), ToolError> {
+        self.tool(run, Some(key))
     }
 
     fn has_program(&self, program: &str) -> bool {
@@ -878,5 +928,143 @@ pub fn superblock(fs: &str) -> Vec<(u64, Vec<u8>)> {
             vec![(1024, sb)]
         }
         _ => vec![(0, b"\x7fmoor-fake-unknown".to_vec())],
+    }
+}
+
+/// A tool's failure with exit code `code`.
+fn tool_failed(run: &ToolRun, code: i32, stderr: &str) -> ToolError {
+    ToolError::Failed {
+        program: run.program.clone(),
+        code: Some(code),
+        status: format!("exit status: {code}"),
+        stderr: stderr.to_owned(),
+    }
+}
+
+/// Where a mapping named `name` appears.
+fn mapper_path(name: &str) -> PathBuf {
+    Path::new("/dev/mapper").join(name)
+}
+
+/// cryptsetup on the fake: `luksFormat` (a LUKS2 header the probe knows, with the `--uuid`
+/// asked for, the key read from stdin in its one slot), `open` (exit 2 for a key no slot
+/// takes, 1 for a device without LUKS, 5 for a name in use), `close` (5 while the mapping is
+/// mounted or bound), `resize` (with the key, as cryptsetup 2.6 asks for it). The exit codes
+/// are cryptsetup's.
+fn cryptsetup(st: &mut State, run: &ToolRun, key: Option<&[u8]>) -> Result<(), ToolError> {
+    let args = &run.args;
+    let arg_after = |flag: &str| args.windows(2).find(|w| w[0] == flag).map(|w| w[1].clone());
+    let last = |back: usize| {
+        args.len()
+            .checked_sub(back)
+            .and_then(|i| args.get(i))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let key_on_stdin = args.iter().any(|a| a == "--key-file=-");
+    match args.first().map(String::as_str) {
+        Some("luksFormat") => {
+            let (Some(key), true) = (key, key_on_stdin) else {
+                return Err(tool_failed(run, 1, "no key on stdin"));
+            };
+            let device = PathBuf::from(last(1));
+            let Some(d) = st.devices.get_mut(&device) else {
+                return Err(tool_failed(run, 4, "no such device"));
+            };
+            let mut header = vec![0u8; 168 + 40];
+            header[..6].copy_from_slice(b"LUKS\xba\xbe");
+            header[7] = 2;
+            if let Some(uuid) = arg_after("--uuid") {
+                let n = uuid.len().min(39);
+                header[168..168 + n].copy_from_slice(&uuid.as_bytes()[..n]);
+            }
+            d.data.clear();
+            d.data.insert(0, header);
+            st.luks.insert(
+                device,
+                FakeLuks {
+                    key: key.to_vec(),
+                    data: BTreeMap::new(),
+                },
+            );
+            Ok(())
+        }
+        Some("open") => {
+            let (device, name) = (PathBuf::from(last(2)), last(1));
+            let Some(luks) = st.luks.get(&device) else {
+                return Err(tool_failed(run, 1, "not a valid LUKS device"));
+            };
+            if !key_on_stdin || key != Some(luks.key.as_slice()) {
+                return Err(tool_failed(
+                    run,
+                    2,
+                    "No key available with this passphrase.",
+                ));
+            }
+            let data = luks.data.clone();
+            let path = mapper_path(&name);
+            if st.devices.contains_key(&path) {
+                return Err(tool_failed(run, 5, "Device already exists."));
+            }
+            let size = st
+                .devices
+                .get(&device)
+                .map_or(0, |d| d.size.saturating_sub(FAKE_LUKS_HEADER));
+            st.next_dm_minor += 1;
+            let rdev = (FAKE_DM_MAJOR, st.next_dm_minor);
+            st.devices.insert(path, FakeDevice { rdev, size, data });
+            st.mappings.insert(name, device);
+            Ok(())
+        }
+        Some("close") => {
+            let name = last(1);
+            let path = mapper_path(&name);
+            let Some(rdev) = st.devices.get(&path).map(|d| d.rdev) else {
+                return Err(tool_failed(run, 4, "Device is not active."));
+            };
+            let busy = st
+                .mounts
+                .values()
+                .flatten()
+                .any(|m| m.source == path || m.dev == rdev || m.rdev == Some(rdev));
+            if busy {
+                return Err(tool_failed(run, 5, "Device is still in use."));
+            }
+            let gone = st.devices.remove(&path);
+            if let (Some(device), Some(gone)) = (st.mappings.remove(&name), gone)
+                && let Some(luks) = st.luks.get_mut(&device)
+            {
+                luks.data = gone.data;
+            }
+            Ok(())
+        }
+        Some("resize") => {
+            let name = last(1);
+            let opens = st
+                .mappings
+                .get(&name)
+                .and_then(|d| st.luks.get(d))
+                .is_some_and(|l| key_on_stdin && key == Some(l.key.as_slice()));
+            if !opens {
+                return Err(tool_failed(
+                    run,
+                    2,
+                    "No key available with this passphrase.",
+                ));
+            }
+            let size = st
+                .mappings
+                .get(&name)
+                .and_then(|d| st.devices.get(d))
+                .map(|d| d.size.saturating_sub(FAKE_LUKS_HEADER));
+            match (size, st.devices.get_mut(&mapper_path(&name))) {
+                (Some(size), Some(m)) => {
+                    m.size = size;
+                    Ok(())
+                }
+                _ => Err(tool_failed(run, 4, "Device is not active.")),
+            }
+        }
+        _ => Err(tool_failed(run, 1, "unknown action")),
     }
 }

@@ -501,6 +501,10 @@ pub trait Os: Send + Sync + 'static {
     fn write_cgroup(&self, path: &Path, line: &str) -> SysResult<()>;
     /// Runs a tool to completion within its deadline.
     fn run_tool(&self, run: &ToolRun) -> Result<(), ToolError>;
+    /// Runs a tool that reads a key on its standard input (cryptsetup's `--key-file=-`): the
+    /// key is written to a pipe, never to argv, the environment or a file. What the tool
+    /// prints is in the error as with [`run_tool`](Self::run_tool); the key never is.
+    fn run_tool_with_key(&self, run: &ToolRun, key: &[u8]) -> Result<(), ToolError>;
     /// Whether a program is on the PATH.
     fn has_program(&self, program: &str) -> bool;
     /// Compares the block device `rdev` with a volume's identity (a loop device's backing

@@ -356,5 +356,16 @@ pub fn kek_from_secret<'a>(get: impl Fn(&str) -> Option<&'a str>) -> Result<Kek>
     Kek::new(id, &bytes)
 }
 
+/// The CSI secrets of the [`kek_from_secret`] source for the KEK `bytes` named `id`, as a
+/// Kubernetes Secret holds them: [`SECRET_KEK_KEY`] (base64) and [`SECRET_KEK_ID_KEY`]. For
+/// what makes such a Secret (an operator's tool, the tests); the text holds the key.
+#[must_use]
+pub fn secret_entries(id: &str, bytes: &[u8]) -> [(String, String); 2] {
+    [
+        (SECRET_KEK_KEY.to_owned(), BASE64.encode(bytes)),
+        (SECRET_KEK_ID_KEY.to_owned(), id.to_owned()),
+    ]
+}
+
 #[cfg(test)]
 mod tests;

@@ -207,3 +207,16 @@ fn zeroize_clears_a_dek() {
     dek.zeroize();
     assert_eq!(dek.expose(), &[0; KEY_LEN]);
 }
+
+#[test]
+fn the_secret_entries_of_a_kek_read_back_as_it() {
+    let entries = secret_entries("kek-1", &[0x5a; KEY_LEN]);
+    let pairs: Vec<(&str, String)> = entries
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    let read = read_secret(&pairs).expect("kek");
+    assert_eq!(read.id(), "kek-1");
+    let wrapped = new_wrapped(&kek(), "v");
+    assert!(read.unwrap(&wrapped, "v").is_ok(), "the same key");
+}

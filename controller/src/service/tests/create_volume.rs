@@ -304,23 +304,32 @@ async fn create_volume_from_sources() {
     );
 }
 
+/// The CSI secrets of the `secret` key source: a KEK and its id.
+fn kek_secrets(id: &str, byte: u8) -> std::collections::HashMap<String, String> {
+    moor_runtime::keys::secret_entries(id, &[byte; 32])
+        .into_iter()
+        .collect()
+}
+
 #[tokio::test]
-async fn encryption_parameters_are_checked_and_an_encrypted_volume_is_not_made_yet() {
+async fn an_encrypted_volume_gets_a_wrapped_data_key_of_its_own_and_copies_are_refused() {
     use crate::backend::Backend as _;
+    use moor_runtime::keys::{WrappedDek, kek_from_secret};
     let fx = Fx::new("svc-create-encrypted");
-    let encrypted = |extra: &[(&str, &str)]| {
-        let mut r = create_req("enc", 1 << 20);
+    let encrypted = |name: &str, extra: &[(&str, &str)]| {
+        let mut r = create_req(name, 1 << 20);
         for (k, v) in [("encrypted", "true"), ("kmsID", "secret")]
             .iter()
             .chain(extra)
         {
             r.parameters.insert((*k).into(), (*v).into());
         }
+        r.secrets = kek_secrets("kek-1", 7);
         r
     };
     let s = fx
         .svc
-        .create_volume(Request::new(encrypted(&[("luksKeySize", "384")])))
+        .create_volume(Request::new(encrypted("enc", &[("luksKeySize", "384")])))
         .await
         .expect_err("bad key size");
     assert_eq!(s.code(), Code::InvalidArgument);
@@ -329,21 +338,137 @@ async fn encryption_parameters_are_checked_and_an_encrypted_volume_is_not_made_y
         "{}",
         s.message()
     );
-    // A valid encrypted class is refused until the node opens encrypted volumes: nothing is
-    // made that would be written in the clear.
+    // No KEK in the secrets: INVALID_ARGUMENT naming the secrets key, and nothing made.
+    for (drop, named) in [("kek", "\"kek\""), ("kekID", "\"kekID\"")] {
+        let mut r = encrypted("enc", &[]);
+        r.secrets.remove(drop);
+        let s = fx
+            .svc
+            .create_volume(Request::new(r))
+            .await
+            .expect_err("no KEK");
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert!(s.message().contains(named), "{}", s.message());
+    }
+    let mut short = encrypted("enc", &[]);
+    short.secrets.insert("kek".into(), "c2hvcnQ=".into());
     let s = fx
         .svc
-        .create_volume(Request::new(encrypted(&[])))
+        .create_volume(Request::new(short))
         .await
-        .expect_err("not served yet");
+        .expect_err("a short KEK");
     assert_eq!(s.code(), Code::InvalidArgument);
-    assert!(s.message().contains("not served"), "{}", s.message());
+    assert!(!s.message().contains("c2hvcnQ="), "{}", s.message());
     assert!(
         fx.backend
             .list_volumes(&Default::default())
             .unwrap()
             .entries
             .is_empty()
+    );
+    // Made: the context says how to open it, with the data key wrapped for this volume by
+    // the secret's KEK, and no key in the clear.
+    let v = fx
+        .svc
+        .create_volume(Request::new(encrypted("enc", &[])))
+        .await
+        .expect("encrypted")
+        .into_inner()
+        .volume
+        .expect("volume");
+    let ctx = &v.volume_context;
+    for (k, want) in [
+        ("encrypted", "true"),
+        ("kmsID", "secret"),
+        ("luksCipher", "aes-xts-plain64"),
+        ("luksKeySize", "512"),
+        ("luksSectorSize", "4096"),
+        ("luksPBKDF", "pbkdf2"),
+    ] {
+        assert_eq!(ctx.get(k).map(String::as_str), Some(want), "{k} in {ctx:?}");
+    }
+    let wrapped = WrappedDek::decode(&ctx["encryptedDEK"]).expect("a wrapped key");
+    assert_eq!(wrapped.kek_id(), "kek-1");
+    let secrets = kek_secrets("kek-1", 7);
+    let kek = kek_from_secret(|k| secrets.get(k).map(String::as_str)).unwrap();
+    let dek = kek
+        .unwrap(&wrapped, &v.volume_id)
+        .expect("unwraps for its volume");
+    assert!(kek.unwrap(&wrapped, "vol-other").is_err());
+    let secrets = kek_secrets("kek-1", 8);
+    let wrong = kek_from_secret(|k| secrets.get(k).map(String::as_str)).unwrap();
+    assert!(wrong.unwrap(&wrapped, &v.volume_id).is_err());
+    for value in ctx.values() {
+        assert!(!value.contains(&secrets["kek"]));
+    }
+    // A retry answers the same volume, with the same key (not a new one).
+    let again = fx
+        .svc
+        .create_volume(Request::new(encrypted("enc", &[])))
+        .await
+        .expect("retry")
+        .into_inner()
+        .volume
+        .expect("volume");
+    assert_eq!(again.volume_id, v.volume_id);
+    assert_eq!(again.volume_context, v.volume_context);
+    // The record keeps it: ControllerGetVolume after a restart of the backend says the same.
+    let status = fx.backend.get_volume(&v.volume_id).unwrap();
+    assert_eq!(status.volume.context["encryptedDEK"], ctx["encryptedDEK"]);
+    let other = kek.unwrap(
+        &WrappedDek::decode(&status.volume.context["encryptedDEK"]).unwrap(),
+        &v.volume_id,
+    );
+    assert_eq!(other.unwrap().expose(), dek.expose());
+    // Snapshots, clones and restores of it, or into an encrypted class, are refused.
+    let s = fx
+        .snapshot("snap-enc", &v.volume_id)
+        .await
+        .expect_err("snapshot");
+    assert_eq!(s.code(), Code::InvalidArgument);
+    assert!(s.message().contains("encrypted"), "{}", s.message());
+    use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
+    let with_source = |mut r: csi::CreateVolumeRequest, ty: Type| {
+        r.volume_content_source = Some(csi::VolumeContentSource { r#type: Some(ty) });
+        r
+    };
+    let plain = fx.create("plain-src", 1 << 20).await;
+    let snap = fx.snapshot("snap-plain", &plain.volume_id).await.unwrap();
+    for r in [
+        with_source(
+            create_req("clone-of-enc", 1 << 20),
+            Type::Volume(VolumeSource {
+                volume_id: v.volume_id.clone(),
+            }),
+        ),
+        with_source(
+            encrypted("enc-clone", &[]),
+            Type::Volume(VolumeSource {
+                volume_id: plain.volume_id.clone(),
+            }),
+        ),
+        with_source(
+            encrypted("enc-restore", &[]),
+            Type::Snapshot(SnapshotSource {
+                snapshot_id: snap.snapshot_id.clone(),
+            }),
+        ),
+    ] {
+        let s = fx
+            .svc
+            .create_volume(Request::new(r))
+            .await
+            .expect_err("copy");
+        assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+        assert!(s.message().contains("encrypted"), "{}", s.message());
+    }
+    assert_eq!(
+        fx.backend
+            .list_volumes(&Default::default())
+            .unwrap()
+            .entries
+            .len(),
+        2
     );
     // encrypted: "false" is the default, and dropped.
     let mut plain = create_req("plain", 1 << 20);

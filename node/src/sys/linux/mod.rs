@@ -467,6 +467,10 @@ impl Os for Linux {
         run_with_deadline(run)
     }
 
+    fn run_tool_with_key(&self, run: &ToolRun, key: &[u8]) -> Result<(), ToolError> {
+        run_with_input(run, Some(key))
+    }
+
     fn has_program(&self, program: &str) -> bool {
         find_program(program).is_some()
     }
@@ -664,6 +668,13 @@ impl ToolStderr {
 /// Runs a tool, collecting what it prints (stdout and stderr), and kills it at the deadline. Waiting is done on a
 /// pidfd with poll(2): no sleeps, no busy loop.
 pub fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
+    run_with_input(run, None)
+}
+
+/// [`run_with_deadline`], with `input` (a key: at most a few dozen bytes, well within a pipe's
+/// buffer) written to a pipe that is the tool's standard input, and the pipe closed, before
+/// the tool starts: the bytes never reach argv, the environment or a file.
+pub fn run_with_input(run: &ToolRun, input: Option<&[u8]>) -> Result<(), ToolError> {
     let program = run.program.clone();
     let spawn_err = |source: std::io::Error| ToolError::Spawn {
         program: program.clone(),
@@ -678,13 +689,35 @@ pub fn run_with_deadline(run: &ToolRun) -> Result<(), ToolError> {
         .map_err(|e| spawn_err(e.into()))?;
     let (stderr, stderr_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
         .map_err(|e| spawn_err(e.into()))?;
+    let stdin = match input {
+        None => None,
+        Some(bytes) => {
+            let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+                .map_err(|e| spawn_err(e.into()))?;
+            let mut left = bytes;
+            while !left.is_empty() {
+                let n = rustix::io::write(&w, left).map_err(|e| spawn_err(e.into()))?;
+                left = left.get(n..).unwrap_or_default();
+            }
+            // Closed: the tool reads the bytes and then the end of its input.
+            drop(w);
+            Some(r)
+        }
+    };
     let child = spawn::spawn(
         &exe,
         &run.args,
         &tool_env(),
-        [null.as_fd(), stderr_w.as_fd(), stderr_w.as_fd()],
+        [
+            stdin
+                .as_ref()
+                .map_or(null.as_fd(), std::os::fd::AsFd::as_fd),
+            stderr_w.as_fd(),
+            stderr_w.as_fd(),
+        ],
     )
     .map_err(spawn_err)?;
+    drop(stdin);
     drop(stderr_w);
     // One poll(2) waits for the exit and collects stderr: no reader thread, no sleeps.
     let mut collected = ToolStderr::default();

@@ -1,0 +1,394 @@
+//! Encrypted volumes on a real kernel (docs/encryption.md): moor-controller on the host makes
+//! two encrypted volumes of its embedded backend (a data key each, wrapped by the provisioner
+//! secret's KEK, in the volume context); in one guest of the VM lab, whose Debian kernel has
+//! dm-crypt, moor-node stages them from loop devices of their files: a mount volume and a
+//! block volume, each made LUKS2 at its first stage and opened to `/dev/mapper/moor-<id>`.
+//! The test shows:
+//!
+//! * what a pod writes is on the mapping and nowhere in the volume's file in the clear;
+//! * unstaged, the mapping is closed; staged again, the data is there (no second luksFormat,
+//!   no second mkfs);
+//! * a wrong KEK (AES-GCM refuses the wrapped key) and a data key the LUKS header has no slot
+//!   for (cryptsetup's exit 2) are FAILED_PRECONDITION, and nothing is opened;
+//! * moor-node killed while the volume is staged and published, and started again, finds its
+//!   mapping in the journal: the volume is healthy, its unstage closes the mapping.
+//!
+//! The guest's agent is reached over a bridge of the test's own (no Ceph cluster needed).
+//! Skipped, with the reason, without the VM lab.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use csi::volume_capability::access_mode::Mode;
+use moor_lab::ceph::{block, ext4, publish};
+use moor_lab::krbd_lab::start_node_in;
+use moor_lab::vm::{Bridge, Vm, VmOptions};
+use moor_privileged::client::Daemon;
+use moor_privileged::requests::{unpublish_req, unstage_req};
+use moor_privileged::{Sandbox, runtime};
+use moor_proto::csi::v1 as csi;
+use moor_proto::csi::v1::controller_client::ControllerClient;
+use moor_proto::csi::v1::node_client::NodeClient;
+use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY};
+use moor_runtime::keys::{Dek, Kek, secret_entries};
+use tonic::transport::Channel;
+
+const MIB: i64 = 1 << 20;
+/// What the pods write: a line no filesystem or LUKS metadata holds.
+const PATTERN: &str = "MOOR-ENCRYPTION-LAB-PLAINTEXT-4f1c9a";
+/// The KEK, and one that is not it.
+const KEK: [u8; 32] = [0x42; 32];
+const WRONG_KEK: [u8; 32] = [0x43; 32];
+
+fn secrets(kek: &[u8]) -> HashMap<String, String> {
+    secret_entries("lab-kek", kek).into_iter().collect()
+}
+
+/// An encrypted volume made by the controller, and its file.
+struct Volume {
+    id: String,
+    context: HashMap<String, String>,
+    file: String,
+}
+
+async fn create(
+    ctl: &mut ControllerClient<Channel>,
+    name: &str,
+    cap: csi::VolumeCapability,
+) -> Volume {
+    let v = ctl
+        .create_volume(csi::CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 96 * MIB,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap.clone()],
+            parameters: HashMap::from([
+                ("encrypted".into(), "true".into()),
+                ("kmsID".into(), "secret".into()),
+            ]),
+            secrets: secrets(&KEK),
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume of an encrypted class")
+        .into_inner()
+        .volume
+        .expect("a volume");
+    assert!(
+        v.volume_context.contains_key("encryptedDEK"),
+        "{:?}",
+        v.volume_context
+    );
+    // Its file, by the publish context; detached again: the guest binds it.
+    let published = ctl
+        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            node_id: "node-c".into(),
+            volume_capability: Some(cap),
+            volume_context: v.volume_context.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("ControllerPublishVolume")
+        .into_inner();
+    let file = published.publish_context[BACKING_FILE_KEY].clone();
+    ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        node_id: "node-c".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("ControllerUnpublishVolume");
+    Volume {
+        id: v.volume_id,
+        context: v.volume_context,
+        file,
+    }
+}
+
+/// The guest's side of a volume: its loop device and its kubelet paths.
+struct Staged<'a> {
+    v: &'a Volume,
+    dev: String,
+    staging: std::path::PathBuf,
+    target: std::path::PathBuf,
+    cap: csi::VolumeCapability,
+}
+
+impl Staged<'_> {
+    fn stage_req(&self, kek: &[u8]) -> csi::NodeStageVolumeRequest {
+        csi::NodeStageVolumeRequest {
+            volume_id: self.v.id.clone(),
+            publish_context: HashMap::from([
+                (DEVICE_PATH_KEY.into(), self.dev.clone()),
+                (BACKING_FILE_KEY.into(), self.v.file.clone()),
+            ]),
+            staging_target_path: self.staging.display().to_string(),
+            volume_capability: Some(self.cap.clone()),
+            secrets: secrets(kek),
+            volume_context: self.v.context.clone(),
+        }
+    }
+
+    fn mapper(&self) -> String {
+        format!("/dev/mapper/moor-{}", self.v.id)
+    }
+}
+
+/// How many times the volume's file on the host holds `PATTERN` (read on the host: what a
+/// thief of the backend's file gets).
+fn in_the_clear(file: &str) -> usize {
+    let bytes = std::fs::read(file).expect("the volume's file");
+    bytes
+        .windows(PATTERN.len())
+        .filter(|w| *w == PATTERN.as_bytes())
+        .count()
+}
+
+/// The mappings open in the guest (`dmsetup ls`'s names).
+fn mappings(vm: &Vm) -> Vec<String> {
+    vm.sh("dmsetup ls --target crypt 2>/dev/null | awk '$1 ~ /^moor-/ {print $1}'; true")
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn encrypted_volumes_on_a_real_kernel() {
+    let test = "vm_encryption";
+    if !moor_lab::vm::available(test) {
+        return;
+    }
+    let sb = Sandbox::new("vm-encryption");
+    let bridge = Bridge::new("menc", 254);
+    let vm = Vm::boot(VmOptions {
+        name: "moor-encryption".into(),
+        bridge: bridge.name.clone(),
+        ip: format!("{}.2", bridge.net),
+        rwdirs: vec![sb.state.clone(), sb.kubelet.clone(), sb.data.clone()],
+        dir: sb.root.join("vm"),
+        memory: "1G".into(),
+        hotplug: 0,
+        qemu_opts: Vec::new(),
+        append: Vec::new(),
+    });
+    // dm-crypt is a module of the guest's kernel (the lab copies the kernel's modules).
+    vm.sh("modprobe -a loop ext4 rbd dm_crypt && dmsetup targets | grep -qw crypt");
+    let log = sb.state.join("node.log");
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        runtime().block_on(life(&sb, &vm, &log));
+    }));
+    // Whatever happened: nothing left mounted, open or bound in the guest.
+    let kubelet = sb.kubelet.display().to_string();
+    vm.exec(&[
+        "sh",
+        "-c",
+        &format!(
+            "pkill -KILL -x moor-node; while pgrep -x moor-node >/dev/null; do sleep 0.1; done; \
+             for m in $(findmnt -rn -o TARGET | grep -E '^{kubelet}(/|$)' | sort -r); \
+             do umount \"$m\"; done; \
+             for d in $(dmsetup ls --target crypt | awk '{{print $1}}'); do cryptsetup close $d; done; \
+             losetup -D"
+        ),
+    ]);
+    if let Err(e) = result {
+        eprintln!(
+            "{test}: moor-node's log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::panic::resume_unwind(e);
+    }
+}
+
+async fn start_node(sb: &Sandbox, vm: &Vm, log: &Path) -> NodeClient<Channel> {
+    start_node_in(vm, "node-c", &sb.kubelet, "moor-node", &[], &sb.state, log).await
+}
+
+async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
+    let data = sb.data.join("controller").display().to_string();
+    let csocket = sb.root.join("controller.sock");
+    let mut controller = Daemon::start_program(
+        "moor-controller",
+        &csocket,
+        &["--node-id", "node-c", "--data-dir", data.as_str()],
+    )
+    .await;
+    let mut ctl = ControllerClient::new(
+        moor_runtime::client::connect(&csocket)
+            .await
+            .expect("the controller's socket"),
+    );
+    let fs_vol = create(&mut ctl, "pvc-encrypted-fs", ext4()).await;
+    let block_vol = create(
+        &mut ctl,
+        "pvc-encrypted-block",
+        block(Mode::SingleNodeWriter),
+    )
+    .await;
+    let loop_of = |file: &str| {
+        vm.sh(&format!("losetup -f --show {file}"))
+            .trim()
+            .to_string()
+    };
+    let fs = Staged {
+        v: &fs_vol,
+        dev: loop_of(&fs_vol.file),
+        staging: sb.staging("pv-fs"),
+        target: sb.target("pod-a", "pv-fs"),
+        cap: ext4(),
+    };
+    let blk = Staged {
+        v: &block_vol,
+        dev: loop_of(&block_vol.file),
+        staging: sb.staging("pv-block"),
+        target: sb.block_target("pod-a", "pv-block"),
+        cap: block(Mode::SingleNodeWriter),
+    };
+    let mut node = start_node(sb, vm, log).await;
+
+    // First stage: LUKS2 made, opened, the filesystem made on the mapping; a pod writes.
+    for s in [&fs, &blk] {
+        node.node_stage_volume(s.stage_req(&KEK))
+            .await
+            .unwrap_or_else(|e| panic!("stage {}: {e:?}", s.v.id));
+        node.node_publish_volume(publish(&s.v.id, &s.staging, &s.target, s.cap.clone()))
+            .await
+            .unwrap_or_else(|e| panic!("publish {}: {e:?}", s.v.id));
+    }
+    assert_eq!(mappings(vm).len(), 2, "{:?}", mappings(vm));
+    let file = fs.target.join("secret.txt").display().to_string();
+    vm.sh(&format!(
+        "for i in $(seq 2000); do echo {PATTERN}; done | dd of={file} conv=fsync status=none"
+    ));
+    vm.sh(&format!(
+        "for i in $(seq 2000); do echo {PATTERN}; done | dd of={} oflag=direct,sync bs=64k iflag=fullblock status=none; true",
+        blk.target.display()
+    ));
+    vm.sh("sync");
+    for s in [&fs, &blk] {
+        assert_eq!(
+            vm.sh(&format!(
+                "luks=$(blkid -p -o value -s TYPE {}); echo $luks",
+                s.dev
+            ))
+            .trim(),
+            "crypto_LUKS",
+            "{} is LUKS",
+            s.dev
+        );
+        let seen = vm.sh(&format!("grep -a -c {PATTERN} {} || true", s.mapper()));
+        assert!(
+            seen.trim().parse::<usize>().unwrap_or(0) > 0,
+            "the pattern is on {}'s mapping: {seen}",
+            s.v.id
+        );
+        let raw = vm.sh(&format!("grep -a -c {PATTERN} {} || true", s.dev));
+        assert_eq!(
+            raw.trim(),
+            "0",
+            "the raw device of {} shows no plaintext",
+            s.v.id
+        );
+        assert_eq!(
+            in_the_clear(&s.v.file),
+            0,
+            "{}'s file shows no plaintext",
+            s.v.id
+        );
+    }
+
+    // moor-node killed and started again mid-life: its journal has the mappings.
+    vm.exec(&["pkill", "-KILL", "-x", "moor-node"]);
+    vm.sh("while pgrep -x moor-node >/dev/null; do sleep 0.1; done");
+    let mut node = start_node(sb, vm, log).await;
+    let stats = node
+        .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+            volume_id: fs.v.id.clone(),
+            volume_path: fs.target.display().to_string(),
+            staging_target_path: String::new(),
+        })
+        .await
+        .expect("NodeGetVolumeStats after the restart")
+        .into_inner();
+    assert!(
+        !stats.volume_condition.as_ref().is_some_and(|c| c.abnormal),
+        "{stats:?}"
+    );
+
+    // Unstaged: each mapping closed after its filesystem.
+    for s in [&fs, &blk] {
+        node.node_unpublish_volume(unpublish_req(&s.v.id, &s.target))
+            .await
+            .unwrap_or_else(|e| panic!("unpublish {}: {e:?}", s.v.id));
+        node.node_unstage_volume(unstage_req(&s.v.id, &s.staging))
+            .await
+            .unwrap_or_else(|e| panic!("unstage {}: {e:?}", s.v.id));
+    }
+    assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
+
+    // A wrong KEK: the wrapped key does not unwrap; nothing is opened.
+    let s = node
+        .node_stage_volume(fs.stage_req(&WRONG_KEK))
+        .await
+        .expect_err("a wrong KEK");
+    assert_eq!(s.code(), tonic::Code::FailedPrecondition, "{s:?}");
+    assert!(s.message().contains("lab-kek"), "{}", s.message());
+    // The right KEK, but a data key no key slot of the header takes: cryptsetup's exit 2.
+    let kek = Kek::new("lab-kek", &KEK).expect("kek");
+    let other = Dek::generate()
+        .expect("dek")
+        .wrap(&kek, &fs.v.id)
+        .expect("wrap");
+    let mut req = fs.stage_req(&KEK);
+    req.volume_context
+        .insert("encryptedDEK".into(), other.encode());
+    let s = node
+        .node_stage_volume(req)
+        .await
+        .expect_err("another data key");
+    assert_eq!(s.code(), tonic::Code::FailedPrecondition, "{s:?}");
+    assert!(
+        s.message().contains("does not open volume"),
+        "{}",
+        s.message()
+    );
+    assert!(
+        mappings(vm).is_empty(),
+        "nothing opened: {:?}",
+        mappings(vm)
+    );
+    assert!(
+        !vm.exec(&["mountpoint", "-q", &fs.staging.display().to_string()])
+            .ok()
+    );
+
+    // Staged again with its key: the data is there, nothing was formatted again.
+    node.node_stage_volume(fs.stage_req(&KEK))
+        .await
+        .expect("stage again");
+    node.node_publish_volume(publish(&fs.v.id, &fs.staging, &fs.target, fs.cap.clone()))
+        .await
+        .expect("publish again");
+    let back = vm.sh(&format!("grep -c {PATTERN} {file}"));
+    assert_eq!(
+        back.trim(),
+        "2000",
+        "the pod's data after unstage and stage"
+    );
+    let log_text = std::fs::read_to_string(log).unwrap_or_default();
+    let formats = log_text
+        .lines()
+        .filter(|l| l.contains("formatted as LUKS2"))
+        .count();
+    assert_eq!(formats, 2, "one luksFormat a volume in its life");
+    node.node_unpublish_volume(unpublish_req(&fs.v.id, &fs.target))
+        .await
+        .expect("unpublish");
+    node.node_unstage_volume(unstage_req(&fs.v.id, &fs.staging))
+        .await
+        .expect("unstage");
+    assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
+    controller.stop().await;
+}

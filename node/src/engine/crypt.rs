@@ -1,0 +1,420 @@
+//! An encrypted volume's dm-crypt mapping (docs/encryption.md): its LUKS2 volume made by
+//! `cryptsetup luksFormat` on a device proven blank, opened at stage to
+//! `/dev/mapper/<mapping_name>` (the device the rest of the stage uses), closed at unstage
+//! after the filesystem, and resized before the filesystem grows. The data key reaches
+//! cryptsetup on its standard input only ([`Os::run_tool_with_key`]); the journal keeps the
+//! mapping ([`CryptRecord`]), never a key.
+//!
+//! Each step is resumable: a mapping found open (a retry, a restart, a crash between the open
+//! and the mount) is used as it is; a close that finds none (a crash between the unmount and
+//! the close was followed by one) is done; a LUKS volume moor formatted whose filesystem was
+//! not made yet (`fresh`, written to survive a power cut before luksFormat) gets it made
+//! whatever its mapping holds, as an interrupted mkfs does.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use super::{Encryption, Engine, Stage};
+use crate::crash_points;
+use crate::error::{Error, Result};
+use crate::journal::{Boot, CryptRecord, Durability, Phase, VolumeRecord};
+use crate::superblock::Content;
+use crate::sys::{self, HeldDevice, Os, ToolError, ToolRun};
+
+/// cryptsetup's program name.
+pub const CRYPTSETUP: &str = "cryptsetup";
+
+/// Where device-mapper's named devices appear.
+const MAPPER_DIR: &str = "/dev/mapper";
+
+/// How long an open, a close or a resize may take (a luksFormat takes the mkfs deadline).
+const CRYPTSETUP_DEADLINE: Duration = Duration::from_secs(120);
+
+/// cryptsetup's exit code when no key slot opens with the key given.
+const EXIT_WRONG_KEY: i32 = 2;
+
+/// cryptsetup's exit code for a device that is not there or not active.
+const EXIT_NO_DEVICE: i32 = 4;
+
+/// The name of a volume's mapping: `moor-<volume id>` when the id is a short plain word,
+/// else `moor-` and 32 hex digits of the id's hash (a dm name is at most 127 bytes of a
+/// restricted set; two hashes of different seeds make a collision between two volumes of one
+/// node practically impossible).
+#[must_use]
+pub fn mapping_name(volume_id: &str) -> String {
+    let plain = volume_id.len() <= 96
+        && !volume_id.is_empty()
+        && volume_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if plain {
+        return format!("moor-{volume_id}");
+    }
+    let hash = |seed: u64| {
+        volume_id.bytes().fold(seed, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    };
+    format!(
+        "moor-{:016x}{:016x}",
+        hash(0xcbf2_9ce4_8422_2325),
+        hash(0x8422_2325_cbf2_9ce4)
+    )
+}
+
+/// The path of the mapping named `name`.
+fn mapper_path(name: &str) -> PathBuf {
+    Path::new(MAPPER_DIR).join(name)
+}
+
+/// A cryptsetup run.
+fn cryptsetup(args: Vec<String>, deadline: Duration) -> ToolRun {
+    ToolRun {
+        program: CRYPTSETUP.to_owned(),
+        args,
+        deadline,
+    }
+}
+
+/// What an encrypted stage found and opened: the mapping, held, and whether the LUKS volume
+/// is moor's fresh one (its filesystem made whatever the mapping holds).
+pub(super) struct Opened {
+    /// The mapping's kernel node (`/dev/dm-<n>`): `/dev/mapper/<name>` is a symlink, and a
+    /// block volume's bind of a symlink would give the pod the link, not the device.
+    pub(super) path: PathBuf,
+    /// The mapping, held.
+    pub(super) dev: HeldDevice,
+    /// moor formatted the LUKS volume and has not made its filesystem yet.
+    pub(super) fresh: bool,
+}
+
+impl<O: Os> Engine<O> {
+    /// Opens the encrypted volume of `req` on the held device `dev` (at `path`): made LUKS2
+    /// first when the device is blank; a LUKS volume opened with the request's key; anything
+    /// else refused untouched (a volume is never encrypted in place). The mapping, held.
+    pub(super) fn open_encrypted(
+        &self,
+        record: &mut VolumeRecord,
+        req: &Stage,
+        enc: &Encryption,
+        (path, dev): (&Path, &HeldDevice),
+    ) -> Result<Opened> {
+        let name = mapping_name(&req.volume_id);
+        let mapper = mapper_path(&name);
+        let recorded_fresh = record
+            .crypt
+            .as_ref()
+            .filter(|c| c.fresh && c.rdev == dev.rdev)
+            .and_then(|c| c.luks_uuid.clone());
+        // Open already: a retry, a restart, a crash between the open and the mount.
+        if self.os.block_device(&mapper).is_ok() {
+            let held = self.os.hold_device(&mapper).map_err(Error::Sys)?;
+            let fresh = recorded_fresh.is_some();
+            self.record_crypt(
+                record,
+                (&name, enc),
+                (path, dev),
+                recorded_fresh,
+                Phase::Done,
+            )?;
+            info!(
+                volume = req.volume_id,
+                mapping = name,
+                "the volume's mapping is open: used"
+            );
+            return Ok(Opened {
+                path: held.node.clone(),
+                dev: held,
+                fresh,
+            });
+        }
+        let content = self.probe_device(&dev.handle, dev.size)?;
+        let fresh_uuid = match &content {
+            c if c.is_blank() => Some(self.luks_format(record, req, enc, (path, dev), None)?),
+            // moor's own luksFormat, cut short (its header unfinished): made again.
+            Content::Unknown { .. } if recorded_fresh.is_some() => {
+                Some(self.luks_format(record, req, enc, (path, dev), recorded_fresh)?)
+            }
+            Content::Luks { uuid, .. } => recorded_fresh.filter(|r| uuid.as_ref() == Some(r)),
+            other => {
+                return Err(Error::FailedPrecondition(format!(
+                    "volume {:?} is encrypted, but device {} holds {} in the clear: a volume \
+                     is never encrypted in place; nothing was touched",
+                    req.volume_id,
+                    path.display(),
+                    other.describe()
+                )));
+            }
+        };
+        let fresh = fresh_uuid.is_some();
+        self.record_crypt(
+            record,
+            (&name, enc),
+            (path, dev),
+            fresh_uuid.clone(),
+            Phase::InProgress,
+        )?;
+        crash_points::point("stage.opening");
+        let open = cryptsetup(
+            vec![
+                "open".into(),
+                "--type".into(),
+                "luks2".into(),
+                "--key-file=-".into(),
+                dev.node.display().to_string(),
+                name.clone(),
+            ],
+            CRYPTSETUP_DEADLINE,
+        );
+        if let Err(e) = self.os.run_tool_with_key(&open, enc.key.expose()) {
+            if !fresh {
+                record.crypt = None;
+                self.journal.put(record, Durability::Process)?;
+            }
+            return Err(match e {
+                ToolError::Failed {
+                    code: Some(EXIT_WRONG_KEY),
+                    ..
+                } => Error::FailedPrecondition(format!(
+                    "the key {:?} does not open volume {:?}: no key slot of the LUKS header on \
+                     {} takes the data key it unwraps (the volume was made under another key, \
+                     or its device is another volume's); nothing was opened",
+                    enc.kek_id,
+                    req.volume_id,
+                    path.display()
+                )),
+                other => other.into(),
+            });
+        }
+        crash_points::point("stage.opened");
+        let held = self.os.hold_device(&mapper).map_err(Error::Sys)?;
+        self.record_crypt(record, (&name, enc), (path, dev), fresh_uuid, Phase::Done)?;
+        info!(
+            volume = req.volume_id,
+            mapping = name,
+            fresh,
+            "the volume's mapping is open"
+        );
+        Ok(Opened {
+            path: held.node.clone(),
+            dev: held,
+            fresh,
+        })
+    }
+
+    /// `cryptsetup luksFormat` of the held device, with the intent durable first (a fresh
+    /// LUKS volume's record guards it across a power cut). `again`: the UUID of moor's own
+    /// luksFormat that was cut short. The LUKS UUID.
+    fn luks_format(
+        &self,
+        record: &mut VolumeRecord,
+        req: &Stage,
+        enc: &Encryption,
+        (path, dev): (&Path, &HeldDevice),
+        again: Option<String>,
+    ) -> Result<String> {
+        if req.cap.is_reader_only() || req.cap.access.attrs().read_only {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {:?}: device {} is blank and the volume is staged read-only; a \
+                 read-only stage never formats: stage it once read-write to create it",
+                req.volume_id,
+                path.display()
+            )));
+        }
+        self.os.check_unclaimed(dev).map_err(|e| {
+            if e.errno() == Some(libc::EBUSY) {
+                Error::FailedPrecondition(format!(
+                    "volume {:?}: device {} is in use (mounted or claimed); refusing to \
+                     format it",
+                    req.volume_id,
+                    path.display()
+                ))
+            } else {
+                Error::Sys(e)
+            }
+        })?;
+        let uuid = match again {
+            Some(u) => u,
+            None => sys::random_uuid().map_err(Error::Sys)?,
+        };
+        let name = mapping_name(&req.volume_id);
+        record.crypt = Some(CryptRecord {
+            name,
+            device: path.to_path_buf(),
+            rdev: dev.rdev,
+            wrapped_dek: Some(enc.wrapped.encode()),
+            luks_uuid: Some(uuid.clone()),
+            fresh: true,
+            phase: Phase::InProgress,
+            boot: self.boot().stamp(),
+        });
+        self.journal.put(record, Durability::Power)?;
+        crash_points::point("stage.luks_formatting");
+        let format = cryptsetup(
+            vec![
+                "luksFormat".into(),
+                "--batch-mode".into(),
+                "--type".into(),
+                "luks2".into(),
+                "--uuid".into(),
+                uuid.clone(),
+                "--cipher".into(),
+                enc.cipher.clone(),
+                "--key-size".into(),
+                enc.key_size.to_string(),
+                "--sector-size".into(),
+                enc.sector_size.to_string(),
+                "--pbkdf".into(),
+                enc.pbkdf.clone(),
+                "--pbkdf-force-iterations".into(),
+                if enc.pbkdf == "pbkdf2" { "1000" } else { "4" }.into(),
+                "--key-file=-".into(),
+                dev.node.display().to_string(),
+            ],
+            self.cfg.mkfs_deadline,
+        );
+        self.os.run_tool_with_key(&format, enc.key.expose())?;
+        info!(volume = req.volume_id, device = %path.display(), "formatted as LUKS2");
+        Ok(uuid)
+    }
+
+    /// Writes the mapping's record, unless it says so already.
+    fn record_crypt(
+        &self,
+        record: &mut VolumeRecord,
+        (name, enc): (&str, &Encryption),
+        (path, dev): (&Path, &HeldDevice),
+        fresh_uuid: Option<String>,
+        phase: Phase,
+    ) -> Result<()> {
+        let fresh = fresh_uuid.is_some();
+        let want = CryptRecord {
+            name: name.to_owned(),
+            device: path.to_path_buf(),
+            rdev: dev.rdev,
+            wrapped_dek: Some(enc.wrapped.encode()),
+            luks_uuid: fresh_uuid,
+            fresh,
+            phase,
+            boot: self.boot().stamp(),
+        };
+        if record.crypt.as_ref() == Some(&want) {
+            return Ok(());
+        }
+        record.crypt = Some(want);
+        let durability = if fresh {
+            Durability::Power
+        } else {
+            Durability::Process
+        };
+        self.journal.put(record, durability)?;
+        Ok(())
+    }
+
+    /// After an unstage: the volume's mapping closed (the filesystem is gone from it) and its
+    /// record dropped; nothing when the volume is still staged. A mapping of the volume's name
+    /// without a record (a journal lost) is closed too. A fresh LUKS volume's record stays,
+    /// closed: its filesystem is still to be made by the next stage.
+    pub(super) fn close_unstaged(&self, volume_id: &str) -> Result<()> {
+        let mut record = self.record(volume_id);
+        let staged = record
+            .stage
+            .as_ref()
+            .is_some_and(|s| s.boot.as_deref() != Some(Boot::ENDED));
+        if staged {
+            return Ok(());
+        }
+        let name = record
+            .crypt
+            .as_ref()
+            .map_or_else(|| mapping_name(volume_id), |c| c.name.clone());
+        let open = self.os.block_device(&mapper_path(&name)).is_ok();
+        if record.crypt.is_none() && !open {
+            return Ok(());
+        }
+        if open {
+            if let Some(c) = record.crypt.as_mut()
+                && c.phase != Phase::InProgress
+            {
+                c.phase = Phase::InProgress;
+                self.journal.put(&record, Durability::Process)?;
+            }
+            crash_points::point("unstage.closing");
+            let close = cryptsetup(vec!["close".into(), name.clone()], CRYPTSETUP_DEADLINE);
+            match self.os.run_tool(&close) {
+                Ok(()) => info!(volume = volume_id, mapping = name, "the mapping is closed"),
+                // Gone since it was looked at: what the close was for.
+                Err(ToolError::Failed {
+                    code: Some(EXIT_NO_DEVICE),
+                    ..
+                }) => warn!(volume = volume_id, mapping = name, "the mapping was gone"),
+                Err(e) => return Err(e.into()),
+            }
+            crash_points::point("unstage.closed");
+        }
+        match record.crypt.as_mut() {
+            Some(c) if c.fresh && c.phase != Phase::InProgress => {
+                c.phase = Phase::InProgress;
+                self.journal.put(&record, Durability::Power)?;
+            }
+            Some(c) if c.fresh => {}
+            Some(_) => {
+                record.crypt = None;
+                self.journal.put(&record, Durability::Process)?;
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// Before an encrypted volume's filesystem grows: its mapping grown to the device under it
+    /// (`cryptsetup resize`, which needs the key: the data key the journal keeps wrapped,
+    /// unwrapped with `kek`, the node-expand secret's). Nothing for a volume without a mapping.
+    pub(super) fn resize_mapping(
+        &self,
+        volume_id: &str,
+        kek: Option<&moor_runtime::keys::Kek>,
+    ) -> Result<()> {
+        let Some(c) = self.record(volume_id).crypt else {
+            return Ok(());
+        };
+        let Some(kek) = kek else {
+            return Err(Error::invalid(
+                "secrets",
+                format!(
+                    "volume {volume_id:?} is encrypted: its mapping grows only with its key, \
+                     which the node-expand secret's key-encryption key unwraps \
+                     (csi.storage.k8s.io/node-expand-secret-name)"
+                ),
+            ));
+        };
+        let wrapped = c
+            .wrapped_dek
+            .as_deref()
+            .map(moor_runtime::keys::WrappedDek::decode)
+            .transpose()
+            .map_err(|e| Error::FailedPrecondition(format!("volume {volume_id:?}: {e}")))?
+            .ok_or_else(|| {
+                Error::FailedPrecondition(format!(
+                    "volume {volume_id:?}: the journal has no wrapped data key of its mapping; \
+                     stage it again to record one"
+                ))
+            })?;
+        let dek = kek
+            .unwrap(&wrapped, volume_id)
+            .map_err(|e| Error::FailedPrecondition(format!("{e}; nothing was resized")))?;
+        let resize = cryptsetup(
+            vec!["resize".into(), "--key-file=-".into(), c.name.clone()],
+            CRYPTSETUP_DEADLINE,
+        );
+        self.os.run_tool_with_key(&resize, dek.expose())?;
+        info!(
+            volume = volume_id,
+            mapping = c.name,
+            "the mapping is resized to its device"
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,466 @@
+//! Encrypted volumes (docs/encryption.md): LUKS2 made on a blank device at the first stage,
+//! opened at each stage with the data key the stage secret's KEK unwraps, closed at unstage
+//! after the filesystem, resized before it grows; each step resumable, and a wrong or missing
+//! key opening nothing. The fake's cryptsetup checks the key it reads on stdin.
+
+use moor_runtime::keys::{Dek, Kek};
+
+use super::*;
+
+/// The mapping of the harness's volume.
+const MAPPER: &str = "/dev/mapper/moor-vol-1";
+
+/// A volume's keys: the KEK of the stage secret, and the data key wrapped for `vol-1`.
+struct Keys {
+    secrets: HashMap<String, String>,
+    wrapped: String,
+    dek: Dek,
+}
+
+fn keys(kek_byte: u8) -> Keys {
+    let raw = [kek_byte; 32];
+    let kek = Kek::new("kek-1", &raw).expect("kek");
+    let dek = Dek::generate().expect("dek");
+    let wrapped = dek.wrap(&kek, "vol-1").expect("wrap").encode();
+    let secrets = moor_runtime::keys::secret_entries("kek-1", &raw)
+        .into_iter()
+        .collect();
+    Keys {
+        secrets,
+        wrapped,
+        dek,
+    }
+}
+
+/// NodeStageVolume of the encrypted `vol-1` with `cap`, its data key `k.wrapped`, the stage
+/// secret `k.secrets`.
+fn encrypted_req(cap: csi::VolumeCapability, k: &Keys) -> csi::NodeStageVolumeRequest {
+    let mut req = stage_req(cap);
+    req.volume_context = [
+        ("encrypted", "true"),
+        ("kmsID", "secret"),
+        ("luksCipher", "aes-xts-plain64"),
+        ("luksKeySize", "512"),
+        ("luksSectorSize", "4096"),
+        ("luksPBKDF", "pbkdf2"),
+        ("encryptedDEK", k.wrapped.as_str()),
+    ]
+    .into_iter()
+    .map(|(a, b)| (a.to_owned(), b.to_owned()))
+    .collect();
+    req.secrets = k.secrets.clone();
+    req
+}
+
+async fn stage_encrypted(
+    h: &Harness,
+    cap: csi::VolumeCapability,
+    k: &Keys,
+) -> Result<(), tonic::Status> {
+    h.svc
+        .node_stage_volume(Request::new(encrypted_req(cap, k)))
+        .await
+        .map(drop)
+}
+
+/// The tools run, as `program subcommand-or-device`.
+fn tools(h: &Harness) -> Vec<String> {
+    tool_calls(h)
+        .into_iter()
+        .filter_map(|c| match c {
+            Call::Tool(p, a) if p == "cryptsetup" => Some(format!("cryptsetup {}", a[0])),
+            Call::Tool(p, a) => Some(format!("{p} {}", a.last().cloned().unwrap_or_default())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// No key byte in any argument the fake saw, nor in the journal.
+fn no_key_anywhere(h: &Harness, k: &Keys) {
+    let hex: String = k.dek.expose().iter().map(|b| format!("{b:02x}")).collect();
+    let kek = &k.secrets["kek"];
+    for c in h.os.calls() {
+        let text = format!("{c:?}");
+        assert!(
+            !text.contains(&hex) && !text.contains(kek.as_str()),
+            "{text}"
+        );
+    }
+    let log = std::fs::read(h.state.join(journal::LOG_FILE)).unwrap_or_default();
+    let log = String::from_utf8_lossy(&log);
+    assert!(!log.contains(&hex) && !log.contains(kek.as_str()));
+    let raw = k.dek.expose();
+    assert!(!log.as_bytes().windows(raw.len()).any(|w| w == raw));
+}
+
+#[tokio::test]
+async fn the_first_stage_makes_luks2_opens_it_and_formats_the_mapping_and_the_next_only_opens() {
+    let h = harness();
+    let k = keys(7);
+    stage_encrypted(&h, ext4(), &k).await.expect("stage");
+    assert_eq!(
+        tools(&h),
+        [
+            "cryptsetup luksFormat",
+            "cryptsetup open",
+            &format!("mkfs.ext4 {MAPPER}"),
+        ]
+    );
+    // The key went on stdin: luksFormat and open read it from `-`.
+    for c in tool_calls(&h) {
+        if let Call::Tool(p, a) = c
+            && p == "cryptsetup"
+        {
+            assert!(a.contains(&"--key-file=-".to_owned()), "{a:?}");
+            assert!(a.contains(&DEV.to_owned()), "of the device: {a:?}");
+        }
+    }
+    assert!(h.os.luks_opens_with(DEV, k.dek.expose()));
+    let mounted = h.os.calls().into_iter().find_map(|c| match c {
+        Call::MountFs(m) => Some(m),
+        _ => None,
+    });
+    assert_eq!(mounted.expect("mounted").device, PathBuf::from(MAPPER));
+    let record = h.engine.journal().get("vol-1").expect("record");
+    let crypt = record.crypt.expect("the mapping's record");
+    assert_eq!(crypt.name, "moor-vol-1");
+    assert_eq!(crypt.phase, journal::Phase::Done);
+    assert!(
+        !crypt.fresh,
+        "the filesystem is made: never formatted again"
+    );
+    assert_eq!(
+        record.stage.expect("staged").device,
+        PathBuf::from(MAPPER),
+        "the stage is of the mapping"
+    );
+    no_key_anywhere(&h, &k);
+
+    // A retry does nothing.
+    h.os.clear_calls();
+    stage_encrypted(&h, ext4(), &k).await.expect("again");
+    assert!(tools(&h).is_empty(), "{:?}", tools(&h));
+
+    // Unstage: the filesystem first, then the mapping; the journal forgets both.
+    h.os.clear_calls();
+    h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .expect("unstage");
+    let calls = h.os.calls();
+    let unmount = calls
+        .iter()
+        .position(|c| matches!(c, Call::Unmount(p, _) if p == Path::new(STAGING)))
+        .expect("unmounted");
+    let close = calls
+        .iter()
+        .position(|c| matches!(c, Call::Tool(p, a) if p == "cryptsetup" && a[0] == "close"))
+        .expect("closed");
+    assert!(unmount < close, "{calls:?}");
+    assert!(h.os.luks_mappings().is_empty());
+    assert!(h.engine.journal().get("vol-1").is_none());
+
+    // The next stage opens it, and makes nothing.
+    h.os.clear_calls();
+    stage_encrypted(&h, ext4(), &k).await.expect("stage again");
+    assert_eq!(
+        tools(&h),
+        ["cryptsetup open", &format!("e2fsck {MAPPER}")],
+        "no luksFormat, no mkfs; the filesystem checked on the mapping"
+    );
+    assert_eq!(h.os.mount_depth(STAGING), 1);
+    no_key_anywhere(&h, &k);
+}
+
+#[test]
+fn the_checked_request_shows_no_key_byte() {
+    let k = keys(7);
+    let stage = crate::validate::stage(&encrypted_req(ext4(), &k), Path::new(K)).expect("valid");
+    let enc = stage.encryption.as_ref().expect("encrypted");
+    assert_eq!(enc.key.expose(), k.dek.expose(), "the data key, unwrapped");
+    for text in [format!("{stage:?}"), format!("{stage:#?}")] {
+        no_secret_in(&text, &k);
+        assert!(text.contains("Dek(..)"), "{text}");
+    }
+}
+
+#[tokio::test]
+async fn a_block_volume_is_its_mapping() {
+    let h = harness();
+    let k = keys(7);
+    stage_encrypted(&h, block_cap(), &k).await.expect("stage");
+    assert_eq!(tools(&h), ["cryptsetup luksFormat", "cryptsetup open"]);
+    let target = format!("{K}/plugins/kubernetes.io/csi/volumeDevices/publish/pv1/uid");
+    let mut publish = publish_req(block_cap(), false);
+    publish.target_path = target.clone();
+    h.svc
+        .node_publish_volume(Request::new(publish))
+        .await
+        .expect("publish");
+    let bound = h.os.calls().into_iter().find_map(|c| match c {
+        Call::Bind(b) => Some(b),
+        _ => None,
+    });
+    assert_eq!(bound.expect("bound").source, PathBuf::from(MAPPER));
+    // Published: the mapping stays.
+    assert_eq!(
+        code(h.svc.node_unstage_volume(Request::new(unstage_req()))).await,
+        Code::FailedPrecondition
+    );
+    assert_eq!(h.os.luks_mappings().len(), 1);
+    h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(&target)))
+        .await
+        .expect("unpublish");
+    h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .expect("unstage");
+    assert!(h.os.luks_mappings().is_empty());
+}
+
+#[tokio::test]
+async fn a_wrong_key_opens_nothing_and_says_which_key() {
+    let h = harness();
+    let k = keys(7);
+    stage_encrypted(&h, ext4(), &k).await.expect("stage");
+    h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .expect("unstage");
+    // Another KEK under the same id: the wrapped key does not unwrap (AES-GCM's tag).
+    h.os.clear_calls();
+    let mut wrong = keys(8);
+    wrong.wrapped = k.wrapped.clone();
+    let s = stage_encrypted(&h, ext4(), &wrong)
+        .await
+        .expect_err("wrong KEK");
+    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+    assert!(s.message().contains("kek-1"), "{}", s.message());
+    assert!(tools(&h).is_empty(), "nothing run: {:?}", tools(&h));
+    // The right KEK, but a data key that is not this volume's (its device holds another
+    // volume's LUKS, or the record was swapped): cryptsetup finds no slot for it (exit 2).
+    let other = keys(7);
+    let s = stage_encrypted(&h, ext4(), &other)
+        .await
+        .expect_err("another data key");
+    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+    assert!(
+        s.message().contains("does not open volume \"vol-1\"") && s.message().contains("kek-1"),
+        "{}",
+        s.message()
+    );
+    assert!(h.os.luks_mappings().is_empty(), "nothing opened");
+    assert_eq!(h.os.mount_depth(STAGING), 0);
+    assert_eq!(mkfs_calls(&h), 0);
+    assert!(h.engine.journal().get("vol-1").is_none());
+    no_secret_in(s.message(), &k);
+    no_secret_in(s.message(), &other);
+    // A data key wrapped for another volume does not unwrap here either.
+    let kek = Kek::new("kek-1", &[7; 32]).unwrap();
+    let mut swapped = keys(7);
+    swapped.wrapped = k.dek.wrap(&kek, "vol-2").unwrap().encode();
+    let s = stage_encrypted(&h, ext4(), &swapped)
+        .await
+        .expect_err("another volume's key");
+    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+    assert!(h.os.luks_mappings().is_empty());
+}
+
+fn no_secret_in(message: &str, k: &Keys) {
+    let hex: String = k.dek.expose().iter().map(|b| format!("{b:02x}")).collect();
+    assert!(!message.contains(&hex), "{message}");
+    assert!(!message.contains(k.secrets["kek"].as_str()), "{message}");
+}
+
+/// A change to a stage request.
+type Change = dyn Fn(&mut csi::NodeStageVolumeRequest);
+
+#[tokio::test]
+async fn a_missing_key_or_context_is_invalid_and_touches_nothing() {
+    let k = keys(7);
+    let cases: [(&str, Box<Change>); 7] = [
+        ("kek", Box::new(|r| drop(r.secrets.remove("kek")))),
+        ("kekID", Box::new(|r| drop(r.secrets.remove("kekID")))),
+        (
+            "kek",
+            Box::new(|r| drop(r.secrets.insert("kek".into(), "c2hvcnQ=".into()))),
+        ),
+        (
+            "encryptedDEK",
+            Box::new(|r| drop(r.volume_context.remove("encryptedDEK"))),
+        ),
+        (
+            "encryptedDEK",
+            Box::new(|r| {
+                drop(
+                    r.volume_context
+                        .insert("encryptedDEK".into(), "v1:x:zz".into()),
+                )
+            }),
+        ),
+        (
+            "volume_context.encrypted",
+            Box::new(|r| drop(r.volume_context.insert("encrypted".into(), "yes".into()))),
+        ),
+        (
+            "luksCipher",
+            Box::new(|r| {
+                drop(
+                    r.volume_context
+                        .insert("luksCipher".into(), "--debug".into()),
+                )
+            }),
+        ),
+    ];
+    for (named, change) in cases {
+        let h = harness();
+        let mut req = encrypted_req(ext4(), &k);
+        change(&mut req);
+        let s = h
+            .svc
+            .node_stage_volume(Request::new(req))
+            .await
+            .expect_err("refused");
+        assert_eq!(s.code(), Code::InvalidArgument, "{named}: {s:?}");
+        assert!(s.message().contains(named), "{named}: {}", s.message());
+        no_secret_in(s.message(), &k);
+        assert!(h.os.calls().is_empty(), "{named}: {:?}", h.os.calls());
+        assert!(h.engine.journal().get("vol-1").is_none());
+    }
+    // "false" is a volume in the clear, staged as any.
+    let h = harness();
+    let mut req = stage_req(ext4());
+    req.volume_context
+        .insert("encrypted".into(), "false".into());
+    h.svc
+        .node_stage_volume(Request::new(req))
+        .await
+        .expect("staged");
+    assert_eq!(tools(&h), [format!("mkfs.ext4 {DEV}")]);
+}
+
+#[tokio::test]
+async fn a_volume_in_the_clear_is_never_encrypted_in_place() {
+    let h = harness();
+    for (offset, bytes) in superblock("ext4") {
+        h.os.write_device(DEV, offset, &bytes);
+    }
+    let s = stage_encrypted(&h, ext4(), &keys(7))
+        .await
+        .expect_err("refused");
+    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+    assert!(s.message().contains("in the clear"), "{}", s.message());
+    assert!(tool_calls(&h).is_empty());
+    assert!(h.engine.journal().get("vol-1").is_none());
+}
+
+#[tokio::test]
+async fn a_crash_between_open_and_mount_and_between_unmount_and_close_resume() {
+    let h = harness();
+    let k = keys(7);
+    // The mount fails after the open: the mapping stays, recorded; the retry uses it.
+    h.os.fail_next("mount_fs", libc::EIO);
+    stage_encrypted(&h, ext4(), &k)
+        .await
+        .expect_err("mount failed");
+    assert_eq!(h.os.luks_mappings().len(), 1);
+    let crypt = h.engine.journal().get("vol-1").and_then(|r| r.crypt);
+    assert_eq!(crypt.map(|c| c.phase), Some(journal::Phase::Done));
+    h.os.clear_calls();
+    stage_encrypted(&h, ext4(), &k).await.expect("retry");
+    assert_eq!(
+        tools(&h),
+        [format!("e2fsck {MAPPER}")],
+        "opened once, formatted once"
+    );
+    assert_eq!(h.os.mount_depth(STAGING), 1);
+    // The close fails after the unmount (busy): the unstage fails, its retry closes.
+    h.os.fail_tool("cryptsetup", 5);
+    assert_eq!(
+        code(h.svc.node_unstage_volume(Request::new(unstage_req()))).await,
+        Code::Internal
+    );
+    assert_eq!(h.os.mount_depth(STAGING), 0);
+    assert_eq!(h.os.luks_mappings().len(), 1);
+    h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .expect("retry");
+    assert!(h.os.luks_mappings().is_empty());
+    assert!(h.engine.journal().get("vol-1").is_none());
+}
+
+#[tokio::test]
+async fn a_fresh_luks_volume_whose_mkfs_was_cut_short_is_formatted_and_only_it() {
+    let h = harness();
+    let k = keys(7);
+    h.os.fail_tool("mkfs.ext4", 1);
+    stage_encrypted(&h, ext4(), &k)
+        .await
+        .expect_err("mkfs failed");
+    // What the mapping of a fresh LUKS volume holds: noise (zeros decrypt to it).
+    h.os.write_device(MAPPER, 1_000_000, &[0xAB; 16]);
+    let crypt = h.engine.journal().get("vol-1").and_then(|r| r.crypt);
+    assert!(
+        crypt.is_some_and(|c| c.fresh),
+        "the fresh LUKS volume is recorded"
+    );
+    h.os.clear_calls();
+    stage_encrypted(&h, ext4(), &k).await.expect("retry");
+    assert_eq!(tools(&h), [format!("mkfs.ext4 {MAPPER}")]);
+    let record = h.engine.journal().get("vol-1").expect("record");
+    assert!(!record.crypt.expect("crypt").fresh);
+    // Once made, unknown data in the mapping is never formatted.
+    h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .expect("unstage");
+    h.os.close_all_mappings();
+    h.os.clear_calls();
+    stage_encrypted(&h, ext4(), &k).await.expect("stage");
+    let mkfs = tools(&h).iter().filter(|t| t.starts_with("mkfs")).count();
+    assert_eq!(mkfs, 0);
+}
+
+#[tokio::test]
+async fn expansion_resizes_the_mapping_with_its_key_before_the_filesystem() {
+    let h = harness();
+    let k = keys(7);
+    stage_encrypted(&h, ext4(), &k).await.expect("stage");
+    h.os.resize_device(DEV, 2 * GIB);
+    // Without the node-expand secret: INVALID_ARGUMENT, nothing resized.
+    h.os.clear_calls();
+    let s = h
+        .svc
+        .node_expand_volume(Request::new(expand_req(STAGING, 2 * GIB as i64)))
+        .await
+        .expect_err("no key");
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert!(s.message().contains("node-expand"), "{}", s.message());
+    assert!(tools(&h).is_empty());
+    // Another KEK: FAILED_PRECONDITION, nothing resized.
+    let mut req = expand_req(STAGING, 2 * GIB as i64);
+    req.secrets = keys(8).secrets;
+    let s = h
+        .svc
+        .node_expand_volume(Request::new(req))
+        .await
+        .expect_err("wrong key");
+    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+    assert!(tools(&h).is_empty());
+    // With it: the mapping, then the filesystem on it.
+    let mut req = expand_req(STAGING, 2 * GIB as i64);
+    req.secrets = k.secrets.clone();
+    h.svc
+        .node_expand_volume(Request::new(req))
+        .await
+        .expect("expand");
+    assert_eq!(
+        tools(&h),
+        ["cryptsetup resize", &format!("resize2fs {MAPPER}")]
+    );
+    let grown = h.os.block_device(Path::new(MAPPER)).expect("mapping").size;
+    assert_eq!(grown, 2 * GIB - crate::sys::fake::FAKE_LUKS_HEADER);
+    no_key_anywhere(&h, &k);
+}
