@@ -300,7 +300,7 @@ fn tails_rows(out: &mut Vec<Row>) {
 /// The storm of maps in the VM lab (issue 41, point 3): moor's N first stages at once against
 /// ceph-csi's way and the floor, in one guest in the same run.
 fn map_storm_rows(out: &mut Vec<Row>) {
-    for n in [10u32, 100] {
+    for n in [10u32, 25, 100] {
         let id = |storm: &str, what: &str| format!("vm_rbd_storm/{storm}-{n}/{what}");
         let storm = format!("{n} fresh RBD images staged at once in a TCG guest");
         let r = |label: String, id: String, reference: Option<String>, target: Target| {
