@@ -323,7 +323,8 @@ fn main() {
     // The floor: the map as moor does it (one sysfs write), mkfs and mount, no probe.
     images("floor");
     let find = format!(
-        "f=$(grep -lx floor-{tag}-$1 /sys/bus/rbd/devices/*/name); f=${{f%/name}}; id=${{f##*/}}"
+        "f=$(grep -lxs floor-{tag}-$1 /sys/bus/rbd/devices/*/name | head -n1); f=${{f%/name}}; \
+         id=${{f##*/}}"
     );
     let text = guest_storm(
         &lab,
@@ -341,7 +342,9 @@ fn main() {
     storms.push(("floor", shell_storm(&text, n)));
     let unmap = |dir: bool| {
         format!(
-            "one() {{ {}{find}; echo $id > /sys/bus/rbd/remove_single_major || echo fail $1 teardown; }}\n{}",
+            // EBUSY while udev's probe of the closed device holds it: retried, as moor does.
+            "one() {{ {}{find}; n=0; until echo $id > /sys/bus/rbd/remove_single_major; do \
+             n=$((n+1)); [ $n -lt 50 ] || {{ echo fail $1 teardown; return; }}; sleep 0.1; done; }}\n{}",
             if dir {
                 "umount /run/storm-floor/$1; "
             } else {
