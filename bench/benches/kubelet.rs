@@ -23,6 +23,11 @@
 //! * `pair-open`: `pair-open` against the floor: `raw-dir` plus two `null-open` calls;
 //! * `hostpath-pair`: hostpathplugin's kubelet-like pair against moor's;
 //! * `hostpath-stage`: hostpathplugin's kubelet-like stage+unstage against moor's.
+//!
+//! Group `kubelet-baseline`, to bisect (run only with `MOOR_BENCH_BASELINE` set to another
+//! build of moor-node, an older commit's `target/release/moor-node`):
+//! * `pair-open`: this build's `pair-open` against the same pair on that build, started beside
+//!   it in the same sandbox with a volume of its own, each side run in turn.
 
 use std::path::Path;
 use std::time::Duration;
@@ -229,9 +234,55 @@ fn kubelet(c: &mut Criterion) {
         });
     }
     pg.finish();
+    if let Some(program) = std::env::var_os("MOOR_BENCH_BASELINE") {
+        baseline(
+            &node,
+            Path::new(&program),
+            &mut open,
+            &pubr,
+            &unp,
+            paired_budget,
+        );
+    }
     drop(open);
     drop(open_floor);
     node.unstage("vol-k", &staging);
+}
+
+/// This build's pair on one open connection against the same pair on `program`, another
+/// build of moor-node (group `kubelet-baseline`).
+fn baseline(
+    node: &Node,
+    program: &Path,
+    open: &mut PathClient,
+    pubr: &csi::NodePublishVolumeRequest,
+    unp: &csi::NodeUnpublishVolumeRequest,
+    budget: Budget,
+) {
+    let mut base = node.start_second_program("baseline", program, &[]);
+    let dev = node.sb.loop_device("vol-b.img", 64 * MIB);
+    let staging = node.sb.staging("vol-b");
+    let target = node.sb.target("pod-vol-b", "vol-b");
+    base.stage("vol-b", &dev, &staging, "ext4");
+    let mut base_open = PathClient::dial(base.socket()).expect("dial the baseline");
+    let (base_pub, base_unp) = (
+        publish_req("vol-b", &staging, &target),
+        unpublish_req("vol-b", &target),
+    );
+    let mut pc = moor_bench::paired_criterion();
+    let mut pg = moor_bench::flat_group(&mut pc, "kubelet-baseline", budget);
+    pg.bench_function("pair-open", |b| {
+        b.iter_custom(|iters| {
+            paired(
+                iters,
+                || timed(|| pair_open(&mut base_open, &base_pub, &base_unp)),
+                || timed(|| pair_open(open, pubr, unp)),
+            )
+        })
+    });
+    pg.finish();
+    drop(base_open);
+    base.unstage("vol-b", &staging);
 }
 
 criterion_group!(benches, kubelet);

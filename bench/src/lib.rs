@@ -271,12 +271,18 @@ impl Node {
     /// (named by `tag`) and `extra` arguments: the same code otherwise configured, beside the
     /// first on the same kubelet dir (one of them at a time holds a volume).
     pub fn start_second(&self, tag: &str, extra: &[&str]) -> Plugin {
+        self.start_second_program(tag, &binary("moor-node"), extra)
+    }
+
+    /// [`start_second`](Self::start_second) of another build of moor-node, `program` (an
+    /// older commit's, to bisect with a paired bench).
+    pub fn start_second_program(&self, tag: &str, program: &Path, extra: &[&str]) -> Plugin {
         let state = self.sb.root.join(format!("state-{tag}"));
         std::fs::create_dir_all(&state).expect("second state dir");
         let mut args = node_args(&state, &self.sb.kubelet);
         args.extend(extra.iter().map(|a| std::ffi::OsStr::new(*a)));
         Plugin::start(
-            &binary("moor-node"),
+            program,
             self.sb.root.join(format!("csi-{tag}.sock")),
             &args,
             &self.sb.root.join(format!("moor-node-{tag}.log")),

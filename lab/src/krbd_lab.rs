@@ -46,6 +46,22 @@ impl Lab {
         first_host: u8,
         qemu_opts: impl Fn(usize, &World) -> Vec<String>,
     ) -> Option<Self> {
+        Self::boot(test, nodes, first_host, "1G", qemu_opts)
+    }
+
+    /// [`new`](Self::new) with `memory` (QEMU's `-m`, `4G`) for each guest: a storm of
+    /// processes that each load librados (`rbd map`) needs more than the default 1 GiB.
+    pub fn with_memory(test: &str, nodes: usize, first_host: u8, memory: &str) -> Option<Self> {
+        Self::boot(test, nodes, first_host, memory, |_, _| Vec::new())
+    }
+
+    fn boot(
+        test: &str,
+        nodes: usize,
+        first_host: u8,
+        memory: &str,
+        qemu_opts: impl Fn(usize, &World) -> Vec<String>,
+    ) -> Option<Self> {
         if !crate::vm::available(test) {
             return None;
         }
@@ -64,7 +80,7 @@ impl Lab {
                     ip: format!("{net}.{}", first_host as usize + i),
                     rwdirs: vec![n.state.clone(), n.kubelet.clone()],
                     dir: world.sb.root.join("vm"),
-                    memory: "1G".into(),
+                    memory: memory.into(),
                     hotplug: 2,
                     qemu_opts: qemu_opts(i, &world),
                     append: Vec::new(),
@@ -234,6 +250,28 @@ pub async fn create_with(
     cap: csi::VolumeCapability,
     extra: &[(&str, &str)],
 ) -> Volume {
+    create_volume(w, ctl, name, cap, extra, 256).await
+}
+
+/// A volume of `mib` MiB.
+pub async fn create_sized(
+    w: &World,
+    ctl: &mut ControllerClient<Channel>,
+    name: &str,
+    cap: csi::VolumeCapability,
+    mib: u64,
+) -> Volume {
+    create_volume(w, ctl, name, cap, &[], mib).await
+}
+
+async fn create_volume(
+    w: &World,
+    ctl: &mut ControllerClient<Channel>,
+    name: &str,
+    cap: csi::VolumeCapability,
+    extra: &[(&str, &str)],
+    mib: u64,
+) -> Volume {
     let mut parameters = w.parameters();
     parameters.extend(
         extra
@@ -244,7 +282,7 @@ pub async fn create_with(
         .create_volume(csi::CreateVolumeRequest {
             name: format!("{name}-{}", std::process::id()),
             capacity_range: Some(csi::CapacityRange {
-                required_bytes: (256 * MIB) as i64,
+                required_bytes: (mib * MIB) as i64,
                 limit_bytes: 0,
             }),
             volume_capabilities: vec![cap.clone()],

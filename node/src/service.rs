@@ -10,7 +10,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use moor_proto::csi::v1 as csi;
 use tonic::{Request, Response, Status};
@@ -309,7 +309,9 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
                 return Err(e);
             }
             if report.formatted {
-                info!(volume = req.volume_id, mkfs = ?report.mkfs, "formatted blank device");
+                let ms = |d: Option<Duration>| d.map_or(0.0, |d| d.as_secs_f64() * 1e3);
+                info!(volume = req.volume_id, mkfs = ?report.mkfs, mkfs_ms = ms(report.mkfs),
+                    mount_ms = ms(report.mount), "formatted blank device");
             }
             if report.grown {
                 info!(volume = req.volume_id, "grew the filesystem to its device");

@@ -1,12 +1,13 @@
-//! The rows of the measured benches (`storm`, `restart`, `tails`), made from their sizes: the
-//! results `moor_bench::storm` writes, under the ids the benches give them.
+//! The rows of the measured benches (`storm`, `restart`, `tails`, `io`, `vm_rbd_storm`), made
+//! from their sizes: the results `moor_bench::storm` writes, under the ids the benches give
+//! them.
 
 use std::sync::OnceLock;
 
 use super::{Kind, Ratio, Row, Target};
 
 /// The benches that are measured runs, not criterion's: they take no filter.
-pub const BENCHES: [&str; 4] = ["storm", "restart", "tails", "io"];
+pub const BENCHES: [&str; 5] = ["storm", "restart", "tails", "io", "vm_rbd_storm"];
 
 /// A string that lives as long as the program (the rows are made once).
 fn leak(s: String) -> &'static str {
@@ -296,6 +297,102 @@ fn tails_rows(out: &mut Vec<Row>) {
     }
 }
 
+/// The storm of maps in the VM lab (issue 41, point 3): moor's N first stages at once against
+/// ceph-csi's way and the floor, in one guest in the same run.
+fn map_storm_rows(out: &mut Vec<Row>) {
+    for n in [10u32, 25, 100] {
+        let id = |storm: &str, what: &str| format!("vm_rbd_storm/{storm}-{n}/{what}");
+        let storm = format!("{n} fresh RBD images staged at once in a TCG guest");
+        let r = |label: String, id: String, reference: Option<String>, target: Target| {
+            row(
+                "M",
+                label,
+                id,
+                reference,
+                Kind::Time,
+                target,
+                "vm_rbd_storm",
+            )
+        };
+        out.push(r(
+            format!("{storm}: ceph-csi's way (rbd map, blkid, mkfs.ext4, mount per volume), first start to last end"),
+            id("ref", "total"),
+            None,
+            Target::Unset,
+        ));
+        out.push(r(
+            format!("{storm}: moor, NodeStageVolume each (map, probe, mkfs, mount), against ceph-csi's way (≥ 5× faster)"),
+            id("moor", "total"),
+            Some(id("ref", "total")),
+            Target::AtMost(0.2),
+        ));
+        out.push(r(
+            format!("{storm}: the floor, a sysfs write, mkfs.ext4 and mount per volume, against ceph-csi's way"),
+            id("floor", "total"),
+            Some(id("ref", "total")),
+            Target::AtMost(0.2),
+        ));
+        out.push(r(
+            format!("{storm}: moor against that floor"),
+            id("moor", "total"),
+            Some(id("floor", "total")),
+            Target::Unset,
+        ));
+        for (storm_id, who, target) in [
+            ("moor", "moor", Target::AtMost(10.0)),
+            ("ref", "ceph-csi's way", Target::Unset),
+            ("floor", "the floor", Target::Unset),
+        ] {
+            out.push(r(
+                format!("storm of {n}, {who}: a volume's p50"),
+                id(storm_id, "p50"),
+                None,
+                Target::Unset,
+            ));
+            out.push(r(
+                format!("storm of {n}, {who}: a volume's p99, against p50"),
+                id(storm_id, "p99"),
+                Some(id(storm_id, "p50")),
+                Target::Unset,
+            ));
+            out.push(r(
+                format!("storm of {n}, {who}: a volume's max, against p50"),
+                id(storm_id, "max"),
+                Some(id(storm_id, "p50")),
+                target,
+            ));
+        }
+        for step in ["map", "mkfs", "mount"] {
+            out.push(r(
+                format!("storm of {n}, the floor: its {step} step's median"),
+                id("floor", &format!("{step}-p50")),
+                None,
+                Target::Unset,
+            ));
+            out.push(r(
+                format!("storm of {n}, moor: its {step} step's median, against the floor's"),
+                id("moor", &format!("{step}-p50")),
+                Some(id("floor", &format!("{step}-p50"))),
+                Target::Unset,
+            ));
+        }
+        out.push(r(
+            format!(
+                "the kernel's map path: {n} sysfs writes to add_single_major one after another"
+            ),
+            id("maps-serial", "total"),
+            None,
+            Target::Unset,
+        ));
+        out.push(r(
+            format!("the kernel's map path: {n} sysfs writes at once, against one after another"),
+            id("maps", "total"),
+            Some(id("maps-serial", "total")),
+            Target::Unset,
+        ));
+    }
+}
+
 /// Every measured bench's rows.
 pub fn rows() -> &'static [Row] {
     static ROWS: OnceLock<Vec<Row>> = OnceLock::new();
@@ -305,6 +402,7 @@ pub fn rows() -> &'static [Row] {
         io_rows(&mut out);
         restart_rows(&mut out);
         tails_rows(&mut out);
+        map_storm_rows(&mut out);
         out
     })
 }
