@@ -64,6 +64,7 @@ const VERSION_ARGS: &[(&str, &[&str], &str)] = &[
     ),
     ("btrfs", &["--version"], "btrfs-progs v"),
     ("rbd-fuse", &["--version"], "ceph version"),
+    ("cryptsetup", &["--version"], "cryptsetup 2."),
 ];
 
 /// The image and the runtime, or None (the reason printed) when either is missing.
