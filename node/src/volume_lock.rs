@@ -1,53 +1,116 @@
-//! A per-volume guard: one operation per volume at a time. A second call on a volume with an
-//! operation in flight gets ABORTED at once (the spec's "operation pending for volume"), so
-//! calls on other volumes never wait behind it.
+//! A per-volume guard: one operation per volume at a time. A second call on a volume with a
+//! call in flight gets ABORTED at once (the spec's "operation pending for volume"), so calls on
+//! other volumes never wait behind it. moor's own background work (reconciliation) takes a
+//! volume only when it is free and never waits; a call that finds the volume held by it waits
+//! for it (it holds a volume for milliseconds) instead of failing kubelet's call for work
+//! kubelet never asked for.
 
-use std::collections::HashSet;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::error::Error;
+
+/// How long a call waits for background work to let its volume go before it is ABORTED like
+/// any other collision.
+const BACKGROUND_WAIT: Duration = Duration::from_secs(10);
+
+/// Who holds a volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    /// A CSI call.
+    Call,
+    /// moor's own background work (reconciliation).
+    Background,
+}
+
+#[derive(Debug, Default)]
+struct Busy {
+    held: HashMap<String, Holder>,
+    /// Calls waiting for background work to let a volume go.
+    waiting: usize,
+}
 
 /// The set of volumes with an operation in flight.
 #[derive(Debug, Default, Clone)]
 pub struct VolumeLocks {
-    busy: Arc<Mutex<HashSet<String>>>,
+    busy: Arc<(Mutex<Busy>, Condvar)>,
 }
 
 /// Held while an operation runs on a volume; released on drop, also on panic.
 #[derive(Debug)]
 pub struct VolumeGuard {
-    busy: Arc<Mutex<HashSet<String>>>,
+    busy: Arc<(Mutex<Busy>, Condvar)>,
     volume_id: String,
 }
 
 impl VolumeLocks {
-    /// Takes the volume, or fails with [`Error::OperationPending`].
-    pub fn try_lock(&self, volume_id: &str) -> Result<VolumeGuard, Error> {
-        let mut busy = self.busy.lock().unwrap_or_else(PoisonError::into_inner);
-        if !busy.insert(volume_id.to_string()) {
-            return Err(Error::OperationPending(volume_id.to_string()));
-        }
-        Ok(VolumeGuard {
+    fn state(&self) -> std::sync::MutexGuard<'_, Busy> {
+        self.busy.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn guard(&self, volume_id: &str) -> VolumeGuard {
+        VolumeGuard {
             busy: Arc::clone(&self.busy),
             volume_id: volume_id.to_string(),
-        })
+        }
+    }
+
+    /// Takes the volume for a call, or fails with [`Error::OperationPending`] when another
+    /// call holds it. Background work holding it is waited out (up to [`BACKGROUND_WAIT`]).
+    pub fn try_lock(&self, volume_id: &str) -> Result<VolumeGuard, Error> {
+        let deadline = Instant::now() + BACKGROUND_WAIT;
+        let mut busy = self.state();
+        loop {
+            match busy.held.get(volume_id) {
+                None => break,
+                Some(Holder::Background) if Instant::now() < deadline => {
+                    busy.waiting += 1;
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    busy = self
+                        .busy
+                        .1
+                        .wait_timeout(busy, left)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                    busy.waiting -= 1;
+                }
+                Some(_) => return Err(Error::OperationPending(volume_id.to_string())),
+            }
+        }
+        busy.held.insert(volume_id.to_string(), Holder::Call);
+        Ok(self.guard(volume_id))
+    }
+
+    /// Takes the volume for background work if it is free; never waits.
+    pub fn try_lock_background(&self, volume_id: &str) -> Result<VolumeGuard, Error> {
+        let mut busy = self.state();
+        if busy.held.contains_key(volume_id) {
+            return Err(Error::OperationPending(volume_id.to_string()));
+        }
+        busy.held.insert(volume_id.to_string(), Holder::Background);
+        Ok(self.guard(volume_id))
     }
 
     /// How many operations are in flight.
     pub fn in_flight(&self) -> usize {
-        self.busy
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
+        self.state().held.len()
+    }
+
+    /// How many calls wait for background work to let their volume go.
+    pub fn waiting(&self) -> usize {
+        self.state().waiting
     }
 }
 
 impl Drop for VolumeGuard {
     fn drop(&mut self) {
-        self.busy
-            .lock()
+        let (busy, released) = &*self.busy;
+        busy.lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .held
             .remove(&self.volume_id);
+        released.notify_all();
     }
 }
 
@@ -78,6 +141,34 @@ mod tests {
         })
         .join();
         assert!(r.is_err());
+        assert_eq!(locks.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_call_waits_for_background_work_and_a_call_never_does() {
+        let locks = VolumeLocks::default();
+        let background = locks.try_lock_background("a").unwrap();
+        // Background work never takes what a call or other background work holds.
+        assert!(locks.try_lock_background("a").is_err());
+        let l2 = locks.clone();
+        let call = std::thread::spawn(move || l2.try_lock("a").map(drop));
+        let start = Instant::now();
+        while locks.waiting() == 0 {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "waited 30 s for the call to wait for the background work"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(background);
+        assert!(call.join().unwrap().is_ok(), "the call got the volume");
+        let held = locks.try_lock("a").unwrap();
+        assert!(matches!(
+            locks.try_lock("a"),
+            Err(Error::OperationPending(_))
+        ));
+        assert!(locks.try_lock_background("a").is_err());
+        drop(held);
         assert_eq!(locks.in_flight(), 0);
     }
 }

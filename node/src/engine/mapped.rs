@@ -601,7 +601,7 @@ impl<O: Os> Engine<O> {
                     .find(|r| r.stage.as_ref().is_some_and(|s| &s.device == d))
             });
             if let Some(r) = holder {
-                let Ok(_guard) = self.locks.try_lock(&r.volume_id) else {
+                let Ok(_guard) = self.locks.try_lock_background(&r.volume_id) else {
                     actions.push(Action::Busy {
                         volume: r.volume_id.clone(),
                     });
@@ -640,7 +640,7 @@ impl<O: Os> Engine<O> {
                 });
                 continue;
             }
-            let Ok(_image) = self.locks.try_lock(&image_lock(&image)) else {
+            let Ok(_image) = self.locks.try_lock_background(&image_lock(&image)) else {
                 continue;
             };
             match attacher.unmap(&image) {

@@ -101,7 +101,7 @@ impl<O: Os> Reconciler<O> {
                 known.insert(s.path.clone());
             }
             known.extend(record.publishes.keys().cloned());
-            let Ok(_guard) = self.engine.locks().try_lock(&record.volume_id) else {
+            let Ok(_guard) = self.engine.locks().try_lock_background(&record.volume_id) else {
                 actions.push(Action::Busy {
                     volume: record.volume_id.clone(),
                 });
@@ -485,7 +485,7 @@ impl<O: Os> Reconciler<O> {
         else {
             return;
         };
-        let Ok(_guard) = self.engine.locks().try_lock(&volume) else {
+        let Ok(_guard) = self.engine.locks().try_lock_background(&volume) else {
             actions.push(Action::Busy { volume });
             return;
         };
