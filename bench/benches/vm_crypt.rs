@@ -216,7 +216,11 @@ fn format_steps(log: &Path, volume: &str) -> (f64, f64) {
 /// guest writes) and waits until it prints `run-done`; its output, or a panic with it when a
 /// line says `fail`.
 fn guest_run(vm: &Vm, out: &Path, script: &str) -> String {
-    let _ = std::fs::remove_file(out);
+    // A file of its own each run: a file the host removed and the guest then opens again can
+    // fail with ENOENT through the guest's cached view of the shared dir.
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let out = &out.with_extension(format!("{n}.out"));
     vm.spawn(
         &["bash", "-c", &format!("{script}\necho run-done")],
         &out.display().to_string(),
@@ -253,7 +257,7 @@ fn throughput(
     let file = file.display();
     let size = mib / 2;
     if fio {
-        let json = out.with_extension(format!("{}.json", v.kind()));
+        let json = out.with_extension(format!("{}-{name}-{}.json", v.kind(), v.id));
         guest_run(
             vm,
             out,
