@@ -421,7 +421,10 @@ fn crypt_rows(out: &mut Vec<Row>) {
             "first-stage",
             "first stage (luksFormat, open, mkfs, mount against mkfs, mount)",
         ),
-        ("mkfs", "the first stage's mkfs.ext4 (on the mapping)"),
+        (
+            "mkfs",
+            "the first stage's mkfs.ext4 (encrypted: on the mapping)",
+        ),
         ("stage", "a later stage (open, mount against mount)"),
         ("unstage", "unstage (unmount, close against unmount)"),
         (
