@@ -32,6 +32,31 @@ const MAPPER_DIR: &str = "/dev/mapper";
 /// How long an open, a close or a resize may take (a luksFormat takes the mkfs deadline).
 const CRYPTSETUP_DEADLINE: Duration = Duration::from_secs(120);
 
+/// The key slot's PBKDF cost, fixed (no benchmark at luksFormat: the passphrase is a random
+/// 256-bit data key, not a password): pbkdf2's iterations (cryptsetup's minimum), and
+/// argon2's iterations and memory in KiB. Without `--pbkdf-memory` cryptsetup gives an argon2
+/// slot its default, 1 GiB or half the node's memory, needed again at every open: measured
+/// 943 MiB and 35 s an open in the VM lab (docs/performance.md, "The cost of encryption").
+const PBKDF2_ITERATIONS: &str = "1000";
+const ARGON2_ITERATIONS: &str = "4";
+const ARGON2_MEMORY_KIB: &str = "65536";
+
+/// cryptsetup's arguments that set the key slot's PBKDF `pbkdf` and its fixed cost.
+fn pbkdf_args(pbkdf: &str) -> Vec<String> {
+    let mut args = vec!["--pbkdf".to_owned(), pbkdf.to_owned()];
+    if pbkdf == "pbkdf2" {
+        args.extend(["--pbkdf-force-iterations".into(), PBKDF2_ITERATIONS.into()]);
+    } else {
+        args.extend([
+            "--pbkdf-force-iterations".into(),
+            ARGON2_ITERATIONS.into(),
+            "--pbkdf-memory".into(),
+            ARGON2_MEMORY_KIB.into(),
+        ]);
+    }
+    args
+}
+
 /// cryptsetup's exit code when no key slot opens with the key given.
 const EXIT_WRONG_KEY: i32 = 2;
 
@@ -252,29 +277,23 @@ impl<O: Os> Engine<O> {
         });
         self.journal.put(record, Durability::Power)?;
         crash_points::point("stage.luks_formatting");
-        let format = cryptsetup(
-            vec![
-                "luksFormat".into(),
-                "--batch-mode".into(),
-                "--type".into(),
-                "luks2".into(),
-                "--uuid".into(),
-                uuid.clone(),
-                "--cipher".into(),
-                enc.cipher.clone(),
-                "--key-size".into(),
-                enc.key_size.to_string(),
-                "--sector-size".into(),
-                enc.sector_size.to_string(),
-                "--pbkdf".into(),
-                enc.pbkdf.clone(),
-                "--pbkdf-force-iterations".into(),
-                if enc.pbkdf == "pbkdf2" { "1000" } else { "4" }.into(),
-                "--key-file=-".into(),
-                dev.node.display().to_string(),
-            ],
-            self.cfg.mkfs_deadline,
-        );
+        let mut args: Vec<String> = vec![
+            "luksFormat".into(),
+            "--batch-mode".into(),
+            "--type".into(),
+            "luks2".into(),
+            "--uuid".into(),
+            uuid.clone(),
+            "--cipher".into(),
+            enc.cipher.clone(),
+            "--key-size".into(),
+            enc.key_size.to_string(),
+            "--sector-size".into(),
+            enc.sector_size.to_string(),
+        ];
+        args.extend(pbkdf_args(&enc.pbkdf));
+        args.extend(["--key-file=-".into(), dev.node.display().to_string()]);
+        let format = cryptsetup(args, self.cfg.mkfs_deadline);
         self.os.run_tool_with_key(&format, enc.key.expose())?;
         info!(volume = req.volume_id, device = %path.display(), "formatted as LUKS2");
         Ok(uuid)

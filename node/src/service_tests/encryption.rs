@@ -184,6 +184,52 @@ fn the_checked_request_shows_no_key_byte() {
     }
 }
 
+/// The value after `flag` in the luksFormat's arguments.
+fn luks_format_flag(h: &Harness, flag: &str) -> Option<String> {
+    tool_calls(h).into_iter().find_map(|c| match c {
+        Call::Tool(p, a) if p == "cryptsetup" && a[0] == "luksFormat" => a
+            .iter()
+            .position(|x| x == flag)
+            .and_then(|i| a.get(i + 1).cloned()),
+        _ => None,
+    })
+}
+
+#[tokio::test]
+async fn the_key_slots_pbkdf_has_a_fixed_cost_argon2_with_its_memory() {
+    // pbkdf2 at cryptsetup's minimum; argon2id at 4 iterations and 64 MiB: without
+    // `--pbkdf-memory`, cryptsetup's default (1 GiB, or half the node's memory) is needed at
+    // every open (measured by the `vm_crypt` bench: 943 MiB, 35 s an open in the VM lab).
+    let h = harness();
+    let k = keys(7);
+    stage_encrypted(&h, ext4(), &k).await.expect("stage");
+    assert_eq!(luks_format_flag(&h, "--pbkdf").as_deref(), Some("pbkdf2"));
+    assert_eq!(
+        luks_format_flag(&h, "--pbkdf-force-iterations").as_deref(),
+        Some("1000")
+    );
+    assert_eq!(luks_format_flag(&h, "--pbkdf-memory"), None);
+
+    let h = harness();
+    let mut req = encrypted_req(ext4(), &k);
+    req.volume_context
+        .insert("luksPBKDF".into(), "argon2id".into());
+    h.svc
+        .node_stage_volume(Request::new(req))
+        .await
+        .expect("stage with argon2id");
+    assert_eq!(luks_format_flag(&h, "--pbkdf").as_deref(), Some("argon2id"));
+    assert_eq!(
+        luks_format_flag(&h, "--pbkdf-force-iterations").as_deref(),
+        Some("4")
+    );
+    assert_eq!(
+        luks_format_flag(&h, "--pbkdf-memory").as_deref(),
+        Some("65536"),
+        "argon2's memory is fixed, not cryptsetup's default"
+    );
+}
+
 #[tokio::test]
 async fn a_block_volume_is_its_mapping() {
     let h = harness();

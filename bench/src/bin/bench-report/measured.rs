@@ -1,4 +1,5 @@
-//! The rows of the measured benches (`storm`, `restart`, `tails`, `io`, `vm_rbd_storm`), made
+//! The rows of the measured benches (`storm`, `restart`, `tails`, `io`, `vm_rbd_storm`,
+//! `vm_crypt`), made
 //! from their sizes: the results `moor_bench::storm` writes, under the ids the benches give
 //! them.
 
@@ -7,7 +8,14 @@ use std::sync::OnceLock;
 use super::{Kind, Ratio, Row, Target};
 
 /// The benches that are measured runs, not criterion's: they take no filter.
-pub const BENCHES: [&str; 5] = ["storm", "restart", "tails", "io", "vm_rbd_storm"];
+pub const BENCHES: [&str; 6] = [
+    "storm",
+    "restart",
+    "tails",
+    "io",
+    "vm_rbd_storm",
+    "vm_crypt",
+];
 
 /// A string that lives as long as the program (the rows are made once).
 fn leak(s: String) -> &'static str {
@@ -393,6 +401,70 @@ fn map_storm_rows(out: &mut Vec<Row>) {
     }
 }
 
+/// The cost of encryption in the VM lab (issue 40, point 5): an encrypted volume against the
+/// same unencrypted one, paired rounds in one guest; throughput as time per GiB, so that the
+/// ratio is the slowdown.
+fn crypt_rows(out: &mut Vec<Row>) {
+    let r = |label: String, id: String, reference: Option<String>| {
+        row(
+            "E",
+            label,
+            id,
+            reference,
+            Kind::Time,
+            Target::Unset,
+            "vm_crypt",
+        )
+    };
+    for (name, what) in [
+        (
+            "first-stage",
+            "first stage (luksFormat, open, mkfs, mount against mkfs, mount)",
+        ),
+        (
+            "mkfs",
+            "the first stage's mkfs.ext4 (encrypted: on the mapping)",
+        ),
+        ("stage", "a later stage (open, mount against mount)"),
+        ("unstage", "unstage (unmount, close against unmount)"),
+        (
+            "seq-write-1m-per-gib",
+            "1 MiB sequential write, time per GiB",
+        ),
+        ("seq-read-1m-per-gib", "1 MiB sequential read, time per GiB"),
+        ("rand-read-4k-per-gib", "4 KiB random read, time per GiB"),
+        ("rand-write-4k-per-gib", "4 KiB random write, time per GiB"),
+    ] {
+        let plain = format!("vm_crypt/plain/{name}");
+        out.push(r(
+            format!("TCG guest, unencrypted volume: {what}"),
+            plain.clone(),
+            None,
+        ));
+        out.push(r(
+            format!("TCG guest, encrypted volume: {what}, against unencrypted"),
+            format!("vm_crypt/encrypted/{name}"),
+            Some(plain),
+        ));
+    }
+    out.push(r(
+        "TCG guest: cryptsetup open of moor's default key slot (pbkdf2, 1000 iterations)".into(),
+        "vm_crypt/pbkdf-pbkdf2/open".into(),
+        None,
+    ));
+    out.push(r(
+        "TCG guest: its PBKDF alone (--test-passphrase), against the open".into(),
+        "vm_crypt/pbkdf-pbkdf2/test-passphrase".into(),
+        Some("vm_crypt/pbkdf-pbkdf2/open".into()),
+    ));
+    out.push(r(
+        "TCG guest: cryptsetup open of an argon2id key slot as moor formats it, against pbkdf2's"
+            .into(),
+        "vm_crypt/pbkdf-argon2id/open".into(),
+        Some("vm_crypt/pbkdf-pbkdf2/open".into()),
+    ));
+}
+
 /// Every measured bench's rows.
 pub fn rows() -> &'static [Row] {
     static ROWS: OnceLock<Vec<Row>> = OnceLock::new();
@@ -403,6 +475,7 @@ pub fn rows() -> &'static [Row] {
         restart_rows(&mut out);
         tails_rows(&mut out);
         map_storm_rows(&mut out);
+        crypt_rows(&mut out);
         out
     })
 }
