@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use moor_bench::storm::{nearest_rank, write_result};
 use moor_lab::ceph::{ext4, publish};
 use moor_lab::krbd_lab::start_node_in;
-use moor_lab::vm::{Bridge, Vm, VmOptions};
+use moor_lab::vm::{Bridge, Vm};
 use moor_privileged::client::Daemon;
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, runtime};
@@ -341,18 +341,7 @@ fn main() {
     }
     let sb = Sandbox::new("vm-crypt");
     let bridge = Bridge::new("mcst", 252);
-    let vm = Vm::boot(VmOptions {
-        name: "moor-crypt-cost".into(),
-        bridge: bridge.name.clone(),
-        ip: format!("{}.2", bridge.net),
-        rwdirs: vec![sb.state.clone(), sb.kubelet.clone(), sb.data.clone()],
-        dir: sb.root.join("vm"),
-        memory: "2G".into(),
-        hotplug: 0,
-        qemu_opts: Vec::new(),
-        append: Vec::new(),
-    });
-    vm.sh("modprobe -a loop ext4 rbd dm_crypt && dmsetup targets | grep -qw crypt");
+    let vm = Vm::boot_for_dm_crypt("moor-crypt-cost", &bridge, &sb, "2G");
     let log = sb.state.join("node.log");
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let out = sb.state.join("run.out");
@@ -360,18 +349,7 @@ fn main() {
         pbkdf(&vm, &sb, &out);
         runtime().block_on(pairs(&sb, &vm, &log, rounds, mib, secs))
     }));
-    let kubelet = sb.kubelet.display().to_string();
-    vm.exec(&[
-        "sh",
-        "-c",
-        &format!(
-            "pkill -KILL -x moor-node; while pgrep -x moor-node >/dev/null; do sleep 0.1; done; \
-             for m in $(findmnt -rn -o TARGET | grep -E '^{kubelet}(/|$)' | sort -r); \
-             do umount \"$m\"; done; \
-             for d in $(dmsetup ls --target crypt | awk '{{print $1}}'); do cryptsetup close $d; done; \
-             losetup -D"
-        ),
-    ]);
+    vm.clear_volumes(&sb.kubelet);
     match result {
         Ok(samples) => report(&samples, rounds, mib, secs),
         Err(e) => {

@@ -169,6 +169,51 @@ impl Output {
 }
 
 impl Vm {
+    /// A guest for encrypted volumes: named `name`, on `bridge` at `.2`, writing `sandbox`'s
+    /// state, kubelet and data dirs, with `memory`; dm-crypt (a module of the guest's kernel,
+    /// which the lab copies) loaded and its target checked.
+    pub fn boot_for_dm_crypt(
+        name: &str,
+        bridge: &Bridge,
+        sandbox: &moor_privileged::Sandbox,
+        memory: &str,
+    ) -> Self {
+        let vm = Self::boot(VmOptions {
+            name: name.into(),
+            bridge: bridge.name.clone(),
+            ip: format!("{}.2", bridge.net),
+            rwdirs: vec![
+                sandbox.state.clone(),
+                sandbox.kubelet.clone(),
+                sandbox.data.clone(),
+            ],
+            dir: sandbox.root.join("vm"),
+            memory: memory.into(),
+            hotplug: 0,
+            qemu_opts: Vec::new(),
+            append: Vec::new(),
+        });
+        vm.sh("modprobe -a loop ext4 rbd dm_crypt && dmsetup targets | grep -qw crypt");
+        vm
+    }
+
+    /// Whatever a test left: moor-node killed, nothing mounted under `kubelet`, no dm-crypt
+    /// mapping open, no loop device bound, in the guest.
+    pub fn clear_volumes(&self, kubelet: &Path) {
+        let kubelet = kubelet.display().to_string();
+        self.exec(&[
+            "sh",
+            "-c",
+            &format!(
+                "pkill -KILL -x moor-node; while pgrep -x moor-node >/dev/null; do sleep 0.1; done; \
+                 for m in $(findmnt -rn -o TARGET | grep -E '^{kubelet}(/|$)' | sort -r); \
+                 do umount \"$m\"; done; \
+                 for d in $(dmsetup ls --target crypt | awk '{{print $1}}'); do cryptsetup close $d; done; \
+                 losetup -D"
+            ),
+        ]);
+    }
+
     /// Boots a guest running the agent and waits until the agent answers.
     pub fn boot(opts: VmOptions) -> Self {
         let mut vm = Self::launch(opts, None);

@@ -22,7 +22,7 @@ use std::path::Path;
 use csi::volume_capability::access_mode::Mode;
 use moor_lab::ceph::{block, ext4, publish};
 use moor_lab::krbd_lab::start_node_in;
-use moor_lab::vm::{Bridge, Vm, VmOptions};
+use moor_lab::vm::{Bridge, Vm};
 use moor_privileged::client::Daemon;
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::{Sandbox, runtime};
@@ -163,36 +163,13 @@ fn encrypted_volumes_on_a_real_kernel() {
     }
     let sb = Sandbox::new("vm-encryption");
     let bridge = Bridge::new("menc", 254);
-    let vm = Vm::boot(VmOptions {
-        name: "moor-encryption".into(),
-        bridge: bridge.name.clone(),
-        ip: format!("{}.2", bridge.net),
-        rwdirs: vec![sb.state.clone(), sb.kubelet.clone(), sb.data.clone()],
-        dir: sb.root.join("vm"),
-        memory: "1G".into(),
-        hotplug: 0,
-        qemu_opts: Vec::new(),
-        append: Vec::new(),
-    });
-    // dm-crypt is a module of the guest's kernel (the lab copies the kernel's modules).
-    vm.sh("modprobe -a loop ext4 rbd dm_crypt && dmsetup targets | grep -qw crypt");
+    let vm = Vm::boot_for_dm_crypt("moor-encryption", &bridge, &sb, "1G");
     let log = sb.state.join("node.log");
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         runtime().block_on(life(&sb, &vm, &log));
     }));
     // Whatever happened: nothing left mounted, open or bound in the guest.
-    let kubelet = sb.kubelet.display().to_string();
-    vm.exec(&[
-        "sh",
-        "-c",
-        &format!(
-            "pkill -KILL -x moor-node; while pgrep -x moor-node >/dev/null; do sleep 0.1; done; \
-             for m in $(findmnt -rn -o TARGET | grep -E '^{kubelet}(/|$)' | sort -r); \
-             do umount \"$m\"; done; \
-             for d in $(dmsetup ls --target crypt | awk '{{print $1}}'); do cryptsetup close $d; done; \
-             losetup -D"
-        ),
-    ]);
+    vm.clear_volumes(&sb.kubelet);
     if let Err(e) = result {
         eprintln!(
             "{test}: moor-node's log:\n{}",
