@@ -133,25 +133,7 @@ async fn create(
         .into_inner()
         .volume
         .expect("a volume");
-    let published = ctl
-        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
-            volume_id: v.volume_id.clone(),
-            node_id: NODE.into(),
-            volume_capability: Some(ext4()),
-            volume_context: v.volume_context.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("ControllerPublishVolume")
-        .into_inner();
-    let file = published.publish_context[BACKING_FILE_KEY].clone();
-    ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-        volume_id: v.volume_id.clone(),
-        node_id: NODE.into(),
-        ..Default::default()
-    })
-    .await
-    .expect("ControllerUnpublishVolume");
+    let file = moor_lab::vm::embedded_volume_file(ctl, &v, NODE, ext4()).await;
     let dev = vm
         .sh(&format!("losetup -f --show {file}"))
         .trim()

@@ -168,6 +168,38 @@ impl Output {
     }
 }
 
+/// The file behind an embedded-backend volume, for a guest to bind to a loop device of its
+/// own: asked of the controller by a ControllerPublishVolume to `node` (its publish context
+/// names the file), then detached again on the host by a ControllerUnpublishVolume.
+pub async fn embedded_volume_file(
+    ctl: &mut moor_proto::csi::v1::controller_client::ControllerClient<tonic::transport::Channel>,
+    volume: &moor_proto::csi::v1::Volume,
+    node: &str,
+    capability: moor_proto::csi::v1::VolumeCapability,
+) -> String {
+    use moor_proto::csi::v1 as csi;
+    let published = ctl
+        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            node_id: node.into(),
+            volume_capability: Some(capability),
+            volume_context: volume.volume_context.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("ControllerPublishVolume")
+        .into_inner();
+    let file = published.publish_context[moor_runtime::contract::BACKING_FILE_KEY].clone();
+    ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+        volume_id: volume.volume_id.clone(),
+        node_id: node.into(),
+        ..Default::default()
+    })
+    .await
+    .expect("ControllerUnpublishVolume");
+    file
+}
+
 impl Vm {
     /// A guest for encrypted volumes: named `name`, on `bridge` at `.2`, writing `sandbox`'s
     /// state, kubelet and data dirs, with `memory`; dm-crypt (a module of the guest's kernel,

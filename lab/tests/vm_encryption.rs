@@ -82,25 +82,7 @@ async fn create(
         v.volume_context
     );
     // Its file, by the publish context; detached again: the guest binds it.
-    let published = ctl
-        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
-            volume_id: v.volume_id.clone(),
-            node_id: "node-c".into(),
-            volume_capability: Some(cap),
-            volume_context: v.volume_context.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("ControllerPublishVolume")
-        .into_inner();
-    let file = published.publish_context[BACKING_FILE_KEY].clone();
-    ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-        volume_id: v.volume_id.clone(),
-        node_id: "node-c".into(),
-        ..Default::default()
-    })
-    .await
-    .expect("ControllerUnpublishVolume");
+    let file = moor_lab::vm::embedded_volume_file(ctl, &v, "node-c", cap).await;
     Volume {
         id: v.volume_id,
         context: v.volume_context,
