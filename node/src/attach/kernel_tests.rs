@@ -87,6 +87,24 @@ impl FakeKernel {
         .unwrap();
     }
 
+    /// Maps with `a` as `req` asks, answering as the kernel does: the request written to
+    /// `add_single_major` is read, then mapping `id` of the image is shown (read-only as
+    /// the request asks). The request as the kernel read it, and the map's outcome.
+    fn answer_map(
+        &self,
+        a: &KernelAttacher,
+        req: &MapRequest<'_>,
+        id: u32,
+    ) -> (String, Result<Mapping, AttachError>) {
+        std::thread::scope(|s| {
+            let h = s.spawn(|| a.map(req));
+            let got = self.take("add_single_major");
+            let image = req.image;
+            self.add_device(id, &image.pool, &image.image, "-", req.read_only);
+            (got, h.join().unwrap())
+        })
+    }
+
     fn remove_device(&self, id: u32) {
         std::fs::remove_dir_all(self.sysfs.join(format!("devices/{id}"))).unwrap();
     }
@@ -119,30 +137,25 @@ fn a_map_writes_one_request_and_returns_the_device_it_made() {
     k.add_device(0, "moor", "other", "-", false);
     let image = spec("moor", "csi-vol-1");
     let creds = creds();
-    std::thread::scope(|s| {
-        let h = s.spawn(|| {
-            a.map(&MapRequest {
-                image: &image,
-                monitors: "10.0.0.1:6789,10.0.0.2:6789",
-                credentials: &creds,
-                read_only: false,
-                exclusive: true,
-            })
-        });
-        let got = k.take("add_single_major");
-        assert_eq!(
-            got,
-            format!(
-                "10.0.0.1:6789,10.0.0.2:6789 name=moor,secret={KEY},exclusive,\
-                 mount_timeout=20 moor csi-vol-1"
-            )
-        );
-        k.add_device(1, "moor", "csi-vol-1", "-", false);
-        let m = h.join().unwrap().unwrap();
-        assert_eq!(m.device, k.dev.join("rbd1"));
-        assert_eq!(m.rdev, (MAJOR, 16));
-        assert!(!m.read_only);
-    });
+    let req = MapRequest {
+        image: &image,
+        monitors: "10.0.0.1:6789,10.0.0.2:6789",
+        credentials: &creds,
+        read_only: false,
+        exclusive: true,
+    };
+    let (got, m) = k.answer_map(&a, &req, 1);
+    assert_eq!(
+        got,
+        format!(
+            "10.0.0.1:6789,10.0.0.2:6789 name=moor,secret={KEY},exclusive,\
+             mount_timeout=20 moor csi-vol-1"
+        )
+    );
+    let m = m.unwrap();
+    assert_eq!(m.device, k.dev.join("rbd1"));
+    assert_eq!(m.rdev, (MAJOR, 16));
+    assert!(!m.read_only);
     assert_eq!(a.find(&image).unwrap().unwrap().device, k.dev.join("rbd1"));
 }
 
@@ -152,24 +165,19 @@ fn a_read_only_map_asks_the_kernel_for_ro() {
     let a = k.attacher(SECS, SECS);
     let image = spec("moor", "img");
     let creds = creds();
-    std::thread::scope(|s| {
-        let h = s.spawn(|| {
-            a.map(&MapRequest {
-                image: &image,
-                monitors: "10.0.0.1",
-                credentials: &creds,
-                read_only: true,
-                exclusive: false,
-            })
-        });
-        let got = k.take("add_single_major");
-        assert_eq!(
-            got,
-            format!("10.0.0.1:6789 name=moor,secret={KEY},ro,mount_timeout=20 moor img")
-        );
-        k.add_device(0, "moor", "img", "-", true);
-        assert!(h.join().unwrap().unwrap().read_only);
-    });
+    let req = MapRequest {
+        image: &image,
+        monitors: "10.0.0.1",
+        credentials: &creds,
+        read_only: true,
+        exclusive: false,
+    };
+    let (got, m) = k.answer_map(&a, &req, 0);
+    assert_eq!(
+        got,
+        format!("10.0.0.1:6789 name=moor,secret={KEY},ro,mount_timeout=20 moor img")
+    );
+    assert!(m.unwrap().read_only);
 }
 
 #[test]
@@ -193,6 +201,90 @@ fn only_the_head_of_the_image_outside_namespaces_is_found() {
     // Every mapping of an image head is listed, and none is taken for moor's.
     assert_eq!(a.list().unwrap().len(), 3);
     assert!(!a.owns_all_listed());
+}
+
+/// The attribute files of mapping `id` opened since the watch began, by name (inotify's
+/// IN_OPEN on its directory; `block/rbd<id>/ro` is one level down and not counted). Closes
+/// are watched too: inotify merges an event with the one queued before it when they are the
+/// same, so two opens of one file in a row would count once.
+struct Opens {
+    watch: rustix::fd::OwnedFd,
+}
+
+impl Opens {
+    fn watch(k: &FakeKernel, id: u32) -> Self {
+        use rustix::fs::inotify;
+        let watch =
+            inotify::init(inotify::CreateFlags::NONBLOCK | inotify::CreateFlags::CLOEXEC).unwrap();
+        inotify::add_watch(
+            &watch,
+            k.sysfs.join(format!("devices/{id}")),
+            inotify::WatchFlags::OPEN | inotify::WatchFlags::CLOSE_NOWRITE,
+        )
+        .unwrap();
+        Self { watch }
+    }
+
+    fn take(&self) -> Vec<String> {
+        let mut buf = [std::mem::MaybeUninit::uninit(); 4096];
+        let mut events = rustix::fs::inotify::Reader::new(&self.watch, &mut buf);
+        let mut names = Vec::new();
+        loop {
+            match events.next() {
+                Ok(e) => {
+                    if let Some(n) = e.file_name()
+                        && e.events().contains(rustix::fs::inotify::ReadFlags::OPEN)
+                    {
+                        names.push(n.to_string_lossy().into_owned());
+                    }
+                }
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(e) => panic!("inotify: {e}"),
+            }
+        }
+        names.sort();
+        names
+    }
+}
+
+/// In a storm every map looks its image up among every mapping on the node, four times per
+/// stage (find, the map's before and after, verify): another image's mapping costs one read
+/// of its `name` per lookup, not its seven attributes.
+#[test]
+fn a_lookup_reads_only_the_name_of_another_images_mapping() {
+    let k = FakeKernel::new("lookup");
+    let a = k.attacher(SECS, SECS);
+    k.add_device(0, "moor", "other", "-", false);
+    // The same name in another pool: its pool is read too, nothing more.
+    k.add_device(1, "elsewhere", "csi-vol-1", "-", false);
+    let (other, same_name) = (Opens::watch(&k, 0), Opens::watch(&k, 1));
+    let image = spec("moor", "csi-vol-1");
+    let creds = creds();
+    assert_eq!(a.find(&image).unwrap(), None);
+    let req = MapRequest {
+        image: &image,
+        monitors: "10.0.0.1",
+        credentials: &creds,
+        read_only: false,
+        exclusive: false,
+    };
+    k.answer_map(&a, &req, 2).1.unwrap();
+    a.verify(&image, (MAJOR, 32)).unwrap();
+    // find, the map's lookup before its write and at least one after, verify.
+    let lookups = other.take();
+    assert!(lookups.len() >= 4, "{lookups:?}");
+    assert!(
+        lookups.iter().all(|n| n == "name"),
+        "another image's mapping: only its name is read, got {lookups:?}"
+    );
+    let same = same_name.take();
+    assert!(
+        same.iter().all(|n| n == "name" || n == "pool"),
+        "a mapping of the same name in another pool: its name and pool, got {same:?}"
+    );
+    // Listing every mapping still reads them whole.
+    assert_eq!(a.list().unwrap().len(), 3);
+    assert!(other.take().contains(&"major".to_string()));
 }
 
 #[test]
@@ -383,26 +475,22 @@ fn a_msgr2_map_asks_for_ms_mode_and_a_mixed_list_is_refused_before_the_kernel_se
     assert_eq!(mixed.code(), tonic::Code::InvalidArgument, "{mixed}");
     assert!(!mixed.may_have_mapped());
     assert!(!a.in_flight(&image));
-    std::thread::scope(|s| {
-        let h = s.spawn(|| {
-            a.map(&MapRequest {
-                image: &image,
-                monitors: "10.0.0.1:3300",
-                credentials: &creds,
-                read_only: false,
-                exclusive: true,
-            })
-        });
-        assert_eq!(
-            k.take("add_single_major"),
-            format!(
-                "10.0.0.1:3300 name=moor,secret={KEY},exclusive,ms_mode=prefer-crc,\
-                 mount_timeout=20 moor img"
-            )
-        );
-        k.add_device(0, "moor", "img", "-", false);
-        h.join().unwrap().unwrap();
-    });
+    let req = MapRequest {
+        image: &image,
+        monitors: "10.0.0.1:3300",
+        credentials: &creds,
+        read_only: false,
+        exclusive: true,
+    };
+    let (got, m) = k.answer_map(&a, &req, 0);
+    assert_eq!(
+        got,
+        format!(
+            "10.0.0.1:3300 name=moor,secret={KEY},exclusive,ms_mode=prefer-crc,\
+             mount_timeout=20 moor img"
+        )
+    );
+    m.unwrap();
 }
 
 /// Without exclusiveLock a read-write map leaves the lock to the kernel's cooperative
@@ -413,21 +501,17 @@ fn a_map_without_exclusive_lock_asks_for_no_exclusive() {
     let a = k.attacher(SECS, SECS);
     let image = spec("moor", "img");
     let creds = creds();
-    std::thread::scope(|s| {
-        let h = s.spawn(|| {
-            a.map(&MapRequest {
-                image: &image,
-                monitors: "10.0.0.1:6789",
-                credentials: &creds,
-                read_only: false,
-                exclusive: false,
-            })
-        });
-        assert_eq!(
-            k.take("add_single_major"),
-            format!("10.0.0.1:6789 name=moor,secret={KEY},mount_timeout=20 moor img")
-        );
-        k.add_device(0, "moor", "img", "-", false);
-        h.join().unwrap().unwrap();
-    });
+    let req = MapRequest {
+        image: &image,
+        monitors: "10.0.0.1:6789",
+        credentials: &creds,
+        read_only: false,
+        exclusive: false,
+    };
+    let (got, m) = k.answer_map(&a, &req, 0);
+    assert_eq!(
+        got,
+        format!("10.0.0.1:6789 name=moor,secret={KEY},mount_timeout=20 moor img")
+    );
+    m.unwrap();
 }
