@@ -20,6 +20,7 @@
 
 use std::fmt;
 use std::io::Write;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -31,6 +32,9 @@ use super::{Dek, KEY_LEN, KeyError, Result, Secret};
 
 /// The `kmsID` of this source.
 pub const KMS_TPM2: &str = "tpm2";
+
+/// Where moor-node keeps its TPM key's blobs when `MOOR_TPM2_DIR` does not say.
+pub const DEFAULT_DIR: &str = "/var/lib/moor/tpm2";
 
 /// What salts the combination: the format's version.
 const SALT: &[u8] = b"moor-tpm2-v1";
@@ -105,6 +109,16 @@ impl Tpm2Tools {
             tcti,
             lock: Mutex::new(()),
         }
+    }
+
+    /// The node's TPM as moor-node finds it: the key's blobs in `MOOR_TPM2_DIR` (default
+    /// [`DEFAULT_DIR`]), the TPM the tools' `TPM2TOOLS_TCTI` names (inherited; the tools'
+    /// default, the kernel's `/dev/tpmrm0`, without it).
+    #[must_use]
+    pub fn from_env() -> Self {
+        let dir =
+            std::env::var_os("MOOR_TPM2_DIR").map_or_else(|| DEFAULT_DIR.into(), PathBuf::from);
+        Self::new(&dir, None)
     }
 
     /// Runs the tpm2-tools program `program` with `args` in `dir`, `stdin` on its standard
@@ -197,6 +211,16 @@ impl Tpm2Tools {
         if self.dir.join("hmac.priv").exists() {
             return Ok(());
         }
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.dir)
+            .map_err(|e| {
+                KeyError::Unavailable(format!(
+                    "the node's TPM key dir {}: {e}",
+                    self.dir.display()
+                ))
+            })?;
         self.primary()?;
         let made = self.run(
             "tpm2_create",
