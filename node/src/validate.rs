@@ -347,6 +347,16 @@ fn encryption(
     })
 }
 
+/// Whether the stage of a volume with this context asks a key server or the node's TPM for
+/// its key (an encrypted volume of the `kmip` or `tpm2` source): it blocks while it does.
+#[must_use]
+pub fn asks_a_key_source(ctx: &HashMap<String, String>) -> bool {
+    ctx.get(ENCRYPTED_KEY).is_some_and(|v| v == "true")
+        && ctx
+            .get(KMS_ID_KEY)
+            .is_some_and(|k| k != moor_runtime::keys::source::KMS_SECRET)
+}
+
 /// Validates NodeStageVolume.
 pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<Stage> {
     let (volume_id, staging, cap) = stage_but_device(req, kubelet_dir)?;
