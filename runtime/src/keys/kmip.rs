@@ -54,6 +54,9 @@ pub const KMIP_WRITE_TIMEOUT_KEY: &str = "WRITE_TIMEOUT";
 /// How long an exchange may take when the configuration does not say.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The deepest nesting of structures moor decodes (its messages are 5 deep).
+const MAX_DEPTH: usize = 16;
+
 /// The largest response moor reads: its responses are a few hundred bytes.
 const MAX_MESSAGE: usize = 64 * 1024;
 
@@ -268,6 +271,15 @@ impl Ttlv {
 
     /// The item at the start of `buf` and the bytes it took (its padding included).
     pub fn decode(buf: &[u8]) -> std::result::Result<(Self, usize), String> {
+        Self::decode_at(buf, 0)
+    }
+
+    /// [`decode`](Self::decode) of an item `depth` structures deep: a message deeper than
+    /// [`MAX_DEPTH`] is refused, not decoded on a stack it could exhaust.
+    fn decode_at(buf: &[u8], depth: usize) -> std::result::Result<(Self, usize), String> {
+        if depth > MAX_DEPTH {
+            return Err(format!("structures nested deeper than {MAX_DEPTH}"));
+        }
         let head = buf
             .get(..8)
             .ok_or("a TTLV item shorter than its 8-byte header")?;
@@ -293,7 +305,7 @@ impl Ttlv {
                 let mut items = Vec::new();
                 let mut at = 0;
                 while at < body.len() {
-                    let (i, used) = Self::decode(&body[at..])?;
+                    let (i, used) = Self::decode_at(&body[at..], depth + 1)?;
                     items.push(i);
                     at += used;
                 }

@@ -110,6 +110,29 @@ fn a_damaged_message_is_an_error_never_a_panic() {
 }
 
 #[test]
+fn a_message_nested_too_deep_is_refused_not_recursed_into() {
+    let mut deep = bytes(tag::DATA, b"x");
+    for _ in 0..=MAX_DEPTH {
+        deep = structure(tag::BATCH_ITEM, vec![deep]);
+    }
+    let e = Ttlv::decode(&encoded(&deep)).expect_err("too deep");
+    assert!(e.contains("nested deeper"), "{e}");
+    // A server's 64 KiB of nothing but structure headers: refused the same way.
+    let mut headers = Vec::new();
+    for i in 0..MAX_MESSAGE / 8 {
+        let len = u32::try_from(MAX_MESSAGE - 8 * (i + 1)).expect("len");
+        headers.extend_from_slice(&[0x42, 0x00, 0x0F, 0x01]);
+        headers.extend_from_slice(&len.to_be_bytes());
+    }
+    assert!(Ttlv::decode(&headers).is_err());
+    let mut ok = bytes(tag::DATA, b"x");
+    for _ in 0..MAX_DEPTH {
+        ok = structure(tag::BATCH_ITEM, vec![ok]);
+    }
+    assert_eq!(decoded(&encoded(&ok)), ok);
+}
+
+#[test]
 fn a_pykmip_answer_gives_its_payload_or_its_refusal() {
     let ok = response_payload(
         &decoded(&unhex(PYKMIP_ENCRYPT_RESPONSE)),
