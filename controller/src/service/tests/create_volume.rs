@@ -304,6 +304,16 @@ async fn create_volume_from_sources() {
     );
 }
 
+/// Whether the backend holds no volume.
+fn no_volume(fx: &Fx) -> bool {
+    use crate::backend::Backend as _;
+    fx.backend
+        .list_volumes(&Default::default())
+        .unwrap()
+        .entries
+        .is_empty()
+}
+
 /// The CSI secrets of the `secret` key source: a KEK and its id.
 fn kek_secrets(id: &str, byte: u8) -> std::collections::HashMap<String, String> {
     moor_runtime::keys::secret_entries(id, &[byte; 32])
@@ -359,13 +369,7 @@ async fn an_encrypted_volume_gets_a_wrapped_data_key_of_its_own_and_copies_are_r
         .expect_err("a short KEK");
     assert_eq!(s.code(), Code::InvalidArgument);
     assert!(!s.message().contains("c2hvcnQ="), "{}", s.message());
-    assert!(
-        fx.backend
-            .list_volumes(&Default::default())
-            .unwrap()
-            .entries
-            .is_empty()
-    );
+    assert!(no_volume(&fx), "nothing made");
     // Made: the context says how to open it, with the data key wrapped for this volume by
     // the secret's KEK, and no key in the clear.
     let v = fx
@@ -484,7 +488,6 @@ async fn an_encrypted_volume_gets_a_wrapped_data_key_of_its_own_and_copies_are_r
 
 #[tokio::test]
 async fn kms_id_chooses_the_source_that_wraps_the_data_key() {
-    use crate::backend::Backend as _;
     use moor_runtime::keys::{WrappedDek, kek_from_secret};
     let fx = Fx::new("svc-create-kms");
     let with_kms = |name: &str, kms: &str| {
@@ -502,13 +505,7 @@ async fn kms_id_chooses_the_source_that_wraps_the_data_key() {
         .expect_err("no KMIP endpoint");
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
     assert!(s.message().contains("KMIP_ENDPOINT"), "{}", s.message());
-    assert!(
-        fx.backend
-            .list_volumes(&Default::default())
-            .unwrap()
-            .entries
-            .is_empty()
-    );
+    assert!(no_volume(&fx), "nothing made");
     // tpm2: the cluster half is the Secret's KEK's; the node adds its TPM's half at stage.
     let v = fx
         .svc
