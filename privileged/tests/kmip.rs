@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -141,8 +142,7 @@ struct Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.stop();
         if std::thread::panicking() {
             let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
@@ -156,6 +156,13 @@ impl Drop for Server {
 }
 
 impl Server {
+    /// The server and the session processes it forks (its process group) killed.
+    fn stop(&mut self) {
+        let pid = rustix::process::Pid::from_child(&self.child);
+        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        let _ = self.child.wait();
+    }
+
     /// Certificates made, the server started, and listening.
     fn start(program: &Path) -> Self {
         let dir = std::env::temp_dir().join(format!("moor-kmip-{}", std::process::id()));
@@ -201,6 +208,7 @@ impl Server {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
+            .process_group(0)
             .spawn()
             .expect("pykmip-server starts");
         let mut server = Self { child, dir, port };
@@ -279,8 +287,7 @@ fn pykmip_wraps_and_unwraps_a_dek_and_refuses_what_it_must() {
     assert!(matches!(&e, KeyError::Unavailable(_)), "{e:?}");
 
     // The server gone: unavailable, and says which server.
-    let _ = server.child.kill();
-    let _ = server.child.wait();
+    server.stop();
     let e = config.unwrap(&back, "vol-1").expect_err("server gone");
     assert!(
         matches!(&e, KeyError::Unavailable(m) if m.contains(&format!("127.0.0.1:{}", server.port))),
