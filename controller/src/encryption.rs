@@ -23,8 +23,9 @@ pub use moor_runtime::contract::LUKS_PBKDF_KEY as PBKDF_KEY;
 /// The LUKS sector size in bytes.
 pub use moor_runtime::contract::LUKS_SECTOR_SIZE_KEY as SECTOR_SIZE_KEY;
 
-/// The key sources this driver knows: the Kubernetes Secret given as CSI secrets.
-pub const KMS_IDS: [&str; 1] = ["secret"];
+/// The key sources this driver knows (`moor_runtime::keys::source`): the Kubernetes Secret
+/// given as CSI secrets, a KMIP server, a node's TPM2 with a cluster key.
+pub const KMS_IDS: &[&str] = moor_runtime::keys::source::KMS_IDS;
 
 /// A cipher moor makes LUKS volumes with, the key sizes it takes, and its default one.
 struct Cipher {
@@ -226,18 +227,23 @@ pub fn parse_with(
     Ok((encryption, parameters))
 }
 
-/// The key-encryption key of the `secret` key source, from a call's CSI secrets (the
-/// StorageClass's provisioner secret at CreateVolume). A missing or malformed one is
-/// INVALID_ARGUMENT naming the secrets key, never its value.
+/// The key source `kms_id` names, configured by a call's CSI secrets (the StorageClass's
+/// provisioner secret at CreateVolume). A missing or malformed field is INVALID_ARGUMENT
+/// naming the secrets key, never its value.
 pub fn kek_from_secrets(
+    kms_id: &str,
     secrets: &std::collections::HashMap<String, String>,
-) -> Result<moor_runtime::keys::Kek> {
-    moor_runtime::keys::kek_from_secret(|k| secrets.get(k).map(String::as_str)).map_err(|e| {
+) -> Result<moor_runtime::keys::source::KeySource> {
+    moor_runtime::keys::source::KeySource::from_secrets(kms_id, |k| {
+        secrets.get(k).map(String::as_str)
+    })
+    .map_err(|e| {
         Error::invalid(
             "secrets",
             format!(
-                "{e}: an encrypted volume's key source {:?} needs the provisioner secret \
-                 (csi.storage.k8s.io/provisioner-secret-name) with {:?} and {:?}",
+                "{e}: an encrypted volume's key source {kms_id:?} is configured by the \
+                 provisioner secret (csi.storage.k8s.io/provisioner-secret-name); for {:?}: \
+                 {:?} and {:?}",
                 KMS_IDS[0],
                 moor_runtime::keys::SECRET_KEK_KEY,
                 moor_runtime::keys::SECRET_KEK_ID_KEY
@@ -246,13 +252,20 @@ pub fn kek_from_secrets(
     })
 }
 
-/// A new data key for `volume_id`, wrapped by `kek`: the text its record keeps.
-pub fn new_wrapped_dek(kek: &moor_runtime::keys::Kek, volume_id: &str) -> Result<String> {
+/// A new data key for `volume_id`, wrapped by `kek`: the text its record keeps. A key server
+/// that cannot be reached: UNAVAILABLE; one that refuses: FAILED_PRECONDITION.
+pub fn new_wrapped_dek(
+    kek: &moor_runtime::keys::source::KeySource,
+    volume_id: &str,
+) -> Result<String> {
+    use moor_runtime::keys::KeyError;
     let dek = moor_runtime::keys::Dek::generate()
         .map_err(|e| Error::Internal(format!("volume {volume_id:?}: {e}")))?;
-    let wrapped = dek
-        .wrap(kek, volume_id)
-        .map_err(|e| Error::Internal(e.to_string()))?;
+    let wrapped = kek.wrap(&dek, volume_id).map_err(|e| match e {
+        KeyError::Unavailable(m) => Error::Unavailable(format!("volume {volume_id:?}: {m}")),
+        KeyError::Refused(m) => Error::FailedPrecondition(format!("volume {volume_id:?}: {m}")),
+        e => Error::Internal(e.to_string()),
+    })?;
     Ok(wrapped.encode())
 }
 

@@ -233,7 +233,7 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
             // An encrypted volume's key-encryption key, before anything is made.
             let kek = match &encryption {
                 Some(_) if !b.serves_encryption() => return Err(encryption::refuse_backend()),
-                Some(_) => Some(encryption::kek_from_secrets(&req.secrets)?),
+                Some(e) => Some(encryption::kek_from_secrets(&e.kms_id, &req.secrets)?),
                 None => None,
             };
             refuse_encrypted_copy(b, v.source.as_ref(), encryption.is_some())?;

@@ -210,6 +210,17 @@ impl Vm {
         sandbox: &moor_privileged::Sandbox,
         memory: &str,
     ) -> Self {
+        Self::boot_for_dm_crypt_with(name, bridge, sandbox, memory, Vec::new())
+    }
+
+    /// [`boot_for_dm_crypt`](Self::boot_for_dm_crypt) with more QEMU arguments (a TPM).
+    pub fn boot_for_dm_crypt_with(
+        name: &str,
+        bridge: &Bridge,
+        sandbox: &moor_privileged::Sandbox,
+        memory: &str,
+        qemu_opts: Vec<String>,
+    ) -> Self {
         let vm = Self::boot(VmOptions {
             name: name.into(),
             bridge: bridge.name.clone(),
@@ -222,7 +233,7 @@ impl Vm {
             dir: sandbox.root.join("vm"),
             memory: memory.into(),
             hotplug: 0,
-            qemu_opts: Vec::new(),
+            qemu_opts,
             append: Vec::new(),
         });
         vm.sh("modprobe -a loop ext4 rbd dm_crypt && dmsetup targets | grep -qw crypt");

@@ -274,7 +274,14 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
                     .await?;
                 req.publish_context.extend(ctx);
             }
-            let v = validate::stage(&req, &dir)?;
+            // A key source that asks a server or the TPM (kmip, tpm2) blocks while it
+            // unwraps: off the server's thread, as mount and mkfs are.
+            let v = if validate::asks_a_key_source(&req.volume_context) {
+                let (req, dir) = (req.clone(), dir.clone());
+                blocking(move || validate::stage(&req, &dir)).await?
+            } else {
+                validate::stage(&req, &dir)?
+            };
             let rbd = crate::attach::request::stage(&req)?;
             let journal = Arc::clone(engine.journal());
             let (staged, report) = blocking(move || {

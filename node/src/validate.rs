@@ -17,7 +17,11 @@ use moor_runtime::contract::{
     LUKS_PBKDF_KEY, LUKS_SECTOR_SIZE_KEY, QOS_LIMITS_FIELD, QOS_LIMITS_KEY, QosLimits,
     qos_from_context,
 };
-use moor_runtime::keys::{SECRET_KEK_ID_KEY, SECRET_KEK_KEY, WrappedDek, kek_from_secret};
+use moor_runtime::keys::source::{KMS_IDS, KMS_TPM2, KeySource};
+use moor_runtime::keys::tpm2::{self, Tpm2Tools};
+use moor_runtime::keys::{
+    KeyError, SECRET_KEK_ID_KEY, SECRET_KEK_KEY, WrappedDek, kek_from_secret,
+};
 use moor_runtime::limits::{self, trunc};
 
 use crate::engine::{
@@ -222,6 +226,8 @@ pub fn stage_but_device(
 /// What an encrypted volume's context says of how to open it (docs/encryption.md), checked;
 /// `None` for a volume that is not encrypted (`encrypted` absent or `"false"`).
 struct EncryptedContext<'a> {
+    /// The key source, one of `KMS_IDS`.
+    kms: &'a str,
     wrapped: WrappedDek,
     cipher: &'a str,
     key_size: u32,
@@ -271,11 +277,11 @@ fn encrypted_context(ctx: &HashMap<String, String>) -> Result<Option<EncryptedCo
         })
     };
     let kms = word(KMS_ID_KEY)?;
-    if kms != "secret" {
+    if !KMS_IDS.contains(&kms) {
         return Err(Error::invalid(
             "volume_context",
             format!(
-                "{KMS_ID_KEY}={:?}: this moor-node knows the key source \"secret\" only",
+                "{KMS_ID_KEY}={:?}: this moor-node knows the key sources {KMS_IDS:?}",
                 trunc(kms)
             ),
         ));
@@ -287,6 +293,7 @@ fn encrypted_context(ctx: &HashMap<String, String>) -> Result<Option<EncryptedCo
             WrappedDek::decode(t).map_err(|e| Error::invalid(ENCRYPTED_DEK_FIELD, e.to_string()))
         })?;
     Ok(Some(EncryptedContext {
+        kms,
         wrapped,
         cipher: word(LUKS_CIPHER_KEY)?,
         key_size: number(LUKS_KEY_SIZE_KEY)?,
@@ -295,37 +302,59 @@ fn encrypted_context(ctx: &HashMap<String, String>) -> Result<Option<EncryptedCo
     }))
 }
 
-/// An encrypted volume's data key, unwrapped with the key-encryption key of the stage secrets
-/// (the StorageClass's node-stage secret). A secret without the key or its id, or a malformed
-/// one: INVALID_ARGUMENT naming the secrets key (a required field of the request is missing).
-/// A well-formed key that does not unwrap the volume's data key (another KEK, a wrapped key of
-/// another volume, a damaged one): FAILED_PRECONDITION, naming the key's id, never a byte.
+/// An encrypted volume's data key, unwrapped by the key source its `kmsID` names, configured
+/// by the stage secrets (the StorageClass's node-stage secret); for `tpm2`, combined with this
+/// node's TPM half. A secret without a field the source needs, or a malformed one:
+/// INVALID_ARGUMENT naming the secrets key (a required field of the request is missing). A
+/// key server or TPM that cannot be reached: UNAVAILABLE. A well-formed key that does not
+/// unwrap the volume's data key (another KEK, a wrapped key of another volume, a damaged one,
+/// a key server's refusal): FAILED_PRECONDITION, naming the key's id, never a byte.
 fn encryption(
     volume_id: &str,
     ctx: EncryptedContext<'_>,
     secrets: &HashMap<String, String>,
 ) -> Result<Encryption> {
-    let kek = kek_from_secret(|k| secrets.get(k).map(String::as_str)).map_err(|e| {
-        Error::invalid(
-            "secrets",
-            format!(
-                "{e}: an encrypted volume's node-stage secret \
-                 (csi.storage.k8s.io/node-stage-secret-name) holds its key-encryption key"
-            ),
-        )
-    })?;
-    let dek = kek
-        .unwrap(&ctx.wrapped, volume_id)
-        .map_err(|e| Error::FailedPrecondition(format!("{e}; nothing was opened")))?;
+    let source =
+        KeySource::from_secrets(ctx.kms, |k| secrets.get(k).map(String::as_str)).map_err(|e| {
+            Error::invalid(
+                "secrets",
+                format!(
+                    "{e}: an encrypted volume's node-stage secret \
+                     (csi.storage.k8s.io/node-stage-secret-name) configures its key source {:?}",
+                    ctx.kms
+                ),
+            )
+        })?;
+    let refused = |e: KeyError| match e {
+        KeyError::Unavailable(m) => Error::Unavailable(format!("{m}; nothing was opened")),
+        e => Error::FailedPrecondition(format!("{e}; nothing was opened")),
+    };
+    let mut dek = source.unwrap(&ctx.wrapped, volume_id).map_err(refused)?;
+    if ctx.kms == KMS_TPM2 {
+        // The node's half: this node's TPM (its key made at the first use).
+        let tpm = Tpm2Tools::from_env();
+        tpm.ensure_key().map_err(refused)?;
+        dek = tpm2::combine(&dek, &tpm, volume_id).map_err(refused)?;
+    }
     Ok(Encryption {
         key: std::sync::Arc::new(dek),
         wrapped: ctx.wrapped,
-        kek_id: kek.id().to_owned(),
+        kek_id: source.kek_id().to_owned(),
         cipher: ctx.cipher.to_owned(),
         key_size: ctx.key_size,
         sector_size: ctx.sector_size,
         pbkdf: ctx.pbkdf.to_owned(),
     })
+}
+
+/// Whether the stage of a volume with this context asks a key server or the node's TPM for
+/// its key (an encrypted volume of the `kmip` or `tpm2` source): it blocks while it does.
+#[must_use]
+pub fn asks_a_key_source(ctx: &HashMap<String, String>) -> bool {
+    ctx.get(ENCRYPTED_KEY).is_some_and(|v| v == "true")
+        && ctx
+            .get(KMS_ID_KEY)
+            .is_some_and(|k| k != moor_runtime::keys::source::KMS_SECRET)
 }
 
 /// Validates NodeStageVolume.

@@ -101,7 +101,7 @@ fn a_wrong_parameter_is_refused_by_name() {
         ),
         (
             with(("kmsID", "vault")),
-            "kmsID=\"vault\": not a key source moor knows (secret)",
+            "kmsID=\"vault\": not a key source moor knows (secret, kmip, tpm2)",
         ),
         (
             with(("luksCipher", "aes-ecb")),

@@ -325,7 +325,16 @@ type Change = dyn Fn(&mut csi::NodeStageVolumeRequest);
 #[tokio::test]
 async fn a_missing_key_or_context_is_invalid_and_touches_nothing() {
     let k = keys(7);
-    let cases: [(&str, Box<Change>); 7] = [
+    let cases: [(&str, Box<Change>); 9] = [
+        // The KMIP source with a Secret source's fields: its endpoint is missing.
+        (
+            "KMIP_ENDPOINT",
+            Box::new(|r| drop(r.volume_context.insert("kmsID".into(), "kmip".into()))),
+        ),
+        (
+            "kmsID",
+            Box::new(|r| drop(r.volume_context.insert("kmsID".into(), "vault".into()))),
+        ),
         ("kek", Box::new(|r| drop(r.secrets.remove("kek")))),
         ("kekID", Box::new(|r| drop(r.secrets.remove("kekID")))),
         (

@@ -85,6 +85,14 @@ pub enum KeyError {
         /// The KEK id.
         kek_id: String,
     },
+    /// A key server (KMIP) could not be reached or answered nonsense: the call may succeed
+    /// later (UNAVAILABLE).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A key server refused: no such key, not allowed, a wrapped key that does not verify
+    /// (FAILED_PRECONDITION: the key source must change first).
+    #[error("{0}")]
+    Refused(String),
     /// AES-GCM could not wrap (it cannot fail for a 32-byte key; kept so no call panics).
     #[error("the data key of volume {0:?} could not be wrapped")]
     Wrap(String),
@@ -366,6 +374,10 @@ pub fn secret_entries(id: &str, bytes: &[u8]) -> [(String, String); 2] {
         (SECRET_KEK_ID_KEY.to_owned(), id.to_owned()),
     ]
 }
+
+pub mod kmip;
+pub mod source;
+pub mod tpm2;
 
 #[cfg(test)]
 mod tests;

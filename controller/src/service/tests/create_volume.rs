@@ -304,6 +304,16 @@ async fn create_volume_from_sources() {
     );
 }
 
+/// Whether the backend holds no volume.
+fn no_volume(fx: &Fx) -> bool {
+    use crate::backend::Backend as _;
+    fx.backend
+        .list_volumes(&Default::default())
+        .unwrap()
+        .entries
+        .is_empty()
+}
+
 /// The CSI secrets of the `secret` key source: a KEK and its id.
 fn kek_secrets(id: &str, byte: u8) -> std::collections::HashMap<String, String> {
     moor_runtime::keys::secret_entries(id, &[byte; 32])
@@ -359,13 +369,7 @@ async fn an_encrypted_volume_gets_a_wrapped_data_key_of_its_own_and_copies_are_r
         .expect_err("a short KEK");
     assert_eq!(s.code(), Code::InvalidArgument);
     assert!(!s.message().contains("c2hvcnQ="), "{}", s.message());
-    assert!(
-        fx.backend
-            .list_volumes(&Default::default())
-            .unwrap()
-            .entries
-            .is_empty()
-    );
+    assert!(no_volume(&fx), "nothing made");
     // Made: the context says how to open it, with the data key wrapped for this volume by
     // the secret's KEK, and no key in the clear.
     let v = fx
@@ -480,4 +484,45 @@ async fn an_encrypted_volume_gets_a_wrapped_data_key_of_its_own_and_copies_are_r
         .expect("plain");
     let v = v.into_inner().volume.expect("volume");
     assert!(!v.volume_context.contains_key("encrypted"), "{v:?}");
+}
+
+#[tokio::test]
+async fn kms_id_chooses_the_source_that_wraps_the_data_key() {
+    use moor_runtime::keys::{WrappedDek, kek_from_secret};
+    let fx = Fx::new("svc-create-kms");
+    let with_kms = |name: &str, kms: &str| {
+        let mut r = create_req(name, 1 << 20);
+        r.parameters.insert("encrypted".into(), "true".into());
+        r.parameters.insert("kmsID".into(), kms.into());
+        r.secrets = kek_secrets("cluster-1", 9);
+        r
+    };
+    // kmip, with a Secret source's fields: its endpoint is missing; nothing is made.
+    let s = fx
+        .svc
+        .create_volume(Request::new(with_kms("enc-kmip", "kmip")))
+        .await
+        .expect_err("no KMIP endpoint");
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert!(s.message().contains("KMIP_ENDPOINT"), "{}", s.message());
+    assert!(no_volume(&fx), "nothing made");
+    // tpm2: the cluster half is the Secret's KEK's; the node adds its TPM's half at stage.
+    let v = fx
+        .svc
+        .create_volume(Request::new(with_kms("enc-tpm2", "tpm2")))
+        .await
+        .expect("a tpm2 volume")
+        .into_inner()
+        .volume
+        .expect("volume");
+    assert_eq!(
+        v.volume_context.get("kmsID").map(String::as_str),
+        Some("tpm2")
+    );
+    let wrapped = WrappedDek::decode(&v.volume_context["encryptedDEK"]).expect("wrapped");
+    assert_eq!(wrapped.kek_id(), "cluster-1");
+    let secrets = kek_secrets("cluster-1", 9);
+    let kek = kek_from_secret(|k| secrets.get(k).map(String::as_str)).expect("kek");
+    kek.unwrap(&wrapped, &v.volume_id)
+        .expect("the cluster KEK unwraps the cluster half");
 }

@@ -1,0 +1,296 @@
+//! The `kmip` key source against a real KMIP server: PyKMIP 0.11's `pykmip-server`, with TLS
+//! and client certificates this test makes (openssl). moor creates and activates a KEK on the
+//! server, wraps a DEK through it and unwraps it for its volume only; the server's refusals
+//! (another volume's record, an unknown key) are `Refused`, a server that is gone is
+//! `Unavailable`.
+//!
+//! Needs the server (`bash .ci/pykmip` installs it from PyPI and prints
+//! `MOOR_PYKMIP_SERVER=...`; the default place is looked at too) and the `openssl` program;
+//! skipped, saying why, without them. It needs no root: it is here beside the other tests that
+//! run the real programs.
+
+use std::collections::HashMap;
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use moor_runtime::keys::kmip::{
+    self, KMIP_CA_CERT_KEY, KMIP_CLIENT_CERT_KEY, KMIP_CLIENT_KEY_KEY, KMIP_ENDPOINT_KEY,
+    KMIP_TLS_SERVER_NAME_KEY, KMIP_UNIQUE_IDENTIFIER_KEY, KmipConfig,
+};
+use moor_runtime::keys::{Dek, KeyError};
+
+/// Where `.ci/pykmip` puts the server when not told otherwise.
+const DEFAULT_SERVER: &str = "/var/tmp/moor-pykmip/bin/pykmip-server";
+
+/// How long the server may take to listen (Python and SQLAlchemy start slowly on a busy box).
+const LISTEN_DEADLINE: Duration = Duration::from_secs(120);
+
+/// The server program, or why the test is skipped.
+fn server_program() -> Result<PathBuf, String> {
+    let path = std::env::var_os("MOOR_PYKMIP_SERVER")
+        .map_or_else(|| PathBuf::from(DEFAULT_SERVER), PathBuf::from);
+    if !path.is_file() {
+        return Err(format!(
+            "no PyKMIP server at {} (run `bash .ci/pykmip`, set MOOR_PYKMIP_SERVER)",
+            path.display()
+        ));
+    }
+    if Command::new("openssl").arg("version").output().is_err() {
+        return Err("no openssl program to make the test's certificates".into());
+    }
+    Ok(path)
+}
+
+/// Runs `openssl` with `args` in `dir`; panics with its stderr when it fails.
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("openssl runs");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA named `name` in `dir` (`<name>.pem`, `<name>.key`). Every key is ECDSA P-256:
+/// PyKMIP's TLS 1.2 suite offers AES-GCM only with ECDSA (with RSA only CBC suites, which
+/// rustls does not speak).
+fn ca(dir: &Path, name: &str) {
+    let (pem, key) = (format!("{name}.pem"), format!("{name}.key"));
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN={name}"),
+            "-keyout",
+            &key,
+            "-out",
+            &pem,
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ],
+    );
+}
+
+/// A certificate `<leaf>.pem`, `<leaf>.key` for `cn` signed by the CA `ca`, with `ext`.
+fn leaf(dir: &Path, ca: &str, leaf: &str, cn: &str, ext: &str) {
+    let ext_file = format!("{leaf}.ext");
+    std::fs::write(dir.join(&ext_file), ext).expect("ext file");
+    let csr = format!("{leaf}.csr");
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-subj",
+            &format!("/CN={cn}"),
+            "-keyout",
+            &format!("{leaf}.key"),
+            "-out",
+            &csr,
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            &format!("{ca}.pem"),
+            "-CAkey",
+            &format!("{ca}.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            &format!("{leaf}.pem"),
+            "-extfile",
+            &ext_file,
+        ],
+    );
+}
+
+/// The server and its directory: killed and removed on drop, whatever the test did.
+struct Server {
+    child: Child,
+    dir: PathBuf,
+    port: u16,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            eprintln!(
+                "the PyKMIP server's log, last lines first:\n{}",
+                tail.join("\n")
+            );
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Server {
+    /// The server and the session processes it forks (its process group) killed.
+    fn stop(&mut self) {
+        let pid = rustix::process::Pid::from_child(&self.child);
+        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        let _ = self.child.wait();
+    }
+
+    /// Certificates made, the server started, and listening.
+    fn start(program: &Path) -> Self {
+        let dir = std::env::temp_dir().join(format!("moor-kmip-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("policies")).expect("test dir");
+        // A free port: bound, read, released (the server binds it right after).
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        ca(&dir, "ca");
+        ca(&dir, "other-ca");
+        leaf(
+            &dir,
+            "ca",
+            "server",
+            "localhost",
+            "basicConstraints=CA:FALSE\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n\
+             extendedKeyUsage=serverAuth\n",
+        );
+        for (issuer, name) in [("ca", "client"), ("other-ca", "stranger")] {
+            leaf(
+                &dir,
+                issuer,
+                name,
+                "moor",
+                "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
+            );
+        }
+        let conf = format!(
+            "[server]\nhostname=127.0.0.1\nport={port}\ncertificate_path={d}/server.pem\n\
+             key_path={d}/server.key\nca_path={d}/ca.pem\nauth_suite=TLS1.2\n\
+             enable_tls_client_auth=True\npolicy_path={d}/policies\n\
+             database_path={d}/kmip.db\nlogging_level=DEBUG\n",
+            d = dir.display()
+        );
+        std::fs::write(dir.join("server.conf"), conf).expect("server.conf");
+        let child = Command::new(program)
+            .arg("-f")
+            .arg(dir.join("server.conf"))
+            .arg("-l")
+            .arg(dir.join("server.log"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("pykmip-server starts");
+        let mut server = Self { child, dir, port };
+        let until = Instant::now() + LISTEN_DEADLINE;
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                panic!("pykmip-server exited ({status}) before it listened on {port}");
+            }
+            assert!(
+                Instant::now() < until,
+                "pykmip-server did not listen on 127.0.0.1:{port} within {LISTEN_DEADLINE:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        server
+    }
+
+    /// The CSI secrets of the `kmip` source for this server, with the client `client` and
+    /// the key `kek_id`.
+    fn secrets(&self, client: &str, kek_id: &str) -> HashMap<&'static str, String> {
+        let read = |f: &str| std::fs::read_to_string(self.dir.join(f)).expect("pem");
+        HashMap::from([
+            (KMIP_ENDPOINT_KEY, format!("127.0.0.1:{}", self.port)),
+            (KMIP_TLS_SERVER_NAME_KEY, "localhost".to_owned()),
+            (KMIP_CA_CERT_KEY, read("ca.pem")),
+            (KMIP_CLIENT_CERT_KEY, read(&format!("{client}.pem"))),
+            (KMIP_CLIENT_KEY_KEY, read(&format!("{client}.key"))),
+            (KMIP_UNIQUE_IDENTIFIER_KEY, kek_id.to_owned()),
+        ])
+    }
+
+    fn config(&self, client: &str, kek_id: &str) -> KmipConfig {
+        let s = self.secrets(client, kek_id);
+        KmipConfig::from_secrets(|k| s.get(k).map(String::as_str)).expect("config")
+    }
+}
+
+#[test]
+fn pykmip_wraps_and_unwraps_a_dek_and_refuses_what_it_must() {
+    let program = match server_program() {
+        Ok(p) => p,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let mut server = Server::start(&program);
+    let maker = server.config("client", "unset");
+    let kek_id =
+        kmip::create_kek(&mut maker.connect().expect("connect")).expect("a KEK on the server");
+    let config = server.config("client", &kek_id);
+
+    let dek = Dek::generate().expect("dek");
+    let wrapped = config.wrap(&dek, "vol-1").expect("wrap");
+    assert_eq!(wrapped.kek_id(), kek_id);
+    let stored = wrapped.encode();
+    let back = moor_runtime::keys::WrappedDek::decode(&stored).expect("decode");
+    let opened = config.unwrap(&back, "vol-1").expect("unwrap");
+    assert_eq!(opened.expose(), dek.expose(), "the same key back");
+
+    // Another volume's record: the server's GCM tag check refuses.
+    let e = config.unwrap(&back, "vol-2").expect_err("another volume");
+    assert!(matches!(&e, KeyError::Refused(_)), "{e:?}");
+
+    // A key the server does not have.
+    let missing = server.config("client", "999");
+    let e = missing.wrap(&dek, "vol-1").expect_err("no such key");
+    assert!(
+        matches!(&e, KeyError::Refused(m) if m.contains("item not found")),
+        "{e:?}"
+    );
+
+    // A client the server does not trust: the TLS handshake fails, nothing is wrapped.
+    let stranger = server.config("stranger", &kek_id);
+    let e = stranger.wrap(&dek, "vol-1").expect_err("an unknown client");
+    assert!(matches!(&e, KeyError::Unavailable(_)), "{e:?}");
+
+    // The server gone: unavailable, and says which server.
+    server.stop();
+    let e = config.unwrap(&back, "vol-1").expect_err("server gone");
+    assert!(
+        matches!(&e, KeyError::Unavailable(m) if m.contains(&format!("127.0.0.1:{}", server.port))),
+        "{e:?}"
+    );
+}

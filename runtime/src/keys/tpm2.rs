@@ -1,0 +1,290 @@
+//! The `tpm2` key source (see docs/encryption.md): a volume opens only with two halves, one
+//! held by the cluster and one by the node's TPM, neither of which alone opens it.
+//!
+//! * the **cluster half** is the volume's DEK as every source has it: made by the controller,
+//!   stored only wrapped by a cluster KEK (a Secret's, or a KMIP server's), with the volume;
+//! * the **node half** is an HMAC-SHA256 of the volume's id under a key that lives in the node's
+//!   TPM: made inside the TPM (`tpm2_create -G hmac`), never outside it in the clear. Its blobs
+//!   on the node's disk are encrypted by the TPM's storage key and load only into that TPM.
+//!
+//! The LUKS passphrase is HKDF-SHA256 of both ([`combine`]). Without the cluster KEK, the TPM
+//! gives an HMAC that opens nothing; without the TPM (a stolen disk, a copied record, another
+//! node), the unwrapped DEK opens nothing. What it does not protect against: root on the
+//! running node while it holds the cluster KEK (it can ask its TPM), and the key is bound to
+//! the TPM, not to the boot state (no PCR policy yet).
+//!
+//! The TPM is reached through tpm2-tools ([`Tpm2Tools`]), executed with the volume id on stdin
+//! and the HMAC read from stdout: no key in an argument, the environment or a file. Which TPM
+//! is the TCTI's (`TPM2TOOLS_TCTI`): the kernel's resource manager `device:/dev/tpmrm0` on a
+//! node, swtpm's socket in the tests.
+
+use std::fmt;
+use std::io::Write;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+
+use ring::hkdf;
+use zeroize::Zeroizing;
+
+use super::{Dek, KEY_LEN, KeyError, Result, Secret};
+
+/// The `kmsID` of this source.
+pub const KMS_TPM2: &str = "tpm2";
+
+/// Where moor-node keeps its TPM key's blobs when `MOOR_TPM2_DIR` does not say.
+pub const DEFAULT_DIR: &str = "/var/lib/moor/tpm2";
+
+/// What salts the combination: the format's version.
+const SALT: &[u8] = b"moor-tpm2-v1";
+
+/// The node's TPM: an HMAC-SHA256 under a key that never leaves it.
+pub trait Tpm: Send + Sync {
+    /// HMAC-SHA256 of `message` under the node's TPM-held key.
+    fn hmac(&self, message: &[u8]) -> Result<Zeroizing<Vec<u8>>>;
+}
+
+/// The passphrase of `volume`'s LUKS key slot under the `tpm2` source: HKDF-SHA256 of the
+/// cluster half (`cluster`, the unwrapped DEK) and the node half (the TPM's HMAC of the
+/// volume id), with the volume id as the HKDF info.
+pub fn combine(cluster: &Dek, tpm: &dyn Tpm, volume: &str) -> Result<Dek> {
+    let message = [SALT, volume.as_bytes()].join(&0u8);
+    let node_half = tpm.hmac(&message)?;
+    if node_half.len() != KEY_LEN {
+        return Err(KeyError::Refused(format!(
+            "the node's TPM gave an HMAC of {} bytes, not {KEY_LEN}",
+            node_half.len()
+        )));
+    }
+    let mut ikm = Zeroizing::new(Vec::with_capacity(2 * KEY_LEN));
+    ikm.extend_from_slice(cluster.expose());
+    ikm.extend_from_slice(&node_half);
+    let mut out = Secret::zeroed();
+    let info = [volume.as_bytes()];
+    hkdf::Salt::new(hkdf::HKDF_SHA256, SALT)
+        .extract(&ikm)
+        .expand(&info, OutLen)
+        .and_then(|okm| okm.fill(out.0.as_mut_slice()))
+        .map_err(|_| KeyError::Wrap(volume.to_owned()))?;
+    Ok(Dek(out))
+}
+
+/// HKDF's output length: one key.
+struct OutLen;
+
+impl hkdf::KeyType for OutLen {
+    fn len(&self) -> usize {
+        KEY_LEN
+    }
+}
+
+/// The node's TPM through tpm2-tools. The HMAC key's blobs (`hmac.pub`, `hmac.priv`, the
+/// private part encrypted by the TPM) and the saved contexts live in `dir`.
+pub struct Tpm2Tools {
+    /// Where the key's blobs are.
+    dir: PathBuf,
+    /// `TPM2TOOLS_TCTI`, when not the tools' default.
+    tcti: Option<String>,
+    /// One TPM conversation at a time: without a resource manager (swtpm's socket) the TPM
+    /// holds three transient objects, and the saved contexts are files in `dir`.
+    lock: Mutex<()>,
+}
+
+impl fmt::Debug for Tpm2Tools {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tpm2Tools")
+            .field("dir", &self.dir)
+            .field("tcti", &self.tcti)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tpm2Tools {
+    /// The TPM `tcti` names (the tools' default when `None`), its key's blobs in `dir`.
+    #[must_use]
+    pub fn new(dir: &Path, tcti: Option<String>) -> Self {
+        Self {
+            dir: dir.to_owned(),
+            tcti,
+            lock: Mutex::new(()),
+        }
+    }
+
+    /// The node's TPM as moor-node finds it: the key's blobs in `MOOR_TPM2_DIR` (default
+    /// [`DEFAULT_DIR`]), the TPM the tools' `TPM2TOOLS_TCTI` names (inherited; the tools'
+    /// default, the kernel's `/dev/tpmrm0`, without it).
+    #[must_use]
+    pub fn from_env() -> Self {
+        let dir =
+            std::env::var_os("MOOR_TPM2_DIR").map_or_else(|| DEFAULT_DIR.into(), PathBuf::from);
+        Self::new(&dir, None)
+    }
+
+    /// Runs the tpm2-tools program `program` with `args` in `dir`, `stdin` on its standard
+    /// input; its standard output. A failure names the program and the TPM's words.
+    fn run(&self, program: &str, args: &[&str], stdin: &[u8]) -> Result<Zeroizing<Vec<u8>>> {
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .current_dir(&self.dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(t) = &self.tcti {
+            cmd.env("TPM2TOOLS_TCTI", t);
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| KeyError::Unavailable(format!("the node's TPM: {program}: {e}")))?;
+        if let Some(mut input) = child.stdin.take() {
+            input
+                .write_all(stdin)
+                .map_err(|e| KeyError::Unavailable(format!("the node's TPM: {program}: {e}")))?;
+        }
+        let out = child
+            .wait_with_output()
+            .map_err(|e| KeyError::Unavailable(format!("the node's TPM: {program}: {e}")))?;
+        let stdout = Zeroizing::new(out.stdout);
+        if out.status.success() {
+            return Ok(stdout);
+        }
+        let said: String = String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .rfind(|l| l.contains("ERROR"))
+            .unwrap_or("")
+            .chars()
+            .take(200)
+            .collect();
+        // The TPM cannot be talked to (no device, swtpm gone): the call may work later.
+        // The TPM answers but refuses (the blobs are another TPM's): the source must change.
+        let unreachable = [
+            "tcti",
+            "Connection refused",
+            "No such file",
+            "Failed to initialize",
+        ]
+        .iter()
+        .any(|w| String::from_utf8_lossy(&out.stderr).contains(w));
+        let what = format!("the node's TPM: {program} failed ({}): {said}", out.status);
+        Err(if unreachable {
+            KeyError::Unavailable(what)
+        } else {
+            KeyError::Refused(what)
+        })
+    }
+
+    /// Frees the TPM's transient objects (the next command loads what it needs from the
+    /// saved contexts).
+    fn flush(&self) -> Result<()> {
+        self.run("tpm2_flushcontext", &["-t"], &[]).map(drop)
+    }
+
+    /// The storage primary key (deterministic from the TPM's owner seed: the same key each
+    /// time), saved as `primary.ctx`.
+    fn primary(&self) -> Result<()> {
+        self.run(
+            "tpm2_createprimary",
+            &[
+                "-Q",
+                "-C",
+                "o",
+                "-g",
+                "sha256",
+                "-G",
+                "ecc256",
+                "-c",
+                "primary.ctx",
+            ],
+            &[],
+        )?;
+        self.flush()
+    }
+
+    /// Makes the node's HMAC key in the TPM if `dir` holds none yet. The key is made inside
+    /// the TPM; what is written is its public part and its private part encrypted by the
+    /// TPM's storage key.
+    pub fn ensure_key(&self) -> Result<()> {
+        let _held = self
+            .lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.dir.join("hmac.priv").exists() {
+            return Ok(());
+        }
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.dir)
+            .map_err(|e| {
+                KeyError::Unavailable(format!(
+                    "the node's TPM key dir {}: {e}",
+                    self.dir.display()
+                ))
+            })?;
+        self.primary()?;
+        let made = self.run(
+            "tpm2_create",
+            &[
+                "-Q",
+                "-C",
+                "primary.ctx",
+                "-G",
+                "hmac",
+                "-u",
+                "hmac.pub.new",
+                "-r",
+                "hmac.priv.new",
+            ],
+            &[],
+        );
+        self.flush()?;
+        made?;
+        let rename = |from: &str, to: &str| {
+            std::fs::rename(self.dir.join(from), self.dir.join(to))
+                .map_err(|e| KeyError::Unavailable(format!("the node's TPM key blobs: {e}")))
+        };
+        // The private blob last: its presence says the key is whole.
+        rename("hmac.pub.new", "hmac.pub")?;
+        rename("hmac.priv.new", "hmac.priv")
+    }
+}
+
+impl Tpm for Tpm2Tools {
+    fn hmac(&self, message: &[u8]) -> Result<Zeroizing<Vec<u8>>> {
+        let _held = self
+            .lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !self.dir.join("hmac.priv").exists() {
+            return Err(KeyError::Refused(format!(
+                "this node has no TPM key for moor in {}: a volume of the tpm2 source opens \
+                 only on the node that made it",
+                self.dir.display()
+            )));
+        }
+        self.primary()?;
+        let loaded = self.run(
+            "tpm2_load",
+            &[
+                "-Q",
+                "-C",
+                "primary.ctx",
+                "-u",
+                "hmac.pub",
+                "-r",
+                "hmac.priv",
+                "-c",
+                "hmac.ctx",
+            ],
+            &[],
+        );
+        self.flush()?;
+        loaded?;
+        let mac = self.run("tpm2_hmac", &["-c", "hmac.ctx", "-g", "sha256"], message);
+        self.flush()?;
+        mac
+    }
+}
+
+#[cfg(test)]
+mod tests;

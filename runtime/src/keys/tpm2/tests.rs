@@ -1,0 +1,96 @@
+//! The combination of the two halves: one passphrase for one volume on one TPM with one
+//! cluster key, and neither half alone gives it.
+
+use ring::hmac;
+
+use super::*;
+use crate::keys::Kek;
+
+/// A TPM in memory: an HMAC key of its own, or none reachable.
+struct FakeTpm(Option<hmac::Key>);
+
+impl FakeTpm {
+    fn new() -> Self {
+        let seed = Secret::random().expect("random");
+        Self(Some(hmac::Key::new(hmac::HMAC_SHA256, seed.0.as_slice())))
+    }
+}
+
+impl Tpm for FakeTpm {
+    fn hmac(&self, message: &[u8]) -> Result<Zeroizing<Vec<u8>>> {
+        let key = self
+            .0
+            .as_ref()
+            .ok_or_else(|| KeyError::Unavailable("the node's TPM: no device".into()))?;
+        Ok(Zeroizing::new(hmac::sign(key, message).as_ref().to_vec()))
+    }
+}
+
+#[test]
+fn one_volume_one_tpm_one_cluster_key_give_one_passphrase() {
+    let tpm = FakeTpm::new();
+    let dek = Dek::generate().expect("dek");
+    let a = combine(&dek, &tpm, "vol-1").expect("combine");
+    let b = combine(&dek, &tpm, "vol-1").expect("combine");
+    assert_eq!(
+        a.expose(),
+        b.expose(),
+        "the same halves give the same passphrase"
+    );
+    assert_ne!(
+        a.expose(),
+        dek.expose(),
+        "the cluster half is not the passphrase"
+    );
+    let other_volume = combine(&dek, &tpm, "vol-2").expect("combine");
+    assert_ne!(a.expose(), other_volume.expose());
+}
+
+#[test]
+fn the_cluster_half_alone_opens_nothing() {
+    let tpm = FakeTpm::new();
+    let kek = Kek::new("kek-1", &[0x11; KEY_LEN]).expect("kek");
+    let dek = Dek::generate().expect("dek");
+    let wrapped = dek.wrap(&kek, "vol-1").expect("wrap");
+    let passphrase = combine(&dek, &tpm, "vol-1").expect("combine");
+    // The cluster KEK unwraps the DEK, but without this node's TPM:
+    let unwrapped = kek.unwrap(&wrapped, "vol-1").expect("unwrap");
+    // no TPM at all: an error, no key;
+    let e = combine(&unwrapped, &FakeTpm(None), "vol-1").expect_err("no TPM");
+    assert!(matches!(e, KeyError::Unavailable(_)), "{e:?}");
+    // another node's TPM: another passphrase, which the key slot refuses;
+    let elsewhere = combine(&unwrapped, &FakeTpm::new(), "vol-1").expect("combine");
+    assert_ne!(elsewhere.expose(), passphrase.expose());
+    // the DEK itself is not the passphrase.
+    assert_ne!(unwrapped.expose(), passphrase.expose());
+}
+
+#[test]
+fn the_tpm_half_alone_opens_nothing() {
+    let tpm = FakeTpm::new();
+    let kek = Kek::new("kek-1", &[0x11; KEY_LEN]).expect("kek");
+    let dek = Dek::generate().expect("dek");
+    let wrapped = dek.wrap(&kek, "vol-1").expect("wrap");
+    let passphrase = combine(&dek, &tpm, "vol-1").expect("combine");
+    // The node's TPM with a guess at the cluster KEK: the wrapped DEK does not unwrap.
+    let guess = Kek::new("kek-1", &[0x12; KEY_LEN]).expect("kek");
+    let e = guess.unwrap(&wrapped, "vol-1").expect_err("wrong KEK");
+    assert!(matches!(e, KeyError::Unwrap { .. }), "{e:?}");
+    // The TPM with any other cluster half: another passphrase.
+    let other = Dek::generate().expect("dek");
+    let with_other = combine(&other, &tpm, "vol-1").expect("combine");
+    assert_ne!(with_other.expose(), passphrase.expose());
+}
+
+#[test]
+fn a_node_without_the_key_blobs_says_so() {
+    let dir = std::env::temp_dir().join(format!("moor-tpm2-unit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let tools = Tpm2Tools::new(&dir, Some("swtpm:port=1".into()));
+    let e = tools.hmac(b"vol-1").expect_err("no key");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        matches!(&e, KeyError::Refused(m) if m.contains("opens only on the node that made it")),
+        "{e:?}"
+    );
+}
