@@ -30,6 +30,8 @@ pub(super) fn snapshot_of(id: &SnapshotId, rec: &SnapshotRecord) -> Snapshot {
             }
             .to_string()
         }),
+        // The RBD backend makes no encrypted volume yet.
+        encryption: Parameters::new(),
     }
 }
 
