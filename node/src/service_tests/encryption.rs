@@ -623,3 +623,51 @@ async fn a_mapping_open_under_the_volumes_name_on_another_device_is_not_used() {
         "the other mapping left as it was"
     );
 }
+
+#[tokio::test]
+async fn an_encrypted_rbd_volume_opens_on_its_mapped_image_and_closes_before_the_unmap() {
+    use super::rbd::{rbd_harness, rbd_stage};
+    let r = rbd_harness();
+    let h = &r.h;
+    let k = keys(7);
+    // (A stage after the unmap is not shown here: the fake's LUKS volumes are per device
+    // path, and the next map may give another one; the VM lab's tests stage again.)
+    let mut req = encrypted_req(ext4(), &k);
+    let rbd = rbd_stage("vol-1", ext4());
+    req.publish_context = rbd.publish_context;
+    req.secrets.extend(rbd.secrets);
+    h.svc
+        .node_stage_volume(Request::new(req))
+        .await
+        .expect("stage");
+    // LUKS made on the image's mapped device, and the filesystem on the mapping.
+    let under = h.os.luks_mappings().get("moor-vol-1").cloned();
+    let mapped = under.expect("open on the mapped image");
+    assert_ne!(mapped, PathBuf::from(DEV));
+    assert!(h.os.luks_opens_with(&mapped, k.dek.expose()));
+    // An unstage cut short at the close: the image stays mapped under the open mapping.
+    h.os.fail_tool("cryptsetup", 5);
+    assert_eq!(
+        code(h.svc.node_unstage_volume(Request::new(unstage_req()))).await,
+        Code::Internal
+    );
+    assert_eq!(h.os.luks_mappings().len(), 1);
+    let unmapped = |r: &super::rbd::Rbd| {
+        r.attacher
+            .calls()
+            .iter()
+            .filter(|c| matches!(c, crate::attach::fake::AttachCall::Unmap(..)))
+            .count()
+    };
+    assert_eq!(unmapped(&r), 0, "not unmapped under an open mapping");
+    // Reconciliation closes the mapping first, then unmaps the image it sat on.
+    let kinds: Vec<&str> = reconcile(h)
+        .iter()
+        .map(crate::reconcile::Action::kind)
+        .filter(|k| matches!(*k, "crypt_closed" | "unmapped"))
+        .collect();
+    assert_eq!(kinds, ["crypt_closed", "unmapped"]);
+    assert!(h.os.luks_mappings().is_empty());
+    assert_eq!(unmapped(&r), 1);
+    assert!(h.engine.journal().get("vol-1").is_none(), "nothing left");
+}
