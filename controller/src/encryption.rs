@@ -280,12 +280,13 @@ pub fn of_volume(parameters: &Parameters, context: &Parameters) -> Parameters {
     carried
 }
 
-/// The LUKS parameters a copy is made with: its source's (`carried`, from [`of_volume`]),
-/// whatever its class says, since the copy holds its source's LUKS header (a class's LUKS
-/// parameters apply to a volume made blank).
+/// The encryption parameters among `params` (`encrypted`, `kmsID`, `luks*`): what a volume's
+/// context carries to the node, and what a copy is made with (its source's, from
+/// [`of_volume`], whatever its class says: the copy holds its source's LUKS header, and a
+/// class's LUKS parameters apply to a volume made blank).
 #[must_use]
-pub fn copy_parameters(carried: &Parameters) -> Parameters {
-    carried
+pub fn encryption_parameters(params: &Parameters) -> Parameters {
+    params
         .iter()
         .filter(|(k, _)| ENCRYPTION_KEYS.contains(&k.as_str()))
         .map(|(k, v)| (k.clone(), v.clone()))
@@ -338,13 +339,13 @@ pub fn wrap_for(
 }
 
 /// CreateVolume's answer to an encrypted class on a backend that does not keep encrypted
-/// volumes' keys yet (RBD): refused, so that nothing meant to be encrypted is made in the clear.
+/// volumes' keys: refused, so that nothing meant to be encrypted is made in the clear.
 pub fn refuse_backend() -> Error {
     Error::invalid(
         "parameters",
         format!(
-            "{ENCRYPTED_KEY}=\"true\": encrypted volumes are served on the embedded backend \
-             only by this version of moor; refused rather than made in the clear"
+            "{ENCRYPTED_KEY}=\"true\": this backend does not serve encrypted volumes; \
+             refused rather than made in the clear"
         ),
     )
 }

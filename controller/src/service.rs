@@ -259,7 +259,8 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
             // its data key, taken before anything is made.
             let copy_dek = match (&copy, &kek) {
                 (Some((carried, source_id)), Some(kek)) => {
-                    v.parameters.extend(encryption::copy_parameters(carried));
+                    v.parameters
+                        .extend(encryption::encryption_parameters(carried));
                     Some(encryption::source_dek(carried, source_id, kek)?)
                 }
                 _ => None,

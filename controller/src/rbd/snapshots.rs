@@ -30,8 +30,7 @@ pub(super) fn snapshot_of(id: &SnapshotId, rec: &SnapshotRecord) -> Snapshot {
             }
             .to_string()
         }),
-        // The RBD backend makes no encrypted volume yet.
-        encryption: Parameters::new(),
+        encryption: rec.encryption.clone(),
     }
 }
 
@@ -177,6 +176,7 @@ impl RbdBackend {
                     created_nanos,
                     group_suffix: None,
                     copy_image: None,
+                    encryption: crate::encryption::of_volume(&vrec.parameters, &vrec.context),
                 };
                 reg.put_snapshot(&suffix, &rec)?;
                 rec
