@@ -321,6 +321,10 @@ pub struct Snapshot {
     pub ready_to_use: bool,
     /// The group snapshot it was cut in, if any.
     pub group_snapshot_id: Option<String>,
+    /// Its source's encryption when it was cut (docs/encryption.md): the `encrypted`, `kmsID`
+    /// and `luks*` parameters and the wrapped data key (`encryptedDEK`, wrapped for
+    /// `source_volume_id`) that a restore opens with; empty for a source in the clear.
+    pub encryption: Parameters,
 }
 
 /// CreateVolumeGroupSnapshot, validated.

@@ -5,7 +5,9 @@
 //!
 //! CreateVolume of an encrypted class makes the volume's data key, wraps it with the key
 //! source's KEK ([`kek_from_secrets`], [`new_wrapped_dek`]) and keeps the wrapped key in the
-//! volume's record and context; a copy of an encrypted volume is refused ([`refuse_copy`]).
+//! volume's record and context. A copy of an encrypted volume (a snapshot, a clone, a restore)
+//! is its source's LUKS volume: it opens with its source's data key, wrapped again for the copy
+//! ([`source_dek`], [`wrap_for`]); a copy between encrypted and clear is refused ([`refuse_mixed_copy`]).
 
 use crate::backend::Parameters;
 use crate::error::{Error, Result, trunc};
@@ -22,6 +24,16 @@ pub use moor_runtime::contract::LUKS_KEY_SIZE_KEY as KEY_SIZE_KEY;
 pub use moor_runtime::contract::LUKS_PBKDF_KEY as PBKDF_KEY;
 /// The LUKS sector size in bytes.
 pub use moor_runtime::contract::LUKS_SECTOR_SIZE_KEY as SECTOR_SIZE_KEY;
+
+/// The parameters that say how a volume is encrypted.
+const ENCRYPTION_KEYS: [&str; 6] = [
+    ENCRYPTED_KEY,
+    KMS_ID_KEY,
+    CIPHER_KEY,
+    KEY_SIZE_KEY,
+    SECTOR_SIZE_KEY,
+    PBKDF_KEY,
+];
 
 /// The key sources this driver knows (`moor_runtime::keys::source`): the Kubernetes Secret
 /// given as CSI secrets, a KMIP server, a node's TPM2 with a cluster key.
@@ -131,14 +143,7 @@ fn one_of<T: Copy + std::fmt::Display + PartialEq>(
 /// unknown one, a cipher, key size, sector size or PBKDF moor does not take, a key size the
 /// cipher does not take, any of them on a volume that is not encrypted.
 pub fn split(raw: &Parameters) -> Result<(Option<Encryption>, Parameters)> {
-    const KEYS: [&str; 6] = [
-        ENCRYPTED_KEY,
-        KMS_ID_KEY,
-        CIPHER_KEY,
-        KEY_SIZE_KEY,
-        SECTOR_SIZE_KEY,
-        PBKDF_KEY,
-    ];
+    const KEYS: [&str; 6] = ENCRYPTION_KEYS;
     let rest: Parameters = raw
         .iter()
         .filter(|(k, _)| !KEYS.contains(&k.as_str()))
@@ -258,10 +263,109 @@ pub fn new_wrapped_dek(
     kek: &moor_runtime::keys::source::KeySource,
     volume_id: &str,
 ) -> Result<String> {
-    use moor_runtime::keys::KeyError;
     let dek = moor_runtime::keys::Dek::generate()
         .map_err(|e| Error::Internal(format!("volume {volume_id:?}: {e}")))?;
-    let wrapped = kek.wrap(&dek, volume_id).map_err(|e| match e {
+    wrap_for(&dek, kek, volume_id)
+}
+
+/// What a copy of a volume (a snapshot, a clone) carries of its encryption: the volume's
+/// `encrypted`, `kmsID` and `luks*` parameters and its wrapped data key (`encryptedDEK`, from
+/// its context); empty for a volume in the clear.
+#[must_use]
+pub fn of_volume(parameters: &Parameters, context: &Parameters) -> Parameters {
+    if !is_encrypted(parameters) {
+        return Parameters::new();
+    }
+    let mut carried: Parameters = parameters
+        .iter()
+        .filter(|(k, _)| ENCRYPTION_KEYS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if let Some(w) = context.get(moor_runtime::contract::ENCRYPTED_DEK_KEY) {
+        carried.insert(
+            moor_runtime::contract::ENCRYPTED_DEK_KEY.to_owned(),
+            w.clone(),
+        );
+    }
+    carried
+}
+
+/// The encryption parameters among `params` (`encrypted`, `kmsID`, `luks*`): what a volume's
+/// context carries to the node, and what a copy is made with (its source's, from
+/// [`of_volume`], whatever its class says: the copy holds its source's LUKS header, and a
+/// class's LUKS parameters apply to a volume made blank).
+#[must_use]
+pub fn encryption_parameters(params: &Parameters) -> Parameters {
+    params
+        .iter()
+        .filter(|(k, _)| ENCRYPTION_KEYS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// The data key of a copy of an encrypted volume: its source's (the copy holds the source's
+/// LUKS header, whose one key slot the source's data key opens), unwrapped with `kek` (the
+/// provisioner secret's) for `source_id`, the volume it was wrapped for; taken before the
+/// copy is made, so that a KEK that does not unwrap it makes nothing. A source without a
+/// wrapped key: INTERNAL; one `kek` does not unwrap: INVALID_ARGUMENT naming the secrets, no
+/// key byte in either.
+pub fn source_dek(
+    carried: &Parameters,
+    source_id: &str,
+    kek: &moor_runtime::keys::source::KeySource,
+) -> Result<moor_runtime::keys::Dek> {
+    refuse_node_bound_copy(carried, source_id)?;
+    let text = carried
+        .get(moor_runtime::contract::ENCRYPTED_DEK_KEY)
+        .ok_or_else(|| {
+            Error::Internal(format!(
+                "the encrypted source volume {:?} has no wrapped data key",
+                trunc(source_id)
+            ))
+        })?;
+    let wrapped = moor_runtime::keys::WrappedDek::decode(text)
+        .map_err(|e| Error::Internal(format!("volume {:?}: {e}", trunc(source_id))))?;
+    kek.unwrap(&wrapped, source_id).map_err(|e| match e {
+        moor_runtime::keys::KeyError::Unavailable(m) => {
+            Error::Unavailable(format!("volume {:?}: {m}", trunc(source_id)))
+        }
+        e => Error::invalid(
+            "secrets",
+            format!(
+                "{e}: a copy of encrypted volume {:?} opens with its data key, which the \
+                 provisioner secret's key-encryption key must unwrap",
+                trunc(source_id)
+            ),
+        ),
+    })
+}
+
+/// A copy of a volume whose key is split with a node's TPM (`tpm2`): refused with
+/// INVALID_ARGUMENT. The node's half is bound to the volume's id, so the source's LUKS header
+/// would not open under the copy's id.
+fn refuse_node_bound_copy(carried: &Parameters, source_id: &str) -> Result<()> {
+    if carried.get(KMS_ID_KEY).map(String::as_str) == Some(moor_runtime::keys::source::KMS_TPM2) {
+        return Err(Error::invalid(
+            "volume_content_source",
+            format!(
+                "volume {:?} is encrypted with a key split with its node's TPM ({KMS_ID_KEY} \
+                 {:?}), whose half is bound to the volume's id: a copy of it could not open",
+                trunc(source_id),
+                moor_runtime::keys::source::KMS_TPM2
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `dek` wrapped by `kek` for `volume_id`: the text its record keeps.
+pub fn wrap_for(
+    dek: &moor_runtime::keys::Dek,
+    kek: &moor_runtime::keys::source::KeySource,
+    volume_id: &str,
+) -> Result<String> {
+    use moor_runtime::keys::KeyError;
+    let wrapped = kek.wrap(dek, volume_id).map_err(|e| match e {
         KeyError::Unavailable(m) => Error::Unavailable(format!("volume {volume_id:?}: {m}")),
         KeyError::Refused(m) => Error::FailedPrecondition(format!("volume {volume_id:?}: {m}")),
         e => Error::Internal(e.to_string()),
@@ -270,28 +374,42 @@ pub fn new_wrapped_dek(
 }
 
 /// CreateVolume's answer to an encrypted class on a backend that does not keep encrypted
-/// volumes' keys yet (RBD): refused, so that nothing meant to be encrypted is made in the clear.
+/// volumes' keys: refused, so that nothing meant to be encrypted is made in the clear.
 pub fn refuse_backend() -> Error {
     Error::invalid(
         "parameters",
         format!(
-            "{ENCRYPTED_KEY}=\"true\": encrypted volumes are served on the embedded backend \
-             only by this version of moor; refused rather than made in the clear"
+            "{ENCRYPTED_KEY}=\"true\": this backend does not serve encrypted volumes; \
+             refused rather than made in the clear"
         ),
     )
 }
 
-/// The answer to a copy (a snapshot, a clone, a restore) of an encrypted volume, or into one:
-/// refused until the copy opens with a key of its own (docs/encryption.md). A copy is never
-/// made in the clear, nor one that shares its source's key.
+/// The answer to a copy the backend cannot keep encrypted (a group snapshot holding an
+/// encrypted volume; any copy on a backend that does not keep keys): refused, never made in
+/// the clear.
 pub fn refuse_copy(what: &str) -> Error {
     Error::invalid(
         "volume_content_source",
         format!(
-            "{what}: snapshots, clones and restores of encrypted volumes are not served by \
-             this version of moor yet (the copy would share its source's key); refused"
+            "{what}: this copy of an encrypted volume is not served by this version of moor \
+             (docs/encryption.md); refused rather than made in the clear"
         ),
     )
+}
+
+/// The answer to a clone or a restore that would cross between encrypted and clear: an
+/// encrypted source into a class in the clear (a clear copy of encrypted data), or a clear
+/// source into an encrypted class (data in the clear that a volume would claim encrypted).
+pub fn refuse_mixed_copy(what: &str, source_encrypted: bool) -> Error {
+    let why = if source_encrypted {
+        "the source is encrypted and the class is not: the copy would be the source's \
+         ciphertext under a class that says clear (a copy is never made in the clear)"
+    } else {
+        "the source is in the clear and the class is encrypted: the copy would hold the \
+         source's data in the clear (a volume is never encrypted in place)"
+    };
+    Error::invalid("volume_content_source", format!("{what}: {why}; refused"))
 }
 
 #[cfg(test)]

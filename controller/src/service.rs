@@ -38,28 +38,45 @@ pub(crate) fn source_is_encrypted<B: Backend>(b: &B, id: &str) -> bool {
         .is_ok_and(|s| encryption::is_encrypted(&s.volume.parameters))
 }
 
-/// A clone or a restore from an encrypted volume, or into an encrypted class: refused
-/// ([`encryption::refuse_copy`]). A snapshot of an encrypted volume is refused when it is
-/// taken, so a snapshot source is checked only for an encrypted class.
-fn refuse_encrypted_copy<B: Backend>(
+/// What a clone or a restore takes of its source's encryption (docs/encryption.md): nothing
+/// when there is no source or both are in the clear; when both are encrypted, the source's
+/// encryption as a copy carries it ([`encryption::of_volume`]) and the id of the volume its
+/// data key is wrapped for. A copy between encrypted and clear is INVALID_ARGUMENT. A source
+/// this controller cannot read (not there, on another node) into a class in the clear is left
+/// to the backend, whose CreateVolume answers it with its own code; into an encrypted class it
+/// is that error here (the copy needs the source's key).
+fn copy_encryption<B: Backend>(
     b: &B,
     source: Option<&ContentSource>,
     encrypted: bool,
-) -> Result<()> {
-    let what = match source {
-        None => return Ok(()),
-        Some(ContentSource::Volume(id)) if encrypted || source_is_encrypted(b, id) => {
-            format!("a clone of volume {:?}", trunc(id))
-        }
-        Some(ContentSource::Snapshot(id)) if encrypted => {
-            format!(
-                "a restore of snapshot {:?} into an encrypted volume",
-                trunc(id)
+) -> Result<Option<(Parameters, String)>> {
+    let read = match source {
+        None => return Ok(None),
+        Some(ContentSource::Volume(id)) => b.get_volume(id).map(|s| {
+            (
+                format!("a clone of volume {:?}", trunc(id)),
+                encryption::of_volume(&s.volume.parameters, &s.volume.context),
+                id.clone(),
             )
-        }
-        Some(_) => return Ok(()),
+        }),
+        Some(ContentSource::Snapshot(id)) => b.get_snapshot(id).map(|s| {
+            (
+                format!("a restore of snapshot {:?}", trunc(id)),
+                s.encryption,
+                s.source_volume_id,
+            )
+        }),
     };
-    Err(encryption::refuse_copy(&what))
+    let (what, carried, wrapped_for) = match read {
+        Ok(r) => r,
+        Err(_) if !encrypted => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    match (!carried.is_empty(), encrypted) {
+        (false, false) => Ok(None),
+        (true, true) => Ok(Some((carried, wrapped_for))),
+        (source_encrypted, _) => Err(encryption::refuse_mixed_copy(&what, source_encrypted)),
+    }
 }
 
 /// The controller capabilities moor advertises.
@@ -236,19 +253,33 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
                 Some(e) => Some(encryption::kek_from_secrets(&e.kms_id, &req.secrets)?),
                 None => None,
             };
-            refuse_encrypted_copy(b, v.source.as_ref(), encryption.is_some())?;
+            let copy = copy_encryption(b, v.source.as_ref(), encryption.is_some())?;
             v.parameters = parameters;
+            // A copy is its source's LUKS volume: its LUKS parameters are the source's, and
+            // its data key, taken before anything is made.
+            let copy_dek = match (&copy, &kek) {
+                (Some((carried, source_id)), Some(kek)) => {
+                    v.parameters
+                        .extend(encryption::encryption_parameters(carried));
+                    Some(encryption::source_dek(carried, source_id, kek)?)
+                }
+                _ => None,
+            };
             for cap in &v.capabilities {
                 b.check_capability(cap, &v.parameters)
                     .map_err(|r| Error::invalid("volume_capabilities", r))?;
             }
             let mut vol = b.create_volume(&v)?;
             // Its data key, made and wrapped once (a retry finds it in the record), kept in
-            // the record before the volume is first answered.
+            // the record before the volume is first answered: a copy's is its source's,
+            // wrapped again for the copy (the source's LUKS header opens with it).
             if let Some(kek) = &kek
                 && !vol.context.contains_key(ENCRYPTED_DEK_KEY)
             {
-                let wrapped = encryption::new_wrapped_dek(kek, &vol.id)?;
+                let wrapped = match &copy_dek {
+                    Some(dek) => encryption::wrap_for(dek, kek, &vol.id)?,
+                    None => encryption::new_wrapped_dek(kek, &vol.id)?,
+                };
                 vol = b.record_wrapped_dek(&vol.id, &wrapped)?;
             }
             // Its VolumeAttributesClass: set once it exists (again, harmlessly, on a retry).
@@ -441,7 +472,7 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
         let secrets = Secrets::from_map(&req.secrets);
         self.call_with("CreateSnapshot", &subject, secrets, move |b| {
             let new = validate::create_snapshot(&req)?;
-            if source_is_encrypted(b, &new.source_volume_id) {
+            if !b.serves_encryption() && source_is_encrypted(b, &new.source_volume_id) {
                 return Err(encryption::refuse_copy(&format!(
                     "a snapshot of volume {:?}",
                     trunc(&new.source_volume_id)

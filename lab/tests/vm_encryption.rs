@@ -11,7 +11,10 @@
 //! * a wrong KEK (AES-GCM refuses the wrapped key) and a data key the LUKS header has no slot
 //!   for (cryptsetup's exit 2) are FAILED_PRECONDITION, and nothing is opened;
 //! * moor-node killed while the volume is staged and published, and started again, finds its
-//!   mapping in the journal: the volume is healthy, its unstage closes the mapping.
+//!   mapping in the journal: the volume is healthy, its unstage closes the mapping;
+//! * a snapshot of the volume restored into a new encrypted volume opens with the source's
+//!   data key (wrapped for the copy), holds the data, is never formatted, and its file holds
+//!   no plaintext.
 //!
 //! The guest's agent is reached over a bridge of the test's own (no Ceph cluster needed).
 //! Skipped, with the reason, without the VM lab.
@@ -56,9 +59,20 @@ async fn create(
     name: &str,
     cap: csi::VolumeCapability,
 ) -> Volume {
+    create_from(ctl, name, cap, None).await
+}
+
+/// [`create`], of a content source (a clone, a restore) when one is given.
+async fn create_from(
+    ctl: &mut ControllerClient<Channel>,
+    name: &str,
+    cap: csi::VolumeCapability,
+    source: Option<csi::VolumeContentSource>,
+) -> Volume {
     let v = ctl
         .create_volume(csi::CreateVolumeRequest {
             name: name.into(),
+            volume_content_source: source,
             capacity_range: Some(csi::CapacityRange {
                 required_bytes: 96 * MIB,
                 limit_bytes: 0,
@@ -127,6 +141,25 @@ fn in_the_clear(file: &str) -> usize {
         .windows(PATTERN.len())
         .filter(|w| *w == PATTERN.as_bytes())
         .count()
+}
+
+/// How many luksFormats moor-node's log shows.
+fn luks_formats(log: &Path) -> usize {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("formatted as LUKS2"))
+        .count()
+}
+
+/// The volume unpublished and unstaged.
+async fn end(node: &mut NodeClient<Channel>, s: &Staged<'_>) {
+    node.node_unpublish_volume(unpublish_req(&s.v.id, &s.target))
+        .await
+        .unwrap_or_else(|e| panic!("unpublish {}: {e:?}", s.v.id));
+    node.node_unstage_volume(unstage_req(&s.v.id, &s.staging))
+        .await
+        .unwrap_or_else(|e| panic!("unstage {}: {e:?}", s.v.id));
 }
 
 /// The mappings open in the guest (`dmsetup ls`'s names).
@@ -278,12 +311,7 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
 
     // Unstaged: each mapping closed after its filesystem.
     for s in [&fs, &blk] {
-        node.node_unpublish_volume(unpublish_req(&s.v.id, &s.target))
-            .await
-            .unwrap_or_else(|e| panic!("unpublish {}: {e:?}", s.v.id));
-        node.node_unstage_volume(unstage_req(&s.v.id, &s.staging))
-            .await
-            .unwrap_or_else(|e| panic!("unstage {}: {e:?}", s.v.id));
+        end(&mut node, s).await;
     }
     assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
 
@@ -336,18 +364,77 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
         "2000",
         "the pod's data after unstage and stage"
     );
-    let log_text = std::fs::read_to_string(log).unwrap_or_default();
-    let formats = log_text
-        .lines()
-        .filter(|l| l.contains("formatted as LUKS2"))
-        .count();
-    assert_eq!(formats, 2, "one luksFormat a volume in its life");
-    node.node_unpublish_volume(unpublish_req(&fs.v.id, &fs.target))
+    assert_eq!(luks_formats(log), 2, "one luksFormat a volume in its life");
+    end(&mut node, &fs).await;
+    assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
+
+    // A snapshot of it, restored into a new encrypted volume: the copy holds the source's
+    // LUKS header, opens with the source's data key (wrapped for the copy), holds the data,
+    // and is as encrypted as its source.
+    let snap = ctl
+        .create_snapshot(csi::CreateSnapshotRequest {
+            source_volume_id: fs.v.id.clone(),
+            name: "snap-encrypted-fs".into(),
+            ..Default::default()
+        })
         .await
-        .expect("unpublish");
-    node.node_unstage_volume(unstage_req(&fs.v.id, &fs.staging))
+        .expect("a snapshot of an encrypted volume")
+        .into_inner()
+        .snapshot
+        .expect("a snapshot");
+    let restored_vol = create_from(
+        &mut ctl,
+        "pvc-encrypted-restore",
+        ext4(),
+        Some(csi::VolumeContentSource {
+            r#type: Some(csi::volume_content_source::Type::Snapshot(
+                csi::volume_content_source::SnapshotSource {
+                    snapshot_id: snap.snapshot_id.clone(),
+                },
+            )),
+        }),
+    )
+    .await;
+    assert_ne!(
+        restored_vol.context["encryptedDEK"], fs.v.context["encryptedDEK"],
+        "wrapped for the copy"
+    );
+    let restored = Staged {
+        v: &restored_vol,
+        dev: loop_of(&restored_vol.file),
+        staging: sb.staging("pv-restored"),
+        target: sb.target("pod-b", "pv-restored"),
+        cap: ext4(),
+    };
+    node.node_stage_volume(restored.stage_req(&KEK))
         .await
-        .expect("unstage");
+        .expect("stage the restored volume");
+    node.node_publish_volume(publish(
+        &restored.v.id,
+        &restored.staging,
+        &restored.target,
+        restored.cap.clone(),
+    ))
+    .await
+    .expect("publish the restored volume");
+    let copied = restored.target.join("secret.txt").display().to_string();
+    assert_eq!(
+        vm.sh(&format!("grep -c {PATTERN} {copied}")).trim(),
+        "2000",
+        "the snapshot's data in the restored volume"
+    );
+    assert_eq!(
+        in_the_clear(&restored.v.file),
+        0,
+        "the restored volume's file shows no plaintext"
+    );
+    assert_eq!(
+        mappings(vm),
+        [format!("moor-{}", restored.v.id)],
+        "the copy opened under its own name"
+    );
+    assert_eq!(luks_formats(log), 2, "the restore is never formatted");
+    end(&mut node, &restored).await;
     assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
     controller.stop().await;
 }

@@ -869,3 +869,134 @@ fn group_snapshots_of_volumes_the_kernel_writes_are_one_instant() {
     lab.vms.clear();
     eprintln!("{test}: whole test: {}", ms(started.elapsed()));
 }
+
+/// What the pod writes on the encrypted volume: a line no filesystem or LUKS metadata holds.
+const ENCRYPTED_PATTERN: &str = "MOOR-RBD-ENCRYPTED-PLAINTEXT-8d2e71";
+
+#[test]
+fn an_encrypted_volume_on_the_kernel_client() {
+    let test = "vm-krbd-encrypted";
+    let Some(mut lab) = Lab::new(test, 1, 64) else {
+        return;
+    };
+    lab.vms[0].sh("modprobe dm_crypt && dmsetup targets | grep -qw crypt");
+    runtime().block_on(async {
+        let mut ctl = lab.world.start_controller(&[]).await;
+        let mut node = lab.start_node(0, "moor-node", &[]).await;
+        let w = &lab.world;
+        // The class's secrets: the cluster user's, and the key source's KEK.
+        let mut secrets = w.secrets();
+        secrets.extend(moor_runtime::keys::secret_entries("lab-kek", &[0x42; 32]));
+        let mut parameters = w.parameters();
+        parameters.insert("encrypted".into(), "true".into());
+        parameters.insert("kmsID".into(), "secret".into());
+        let made = ctl
+            .create_volume(csi::CreateVolumeRequest {
+                name: format!("vmenc-{}", std::process::id()),
+                capacity_range: Some(csi::CapacityRange {
+                    required_bytes: (128 * MIB) as i64,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![ext4()],
+                parameters,
+                secrets: secrets.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect("CreateVolume of an encrypted RBD class")
+            .into_inner()
+            .volume
+            .expect("a volume");
+        let mut v = Volume {
+            id: made.volume_id,
+            image: String::new(),
+            context: made.volume_context,
+            cap: ext4(),
+        };
+        let wrapped = v
+            .context
+            .get("encryptedDEK")
+            .cloned()
+            .expect("a wrapped key");
+        let ctx = attach(w, &mut ctl, &mut v, 0).await.expect("publish");
+        // The wrapped key goes with the image: in its metadata.
+        let meta = w
+            .ceph
+            .rbd(&["image-meta", "get", &v.image, "moor.csi.io/encryptedDEK"])
+            .expect("rbd image-meta get");
+        assert_eq!(meta.trim(), wrapped);
+        let stage = |v: &Volume| {
+            let mut r = stage_req(w, v, &ctx, 0);
+            r.secrets = secrets.clone();
+            r
+        };
+        let crypt_mappings = || {
+            lab.vms[0]
+                .sh("dmsetup ls --target crypt 2>/dev/null | awk '$1 ~ /^moor-/ {print $1}'; true")
+                .lines()
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        let staging = w.staging(0, &v.id);
+        let open_and_publish = |node: &mut csi::node_client::NodeClient<Channel>, v: &Volume| {
+            let req = stage(v);
+            let publish_req =
+                moor_lab::ceph::publish(&v.id, &staging, &target(w, v, 0), v.cap.clone());
+            let mut node = node.clone();
+            async move {
+                node.node_stage_volume(req)
+                    .await
+                    .expect("stage the encrypted volume");
+                node.node_publish_volume(publish_req)
+                    .await
+                    .expect("publish");
+            }
+        };
+        open_and_publish(&mut node, &v).await;
+        // One mapping, named for the volume (a hash of its id, which holds '/').
+        let open = crypt_mappings();
+        assert!(open.len() == 1 && open[0].starts_with("moor-"), "{open:?}");
+        pod_write(&lab, &v, 0, ENCRYPTED_PATTERN);
+        unmount(&lab, &mut node, &v, 0).await;
+        assert!(
+            crypt_mappings().is_empty(),
+            "closed: {:?}",
+            crypt_mappings()
+        );
+        assert!(
+            lab.mappings(0).is_empty(),
+            "unmapped: {:?}",
+            lab.mappings(0)
+        );
+
+        // The image, read by Ceph's own client: LUKS, and not a byte of the pod's data.
+        let exported = w.sb.root.join("encrypted-export.img");
+        let exported_text = exported.display().to_string();
+        w.ceph
+            .rbd(&["export", &v.image, &exported_text])
+            .expect("rbd export");
+        let bytes = std::fs::read(&exported).expect("the exported image");
+        std::fs::remove_file(&exported).expect("remove the export");
+        assert_eq!(&bytes[..6], b"LUKS\xba\xbe", "a LUKS header");
+        let plain = bytes
+            .windows(ENCRYPTED_PATTERN.len())
+            .filter(|b| *b == ENCRYPTED_PATTERN.as_bytes())
+            .count();
+        assert_eq!(plain, 0, "no plaintext on the image");
+        drop(bytes);
+
+        // Staged again: opened with its key, the data there, nothing formatted again.
+        open_and_publish(&mut node, &v).await;
+        assert_eq!(pod_read(&lab, &v, 0), ENCRYPTED_PATTERN);
+        let formats = lab
+            .log(0)
+            .lines()
+            .filter(|l| l.contains("formatted as LUKS2"))
+            .count();
+        assert_eq!(formats, 1, "one luksFormat: {}", lab.log(0));
+        unmount(&lab, &mut node, &v, 0).await;
+        assert!(crypt_mappings().is_empty(), "{:?}", crypt_mappings());
+        detach(w, &mut ctl, &v, 0).await;
+        delete(w, &mut ctl, &v).await;
+    });
+}

@@ -151,6 +151,10 @@ impl Os for Faulty {
     fn backing_store(&self, dev: (u32, u32)) -> SysResult<Option<crate::sys::BackingStore>> {
         self.inner.backing_store(dev)
     }
+    fn devices_under(&self, dev: (u32, u32)) -> SysResult<Vec<(u32, u32)>> {
+        self.tick("devices_under", Path::new("/sys/dev/block"))?;
+        self.inner.devices_under(dev)
+    }
     fn share_with_group(
         &self,
         path: &Path,

@@ -289,6 +289,10 @@ impl<O: Os> Os for MeteredOs<O> {
         self.inner.backing_store(dev)
     }
 
+    fn devices_under(&self, dev: (u32, u32)) -> SysResult<Vec<(u32, u32)>> {
+        self.inner.devices_under(dev)
+    }
+
     fn share_with_group(
         &self,
         path: &Path,

@@ -278,6 +278,8 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 created_secs,
                 created_nanos,
                 group_snapshot_id: Some(gid.to_string()),
+                // A group holding an encrypted volume is refused before it is cut.
+                encryption: crate::backend::Parameters::new(),
             })
             .collect();
         let group = GroupRecord {

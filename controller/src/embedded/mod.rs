@@ -593,6 +593,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
             created_at: rec.created_at(),
             ready_to_use: true,
             group_snapshot_id: rec.group_snapshot_id.as_deref().map(|g| self.show(g)),
+            encryption: rec.encryption.clone(),
         }
     }
 

@@ -581,6 +581,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             created_secs,
             created_nanos,
             group_snapshot_id: None,
+            encryption: crate::encryption::of_volume(&vrec.parameters, &vrec.context),
         };
         if let Err(e) = self.store.put_snapshot(&rec) {
             let _ = Self::remove_data_file(&target);

@@ -126,6 +126,10 @@ pub struct SnapshotRecord {
     /// The group snapshot it was cut in, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group_snapshot_id: Option<String>,
+    /// Its source's encryption parameters and wrapped data key when it was cut
+    /// (`encryption::of_volume`); empty for a source in the clear.
+    #[serde(default, skip_serializing_if = "Parameters::is_empty")]
+    pub encryption: Parameters,
 }
 
 /// One group snapshot. Its member snapshots have records of their own (naming the group), all
@@ -520,6 +524,7 @@ mod tests {
             created_secs: t,
             created_nanos: c,
             group_snapshot_id: None,
+            encryption: Parameters::new(),
         };
         store.put_snapshot(&s).unwrap();
         let (_, loaded) = RecordStore::open(dir.path()).unwrap();

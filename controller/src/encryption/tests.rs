@@ -141,3 +141,24 @@ fn a_wrong_parameter_is_refused_by_name() {
         assert_eq!(refused(&pairs), want, "{pairs:?}");
     }
 }
+
+#[test]
+fn a_copy_of_a_volume_whose_key_is_split_with_a_tpm_is_refused_before_any_key_is_read() {
+    let kek = moor_runtime::keys::source::KeySource::from_secrets("secret", |k| match k {
+        "kek" => Some("AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="),
+        "kekID" => Some("k1"),
+        _ => None,
+    })
+    .expect("a Secret source");
+    let carried = params(&[
+        (ENCRYPTED_KEY, "true"),
+        (KMS_ID_KEY, "tpm2"),
+        (moor_runtime::contract::ENCRYPTED_DEK_KEY, "v1:k1:AAAA"),
+    ]);
+    let e = source_dek(&carried, "vol-1", &kek).expect_err("a tpm2 copy refused");
+    let Error::InvalidArgument { field, .. } = &e else {
+        panic!("not INVALID_ARGUMENT: {e:?}");
+    };
+    assert_eq!(*field, "volume_content_source", "{e:?}");
+    assert!(e.to_string().contains("TPM"), "{e}");
+}

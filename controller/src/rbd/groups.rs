@@ -40,7 +40,7 @@ use super::records::{
 use super::snapshots::{protect_and_size, snapshot_of};
 use super::volumes::volume_key;
 use super::{RbdBackend, Session};
-use crate::backend::{GroupSnapshot, GroupSnapshotRef, NewGroupSnapshot};
+use crate::backend::{GroupSnapshot, GroupSnapshotRef, NewGroupSnapshot, Parameters};
 use crate::error::{Error, Result, trunc};
 
 fn group_key(id: &GroupId) -> String {
@@ -241,6 +241,8 @@ impl RbdBackend {
                 created_nanos: rec.created_nanos,
                 group_suffix: Some(group_suffix.to_string()),
                 copy_image: copy,
+                // A group holding an encrypted volume is refused before it is cut.
+                encryption: Parameters::new(),
             };
         let reg = Registry::new(pool);
         if let Some(why) = self.in_use(s, pool, loc, rec)? {

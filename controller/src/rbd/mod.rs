@@ -264,6 +264,14 @@ impl Backend for RbdBackend {
         self.create_volume_impl(req)
     }
 
+    fn serves_encryption(&self) -> bool {
+        true
+    }
+
+    fn record_wrapped_dek(&self, volume_id: &str, wrapped: &str) -> Result<Volume> {
+        self.record_wrapped_dek_impl(volume_id, wrapped)
+    }
+
     fn delete_volume(&self, volume_id: &str) -> Result<()> {
         self.delete_volume_impl(volume_id)
     }

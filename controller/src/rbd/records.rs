@@ -173,6 +173,10 @@ pub struct SnapshotRecord {
     /// id). None: the snapshot is of the volume's image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copy_image: Option<String>,
+    /// Its source's encryption parameters and wrapped data key when it was cut
+    /// (`encryption::of_volume`); empty for a source in the clear.
+    #[serde(default, skip_serializing_if = "Parameters::is_empty")]
+    pub encryption: Parameters,
 }
 
 /// Where a group snapshot is in its life.
@@ -471,6 +475,7 @@ mod tests {
             created_nanos: nanos,
             group_suffix: None,
             copy_image: None,
+            encryption: Parameters::new(),
         };
         assert_eq!(rec.created_at(), t);
         // Records written before group snapshots read back as lone snapshots.

@@ -30,6 +30,7 @@ pub(super) fn snapshot_of(id: &SnapshotId, rec: &SnapshotRecord) -> Snapshot {
             }
             .to_string()
         }),
+        encryption: rec.encryption.clone(),
     }
 }
 
@@ -175,6 +176,7 @@ impl RbdBackend {
                     created_nanos,
                     group_suffix: None,
                     copy_image: None,
+                    encryption: crate::encryption::of_volume(&vrec.parameters, &vrec.context),
                 };
                 reg.put_snapshot(&suffix, &rec)?;
                 rec

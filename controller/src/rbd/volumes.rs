@@ -15,6 +15,7 @@ use crate::backend::{
 use crate::embedded::FS_TYPE_KEY;
 use crate::error::{Error, Result, trunc};
 use crate::inflight::Claim;
+use moor_runtime::contract::ENCRYPTED_DEK_KEY;
 
 /// The image metadata keys of [`Qos::limits`], in its order: librbd's per-image QoS options.
 const QOS_OPTIONS: [&str; 4] = [
@@ -60,8 +61,14 @@ fn context_of(params: &Parameters, loc: &Location, image: &str) -> Parameters {
     if let Some(fs) = params.get(FS_TYPE_KEY) {
         ctx.insert(FS_TYPE_KEY.into(), fs.clone());
     }
+    // An encrypted volume's: how the node opens it (its wrapped data key comes after).
+    ctx.extend(crate::encryption::encryption_parameters(params));
     ctx
 }
+
+/// The image metadata key of an encrypted volume's wrapped data key (docs/encryption.md):
+/// with the image, where it goes when the pool is mirrored, exported or backed up.
+pub const DEK_METADATA_KEY: &str = "moor.csi.io/encryptedDEK";
 
 /// Where a new volume's data comes from, resolved.
 struct CloneSource {
@@ -265,7 +272,24 @@ impl RbdBackend {
     }
 
     pub(super) fn create_volume_impl(&self, req: &NewVolume) -> Result<Volume> {
-        let params = parameters::parse_parameters(&req.parameters, self.clusters())?;
+        let (encryption, params) = crate::encryption::parse_with(&req.parameters, |rest| {
+            parameters::parse_parameters(rest, self.clusters())
+        })?;
+        // A key split with a node's TPM opens on that node only; an RBD volume moves between
+        // nodes.
+        if let Some(e) = &encryption
+            && e.kms_id == moor_runtime::keys::source::KMS_TPM2
+        {
+            return Err(Error::invalid(
+                "parameters",
+                format!(
+                    "{}={:?}: a key split with a node's TPM opens the volume on that node only, \
+                     and an RBD volume moves between nodes; use \"secret\" or \"kmip\"",
+                    crate::encryption::KMS_ID_KEY,
+                    e.kms_id
+                ),
+            ));
+        }
         for cap in &req.capabilities {
             parameters::check_capability(cap, &params)
                 .map_err(|r| Error::invalid("volume_capabilities", r))?;
@@ -374,6 +398,31 @@ impl RbdBackend {
         rec.state = VolumeState::Ready;
         reg.put_volume(&suffix, &rec)?;
         info!(volume = %id, name = %req.name, size, "created");
+        Ok(volume_of(&id, &rec))
+    }
+
+    /// Keeps an encrypted volume's wrapped data key: in its image's metadata
+    /// ([`DEK_METADATA_KEY`]) first, then in its record and volume context; once (a volume
+    /// whose record has one keeps it). A clone's metadata, copied from its parent's, is
+    /// overwritten.
+    pub(super) fn record_wrapped_dek_impl(&self, raw: &str, wrapped: &str) -> Result<Volume> {
+        let not_found = || Error::VolumeNotFound(trunc(raw).to_string());
+        let id = VolumeId::parse(raw).ok_or_else(not_found)?;
+        let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
+        let (id, s, pool, mut rec) = self.ready_volume(&id.to_string())?;
+        if !rec.context.contains_key(ENCRYPTED_DEK_KEY) {
+            let image_name = id.image();
+            let image = pool
+                .open_image(&image_name)
+                .map_err(|e| self.fail(&s, format!("open {image_name}"), e))?;
+            image
+                .set_metadata(DEK_METADATA_KEY, Some(wrapped))
+                .map_err(|e| self.fail(&s, format!("set {DEK_METADATA_KEY} of {image_name}"), e))?;
+            rec.context
+                .insert(ENCRYPTED_DEK_KEY.to_owned(), wrapped.to_owned());
+            Registry::new(&pool).put_volume(&id.suffix, &rec)?;
+            info!(volume = %id, "its wrapped data key recorded");
+        }
         Ok(volume_of(&id, &rec))
     }
 

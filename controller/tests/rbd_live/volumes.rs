@@ -358,3 +358,93 @@ fn modify_sets_librbds_qos_on_the_image_and_a_new_set_replaces_it() {
         assert!(matches!(e, Error::VolumeNotFound(_)), "{e}");
     });
 }
+
+#[test]
+fn an_encrypted_volume_keeps_its_wrapped_key_in_its_image_metadata_and_its_copies_theirs() {
+    let Some(env) = Env::get() else {
+        return;
+    };
+    let b = env.backend(false);
+    let mut cleanup = Cleanup::new(&env, &b);
+    const META: &str = "moor.csi.io/encryptedDEK";
+    // The parameters as CreateVolume gives them to the backend: normalised.
+    let class = Parameters::from([
+        ("encrypted".to_owned(), "true".to_owned()),
+        ("kmsID".to_owned(), "secret".to_owned()),
+    ]);
+    let (e, _) = moor_controller::encryption::split(&class).unwrap();
+    let normalised = e.expect("encrypted").parameters();
+    let encrypted = |name: &str, source| {
+        let mut v = new_volume(&env, name, 16 * MIB, source);
+        v.parameters.extend(normalised.clone());
+        v
+    };
+    secrets::scope(env.secrets(), || {
+        let v = b.create_volume(&encrypted(&name("enc"), None)).unwrap();
+        cleanup.volume(&v.id);
+        assert_eq!(v.context["encrypted"], "true", "{:?}", v.context);
+        assert_eq!(v.context["luksCipher"], "aes-xts-plain64");
+        let image = VolumeId::parse(&v.id).unwrap().image();
+        assert_eq!(image_meta(&env, &image, META), None);
+        let v = b.record_wrapped_dek(&v.id, "v1:kek-1:first").unwrap();
+        assert_eq!(v.context["encryptedDEK"], "v1:kek-1:first");
+        assert_eq!(
+            image_meta(&env, &image, META).as_deref(),
+            Some("v1:kek-1:first")
+        );
+        // Once: a retry keeps the first.
+        b.record_wrapped_dek(&v.id, "v1:kek-1:second").unwrap();
+        let status = b.get_volume(&v.id).unwrap();
+        assert_eq!(status.volume.context["encryptedDEK"], "v1:kek-1:first");
+        assert_eq!(
+            image_meta(&env, &image, META).as_deref(),
+            Some("v1:kek-1:first")
+        );
+        // A snapshot carries the source's encryption and wrapped key.
+        let s = b
+            .create_snapshot(&NewSnapshot {
+                name: name("enc-snap"),
+                source_volume_id: v.id.clone(),
+                parameters: Parameters::new(),
+            })
+            .unwrap();
+        cleanup.snapshot(&s.id);
+        assert_eq!(s.encryption["encryptedDEK"], "v1:kek-1:first");
+        assert_eq!(b.get_snapshot(&s.id).unwrap().encryption, s.encryption);
+        // A clone's image starts with its parent's metadata; its own key replaces it.
+        let c = b
+            .create_volume(&encrypted(
+                &name("enc-clone"),
+                Some(ContentSource::Volume(v.id.clone())),
+            ))
+            .unwrap();
+        cleanup.volume(&c.id);
+        b.record_wrapped_dek(&c.id, "v1:kek-1:clone").unwrap();
+        let clone_image = VolumeId::parse(&c.id).unwrap().image();
+        assert_eq!(
+            image_meta(&env, &clone_image, META).as_deref(),
+            Some("v1:kek-1:clone")
+        );
+        // A key split with a node's TPM opens on that node only: refused, nothing made.
+        let tpm2 = Parameters::from([
+            ("encrypted".to_owned(), "true".to_owned()),
+            ("kmsID".to_owned(), "tpm2".to_owned()),
+        ]);
+        let (e, _) = moor_controller::encryption::split(&tpm2).unwrap();
+        let tpm2_name = name("enc-tpm2");
+        let mut req = new_volume(&env, &tpm2_name, 16 * MIB, None);
+        req.parameters.extend(e.expect("encrypted").parameters());
+        let err = b.create_volume(&req).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument {
+                    field: "parameters",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("TPM"), "{err}");
+    });
+}

@@ -94,6 +94,18 @@ fn mapper_path(name: &str) -> PathBuf {
     Path::new(MAPPER_DIR).join(name)
 }
 
+/// Device numbers as `major:minor`, comma-separated; "none" for none.
+fn describe_numbers(numbers: &[(u32, u32)]) -> String {
+    if numbers.is_empty() {
+        return "none".to_owned();
+    }
+    numbers
+        .iter()
+        .map(|(a, b)| format!("{a}:{b}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// A cryptsetup run.
 fn cryptsetup(args: Vec<String>, deadline: Duration) -> ToolRun {
     ToolRun {
@@ -133,9 +145,24 @@ impl<O: Os> Engine<O> {
             .as_ref()
             .filter(|c| c.fresh && c.rdev == dev.rdev)
             .and_then(|c| c.luks_uuid.clone());
-        // Open already: a retry, a restart, a crash between the open and the mount.
+        // Open already: a retry, a restart, a crash between the open and the mount. Used only
+        // when it sits on this volume's device: a mapping of the name on another device (a
+        // device the volume had before, another volume's under a colliding name) is refused.
         if self.os.block_device(&mapper).is_ok() {
             let held = self.os.hold_device(&mapper).map_err(Error::Sys)?;
+            let under = self.os.devices_under(held.rdev).map_err(Error::Sys)?;
+            if under != [dev.rdev] {
+                return Err(Error::FailedPrecondition(format!(
+                    "volume {:?}: the mapping {name} is open, but on device {} and not on the \
+                     volume's device {} ({}:{}); it was not used and nothing was touched \
+                     (unstage the volume, or close the mapping, and stage again)",
+                    req.volume_id,
+                    describe_numbers(&under),
+                    path.display(),
+                    dev.rdev.0,
+                    dev.rdev.1
+                )));
+            }
             let fresh = recorded_fresh.is_some();
             self.record_crypt(
                 record,
@@ -345,6 +372,73 @@ impl<O: Os> Engine<O> {
         if staged {
             return Ok(());
         }
+        self.close_mapping(&mut record)
+    }
+
+    /// Reconciliation's part for an encrypted volume (a full pass, under the volume's lock,
+    /// after its mounts and before the RBD mapping under it): a mapping whose stage is gone
+    /// (no staging but a memory of one, no publication) and that nothing uses (no mount of
+    /// it or bind of its node in `table`, no holder: an exclusive open succeeds) is closed
+    /// and its record dropped, as the unstage would have; one in use is reported and left.
+    /// A record whose mapping is not open (a crash after the close) is dropped the same way.
+    pub(crate) fn reconcile_crypt(
+        &self,
+        record: &VolumeRecord,
+        table: &[sys::mount_table::MountEntry],
+        actions: &mut Vec<crate::reconcile::Action>,
+    ) {
+        use crate::reconcile::Action;
+        let Some(c) = record.crypt.as_ref() else {
+            return;
+        };
+        let claims = self.claims(record.clone());
+        if claims.stage.is_some() || !claims.publishes.is_empty() {
+            return;
+        }
+        let volume = record.volume_id.clone();
+        let mapping = c.name.clone();
+        let failed = |error: String| Action::Failed {
+            volume: volume.clone(),
+            path: mapper_path(&mapping),
+            error,
+        };
+        let open = match self.os.hold_device(&mapper_path(&mapping)) {
+            Ok(held) => {
+                let node_name = held.node.file_name().map(|n| Path::new("/").join(n));
+                let mounted = table.iter().any(|m| {
+                    m.dev == held.rdev
+                        || (node_name.as_deref() == Some(m.root.as_path())
+                            && m.fs_type == "devtmpfs")
+                });
+                let held_by = self.os.check_unclaimed(&held).err();
+                if mounted || held_by.as_ref().and_then(sys::SysError::errno) == Some(libc::EBUSY) {
+                    actions.push(Action::CryptInUse { volume, mapping });
+                    return;
+                }
+                if let Some(e) = held_by {
+                    actions.push(failed(e.to_string()));
+                    return;
+                }
+                true
+            }
+            Err(e) if e.is_not_found() => false,
+            Err(e) => {
+                actions.push(failed(e.to_string()));
+                return;
+            }
+        };
+        let mut record = record.clone();
+        match self.close_mapping(&mut record) {
+            Ok(()) if open => actions.push(Action::CryptClosed { volume, mapping }),
+            Ok(()) => {}
+            Err(e) => actions.push(failed(e.to_string())),
+        }
+    }
+
+    /// The volume's mapping closed if open and its record dropped (a fresh one kept, closed).
+    fn close_mapping(&self, record: &mut VolumeRecord) -> Result<()> {
+        let volume_id = record.volume_id.clone();
+        let volume_id = volume_id.as_str();
         let name = record
             .crypt
             .as_ref()
@@ -358,7 +452,7 @@ impl<O: Os> Engine<O> {
                 && c.phase != Phase::InProgress
             {
                 c.phase = Phase::InProgress;
-                self.journal.put(&record, Durability::Process)?;
+                self.journal.put(record, Durability::Process)?;
             }
             crash_points::point("unstage.closing");
             let close = cryptsetup(vec!["close".into(), name.clone()], CRYPTSETUP_DEADLINE);
@@ -376,12 +470,12 @@ impl<O: Os> Engine<O> {
         match record.crypt.as_mut() {
             Some(c) if c.fresh && c.phase != Phase::InProgress => {
                 c.phase = Phase::InProgress;
-                self.journal.put(&record, Durability::Power)?;
+                self.journal.put(record, Durability::Power)?;
             }
             Some(c) if c.fresh => {}
             Some(_) => {
                 record.crypt = None;
-                self.journal.put(&record, Durability::Process)?;
+                self.journal.put(record, Durability::Process)?;
             }
             None => {}
         }

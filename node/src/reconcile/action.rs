@@ -115,6 +115,23 @@ pub enum Action {
         /// The image.
         image: String,
     },
+    /// An encrypted volume's dm-crypt mapping open with its stage gone (no staging recorded,
+    /// or one a reboot ended, and no publication) and no mount or holder on it: closed, as
+    /// the unstage would have, and its record dropped.
+    CryptClosed {
+        /// Volume id.
+        volume: String,
+        /// The mapping's name.
+        mapping: String,
+    },
+    /// An encrypted volume's dm-crypt mapping open with its stage gone but something on it
+    /// (a mount, a holder): left alone, reported.
+    CryptInUse {
+        /// Volume id.
+        volume: String,
+        /// The mapping's name.
+        mapping: String,
+    },
     /// A mount of moor's that kubelet no longer knows: the `vol_data.json` kubelet keeps
     /// beside it is gone (kubelet restarted or the node rebooted and lost it, as in
     /// kubernetes#121937), so kubelet may never unpublish or unstage it by itself. Reported,
@@ -156,6 +173,8 @@ impl Action {
             Action::Unmapped { .. } => "unmapped",
             Action::MappingLost { .. } => "mapping_lost",
             Action::ForeignMapping { .. } => "foreign_mapping",
+            Action::CryptClosed { .. } => "crypt_closed",
+            Action::CryptInUse { .. } => "crypt_in_use",
             Action::KubeletForgot { .. } => "kubelet_forgot",
             Action::Failed { .. } => "failed",
         }
@@ -172,6 +191,7 @@ impl Action {
                 | Action::Unstacked { .. }
                 | Action::Adopted { .. }
                 | Action::Unmapped { .. }
+                | Action::CryptClosed { .. }
                 | Action::Forgotten { .. }
         )
     }
@@ -242,6 +262,19 @@ impl Action {
                 info!(
                     image,
                     "reconcile: an RBD mapping no record names, not provably moor's; left alone"
+                );
+            }
+            Action::CryptClosed { volume, mapping } => {
+                info!(
+                    volume,
+                    mapping, "reconcile: dm-crypt mapping open with its stage gone; closed"
+                );
+            }
+            Action::CryptInUse { volume, mapping } => {
+                warn!(
+                    volume,
+                    mapping,
+                    "reconcile: dm-crypt mapping open with its stage gone, but in use; left alone"
                 );
             }
             Action::KubeletForgot { volume, path } => {

@@ -116,6 +116,11 @@ impl<O: Os> Reconciler<O> {
             if let Some(record) = self.engine.journal().get(&volume_id) {
                 self.forgotten_by_kubelet(&record, &mut actions);
             }
+            // The dm-crypt mapping after the mounts (a stage they rolled back no longer
+            // holds it), before the RBD mapping it sits on.
+            if full && let Some(record) = self.engine.journal().get(&volume_id) {
+                self.engine.reconcile_crypt(&record, &table, &mut actions);
+            }
             // The mapping after the mounts: a stage they rolled back no longer holds it.
             if let Some(mut record) = self.engine.journal().get(&volume_id) {
                 self.engine

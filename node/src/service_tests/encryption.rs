@@ -519,3 +519,164 @@ async fn expansion_resizes_the_mapping_with_its_key_before_the_filesystem() {
     assert_eq!(grown, 2 * GIB - crate::sys::fake::FAKE_LUKS_HEADER);
     no_key_anywhere(&h, &k);
 }
+
+fn reconcile(h: &Harness) -> Vec<crate::reconcile::Action> {
+    crate::reconcile::Reconciler::new(Arc::clone(&h.engine), "moor.csi.io")
+        .run()
+        .expect("reconcile")
+}
+
+/// The actions on dm-crypt mappings a pass took or found.
+fn crypt_actions(actions: &[crate::reconcile::Action]) -> Vec<String> {
+    actions
+        .iter()
+        .filter(|a| a.kind().starts_with("crypt"))
+        .map(|a| a.kind().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn reconciliation_closes_a_mapping_whose_stage_is_gone_and_only_that() {
+    let h = harness();
+    let k = keys(7);
+    stage_encrypted(&h, ext4(), &k).await.expect("stage");
+    // Staged: the mapping is the stage's, left open.
+    assert!(crypt_actions(&reconcile(&h)).is_empty());
+    assert_eq!(h.os.luks_mappings().len(), 1);
+    // An unstage cut short after the unmount and before the close (the close fails, and
+    // kubelet does not retry: it restarted, or the volume went elsewhere).
+    h.os.fail_tool("cryptsetup", 5);
+    assert_eq!(
+        code(h.svc.node_unstage_volume(Request::new(unstage_req()))).await,
+        Code::Internal
+    );
+    let record = h.engine.journal().get("vol-1").expect("record");
+    assert!(record.stage.is_none(), "the journal says unstaged");
+    assert_eq!(h.os.luks_mappings().len(), 1, "the mapping is still open");
+    // moor-node's start: the mapping is closed, its record dropped, what it held kept.
+    assert_eq!(crypt_actions(&reconcile(&h)), ["crypt_closed"]);
+    assert!(h.os.luks_mappings().is_empty());
+    assert!(h.engine.journal().get("vol-1").is_none());
+    assert!(
+        h.os.luks_opens_with(DEV, k.dek.expose()),
+        "the volume is intact"
+    );
+    // Nothing more at the next pass, and the next stage opens it again.
+    assert!(crypt_actions(&reconcile(&h)).is_empty());
+    h.os.clear_calls();
+    stage_encrypted(&h, ext4(), &k).await.expect("stage again");
+    assert_eq!(
+        tools(&h),
+        ["cryptsetup open".to_owned(), format!("e2fsck {MAPPER}")]
+    );
+}
+
+#[tokio::test]
+async fn reconciliation_leaves_a_mapping_something_uses_though_the_journal_lost_its_stage() {
+    let h = harness();
+    let k = keys(7);
+    stage_encrypted(&h, ext4(), &k).await.expect("stage");
+    // The journal lost the staging, the filesystem is still mounted on the mapping.
+    let mut record = h.engine.journal().get("vol-1").expect("record");
+    record.stage = None;
+    h.engine
+        .journal()
+        .put(&record, journal::Durability::Process)
+        .expect("put");
+    h.os.clear_calls();
+    assert_eq!(crypt_actions(&reconcile(&h)), ["crypt_in_use"]);
+    assert_eq!(h.os.luks_mappings().len(), 1, "left open");
+    assert!(
+        !tools(&h).iter().any(|t| t == "cryptsetup close"),
+        "no close was tried"
+    );
+    assert_eq!(h.os.mount_depth(STAGING), 1);
+}
+
+#[tokio::test]
+async fn a_mapping_open_under_the_volumes_name_on_another_device_is_not_used() {
+    let h = harness();
+    let k = keys(7);
+    // Another device, LUKS opening with the same key, open under vol-1's mapping name.
+    let other = "/dev/loop9";
+    h.os.add_device(other, (7, 9), GIB);
+    let run = |args: &[&str]| crate::sys::ToolRun {
+        program: "cryptsetup".into(),
+        args: args.iter().map(|a| (*a).to_owned()).collect(),
+        deadline: std::time::Duration::from_secs(1),
+    };
+    h.os.run_tool_with_key(&run(&["luksFormat", "--key-file=-", other]), k.dek.expose())
+        .expect("luksFormat");
+    h.os.run_tool_with_key(
+        &run(&["open", "--key-file=-", other, "moor-vol-1"]),
+        k.dek.expose(),
+    )
+    .expect("open");
+    h.os.clear_calls();
+    let err = h
+        .svc
+        .node_stage_volume(Request::new(encrypted_req(ext4(), &k)))
+        .await
+        .expect_err("refused");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("7:9"), "{}", err.message());
+    assert!(tools(&h).is_empty(), "nothing formatted, opened or made");
+    assert_eq!(h.os.mount_depth(STAGING), 0);
+    assert!(
+        !h.os.luks_opens_with(DEV, k.dek.expose()),
+        "the volume's device untouched"
+    );
+    assert_eq!(
+        h.os.luks_mappings().get("moor-vol-1"),
+        Some(&PathBuf::from(other)),
+        "the other mapping left as it was"
+    );
+}
+
+#[tokio::test]
+async fn an_encrypted_rbd_volume_opens_on_its_mapped_image_and_closes_before_the_unmap() {
+    use super::rbd::{rbd_harness, rbd_stage};
+    let r = rbd_harness();
+    let h = &r.h;
+    let k = keys(7);
+    // (A stage after the unmap is not shown here: the fake's LUKS volumes are per device
+    // path, and the next map may give another one; the VM lab's tests stage again.)
+    let mut req = encrypted_req(ext4(), &k);
+    let rbd = rbd_stage("vol-1", ext4());
+    req.publish_context = rbd.publish_context;
+    req.secrets.extend(rbd.secrets);
+    h.svc
+        .node_stage_volume(Request::new(req))
+        .await
+        .expect("stage");
+    // LUKS made on the image's mapped device, and the filesystem on the mapping.
+    let under = h.os.luks_mappings().get("moor-vol-1").cloned();
+    let mapped = under.expect("open on the mapped image");
+    assert_ne!(mapped, PathBuf::from(DEV));
+    assert!(h.os.luks_opens_with(&mapped, k.dek.expose()));
+    // An unstage cut short at the close: the image stays mapped under the open mapping.
+    h.os.fail_tool("cryptsetup", 5);
+    assert_eq!(
+        code(h.svc.node_unstage_volume(Request::new(unstage_req()))).await,
+        Code::Internal
+    );
+    assert_eq!(h.os.luks_mappings().len(), 1);
+    let unmapped = |r: &super::rbd::Rbd| {
+        r.attacher
+            .calls()
+            .iter()
+            .filter(|c| matches!(c, crate::attach::fake::AttachCall::Unmap(..)))
+            .count()
+    };
+    assert_eq!(unmapped(&r), 0, "not unmapped under an open mapping");
+    // Reconciliation closes the mapping first, then unmaps the image it sat on.
+    let kinds: Vec<&str> = reconcile(h)
+        .iter()
+        .map(crate::reconcile::Action::kind)
+        .filter(|k| matches!(*k, "crypt_closed" | "unmapped"))
+        .collect();
+    assert_eq!(kinds, ["crypt_closed", "unmapped"]);
+    assert!(h.os.luks_mappings().is_empty());
+    assert_eq!(unmapped(&r), 1);
+    assert!(h.engine.journal().get("vol-1").is_none(), "nothing left");
+}

@@ -707,6 +707,22 @@ impl Os for FakeOs {
         }))
     }
 
+    fn devices_under(&self, dev: (u32, u32)) -> SysResult<Vec<(u32, u32)>> {
+        let mut st = self.lock();
+        Self::take_failure(&mut st, "devices_under", Path::new("/sys/dev/block"))?;
+        let under = st
+            .mappings
+            .iter()
+            .find(|(name, _)| {
+                st.devices
+                    .get(&mapper_path(name))
+                    .is_some_and(|m| m.rdev == dev)
+            })
+            .and_then(|(_, device)| st.devices.get(device))
+            .map(|d| d.rdev);
+        Ok(under.into_iter().collect())
+    }
+
     fn share_with_group(
         &self,
         path: &Path,

@@ -479,6 +479,9 @@ pub trait Os: Send + Sync + 'static {
     /// For a loop device `dev`, its backing file and the state of the filesystem that holds it
     /// (sysfs, then statvfs of the file); None for any other device. For NodeGetStorageHealth.
     fn backing_store(&self, dev: (u32, u32)) -> SysResult<Option<BackingStore>>;
+    /// The devices the device-mapper device `dev` sits on (sysfs `slaves/`), by number; empty
+    /// for a device that sits on none. For a dm-crypt mapping: the LUKS device under it.
+    fn devices_under(&self, dev: (u32, u32)) -> SysResult<Vec<(u32, u32)>>;
     /// Gives the filesystem mounted at `path` to group `gid` as kubelet gives a volume to a
     /// pod's fsGroup (see [`ownership`]), unless its root already has the group and setgid;
     /// stops at `deadline`.

@@ -322,7 +322,7 @@ fn kek_secrets(id: &str, byte: u8) -> std::collections::HashMap<String, String> 
 }
 
 #[tokio::test]
-async fn an_encrypted_volume_gets_a_wrapped_data_key_of_its_own_and_copies_are_refused() {
+async fn an_encrypted_volume_gets_a_wrapped_data_key_of_its_own_and_its_copies_its_key() {
     use crate::backend::Backend as _;
     use moor_runtime::keys::{WrappedDek, kek_from_secret};
     let fx = Fx::new("svc-create-encrypted");
@@ -424,39 +424,107 @@ async fn an_encrypted_volume_gets_a_wrapped_data_key_of_its_own_and_copies_are_r
         &v.volume_id,
     );
     assert_eq!(other.unwrap().expose(), dek.expose());
-    // Snapshots, clones and restores of it, or into an encrypted class, are refused.
-    let s = fx
+    // A snapshot of it, a clone and a restore: encrypted, each with its source's data key
+    // wrapped for itself (the copy holds its source's LUKS header), and its source's LUKS
+    // parameters whatever the class says.
+    let snap_enc = fx
         .snapshot("snap-enc", &v.volume_id)
         .await
-        .expect_err("snapshot");
-    assert_eq!(s.code(), Code::InvalidArgument);
-    assert!(s.message().contains("encrypted"), "{}", s.message());
+        .expect("a snapshot of an encrypted volume");
     use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
     let with_source = |mut r: csi::CreateVolumeRequest, ty: Type| {
         r.volume_content_source = Some(csi::VolumeContentSource { r#type: Some(ty) });
         r
     };
+    let of_volume = |id: &str| {
+        Type::Volume(VolumeSource {
+            volume_id: id.to_owned(),
+        })
+    };
+    let of_snapshot = |id: &str| {
+        Type::Snapshot(SnapshotSource {
+            snapshot_id: id.to_owned(),
+        })
+    };
+    let clone = fx
+        .svc
+        .create_volume(Request::new(with_source(
+            encrypted("enc-clone", &[]),
+            of_volume(&v.volume_id),
+        )))
+        .await
+        .expect("a clone")
+        .into_inner()
+        .volume
+        .expect("volume");
+    // The source goes: its snapshot keeps what a restore needs.
+    fx.svc
+        .delete_volume(Request::new(csi::DeleteVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            secrets: Default::default(),
+        }))
+        .await
+        .expect("delete the source");
+    let restored = fx
+        .svc
+        .create_volume(Request::new(with_source(
+            encrypted("enc-restore", &[("luksCipher", "serpent-xts-plain64")]),
+            of_snapshot(&snap_enc.snapshot_id),
+        )))
+        .await
+        .expect("a restore")
+        .into_inner()
+        .volume
+        .expect("volume");
+    for copy in [&clone, &restored] {
+        let ctx = &copy.volume_context;
+        assert_eq!(
+            ctx["luksCipher"], "aes-xts-plain64",
+            "the source's: {ctx:?}"
+        );
+        let w = WrappedDek::decode(&ctx["encryptedDEK"]).expect("a wrapped key");
+        let copy_dek = kek
+            .unwrap(&w, &copy.volume_id)
+            .expect("wrapped for the copy");
+        assert!(copy_dek.expose() == dek.expose(), "the source's data key");
+        assert!(
+            kek.unwrap(&w, &v.volume_id).is_err(),
+            "not the source's wrap"
+        );
+    }
+    // A copy between encrypted and clear, or under a KEK that does not unwrap the source's
+    // key: INVALID_ARGUMENT, nothing made.
     let plain = fx.create("plain-src", 1 << 20).await;
     let snap = fx.snapshot("snap-plain", &plain.volume_id).await.unwrap();
-    for r in [
-        with_source(
-            create_req("clone-of-enc", 1 << 20),
-            Type::Volume(VolumeSource {
-                volume_id: v.volume_id.clone(),
-            }),
+    let mut wrong_kek = with_source(encrypted("enc-wrong", &[]), of_volume(&clone.volume_id));
+    wrong_kek.secrets = kek_secrets("kek-1", 9);
+    for (r, says) in [
+        (
+            with_source(
+                create_req("clear-clone", 1 << 20),
+                of_volume(&clone.volume_id),
+            ),
+            "the source is encrypted",
         ),
-        with_source(
-            encrypted("enc-clone", &[]),
-            Type::Volume(VolumeSource {
-                volume_id: plain.volume_id.clone(),
-            }),
+        (
+            with_source(
+                create_req("clear-restore", 1 << 20),
+                of_snapshot(&snap_enc.snapshot_id),
+            ),
+            "the source is encrypted",
         ),
-        with_source(
-            encrypted("enc-restore", &[]),
-            Type::Snapshot(SnapshotSource {
-                snapshot_id: snap.snapshot_id.clone(),
-            }),
+        (
+            with_source(encrypted("enc-of-plain", &[]), of_volume(&plain.volume_id)),
+            "the source is in the clear",
         ),
+        (
+            with_source(
+                encrypted("enc-of-plain-snap", &[]),
+                of_snapshot(&snap.snapshot_id),
+            ),
+            "the source is in the clear",
+        ),
+        (wrong_kek, "unwrap"),
     ] {
         let s = fx
             .svc
@@ -464,7 +532,7 @@ async fn an_encrypted_volume_gets_a_wrapped_data_key_of_its_own_and_copies_are_r
             .await
             .expect_err("copy");
         assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
-        assert!(s.message().contains("encrypted"), "{}", s.message());
+        assert!(s.message().contains(says), "{says}: {}", s.message());
     }
     assert_eq!(
         fx.backend
@@ -472,7 +540,8 @@ async fn an_encrypted_volume_gets_a_wrapped_data_key_of_its_own_and_copies_are_r
             .unwrap()
             .entries
             .len(),
-        2
+        3,
+        "the clone, the restore, the plain source"
     );
     // encrypted: "false" is the default, and dropped.
     let mut plain = create_req("plain", 1 << 20);

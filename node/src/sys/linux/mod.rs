@@ -526,6 +526,39 @@ impl Os for Linux {
         }))
     }
 
+    fn devices_under(&self, (major, minor): (u32, u32)) -> SysResult<Vec<(u32, u32)>> {
+        let dir = PathBuf::from(format!("/sys/dev/block/{major}:{minor}/slaves"));
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(SysError::new("read device-mapper slaves", &dir, e)),
+        };
+        let mut under = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|e| SysError::new("read device-mapper slaves", &dir, e))?;
+            let file = entry.path().join("dev");
+            let text = std::fs::read_to_string(&file)
+                .map_err(|e| SysError::new("read a slave's number", &file, e))?;
+            let number = text
+                .trim()
+                .split_once(':')
+                .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
+            match number {
+                Some(n) => under.push(n),
+                None => {
+                    return Err(SysError::new(
+                        "read a slave's number",
+                        &file,
+                        std::io::Error::from_raw_os_error(libc::EINVAL),
+                    )
+                    .with_detail(text.trim()));
+                }
+            }
+        }
+        under.sort_unstable();
+        Ok(under)
+    }
+
     fn identify(&self, rdev: (u32, u32), want: &DeviceIdentity) -> Verdict {
         discovery::identify_with_udev(rdev, want)
     }
