@@ -1,19 +1,21 @@
 //! moor-ublk: serve an RBD image as /dev/ublkbN, or take over a device whose server died.
 //!
-//!   moor-ublk add     --mon-host H --user U --keyring K --pool P --image I
+//!   moor-ublk add     --mon-host H --user U (--keyring K | --keyfile F) --pool P --image I
 //!   moor-ublk recover --dev N (and the same connection flags)
 //!   moor-ublk info    --dev N
 //!   moor-ublk delete  --dev N
 //!
 //! `add` and `recover` print `dev N /dev/ublkbN` once the device is served, then serve it until
-//! it is deleted.
+//! it is deleted, in a session of their own (a signal to the process group or the terminal of
+//! whoever started them does not reach them). `info` of a device the driver does not have
+//! prints `dev N state gone`.
 
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use moor_rbd::{Auth, Cluster, ConnectOptions};
+use moor_rbd::{Auth, Cluster, ConnectOptions, Secret};
 use moor_ublk::Rbd;
 
 #[derive(Parser, Debug)]
@@ -32,8 +34,12 @@ struct Image {
     mon_host: String,
     #[arg(long)]
     user: String,
+    /// A keyring file holding the user's key.
+    #[arg(long, required_unless_present = "keyfile", conflicts_with = "keyfile")]
+    keyring: Option<PathBuf>,
+    /// A file holding the key itself (what rbd-fuse's `--keyfile` takes).
     #[arg(long)]
-    keyring: PathBuf,
+    keyfile: Option<PathBuf>,
     #[arg(long)]
     pool: String,
     #[arg(long)]
@@ -67,7 +73,14 @@ enum Cmd {
 }
 
 fn open(i: &Image) -> Result<(Rbd, u64), String> {
-    let options = ConnectOptions::new(&i.mon_host, &i.user, Auth::Keyring(i.keyring.clone()));
+    let auth = match (&i.keyring, &i.keyfile) {
+        (Some(k), _) => Auth::Keyring(k.clone()),
+        (None, Some(f)) => Auth::Key(Secret::new(
+            std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?,
+        )),
+        (None, None) => return Err("--keyring or --keyfile".into()),
+    };
+    let options = ConnectOptions::new(&i.mon_host, &i.user, auth);
     let cluster = Cluster::connect(&options).map_err(|e| e.to_string())?;
     let pool = cluster.pool(&i.pool).map_err(|e| e.to_string())?;
     let image = pool.open_image(&i.image).map_err(|e| e.to_string())?;
@@ -84,6 +97,7 @@ fn served(s: moor_ublk::Served) -> Result<(), String> {
 fn run(cli: Cli) -> Result<(), String> {
     match cli.cmd {
         Cmd::Add(i) => {
+            moor_ublk::own_session();
             let (rbd, size) = open(&i)?;
             served(moor_ublk::add(size, Box::new(rbd)).map_err(|e| format!("add: {e}"))?)
         }
@@ -92,13 +106,21 @@ fn run(cli: Cli) -> Result<(), String> {
             deadline,
             image,
         } => {
+            moor_ublk::own_session();
             let (rbd, _) = open(&image)?;
             let s = moor_ublk::recover(dev, Box::new(rbd), Duration::from_secs(deadline))
                 .map_err(|e| format!("recover: {e}"))?;
             served(s)
         }
         Cmd::Info { dev } => {
-            let i = moor_ublk::info(dev).map_err(|e| e.to_string())?;
+            let i = match moor_ublk::info(dev) {
+                Ok(i) => i,
+                Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {
+                    println!("dev {dev} state gone");
+                    return Ok(());
+                }
+                Err(e) => return Err(e.to_string()),
+            };
             println!(
                 "dev {dev} state {} pid {} flags {:#x}",
                 moor_ublk::state_name(i.state),
