@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use csi::node_client::NodeClient;
 use moor_lab::ceph::{World, ext4, publish};
 use moor_lab::krbd_lab::*;
+use moor_lab::vm::{acked, assert_writer_clean, fsync_writer};
 use moor_privileged::requests::{unpublish_req, unstage_req};
 use moor_privileged::runtime;
 use moor_proto::csi::v1 as csi;
@@ -116,15 +117,7 @@ impl Written {
     /// acknowledged in its log (outside the volume) only once the fsync succeeded; an error
     /// is logged and ends it. It stops when `stop` shows.
     fn start_writer(&self, lab: &Lab, stop: &Path) {
-        let data = self.target.join("data");
-        let script = format!(
-            "echo started $$; i=0; while [ ! -e {stop} ]; do \
-             printf 'record %08d\\n' $i >> {data} || {{ echo ERROR write $i; exit 1; }}; \
-             sync -d {data} || {{ echo ERROR fsync $i; exit 1; }}; \
-             echo acked $i; i=$((i+1)); done; echo stopped",
-            stop = stop.display(),
-            data = data.display()
-        );
+        let script = fsync_writer(&self.target.join("data"), stop);
         lab.vms[0].spawn(&["sh", "-c", &script], &self.log.display().to_string());
     }
 
@@ -133,11 +126,7 @@ impl Written {
     }
 
     fn acked(&self) -> Vec<u64> {
-        self.text()
-            .lines()
-            .filter_map(|l| l.strip_prefix("acked "))
-            .filter_map(|n| n.trim().parse().ok())
-            .collect()
+        acked(&self.text())
     }
 
     /// Waits until `check` holds for its log, or it logged an error.
@@ -330,19 +319,7 @@ fn an_upgrade_keeps_every_attachers_volumes_live() {
         std::fs::write(&stop, "").expect("tell the writers to stop");
         for (v, kind) in &volumes {
             let log = v.wait("the writer's end", |t| t.contains("stopped"));
-            assert!(
-                !log.contains("ERROR"),
-                "the {kind} volume's writer saw an I/O error: {}",
-                log.lines()
-                    .filter(|l| !l.starts_with("acked"))
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            );
-            assert_eq!(
-                log.lines().filter(|l| l.starts_with("started")).count(),
-                1,
-                "one writer process throughout"
-            );
+            assert_writer_clean(&log, &format!("the {kind} volume's writer"));
             let data = vm.sh(&format!("cat {}", v.target.join("data").display()));
             for i in v.acked() {
                 assert!(
