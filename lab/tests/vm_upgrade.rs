@@ -306,6 +306,18 @@ fn an_upgrade_keeps_every_attachers_volumes_live() {
             "the new moor-node answered before the device was served again: {info}\n{}",
             ublk_node.log_text()
         );
+        // What the new server said of the dead one's lock (fenced, or why not).
+        if let Ok(logs) = std::fs::read_dir(ublk_node.state.join("ublk")) {
+            for l in logs
+                .flatten()
+                .filter(|e| e.path().extension() == Some("log".as_ref()))
+            {
+                let text = std::fs::read_to_string(l.path()).unwrap_or_default();
+                for line in text.lines().filter(|l| l.contains("fenc")) {
+                    eprintln!("{test}: the new server: {line}");
+                }
+            }
+        }
         for ((v, kind), before) in volumes.iter().zip(&at_kill) {
             v.wait("records fsynced after the upgrade", |t| {
                 t.lines().filter(|l| l.starts_with("acked")).count() >= before + n

@@ -57,6 +57,11 @@ enum Cmd {
         /// How long to wait for the driver to quiesce the device (seconds).
         #[arg(long, default_value_t = 120)]
         deadline: u64,
+        /// The dead server's client (`client.N`, as it said): when it still holds the image's
+        /// lock, its address is blocklisted (an hour) and its lock broken, so this server need
+        /// not wait for the cluster to time its watch out (about 30 s).
+        #[arg(long)]
+        fence: Option<String>,
         #[command(flatten)]
         image: Image,
     },
@@ -72,7 +77,9 @@ enum Cmd {
     },
 }
 
-fn open(i: &Image) -> Result<(Rbd, u64), String> {
+/// The image, through a connection of its own (kept: the server's client, as the image's
+/// lockers name it, is `client.<instance id>`).
+fn open(i: &Image) -> Result<(Cluster, moor_rbd::Image, u64), String> {
     let auth = match (&i.keyring, &i.keyfile) {
         (Some(k), _) => Auth::Keyring(k.clone()),
         (None, Some(f)) => Auth::Key(Secret::new(
@@ -85,32 +92,66 @@ fn open(i: &Image) -> Result<(Rbd, u64), String> {
     let pool = cluster.pool(&i.pool).map_err(|e| e.to_string())?;
     let image = pool.open_image(&i.image).map_err(|e| e.to_string())?;
     let size = image.size().map_err(|e| e.to_string())?;
-    Ok((Rbd(image), size))
+    Ok((cluster, image, size))
 }
 
-fn served(s: moor_ublk::Served) -> Result<(), String> {
-    println!("dev {} {}", s.dev_id, s.block_device());
+/// Says `dev N /dev/ublkbN client.C` (C: this server's client, for the next server to fence),
+/// then serves.
+fn served(s: moor_ublk::Served, cluster: &Cluster) -> Result<(), String> {
+    println!(
+        "dev {} {} client.{}",
+        s.dev_id,
+        s.block_device(),
+        cluster.instance_id()
+    );
     let _ = std::io::stdout().flush();
     s.wait().map_err(|e| e.to_string())
+}
+
+/// Blocklists the dead server's client `dead` and breaks its lock of `image`, if it holds it;
+/// a failure (a user without `mon 'profile rbd'`) is said, and the recovery goes on (librbd
+/// then waits for the dead client's watch to time out).
+fn fence_dead(cluster: &Cluster, image: &moor_rbd::Image, dead: &str) {
+    let lockers = match image.lockers() {
+        Ok(l) => l.lockers,
+        Err(e) => {
+            eprintln!("moor-ublk: the image's lockers: {e}");
+            return;
+        }
+    };
+    for l in lockers.iter().filter(|l| l.client == dead) {
+        let fenced = cluster
+            .blocklist_add(&l.address, Duration::from_secs(3600))
+            .and_then(|()| image.break_lock(l));
+        match fenced {
+            Ok(()) => eprintln!("moor-ublk: fenced the dead server's {dead} ({})", l.address),
+            Err(e) => eprintln!("moor-ublk: fencing the dead server's {dead}: {e}"),
+        }
+    }
 }
 
 fn run(cli: Cli) -> Result<(), String> {
     match cli.cmd {
         Cmd::Add(i) => {
             moor_ublk::own_session();
-            let (rbd, size) = open(&i)?;
-            served(moor_ublk::add(size, Box::new(rbd)).map_err(|e| format!("add: {e}"))?)
+            let (cluster, image, size) = open(&i)?;
+            let s = moor_ublk::add(size, Box::new(Rbd(image))).map_err(|e| format!("add: {e}"))?;
+            served(s, &cluster)
         }
         Cmd::Recover {
             dev,
             deadline,
+            fence,
             image,
         } => {
             moor_ublk::own_session();
-            let (rbd, _) = open(&image)?;
-            let s = moor_ublk::recover(dev, Box::new(rbd), Duration::from_secs(deadline))
+            let (cluster, rbd, _) = open(&image)?;
+            if let Some(dead) = &fence {
+                fence_dead(&cluster, &rbd, dead);
+            }
+            let s = moor_ublk::recover(dev, Box::new(Rbd(rbd)), Duration::from_secs(deadline))
                 .map_err(|e| format!("recover: {e}"))?;
-            served(s)
+            served(s, &cluster)
         }
         Cmd::Info { dev } => {
             let i = match moor_ublk::info(dev) {

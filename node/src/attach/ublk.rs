@@ -62,6 +62,10 @@ struct Served {
     user: String,
     /// The monitors, as the publish context named them.
     monitors: String,
+    /// The server's client (`client.N`, as it said), which the next server fences when this
+    /// one died holding the image's lock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    client: Option<String>,
 }
 
 /// The driver's view of a device.
@@ -280,7 +284,8 @@ impl UblkAttacher {
     }
 
     /// Starts a server, `moor-ublk <step> ...` for the image, with its key in `key`; waits
-    /// (up to `deadline`) for its `dev N` line; the device's number.
+    /// (up to `deadline`) for its `dev N /dev/ublkbN client.C` line; the device's number and the
+    /// server's client.
     fn serve(
         &self,
         image: &ImageSpec,
@@ -288,7 +293,7 @@ impl UblkAttacher {
         lead: &[String],
         served: &Served,
         deadline: Instant,
-    ) -> Result<u32, AttachError> {
+    ) -> Result<(u32, Option<String>), AttachError> {
         let (_, key, log) = self.paths(image)?;
         let io = |what: &str, e: std::io::Error| Self::failed(image, step, format!("{what}: {e}"));
         let log_file = std::fs::OpenOptions::new()
@@ -347,14 +352,16 @@ impl UblkAttacher {
                 });
             }
         };
-        let dev = line
+        let mut words = line
             .strip_prefix("dev ")
-            .and_then(|l| l.split_whitespace().next())
-            .and_then(|n| n.parse::<u32>().ok());
+            .unwrap_or_default()
+            .split_whitespace();
+        let dev = words.next().and_then(|n| n.parse::<u32>().ok());
+        let client = words.nth(1).map(str::to_string);
         match dev {
             Some(dev) => {
-                info!(image = %image, dev, pid, step, "moor-ublk serves the image");
-                Ok(dev)
+                info!(image = %image, dev, pid, step, client, "moor-ublk serves the image");
+                Ok((dev, client))
             }
             None => {
                 kill(pid);
@@ -492,6 +499,7 @@ impl Attacher for UblkAttacher {
             dev: None,
             user: req.credentials.user.clone(),
             monitors: req.monitors.to_string(),
+            client: None,
         };
         let made = (|| {
             let mut f = std::fs::OpenOptions::new()
@@ -505,8 +513,9 @@ impl Attacher for UblkAttacher {
                 .and_then(|()| f.sync_all())
                 .map_err(|e| Self::failed(image, "map", format!("writing the key file: {e}")))?;
             self.write_served(image, &served)?;
-            let dev = self.serve(image, "map", &["add".into()], &served, deadline)?;
+            let (dev, client) = self.serve(image, "map", &["add".into()], &served, deadline)?;
             served.dev = Some(dev);
+            served.client = client;
             self.write_served(image, &served)?;
             let rdev = self.wait_device(image, dev, deadline)?;
             Ok(self.mapping(dev, rdev))
@@ -602,14 +611,18 @@ impl Attacher for UblkAttacher {
             }
         }
         let deadline = Instant::now() + self.deadlines.map;
-        let lead = [
+        let mut lead = vec![
             "recover".to_string(),
             "--dev".into(),
             dev.to_string(),
             "--deadline".into(),
             self.deadlines.map.as_secs().max(1).to_string(),
         ];
-        let again = self.serve(image, "recover", &lead, &served, deadline)?;
+        // The dead server's client, fenced so that the new one takes the lock at once.
+        if let Some(c) = &served.client {
+            lead.extend(["--fence".into(), c.clone()]);
+        }
+        let (again, client) = self.serve(image, "recover", &lead, &served, deadline)?;
         if again != dev {
             return Err(Self::failed(
                 image,
@@ -617,6 +630,7 @@ impl Attacher for UblkAttacher {
                 format!("{PROGRAM} recovered device {again}, not {dev}"),
             ));
         }
+        self.write_served(image, &Served { client, ..served })?;
         Ok(true)
     }
 }

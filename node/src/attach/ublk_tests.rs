@@ -31,16 +31,17 @@ impl Drop for FakeUblk {
 const SCRIPT: &str = r#"#!/bin/sh
 R="$(dirname "$0")"
 cmd=$1; shift
-key=; dev=; image=
+key=; dev=; image=; fence=
 while [ $# -gt 0 ]; do
   case $1 in
+    --fence) fence=" fence=$2"; shift 2 ;;
     --keyfile) key=$(cat "$2"); shift 2 ;;
     --dev) dev=$2; shift 2 ;;
     --image) image=$2; shift 2 ;;
     *) shift ;;
   esac
 done
-echo "$cmd dev=$dev image=$image key=$key" >> "$R/calls"
+echo "$cmd dev=$dev image=$image key=$key$fence" >> "$R/calls"
 state() {
   if [ ! -e "$R/driver/$1" ]; then echo gone
   elif kill -0 "$(cat "$R/driver/$1")" 2>/dev/null; then echo live
@@ -54,12 +55,12 @@ case $cmd in
     n=0; while [ -e "$R/driver/$n" ]; do n=$((n+1)); done
     echo $$ > "$R/driver/$n"
     mkdir -p "$R/sys/ublkb$n"; echo "259:$n" > "$R/sys/ublkb$n/dev"; : > "$R/dev/ublkb$n"
-    echo "dev $n $R/dev/ublkb$n"
+    echo "dev $n $R/dev/ublkb$n client.$$"
     exec sleep 100000 ;;
   recover)
     [ "$(state "$dev")" = quiesced ] || { echo "moor-ublk: recover: busy" >&2; exit 1; }
     echo $$ > "$R/driver/$dev"
-    echo "dev $dev $R/dev/ublkb$dev"
+    echo "dev $dev $R/dev/ublkb$dev client.$$"
     exec sleep 100000 ;;
   info)
     echo "dev $dev state $(state "$dev")" ;;
@@ -120,14 +121,19 @@ impl FakeUblk {
             .unwrap_or_default()
     }
 
-    /// Kills device `dev`'s server and waits until it is gone (reaped by the attacher's
-    /// thread), as the driver sees it: quiesced.
-    fn kill_server(&self, dev: u32) {
-        let pid: u32 = std::fs::read_to_string(self.root.join(format!("driver/{dev}")))
+    /// Device `dev`'s server.
+    fn server(&self, dev: u32) -> u32 {
+        std::fs::read_to_string(self.root.join(format!("driver/{dev}")))
             .unwrap()
             .trim()
             .parse()
-            .unwrap();
+            .unwrap()
+    }
+
+    /// Kills device `dev`'s server and waits until it is gone (reaped by the attacher's
+    /// thread), as the driver sees it: quiesced.
+    fn kill_server(&self, dev: u32) {
+        let pid = self.server(dev);
         kill(pid);
         wait_gone(pid, "SIGKILL");
     }
@@ -209,6 +215,7 @@ fn a_device_whose_server_died_is_taken_over_with_the_same_number_and_key() {
     let image = spec("csi-vol-1");
     let m = map(&f, &image, false).expect("map");
     let other = map(&f, &spec("csi-vol-2"), false).expect("map another");
+    let first = f.server(0);
     f.kill_server(0);
     assert_eq!(f.attacher.state(&image, 0).unwrap(), DevState::Quiesced);
     // Still the image's mapping while it waits: its mounts stay.
@@ -216,12 +223,24 @@ fn a_device_whose_server_died_is_taken_over_with_the_same_number_and_key() {
     assert!(f.attacher.recover(&image).expect("recover"));
     assert_eq!(f.attacher.state(&image, 0).unwrap(), DevState::Live);
     assert!(
-        f.calls()
-            .contains(&format!("recover dev=0 image=csi-vol-1 key={KEY}")),
+        f.calls().contains(&format!(
+            "recover dev=0 image=csi-vol-1 key={KEY} fence=client.{first}"
+        )),
         "{:?}",
         f.calls()
     );
     assert_eq!(f.attacher.find(&image).unwrap(), Some(m));
+    // The next recovery fences the new server's client.
+    let second = f.server(0);
+    f.kill_server(0);
+    assert!(f.attacher.recover(&image).expect("recover again"));
+    assert!(
+        f.calls().contains(&format!(
+            "recover dev=0 image=csi-vol-1 key={KEY} fence=client.{second}"
+        )),
+        "{:?}",
+        f.calls()
+    );
     // The other image's server lives: nothing to do.
     assert!(!f.attacher.recover(&spec("csi-vol-2")).unwrap());
     assert_eq!(other.device, f.root.join("dev/ublkb1"));
@@ -230,7 +249,7 @@ fn a_device_whose_server_died_is_taken_over_with_the_same_number_and_key() {
             .iter()
             .filter(|c| c.starts_with("recover"))
             .count(),
-        1
+        2
     );
 }
 
