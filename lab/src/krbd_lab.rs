@@ -55,6 +55,18 @@ impl Lab {
         Self::boot(test, nodes, first_host, memory, |_, _| Vec::new())
     }
 
+    /// One node, booted on the lab's kernel `package` (`MOOR_VM_KERNEL_PACKAGE=<package> .ci/vm
+    /// setup`: Debian's 6.12, with ublk_drv), with `ublk_drv` loaded beside `rbd`; or None (the
+    /// reason printed).
+    pub fn with_kernel(test: &str, first_host: u8, package: &str) -> Option<Self> {
+        if !crate::vm::available_kernel(test, package) {
+            return None;
+        }
+        let lab = Self::boot_on(test, 1, first_host, "1G", Some(package), |_, _| Vec::new())?;
+        lab.vms[0].sh("modprobe -a ublk_drv loop && test -c /dev/ublk-control");
+        Some(lab)
+    }
+
     fn boot(
         test: &str,
         nodes: usize,
@@ -65,6 +77,17 @@ impl Lab {
         if !crate::vm::available(test) {
             return None;
         }
+        Self::boot_on(test, nodes, first_host, memory, None, qemu_opts)
+    }
+
+    fn boot_on(
+        test: &str,
+        nodes: usize,
+        first_host: u8,
+        memory: &str,
+        kernel: Option<&str>,
+        qemu_opts: impl Fn(usize, &World) -> Vec<String>,
+    ) -> Option<Self> {
         let ceph = Ceph::from_env(test)?;
         let Some((bridge, net)) = ceph.bridge.clone() else {
             eprintln!("{test}: skipped: the cluster has no bridge for guests to join");
@@ -87,7 +110,10 @@ impl Lab {
                 }
             })
             .collect();
-        let vms = Vm::boot_all(opts);
+        let vms = match kernel {
+            None => Vm::boot_all(opts),
+            Some(k) => opts.into_iter().map(|o| Vm::boot_kernel(o, k)).collect(),
+        };
         let lab = Self { world, vms, net };
         for vm in &lab.vms {
             vm.sh("modprobe rbd && test -e /sys/bus/rbd/add_single_major");
@@ -169,14 +195,57 @@ pub async fn start_node_in(
     state: &std::path::Path,
     log: &std::path::Path,
 ) -> NodeClient<Channel> {
+    let launch = Launch {
+        program,
+        attacher: "kernel",
+        socket: SOCKET,
+        wrap: &[],
+        env,
+    };
+    start_node_as(vm, node_id, kubelet, &launch, state, log).await
+}
+
+/// How [`start_node_as`] starts moor-node.
+#[derive(Debug, Clone, Copy)]
+pub struct Launch<'a> {
+    /// The binary (a name [`moor_privileged::client::binary`] finds).
+    pub program: &'a str,
+    /// `--rbd-attacher`.
+    pub attacher: &'a str,
+    /// The socket it serves on, in the guest.
+    pub socket: &'a str,
+    /// A command moor-node runs under (its words before `env`), e.g. a shell that moves
+    /// itself into a cgroup and execs the rest.
+    pub wrap: &'a [&'a str],
+    /// `NAME=value` words for its environment.
+    pub env: &'a [&'a str],
+}
+
+/// [`start_node_in`] as `launch` says.
+pub async fn start_node_as(
+    vm: &Vm,
+    node_id: &str,
+    kubelet: &std::path::Path,
+    launch: &Launch<'_>,
+    state: &std::path::Path,
+    log: &std::path::Path,
+) -> NodeClient<Channel> {
+    let Launch {
+        program,
+        attacher,
+        socket,
+        wrap,
+        env,
+    } = *launch;
     let bin = moor_privileged::client::binary(program);
-    let mut argv: Vec<String> = vec!["env".into()];
+    let mut argv: Vec<String> = wrap.iter().map(|s| (*s).to_string()).collect();
+    argv.push("env".into());
     argv.extend(env.iter().map(|s| (*s).to_string()));
     argv.extend(
         [
             bin.display().to_string().as_str(),
             "--endpoint",
-            &format!("unix://{SOCKET}"),
+            &format!("unix://{socket}"),
             "--node-id",
             node_id,
             "--state-dir",
@@ -184,7 +253,7 @@ pub async fn start_node_in(
             "--kubelet-dir",
             &kubelet.display().to_string(),
             "--rbd-attacher",
-            "kernel",
+            attacher,
             "--rbd-map-timeout",
             "120",
             "--instance-wait",
@@ -199,7 +268,7 @@ pub async fn start_node_in(
     let log_text = || std::fs::read_to_string(log).unwrap_or_default();
     let start = Instant::now();
     loop {
-        if let Ok(ch) = vm.channel(SOCKET).await {
+        if let Ok(ch) = vm.channel(socket).await {
             let mut node = NodeClient::new(ch);
             if node.node_get_info(csi::NodeGetInfoRequest {}).await.is_ok() {
                 return node;

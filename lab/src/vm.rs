@@ -575,6 +575,47 @@ impl Drop for Vm {
     }
 }
 
+/// A guest's shell line that appends a record to `data` and fsyncs it (fdatasync) at a time,
+/// acknowledging each in its output (`acked N`, kept outside the volume) only once the fsync
+/// succeeded; an error is said (`ERROR write|fsync N`) and ends it. It says `started` first and
+/// `stopped` once `stop` shows.
+pub fn fsync_writer(data: &Path, stop: &Path) -> String {
+    format!(
+        "echo started $$; i=0; while [ ! -e {stop} ]; do \
+         printf 'record %08d\\n' $i >> {data} || {{ echo ERROR write $i; exit 1; }}; \
+         sync -d {data} || {{ echo ERROR fsync $i; exit 1; }}; \
+         echo acked $i; i=$((i+1)); done; echo stopped",
+        stop = stop.display(),
+        data = data.display()
+    )
+}
+
+/// The records an [`fsync_writer`] acknowledged, by its output `log`.
+pub fn acked(log: &str) -> Vec<u64> {
+    log.lines()
+        .filter_map(|l| l.strip_prefix("acked "))
+        .filter_map(|n| n.trim().parse().ok())
+        .collect()
+}
+
+/// Asserts that an [`fsync_writer`]'s output `log` says no error and one process throughout;
+/// `what` names the writer.
+pub fn assert_writer_clean(log: &str, what: &str) {
+    assert!(
+        !log.contains("ERROR"),
+        "{what} saw an I/O error: {}",
+        log.lines()
+            .filter(|l| !l.starts_with("acked"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(
+        log.lines().filter(|l| l.starts_with("started")).count(),
+        1,
+        "{what}: one writer process throughout"
+    );
+}
+
 /// A small deterministic generator (xorshift) for the lab's seeded choices: a seed printed by
 /// a test replays its choices.
 #[derive(Debug, Clone)]

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use moor_lab::ceph::{Ceph, World};
-use moor_lab::vm::{self, Vm, VmOptions};
+use moor_lab::vm::{self, Vm, VmOptions, acked};
 
 /// Debian's 6.12 from bookworm-backports: ublk_drv and rbd as modules.
 const KERNEL: &str = "linux-image-6.12.57+deb12-amd64";
@@ -143,14 +143,6 @@ fn wait_for(path: &Path, what: &str, check: impl Fn(&str) -> bool) -> String {
     }
 }
 
-/// The records the writer had fsynced: the numbers of its `acked N` lines.
-fn acked(log: &str) -> Vec<u64> {
-    log.lines()
-        .filter_map(|l| l.strip_prefix("acked "))
-        .filter_map(|n| n.trim().parse().ok())
-        .collect()
-}
-
 /// A filesystem on /dev/ublkbN written and fsynced in a loop by one process; the server
 /// SIGKILLed mid-stream; a new server process recovers the device (START_USER_RECOVERY,
 /// END_USER_RECOVERY). The writer sees no I/O error, goes on, and every record it fsynced is
@@ -180,12 +172,7 @@ fn a_new_server_takes_the_device_over() {
     // its log (outside the device) only once the fsync succeeded; an error is logged and
     // ends it. It stops when told (a file).
     let stop = lab.path("stop");
-    let writer = format!(
-        "echo started $$; i=0; while [ ! -e {stop} ]; do \
-         printf 'record %08d\\n' $i >> {mnt}/data || {{ echo ERROR write $i; exit 1; }}; \
-         sync -d {mnt}/data || {{ echo ERROR fsync $i; exit 1; }}; \
-         echo acked $i; i=$((i+1)); done; echo stopped"
-    );
+    let writer = vm::fsync_writer(&Path::new(&mnt).join("data"), Path::new(&stop));
     lab.vm
         .spawn(&["sh", "-c", &writer], &lab.path("writer.log"));
     let wlog = lab.dir.join("writer.log");
@@ -232,19 +219,7 @@ fn a_new_server_takes_the_device_over() {
     let log = wait_for(&wlog, "the writer's end", |t| {
         t.contains("stopped") || t.contains("ERROR")
     });
-    assert!(
-        !log.contains("ERROR"),
-        "the writer saw an I/O error: {}",
-        log.lines()
-            .filter(|l| !l.starts_with("acked"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
-    assert_eq!(
-        log.lines().filter(|l| l.starts_with("started")).count(),
-        1,
-        "one writer process throughout"
-    );
+    vm::assert_writer_clean(&log, "the writer");
     let records = acked(&log);
     assert_eq!(
         records,

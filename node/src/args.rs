@@ -86,9 +86,11 @@ pub struct Args {
     #[arg(long)]
     pub http_endpoint: Option<String>,
     /// How this node maps Ceph RBD images: `kernel` (the kernel's RBD client, through sysfs),
-    /// `fuse` (rbd-fuse and a loop device, for kernels without it), `auto` (the kernel
-    /// client when the rbd module is loaded, else rbd-fuse when installed, else none) or
-    /// `none`.
+    /// `ublk` (moor-ublk: librbd behind a ublk device that the next moor-node takes over, for
+    /// kernels without the RBD client but with ublk), `fuse` (rbd-fuse and a loop device, for
+    /// kernels without either), `auto` (the kernel client when the rbd module is loaded, else
+    /// ublk when /dev/ublk-control is there and moor-ublk installed, else rbd-fuse when
+    /// installed, else none) or `none`.
     #[arg(long, value_enum, default_value_t = crate::attach::Choice::Auto)]
     pub rbd_attacher: crate::attach::Choice,
     /// The socket of the controller on this node (`unix:///path`), for node-local volumes

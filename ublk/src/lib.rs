@@ -188,6 +188,13 @@ pub fn info(dev_id: u32) -> io::Result<DevInfo> {
     Control::open()?.info(dev_id)
 }
 
+/// Puts this process in a session of its own (a server outlives the session and process group
+/// of whoever started it: a signal to those does not reach it). A process that leads its group
+/// already (started so on purpose) stays where it is.
+pub fn own_session() {
+    sys::setsid();
+}
+
 /// The names of a device's states.
 pub fn state_name(state: u16) -> &'static str {
     match state {

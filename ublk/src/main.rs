@@ -1,19 +1,21 @@
 //! moor-ublk: serve an RBD image as /dev/ublkbN, or take over a device whose server died.
 //!
-//!   moor-ublk add     --mon-host H --user U --keyring K --pool P --image I
+//!   moor-ublk add     --mon-host H --user U (--keyring K | --keyfile F) --pool P --image I
 //!   moor-ublk recover --dev N (and the same connection flags)
 //!   moor-ublk info    --dev N
 //!   moor-ublk delete  --dev N
 //!
 //! `add` and `recover` print `dev N /dev/ublkbN` once the device is served, then serve it until
-//! it is deleted.
+//! it is deleted, in a session of their own (a signal to the process group or the terminal of
+//! whoever started them does not reach them). `info` of a device the driver does not have
+//! prints `dev N state gone`.
 
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use moor_rbd::{Auth, Cluster, ConnectOptions};
+use moor_rbd::{Auth, Cluster, ConnectOptions, Secret};
 use moor_ublk::Rbd;
 
 #[derive(Parser, Debug)]
@@ -32,8 +34,12 @@ struct Image {
     mon_host: String,
     #[arg(long)]
     user: String,
+    /// A keyring file holding the user's key.
+    #[arg(long, required_unless_present = "keyfile", conflicts_with = "keyfile")]
+    keyring: Option<PathBuf>,
+    /// A file holding the key itself (what rbd-fuse's `--keyfile` takes).
     #[arg(long)]
-    keyring: PathBuf,
+    keyfile: Option<PathBuf>,
     #[arg(long)]
     pool: String,
     #[arg(long)]
@@ -51,6 +57,11 @@ enum Cmd {
         /// How long to wait for the driver to quiesce the device (seconds).
         #[arg(long, default_value_t = 120)]
         deadline: u64,
+        /// The dead server's client (`client.N`, as it said): when it still holds the image's
+        /// lock, its address is blocklisted (an hour) and its lock broken, so this server need
+        /// not wait for the cluster to time its watch out (about 30 s).
+        #[arg(long)]
+        fence: Option<String>,
         #[command(flatten)]
         image: Image,
     },
@@ -66,39 +77,91 @@ enum Cmd {
     },
 }
 
-fn open(i: &Image) -> Result<(Rbd, u64), String> {
-    let options = ConnectOptions::new(&i.mon_host, &i.user, Auth::Keyring(i.keyring.clone()));
+/// The image, through a connection of its own (kept: the server's client, as the image's
+/// lockers name it, is `client.<instance id>`).
+fn open(i: &Image) -> Result<(Cluster, moor_rbd::Image, u64), String> {
+    let auth = match (&i.keyring, &i.keyfile) {
+        (Some(k), _) => Auth::Keyring(k.clone()),
+        (None, Some(f)) => Auth::Key(Secret::new(
+            std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?,
+        )),
+        (None, None) => return Err("--keyring or --keyfile".into()),
+    };
+    let options = ConnectOptions::new(&i.mon_host, &i.user, auth);
     let cluster = Cluster::connect(&options).map_err(|e| e.to_string())?;
     let pool = cluster.pool(&i.pool).map_err(|e| e.to_string())?;
     let image = pool.open_image(&i.image).map_err(|e| e.to_string())?;
     let size = image.size().map_err(|e| e.to_string())?;
-    Ok((Rbd(image), size))
+    Ok((cluster, image, size))
 }
 
-fn served(s: moor_ublk::Served) -> Result<(), String> {
-    println!("dev {} {}", s.dev_id, s.block_device());
+/// Says `dev N /dev/ublkbN client.C` (C: this server's client, for the next server to fence),
+/// then serves.
+fn served(s: moor_ublk::Served, cluster: &Cluster) -> Result<(), String> {
+    println!(
+        "dev {} {} client.{}",
+        s.dev_id,
+        s.block_device(),
+        cluster.instance_id()
+    );
     let _ = std::io::stdout().flush();
     s.wait().map_err(|e| e.to_string())
+}
+
+/// Blocklists the dead server's client `dead` and breaks its lock of `image`, if it holds it;
+/// a failure (a user without `mon 'profile rbd'`) is said, and the recovery goes on (librbd
+/// then waits for the dead client's watch to time out).
+fn fence_dead(cluster: &Cluster, image: &moor_rbd::Image, dead: &str) {
+    let lockers = match image.lockers() {
+        Ok(l) => l.lockers,
+        Err(e) => {
+            eprintln!("moor-ublk: the image's lockers: {e}");
+            return;
+        }
+    };
+    for l in lockers.iter().filter(|l| l.client == dead) {
+        let fenced = cluster
+            .blocklist_add(&l.address, Duration::from_secs(3600))
+            .and_then(|()| image.break_lock(l));
+        match fenced {
+            Ok(()) => eprintln!("moor-ublk: fenced the dead server's {dead} ({})", l.address),
+            Err(e) => eprintln!("moor-ublk: fencing the dead server's {dead}: {e}"),
+        }
+    }
 }
 
 fn run(cli: Cli) -> Result<(), String> {
     match cli.cmd {
         Cmd::Add(i) => {
-            let (rbd, size) = open(&i)?;
-            served(moor_ublk::add(size, Box::new(rbd)).map_err(|e| format!("add: {e}"))?)
+            moor_ublk::own_session();
+            let (cluster, image, size) = open(&i)?;
+            let s = moor_ublk::add(size, Box::new(Rbd(image))).map_err(|e| format!("add: {e}"))?;
+            served(s, &cluster)
         }
         Cmd::Recover {
             dev,
             deadline,
+            fence,
             image,
         } => {
-            let (rbd, _) = open(&image)?;
-            let s = moor_ublk::recover(dev, Box::new(rbd), Duration::from_secs(deadline))
+            moor_ublk::own_session();
+            let (cluster, rbd, _) = open(&image)?;
+            if let Some(dead) = &fence {
+                fence_dead(&cluster, &rbd, dead);
+            }
+            let s = moor_ublk::recover(dev, Box::new(Rbd(rbd)), Duration::from_secs(deadline))
                 .map_err(|e| format!("recover: {e}"))?;
-            served(s)
+            served(s, &cluster)
         }
         Cmd::Info { dev } => {
-            let i = moor_ublk::info(dev).map_err(|e| e.to_string())?;
+            let i = match moor_ublk::info(dev) {
+                Ok(i) => i,
+                Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {
+                    println!("dev {dev} state gone");
+                    return Ok(());
+                }
+                Err(e) => return Err(e.to_string()),
+            };
             println!(
                 "dev {dev} state {} pid {} flags {:#x}",
                 moor_ublk::state_name(i.state),

@@ -150,6 +150,12 @@ fn buffer_cmd<T>(dev_id: u32, buf: &mut T) -> CtrlCmd {
     }
 }
 
+/// setsid(2); its one failure (EPERM: this process leads a group already) leaves it as it is.
+pub fn setsid() {
+    // SAFETY: setsid takes no arguments and touches no memory of this process.
+    let _ = unsafe { libc::setsid() };
+}
+
 /// The control device with a ring of its own (128-byte entries: a control command is 32 bytes
 /// in the entry's 80 of command space).
 pub struct Control {

@@ -24,6 +24,8 @@ pub enum AttachCall {
     Unmap(ImageSpec),
     /// `abort(image)`.
     Abort(ImageSpec),
+    /// `recover(image)` that took a dead server's device over.
+    Recover(ImageSpec),
 }
 
 /// What the next call of a kind does instead of its work.
@@ -61,6 +63,8 @@ struct State {
     deadlines: Deadlines,
     /// Why the clusters do not answer, when they do not.
     cluster_away: Option<String>,
+    /// Mapped images whose server died (their device waits for a new one).
+    dead_servers: std::collections::BTreeSet<ImageSpec>,
 }
 
 impl Default for State {
@@ -79,6 +83,7 @@ impl Default for State {
             sizes: BTreeMap::new(),
             activity: 0,
             cluster_away: None,
+            dead_servers: std::collections::BTreeSet::new(),
             deadlines: Deadlines {
                 map: std::time::Duration::from_secs(60),
                 unmap: std::time::Duration::from_secs(30),
@@ -223,6 +228,20 @@ impl FakeAttacher {
         self.os
             .mount_table()
             .is_ok_and(|t| t.iter().any(|m| Path::new(&m.source) == device))
+    }
+
+    /// Kills the mapped image's server, as the end of moor-node's container does to a ublk
+    /// server: the device stays, and waits for [`Attacher::recover`].
+    pub fn kill_server(&self, image: &ImageSpec) {
+        let mut st = self.lock();
+        if st.mapped.contains_key(image) {
+            st.dead_servers.insert(image.clone());
+        }
+    }
+
+    /// Whether the mapped image's server is dead.
+    pub fn server_dead(&self, image: &ImageSpec) -> bool {
+        self.lock().dead_servers.contains(image)
     }
 
     /// Drops the image's mapping as a reboot does (whatever is mounted of it).
@@ -375,6 +394,8 @@ impl Attacher for FakeAttacher {
         let Some(m) = st.mapped.get(image).cloned() else {
             return Ok(());
         };
+        // Deleting the device ends its server, dead or not.
+        st.dead_servers.remove(image);
         if self.mounted(&m.device) {
             return Err(AttachError::Busy {
                 image: name,
@@ -432,6 +453,15 @@ impl Attacher for FakeAttacher {
     fn activity(&self, image: &ImageSpec) -> Option<u64> {
         let st = self.lock();
         st.mapped.contains_key(image).then_some(st.activity)
+    }
+
+    fn recover(&self, image: &ImageSpec) -> Result<bool, AttachError> {
+        let mut st = self.lock();
+        if !st.dead_servers.remove(image) {
+            return Ok(false);
+        }
+        st.calls.push(AttachCall::Recover(image.clone()));
+        Ok(true)
     }
 
     fn abort(&self, image: &ImageSpec) {

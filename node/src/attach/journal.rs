@@ -18,7 +18,7 @@ use crate::journal::{Boot, Phase};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MappingRecord {
-    /// The attacher that made it ("kernel" or "fuse").
+    /// The attacher that made it ("kernel", "ublk" or "fuse").
     pub attacher: String,
     /// The cluster, as the controller names it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -29,7 +29,8 @@ pub struct MappingRecord {
     pub image: String,
     /// Whether it is mapped read-only.
     pub read_only: bool,
-    /// The device, once mapped.
+    /// The device, once mapped (ublk's `/dev/ublkbN` names the device a new server takes
+    /// over after an upgrade: its number stays across recoveries).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<PathBuf>,
     /// Its number, once mapped.

@@ -5,8 +5,11 @@
 //! (`--rbd-attacher`):
 //! * [`kernel::KernelAttacher`], the kernel's RBD client, through sysfs
 //!   (`/sys/bus/rbd/add_single_major`): for production nodes;
+//! * [`ublk::UblkAttacher`], moor-ublk serving the image through librbd as a ublk device
+//!   that a new server takes over after the old one died: for kernels without the RBD client
+//!   but with ublk (Linux 6.0+), whose mappings survive an upgrade of moor-node;
 //! * [`fuse::FuseAttacher`], `rbd-fuse` showing the image as a file, and a loop device with
-//!   direct I/O over it: for kernels without the RBD client.
+//!   direct I/O over it: for kernels without either.
 //!
 //! An image is known by its pool and name (and the cluster the controller names), never by
 //! the device number it happens to get: that is how a mapping is found again after a restart,
@@ -18,6 +21,7 @@ pub mod fuse;
 pub mod journal;
 pub mod kernel;
 pub mod request;
+pub mod ublk;
 
 use std::fmt;
 use std::path::PathBuf;
@@ -246,7 +250,7 @@ pub fn probe_monitors(monitors: &str, deadline: Duration) -> Result<(), String> 
 
 /// Maps and unmaps RBD images on this node.
 pub trait Attacher: Send + Sync + fmt::Debug + 'static {
-    /// Its name, as `--rbd-attacher` and the journal say it: "kernel" or "fuse".
+    /// Its name, as `--rbd-attacher` and the journal say it: "kernel", "ublk" or "fuse".
     fn kind(&self) -> &'static str;
 
     /// Its deadlines.
@@ -289,6 +293,14 @@ pub trait Attacher: Send + Sync + fmt::Debug + 'static {
     /// has nothing of the kind.
     fn abort(&self, image: &ImageSpec);
 
+    /// Brings the image's mapping back to life when its server died and a new one can take its
+    /// device over (ublk's user recovery); whether it did. The device, its number and what is
+    /// mounted on it stay. The kernel client and rbd-fuse have nothing of the kind.
+    fn recover(&self, image: &ImageSpec) -> Result<bool, AttachError> {
+        let _ = image;
+        Ok(false)
+    }
+
     /// Whether the image's cluster answers: one of `monitors` (as the publish context names
     /// them) takes a TCP connection within [`MONITOR_PROBE_DEADLINE`]; why not, otherwise.
     /// What NodeGetVolumeStats reports as the volume's condition: a kernel mapping whose
@@ -301,11 +313,13 @@ pub trait Attacher: Send + Sync + fmt::Debug + 'static {
 /// Which attacher `--rbd-attacher` names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Choice {
-    /// The kernel client when the kernel has it, else rbd-fuse when it is installed, else
-    /// none.
+    /// The kernel client when the kernel has it, else moor-ublk when the kernel has ublk and
+    /// it is installed, else rbd-fuse when it is installed, else none.
     Auto,
     /// The kernel's RBD client (sysfs).
     Kernel,
+    /// moor-ublk: a ublk device served through librbd, taken over by the next moor-node.
+    Ublk,
     /// rbd-fuse and a loop device.
     Fuse,
     /// No RBD volumes on this node.
@@ -331,6 +345,7 @@ pub fn choose(
 ) -> Result<Option<std::sync::Arc<dyn Attacher>>, String> {
     let kernel = || kernel::KernelAttacher::new(kernel::SYSFS, kernel::DEV, deadlines);
     let fuse = || fuse::FuseAttacher::new(&state_dir.join(fuse::DIR), fuse::PROGRAM, deadlines);
+    let ublk = || ublk::UblkAttacher::new(&state_dir.join(ublk::DIR), ublk::PROGRAM, deadlines);
     match choice {
         Choice::None => Ok(None),
         Choice::Kernel => kernel()
@@ -345,8 +360,19 @@ pub fn choose(
         Choice::Fuse => fuse()
             .map(|a| Some(std::sync::Arc::new(a) as std::sync::Arc<dyn Attacher>))
             .ok_or_else(|| format!("--rbd-attacher fuse: {} is not installed", fuse::PROGRAM)),
+        Choice::Ublk => ublk()
+            .map(|a| Some(std::sync::Arc::new(a) as std::sync::Arc<dyn Attacher>))
+            .ok_or_else(|| {
+                format!(
+                    "--rbd-attacher ublk: the kernel has no ublk ({} is missing; modprobe \
+                     ublk_drv) or {} is not installed",
+                    ublk::CONTROL,
+                    ublk::PROGRAM
+                )
+            }),
         Choice::Auto => Ok(kernel()
             .map(|a| std::sync::Arc::new(a) as std::sync::Arc<dyn Attacher>)
+            .or_else(|| ublk().map(|a| std::sync::Arc::new(a) as std::sync::Arc<dyn Attacher>))
             .or_else(|| fuse().map(|a| std::sync::Arc::new(a) as std::sync::Arc<dyn Attacher>))),
     }
 }

@@ -518,10 +518,6 @@ impl<O: Os> Engine<O> {
             return;
         }
         let in_use = record.stage.is_some() || !record.publishes.is_empty();
-        // A light pass leaves a confirmed mapping in use alone.
-        if m.phase == Phase::Done && !full && in_use {
-            return;
-        }
         let image = m.spec();
         let failed = |error: String| Action::Failed {
             volume: volume.clone(),
@@ -531,10 +527,30 @@ impl<O: Os> Engine<O> {
         let attacher = match self.attacher_for(Some(&m)) {
             Ok(a) => Arc::clone(a),
             Err(e) => {
+                if m.phase == Phase::Done && !full && in_use {
+                    return;
+                }
                 actions.push(failed(e.to_string()));
                 return;
             }
         };
+        // A confirmed mapping in use whose server died (moor-node's upgrade took it) is taken
+        // over by a new one, in every pass: the start's, before kubelet is answered, and the
+        // periodic ones (an old moor-node's servers may end after this one started).
+        if m.phase == Phase::Done && in_use {
+            match attacher.recover(&image) {
+                Ok(true) => actions.push(Action::Recovered {
+                    volume: volume.clone(),
+                    image: image.to_string(),
+                }),
+                Ok(false) => {}
+                Err(e) => actions.push(failed(e.to_string())),
+            }
+        }
+        // A light pass leaves a confirmed mapping in use alone otherwise.
+        if m.phase == Phase::Done && !full && in_use {
+            return;
+        }
         if attacher.in_flight(&image) {
             return;
         }

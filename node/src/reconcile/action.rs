@@ -101,6 +101,14 @@ pub enum Action {
         /// The image.
         image: String,
     },
+    /// A volume's RBD mapping whose server had died (moor-node's upgrade took it) was taken
+    /// over by a new server: the device, and what is mounted on it, stayed.
+    Recovered {
+        /// Volume id.
+        volume: String,
+        /// The image.
+        image: String,
+    },
     /// A volume's RBD mapping is gone (a reboot, an rbd-fuse that died): reported until
     /// kubelet stages the volume again, which maps it again.
     MappingLost {
@@ -171,6 +179,7 @@ impl Action {
             Action::Adopted { .. } => "adopted",
             Action::Busy { .. } => "busy",
             Action::Unmapped { .. } => "unmapped",
+            Action::Recovered { .. } => "recovered",
             Action::MappingLost { .. } => "mapping_lost",
             Action::ForeignMapping { .. } => "foreign_mapping",
             Action::CryptClosed { .. } => "crypt_closed",
@@ -192,6 +201,7 @@ impl Action {
                 | Action::Adopted { .. }
                 | Action::Unmapped { .. }
                 | Action::CryptClosed { .. }
+                | Action::Recovered { .. }
                 | Action::Forgotten { .. }
         )
     }
@@ -249,6 +259,13 @@ impl Action {
                 info!(
                     volume = volume.as_deref().unwrap_or("-"),
                     image, "reconcile: RBD image mapped with nothing staged on it; unmapped"
+                );
+            }
+            Action::Recovered { volume, image } => {
+                warn!(
+                    volume,
+                    image,
+                    "reconcile: the RBD mapping's server had died; a new one took its device over"
                 );
             }
             Action::MappingLost { volume, image } => {

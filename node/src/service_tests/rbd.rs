@@ -721,3 +721,43 @@ async fn a_mapping_from_before_a_reboot_holds_no_image() {
     assert_eq!(maps(&r), 1);
     assert_eq!(r.h.os.mount_depth(STAGING), 1);
 }
+
+#[tokio::test]
+async fn a_mapping_whose_server_died_is_taken_over_before_kubelet_is_answered() {
+    let r = rbd_harness();
+    stage(&r, ext4()).await.expect("stage");
+    let before = mapping(&r);
+    // moor-node's container ended, and the image's server with it (ublk: the device waits).
+    r.attacher.kill_server(&image());
+    let actions = reconcile(&r);
+    assert!(
+        actions.contains(&Action::Recovered {
+            volume: "vol-1".into(),
+            image: image().to_string(),
+        }),
+        "{actions:?}"
+    );
+    assert!(!r.attacher.server_dead(&image()));
+    assert_eq!(count_attach(&r, |c| matches!(c, AttachCall::Recover(_))), 1);
+    // The same device, the same record; nothing mapped again, nothing unmapped.
+    assert_eq!(mapping(&r), before);
+    assert_eq!((maps(&r), unmaps(&r)), (1, 0));
+    // A server that dies after the start (an old moor-node's, ended after this one started)
+    // is taken over by a periodic light pass too; a live one is left alone.
+    r.attacher.kill_server(&image());
+    let light = Reconciler::new(Arc::clone(&r.h.engine), "moor.csi.io")
+        .run_light()
+        .expect("light pass");
+    assert!(
+        light.iter().any(|a| matches!(a, Action::Recovered { .. })),
+        "{light:?}"
+    );
+    assert!(
+        reconcile(&r)
+            .iter()
+            .all(|a| !matches!(a, Action::Recovered { .. }))
+    );
+    assert_eq!(count_attach(&r, |c| matches!(c, AttachCall::Recover(_))), 2);
+    unstage(&r).await.expect("unstage");
+    assert!(r.attacher.mapped().is_empty());
+}
