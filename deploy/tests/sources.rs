@@ -111,7 +111,7 @@ fn containerfile_builds_the_binaries_with_the_pinned_toolchain() {
         .collect();
     assert_eq!(
         build,
-        ["cargo build --release --locked --bin moor-node --bin moor-controller --bin moorctl"]
+        ["cargo build --release --locked --bin moor-node --bin moor-controller --bin moorctl --bin moor-ublk"]
     );
     // Every workspace member is in the build context the builder copies.
     let manifest = read_repo_file("Cargo.toml").unwrap();
@@ -234,7 +234,7 @@ fn containerfile_runtime_has_the_binaries_and_the_image_packages() {
         copies,
         [
             "--from=builder /src/target/release/moor-node /src/target/release/moor-controller \
-             /src/target/release/moorctl /usr/local/bin/"
+             /src/target/release/moorctl /src/target/release/moor-ublk /usr/local/bin/"
         ]
     );
     assert_eq!(moor_deploy::install_dir().unwrap(), "/usr/local/bin");
