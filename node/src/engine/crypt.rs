@@ -30,7 +30,7 @@ pub const CRYPTSETUP: &str = "cryptsetup";
 const MAPPER_DIR: &str = "/dev/mapper";
 
 /// How long an open, a close or a resize may take (a luksFormat takes the mkfs deadline).
-const CRYPTSETUP_DEADLINE: Duration = Duration::from_secs(120);
+pub(super) const CRYPTSETUP_DEADLINE: Duration = Duration::from_secs(120);
 
 /// The key slot's PBKDF cost, fixed (no benchmark at luksFormat: the passphrase is a random
 /// 256-bit data key, not a password): pbkdf2's iterations (cryptsetup's minimum), and
@@ -42,7 +42,7 @@ const ARGON2_ITERATIONS: &str = "4";
 const ARGON2_MEMORY_KIB: &str = "65536";
 
 /// cryptsetup's arguments that set the key slot's PBKDF `pbkdf` and its fixed cost.
-fn pbkdf_args(pbkdf: &str) -> Vec<String> {
+pub(super) fn pbkdf_args(pbkdf: &str) -> Vec<String> {
     let mut args = vec!["--pbkdf".to_owned(), pbkdf.to_owned()];
     if pbkdf == "pbkdf2" {
         args.extend(["--pbkdf-force-iterations".into(), PBKDF2_ITERATIONS.into()]);
@@ -58,7 +58,7 @@ fn pbkdf_args(pbkdf: &str) -> Vec<String> {
 }
 
 /// cryptsetup's exit code when no key slot opens with the key given.
-const EXIT_WRONG_KEY: i32 = 2;
+pub(super) const EXIT_WRONG_KEY: i32 = 2;
 
 /// cryptsetup's exit code for a device that is not there or not active.
 const EXIT_NO_DEVICE: i32 = 4;
@@ -95,7 +95,7 @@ fn mapper_path(name: &str) -> PathBuf {
 }
 
 /// A cryptsetup run.
-fn cryptsetup(args: Vec<String>, deadline: Duration) -> ToolRun {
+pub(super) fn cryptsetup(args: Vec<String>, deadline: Duration) -> ToolRun {
     ToolRun {
         program: CRYPTSETUP.to_owned(),
         args,
@@ -274,6 +274,7 @@ impl<O: Os> Engine<O> {
             fresh: true,
             phase: Phase::InProgress,
             boot: self.boot().stamp(),
+            rotation: None,
         });
         self.journal.put(record, Durability::Power)?;
         crash_points::point("stage.luks_formatting");
@@ -318,6 +319,7 @@ impl<O: Os> Engine<O> {
             fresh,
             phase,
             boot: self.boot().stamp(),
+            rotation: record.crypt.as_ref().and_then(|c| c.rotation.clone()),
         };
         if record.crypt.as_ref() == Some(&want) {
             return Ok(());

@@ -4,7 +4,7 @@
 //! the very key the old one gave. The data key itself, and so the LUKS header and the data,
 //! are untouched; only its wrapped form (the record's `encryptedDEK`) changes.
 
-use super::{Kek, KeyError, Result, WrappedDek};
+use super::{Dek, Kek, KeyError, Result, WrappedDek};
 
 /// `wrapped`, the data key of `volume` under `old`, wrapped again under `new`. A wrapped key
 /// already under `new` is returned as it is (a rotation that is run again, or resumed after a
@@ -24,4 +24,15 @@ pub fn rewrap(wrapped: &WrappedDek, volume: &str, old: &Kek, new: &Kek) -> Resul
         return Err(KeyError::Wrap(volume.to_owned()));
     }
     Ok(rewrapped)
+}
+
+/// `opening`'s bytes followed by `new`'s, for the one place both go: the pipe to a
+/// `cryptsetup luksAddKey` that reads the key opening a slot and the key of the new slot
+/// from its standard input, one after the other. Zeroed when dropped.
+#[must_use]
+pub fn key_pair(opening: &Dek, new: &Dek) -> zeroize::Zeroizing<Vec<u8>> {
+    let mut both = zeroize::Zeroizing::new(Vec::with_capacity(2 * super::KEY_LEN));
+    both.extend_from_slice(opening.expose());
+    both.extend_from_slice(new.expose());
+    both
 }
