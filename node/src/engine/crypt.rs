@@ -193,29 +193,34 @@ impl<O: Os> Engine<O> {
             ],
             CRYPTSETUP_DEADLINE,
         );
-        if let Err(e) = self.os.run_tool_with_key(&open, enc.key.expose()) {
-            if !fresh {
-                record.crypt = None;
-                self.journal.put(record, Durability::Process)?;
-            }
-            return Err(match e {
-                ToolError::Failed {
-                    code: Some(EXIT_WRONG_KEY),
-                    ..
-                } => Error::FailedPrecondition(format!(
-                    "the key {:?} does not open volume {:?}: no key slot of the LUKS header on \
+        let opened = self.open_with_journaled_keys(record, enc, &req.volume_id, &open);
+        let opened_by = match opened {
+            Ok(by) => by,
+            Err(e) => {
+                if !fresh && record.crypt.as_ref().is_none_or(|c| c.rotation.is_none()) {
+                    record.crypt = None;
+                    self.journal.put(record, Durability::Process)?;
+                }
+                return Err(match e {
+                    ToolError::Failed {
+                        code: Some(EXIT_WRONG_KEY),
+                        ..
+                    } => Error::FailedPrecondition(format!(
+                        "the key {:?} does not open volume {:?}: no key slot of the LUKS header on \
                      {} takes the data key it unwraps (the volume was made under another key, \
                      or its device is another volume's); nothing was opened",
-                    enc.kek_id,
-                    req.volume_id,
-                    path.display()
-                )),
-                other => other.into(),
-            });
-        }
+                        enc.kek_id,
+                        req.volume_id,
+                        path.display()
+                    )),
+                    other => other.into(),
+                });
+            }
+        };
         crash_points::point("stage.opened");
         let held = self.os.hold_device(&mapper).map_err(Error::Sys)?;
         self.record_crypt(record, (&name, enc), (path, dev), fresh_uuid, Phase::Done)?;
+        self.record_opened_by(record, opened_by)?;
         info!(
             volume = req.volume_id,
             mapping = name,
@@ -310,11 +315,19 @@ impl<O: Os> Engine<O> {
         phase: Phase,
     ) -> Result<()> {
         let fresh = fresh_uuid.is_some();
+        // The key the journal already names for this device stays: after a data key
+        // rotation it is the one the header takes, whatever the volume context still says.
+        let wrapped_dek = record
+            .crypt
+            .as_ref()
+            .filter(|c| c.rdev == dev.rdev && c.device == path)
+            .and_then(|c| c.wrapped_dek.clone())
+            .unwrap_or_else(|| enc.wrapped.encode());
         let want = CryptRecord {
             name: name.to_owned(),
             device: path.to_path_buf(),
             rdev: dev.rdev,
-            wrapped_dek: Some(enc.wrapped.encode()),
+            wrapped_dek: Some(wrapped_dek),
             luks_uuid: fresh_uuid,
             fresh,
             phase,
@@ -381,6 +394,9 @@ impl<O: Os> Engine<O> {
                 self.journal.put(&record, Durability::Power)?;
             }
             Some(c) if c.fresh => {}
+            // A data key rotation cut short: its keys stay journaled for the next stage and
+            // the rotation's next call (`engine::rotate`).
+            Some(c) if c.rotation.is_some() => {}
             Some(_) => {
                 record.crypt = None;
                 self.journal.put(&record, Durability::Process)?;

@@ -77,6 +77,9 @@ pub struct Encryption {
     pub wrapped: moor_runtime::keys::WrappedDek,
     /// The id of the key-encryption key that unwrapped it (for errors: it is not secret).
     pub kek_id: String,
+    /// That key-encryption key, for the keys the journal holds wrapped of a data key
+    /// rotation cut short (`engine::rotate`): its `Debug` shows only its id.
+    pub kek: std::sync::Arc<moor_runtime::keys::Kek>,
     /// `--cipher`.
     pub cipher: String,
     /// `--key-size`, in bits.

@@ -21,15 +21,15 @@
 
 use std::path::Path;
 
-use moor_runtime::keys::{Dek, KEY_LEN};
+use moor_runtime::keys::{Dek, KEY_LEN, WrappedDek};
 use tracing::info;
 
 use super::crypt::{CRYPTSETUP_DEADLINE, EXIT_WRONG_KEY, cryptsetup, pbkdf_args};
-use super::{Engine, RotateDek};
+use super::{Encryption, Engine, RotateDek};
 use crate::crash_points;
 use crate::error::{Error, Result};
-use crate::journal::{Durability, RotationRecord, RotationStep};
-use crate::sys::{Os, ToolError};
+use crate::journal::{Durability, RotationRecord, RotationStep, VolumeRecord};
+use crate::sys::{Os, ToolError, ToolRun};
 
 /// The key slot of a volume moor formatted: its one key lives here before and after a
 /// rotation.
@@ -325,5 +325,76 @@ fn rotate_point(step: RotationStep) -> &'static str {
         RotationStep::Record => "rotate.record",
         RotationStep::Verify => "rotate.verify",
         RotationStep::KillSpare => "rotate.kill_spare",
+    }
+}
+
+impl<O: Os> Engine<O> {
+    /// Runs `open` (a `cryptsetup open` reading its key on stdin) with the request's data
+    /// key, and when no slot takes it while the journal keeps a rotation of the volume cut
+    /// short, with the rotation's other keys, unwrapped by the request's key-encryption key:
+    /// a volume staged during a rotation opens with whichever key its header holds. The
+    /// wrapped key that opened it when it was not the request's; the request's failure when
+    /// none did.
+    pub(super) fn open_with_journaled_keys(
+        &self,
+        record: &VolumeRecord,
+        enc: &Encryption,
+        volume: &str,
+        open: &ToolRun,
+    ) -> std::result::Result<Option<String>, ToolError> {
+        let first = match self.os.run_tool_with_key(open, enc.key.expose()) {
+            Ok(()) => return Ok(None),
+            Err(e) => e,
+        };
+        if !matches!(
+            first,
+            ToolError::Failed {
+                code: Some(EXIT_WRONG_KEY),
+                ..
+            }
+        ) {
+            return Err(first);
+        }
+        let given = enc.wrapped.encode();
+        let journaled = record
+            .crypt
+            .as_ref()
+            .and_then(|c| c.rotation.as_ref())
+            .map(|r| [r.new_wrapped.clone(), r.old_wrapped.clone()])
+            .unwrap_or_default();
+        for text in journaled.into_iter().filter(|t| *t != given) {
+            let Ok(key) = WrappedDek::decode(&text).and_then(|w| enc.kek.unwrap(&w, volume)) else {
+                continue;
+            };
+            match self.os.run_tool_with_key(open, key.expose()) {
+                Ok(()) => {
+                    info!(
+                        volume,
+                        "opened with a key of the data key rotation the journal keeps"
+                    );
+                    return Ok(Some(text));
+                }
+                Err(ToolError::Failed {
+                    code: Some(EXIT_WRONG_KEY),
+                    ..
+                }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Err(first)
+    }
+
+    /// After an open with a journaled key of a rotation (`by`): the mapping's record names
+    /// that key, the one its header takes, for NodeExpandVolume.
+    pub(super) fn record_opened_by(
+        &self,
+        record: &mut VolumeRecord,
+        by: Option<String>,
+    ) -> Result<()> {
+        if let (Some(by), Some(c)) = (by, record.crypt.as_mut()) {
+            c.wrapped_dek = Some(by);
+            self.journal.put(record, Durability::Power)?;
+        }
+        Ok(())
     }
 }

@@ -343,3 +343,34 @@ async fn another_rotation_in_progress_is_finished_first_and_an_unstaged_volume_i
     let e = h.engine.rotate_dek(&r.req).expect_err("not staged here");
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
 }
+
+#[tokio::test]
+async fn a_volume_staged_again_during_a_rotation_opens_with_the_key_its_header_holds() {
+    let r = staged().await;
+    // Cut short right after the old key's spare slot was removed: only the new key opens it.
+    r.h.os.crash_tool_at("cryptsetup", 8, true);
+    r.h.engine.rotate_dek(&r.req).expect_err("crashed");
+    assert_eq!(slots(&r), BTreeMap::from([(SLOT_VOLUME, "new")]));
+    r.h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .expect("unstage");
+    assert!(r.h.os.luks_mappings().is_empty(), "closed");
+    // The unstage kept the rotation's keys: the stage's old key (the volume context's) no
+    // longer opens the header, the journaled new one does.
+    assert!(crypt_record(&r.h).rotation.is_some());
+    stage_encrypted(&r.h, ext4(), &r.old)
+        .await
+        .expect("a stage during the rotation");
+    assert!(r.h.os.luks_mappings().contains_key("moor-vol-1"));
+    assert_eq!(
+        crypt_record(&r.h).wrapped_dek,
+        Some(r.req.new_wrapped.encode()),
+        "the mapping names the key that opened it"
+    );
+    r.h.engine.rotate_dek(&r.req).expect("finished");
+    assert_rotated(&r);
+    // A stage retried with the volume context's old key leaves the journal's new key alone.
+    stage_encrypted(&r.h, ext4(), &r.old).await.expect("again");
+    assert_rotated(&r);
+}
