@@ -4,8 +4,10 @@
 //! keys of `luksAddKey` read one after the other from one stdin, `luksKillSlot` refusing
 //! unless another slot takes the key given, `open --test-passphrase --key-slot` telling the
 //! slots apart; and a rotation resumed from each state a crash can leave the header in, made
-//! by hand with cryptsetup, ending with the new key alone in slot 0. The mapping itself (and
-//! a rotation under a writer, the crash replay, power cuts) needs dm-crypt: the VM lab.
+//! by hand with cryptsetup, ending with the new key alone in slot 0; and `moorctl rotate-key`
+//! against a real moor-node (run after `cargo build --bins`), through its socket's
+//! `moor.keys.v1` service. The mapping itself (and a rotation under a writer, the crash
+//! replay, power cuts) needs dm-crypt: the VM lab.
 
 use std::io::Write;
 use std::path::Path;
@@ -269,4 +271,113 @@ fn a_rotation_resumes_from_every_state_a_crash_leaves_the_header_in() {
         assert_rotated(&w);
         eprintln!("resumed from {what}: ran {:?}", report.ran);
     }
+}
+
+#[test]
+fn moorctl_rotates_a_key_through_a_running_moor_node() {
+    use moor_privileged::client::{Daemon, binary};
+    let w = world("rotate-moorctl");
+    let (sb, dev, engine, old, new_unused) = (w._sb, w.dev, w.engine, w.old, w.new);
+    drop(new_unused);
+    // The daemon takes the state dir: the engine of the world lets go of its journal first.
+    drop(engine);
+    let secrets = sb.root.join("kek.env");
+    let lines: String = moor_runtime::keys::secret_entries("kek-1", &[9; 32])
+        .iter()
+        .map(|(k, v)| format!("{k}={v}\n"))
+        .collect();
+    std::fs::write(&secrets, lines).expect("secrets file");
+    let rt = moor_privileged::runtime();
+    let sock = sb.root.join("node.sock");
+    let mut daemon = rt.block_on(Daemon::start(&sock, &sb.node_args("n1", &[])));
+    let endpoint = format!("unix://{}", sock.display());
+    let old_text = w.req.old_wrapped.encode();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--endpoint",
+            endpoint.as_str(),
+            "--secrets",
+            secrets.to_str().expect("path"),
+            "--output",
+            "json",
+            "rotate-key",
+            VOL,
+            "--old-dek",
+            old_text.as_str(),
+        ];
+        args.extend(extra);
+        Command::new(binary("moorctl"))
+            .args(&args)
+            .env_remove("CSI_ENDPOINT")
+            .stdin(Stdio::null())
+            .output()
+            .expect("moorctl")
+    };
+    let out = run(&[]);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "moorctl: {stdout}{stderr}");
+    let answer: serde_json::Value = serde_json::from_str(&stdout).expect("json");
+    let new_text = answer["encryptedDEK"].as_str().expect("new key").to_owned();
+    // Printed before the call, on stderr: the operator holds it whatever happens next.
+    assert!(stderr.contains(&new_text), "{stderr}");
+    assert_eq!(
+        answer["steps"].as_array().map(Vec::len),
+        Some(6),
+        "{answer}"
+    );
+    let kek = Kek::new("kek-1", &[9; 32]).expect("kek");
+    let new = kek
+        .unwrap(
+            &moor_runtime::keys::WrappedDek::decode(&new_text).expect("decode"),
+            VOL,
+        )
+        .expect("unwrap");
+    assert_eq!(slots(&dev, &old, &new), [(0, "new")]);
+    // Run again with the same keys: done already; only the journal's steps run, nothing changes.
+    let again = run(&["--new-dek", &new_text]);
+    assert!(
+        again.status.success(),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert_eq!(slots(&dev, &old, &new), [(0, "new")]);
+    // A key the volume never had as the old one (and a new key made here): refused by the
+    // probe with FAILED_PRECONDITION, no key shown, nothing changed.
+    let stranger = Dek::generate()
+        .expect("dek")
+        .wrap(&kek, VOL)
+        .expect("wrap")
+        .encode();
+    let refused = Command::new(binary("moorctl"))
+        .args([
+            "--endpoint",
+            endpoint.as_str(),
+            "--secrets",
+            secrets.to_str().expect("path"),
+            "rotate-key",
+            VOL,
+            "--old-dek",
+            stranger.as_str(),
+        ])
+        .env_remove("CSI_ENDPOINT")
+        .stdin(Stdio::null())
+        .output()
+        .expect("moorctl");
+    assert!(!refused.status.success());
+    let told = String::from_utf8_lossy(&refused.stderr).to_lowercase();
+    assert!(
+        told.contains("precondition") && told.contains("old data key"),
+        "{told}"
+    );
+    assert!(!told.contains(&secrets_kek().to_lowercase()), "{told}");
+    assert_eq!(slots(&dev, &old, &new), [(0, "new")]);
+    rt.block_on(daemon.stop());
+}
+
+/// The base64 KEK the secrets file holds.
+fn secrets_kek() -> String {
+    moor_runtime::keys::secret_entries("kek-1", &[9; 32])[0]
+        .1
+        .clone()
 }

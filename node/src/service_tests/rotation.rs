@@ -374,3 +374,77 @@ async fn a_volume_staged_again_during_a_rotation_opens_with_the_key_its_header_h
     stage_encrypted(&r.h, ext4(), &r.old).await.expect("again");
     assert_rotated(&r);
 }
+
+#[tokio::test]
+async fn the_node_keys_call_checks_its_fields_and_rotates() {
+    use moor_proto::keys::v1 as k;
+    use moor_proto::keys::v1::node_keys_server::NodeKeys;
+    let r = staged().await;
+    let svc = crate::keys_service::KeysService::new(Arc::clone(&r.h.engine));
+    let good = k::RotateVolumeKeyRequest {
+        volume_id: VOL.to_owned(),
+        old_wrapped_dek: r.old.wrapped.clone(),
+        new_wrapped_dek: r.req.new_wrapped.encode(),
+        luks_pbkdf: "pbkdf2".to_owned(),
+        secrets: r.old.secrets.clone(),
+    };
+    let bad: [(&str, k::RotateVolumeKeyRequest); 5] = [
+        (
+            "volume_id",
+            k::RotateVolumeKeyRequest {
+                volume_id: String::new(),
+                ..good.clone()
+            },
+        ),
+        (
+            "secrets",
+            k::RotateVolumeKeyRequest {
+                secrets: HashMap::new(),
+                ..good.clone()
+            },
+        ),
+        (
+            "old_wrapped_dek",
+            k::RotateVolumeKeyRequest {
+                old_wrapped_dek: "v1:x".into(),
+                ..good.clone()
+            },
+        ),
+        (
+            "new_wrapped_dek",
+            k::RotateVolumeKeyRequest {
+                new_wrapped_dek: String::new(),
+                ..good.clone()
+            },
+        ),
+        (
+            "pbkdf",
+            k::RotateVolumeKeyRequest {
+                luks_pbkdf: "--x".into(),
+                ..good.clone()
+            },
+        ),
+    ];
+    for (field, req) in bad {
+        let e = svc
+            .rotate_volume_key(Request::new(req))
+            .await
+            .expect_err(field);
+        assert_eq!(e.code(), Code::InvalidArgument, "{field}: {e:?}");
+        assert!(e.message().contains(field), "{field}: {}", e.message());
+        assert!(!e.message().contains(&r.old.secrets["kek"]));
+    }
+    assert_eq!(
+        slots(&r),
+        BTreeMap::from([(SLOT_VOLUME, "old")]),
+        "nothing touched"
+    );
+    let answer = svc
+        .rotate_volume_key(Request::new(good))
+        .await
+        .expect("rotate")
+        .into_inner();
+    assert_eq!(answer.steps.len(), 6, "{:?}", answer.steps);
+    assert_eq!(answer.kek_id, "kek-1");
+    assert_rotated(&r);
+}
