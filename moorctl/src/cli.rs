@@ -95,8 +95,9 @@ pub enum Command {
     /// old data key to a new one online, each step journaled on the node; run again with the
     /// same keys, it resumes a rotation cut short. `--secrets` holds the key-encryption key
     /// (`kek`, `kekID`). Without `--new-dek` a new key is made and its wrapped form printed on
-    /// standard error before the call: keep it (the volume's record must take it; see
-    /// docs/encryption.md, "Rotation", for what is not built yet).
+    /// standard error before the call: keep it. Nothing writes it into the controller's record
+    /// yet: once the rotation is done and the volume unstaged, its next stage needs that key
+    /// (docs/encryption.md, "Rotation", what is not built yet).
     #[command(after_help = EXIT_CODES)]
     RotateKey(RotateKeyArgs),
     /// Checks every volume moor staged or published here against the mount table and device.
