@@ -161,6 +161,7 @@ fn world(name: &str) -> World {
         phase: Phase::Done,
         boot: None,
         rotation: None,
+        rotated: false,
     });
     journal.put(&record, Durability::Power).expect("record");
     let os = Arc::new(Linux::new(&sb.kubelet).expect("os"));

@@ -197,7 +197,12 @@ impl<O: Os> Engine<O> {
         let opened_by = match opened {
             Ok(by) => by,
             Err(e) => {
-                if !fresh && record.crypt.as_ref().is_none_or(|c| c.rotation.is_none()) {
+                if !fresh
+                    && record
+                        .crypt
+                        .as_ref()
+                        .is_none_or(|c| c.rotation.is_none() && !c.rotated)
+                {
                     record.crypt = None;
                     self.journal.put(record, Durability::Process)?;
                 }
@@ -280,6 +285,7 @@ impl<O: Os> Engine<O> {
             phase: Phase::InProgress,
             boot: self.boot().stamp(),
             rotation: None,
+            rotated: false,
         });
         self.journal.put(record, Durability::Power)?;
         crash_points::point("stage.luks_formatting");
@@ -320,7 +326,7 @@ impl<O: Os> Engine<O> {
         let wrapped_dek = record
             .crypt
             .as_ref()
-            .filter(|c| c.rdev == dev.rdev && c.device == path)
+            .filter(|c| c.rotated || (c.rdev == dev.rdev && c.device == path))
             .and_then(|c| c.wrapped_dek.clone())
             .unwrap_or_else(|| enc.wrapped.encode());
         let want = CryptRecord {
@@ -333,6 +339,7 @@ impl<O: Os> Engine<O> {
             phase,
             boot: self.boot().stamp(),
             rotation: record.crypt.as_ref().and_then(|c| c.rotation.clone()),
+            rotated: record.crypt.as_ref().is_some_and(|c| c.rotated),
         };
         if record.crypt.as_ref() == Some(&want) {
             return Ok(());
@@ -394,9 +401,9 @@ impl<O: Os> Engine<O> {
                 self.journal.put(&record, Durability::Power)?;
             }
             Some(c) if c.fresh => {}
-            // A data key rotation cut short: its keys stay journaled for the next stage and
-            // the rotation's next call (`engine::rotate`).
-            Some(c) if c.rotation.is_some() => {}
+            // A data key rotation cut short, or finished here: its keys stay journaled for the
+            // next stage and the rotation's next call (`engine::rotate`).
+            Some(c) if c.rotation.is_some() || c.rotated => {}
             Some(_) => {
                 record.crypt = None;
                 self.journal.put(&record, Durability::Process)?;

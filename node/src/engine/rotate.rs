@@ -168,6 +168,7 @@ impl<O: Os> Engine<O> {
         }
         if let Some(c) = record.crypt.as_mut() {
             c.rotation = None;
+            c.rotated = true;
         }
         self.journal.put(&record, Durability::Power)?;
         crash_points::point("rotate.done");
@@ -331,7 +332,7 @@ fn rotate_point(step: RotationStep) -> &'static str {
 impl<O: Os> Engine<O> {
     /// Runs `open` (a `cryptsetup open` reading its key on stdin) with the request's data
     /// key, and when no slot takes it while the journal keeps a rotation of the volume cut
-    /// short, with the rotation's other keys, unwrapped by the request's key-encryption key:
+    /// short or finished here, with the rotation's other keys (or the finished one's), unwrapped by the request's key-encryption key:
     /// a volume staged during a rotation opens with whichever key its header holds. The
     /// wrapped key that opened it when it was not the request's; the request's failure when
     /// none did.
@@ -356,12 +357,17 @@ impl<O: Os> Engine<O> {
             return Err(first);
         }
         let given = enc.wrapped.encode();
-        let journaled = record
-            .crypt
-            .as_ref()
+        let crypt = record.crypt.as_ref();
+        let rotated = crypt
+            .filter(|c| c.rotated)
+            .and_then(|c| c.wrapped_dek.clone());
+        let journaled: Vec<String> = crypt
             .and_then(|c| c.rotation.as_ref())
-            .map(|r| [r.new_wrapped.clone(), r.old_wrapped.clone()])
-            .unwrap_or_default();
+            .map(|r| vec![r.new_wrapped.clone(), r.old_wrapped.clone()])
+            .unwrap_or_default()
+            .into_iter()
+            .chain(rotated)
+            .collect();
         for text in journaled.into_iter().filter(|t| *t != given) {
             let Ok(key) = WrappedDek::decode(&text).and_then(|w| enc.kek.unwrap(&w, volume)) else {
                 continue;

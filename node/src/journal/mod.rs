@@ -274,6 +274,12 @@ pub struct CryptRecord {
     /// cut before each of its steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rotation: Option<RotationRecord>,
+    /// A data key rotation finished here: `wrapped_dek` is the key the header takes, no longer
+    /// the volume context's. The record is kept (closed) across an unstage, so that the next
+    /// stage on this node opens with it, until the controller's record gives the node the
+    /// rotated key (docs/encryption.md, "Rotation").
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rotated: bool,
 }
 
 /// A data key rotation of an open LUKS volume (docs/encryption.md, "Rotation"): both keys,

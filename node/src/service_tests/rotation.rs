@@ -103,6 +103,7 @@ fn assert_rotated(r: &Rotation) {
     let c = crypt_record(&r.h);
     assert_eq!(c.wrapped_dek, Some(r.req.new_wrapped.encode()));
     assert_eq!(c.rotation, None);
+    assert!(c.rotated, "kept across an unstage");
 }
 
 #[tokio::test]
@@ -447,4 +448,32 @@ async fn the_node_keys_call_checks_its_fields_and_rotates() {
     assert_eq!(answer.steps.len(), 6, "{:?}", answer.steps);
     assert_eq!(answer.kek_id, "kek-1");
     assert_rotated(&r);
+}
+
+#[tokio::test]
+async fn after_a_finished_rotation_the_next_stage_here_opens_with_the_rotated_key() {
+    let r = staged().await;
+    r.h.engine.rotate_dek(&r.req).expect("rotate");
+    r.h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .expect("unstage");
+    assert!(r.h.os.luks_mappings().is_empty(), "closed");
+    // The PersistentVolume's context still gives the old key; the journal keeps the new one.
+    stage_encrypted(&r.h, ext4(), &r.old)
+        .await
+        .expect("the stage after the rotation");
+    assert!(r.h.os.luks_mappings().contains_key("moor-vol-1"));
+    assert_rotated(&r);
+    // A key neither the header nor the journal knows still opens nothing.
+    r.h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .expect("unstage");
+    let stranger = keys(9);
+    let e = stage_encrypted(&r.h, ext4(), &stranger)
+        .await
+        .expect_err("another KEK");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(r.h.os.luks_mappings().is_empty());
 }
