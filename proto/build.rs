@@ -1,11 +1,11 @@
-//! Compiles `csi.proto` and `pluginregistration.proto` with protox (a pure-Rust protobuf
+//! Compiles `csi.proto`, `pluginregistration.proto` and `keys.proto` with protox (a pure-Rust protobuf
 //! compiler), so building moor never needs a system `protoc`.
 
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);
-    let files = ["csi.proto", "pluginregistration.proto"];
+    let files = ["csi.proto", "pluginregistration.proto", "keys.proto"];
     for f in files {
         println!("cargo:rerun-if-changed={}", dir.join(f).display());
     }

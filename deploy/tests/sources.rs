@@ -111,7 +111,9 @@ fn containerfile_builds_the_binaries_with_the_pinned_toolchain() {
         .collect();
     assert_eq!(
         build,
-        ["cargo build --release --locked --bin moor-node --bin moor-controller --bin moorctl --bin moor-ublk"]
+        [
+            "cargo build --release --locked --bin moor-node --bin moor-controller --bin moorctl --bin moor-ublk"
+        ]
     );
     // Every workspace member is in the build context the builder copies.
     let manifest = read_repo_file("Cargo.toml").unwrap();

@@ -131,6 +131,32 @@ impl Staged<'_> {
     fn mapper(&self) -> String {
         format!("/dev/mapper/moor-{}", self.v.id)
     }
+
+    /// Staged with the KEK and published at its target.
+    async fn bring_up(&self, node: &mut NodeClient<Channel>) {
+        node.node_stage_volume(self.stage_req(&KEK))
+            .await
+            .unwrap_or_else(|e| panic!("stage {}: {e:?}", self.v.id));
+        node.node_publish_volume(publish(
+            &self.v.id,
+            &self.staging,
+            &self.target,
+            self.cap.clone(),
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("publish {}: {e:?}", self.v.id));
+    }
+
+    /// Unpublished and unstaged: no mapping is left open in the guest.
+    async fn take_down(&self, node: &mut NodeClient<Channel>, vm: &Vm) {
+        node.node_unpublish_volume(unpublish_req(&self.v.id, &self.target))
+            .await
+            .expect("unpublish");
+        node.node_unstage_volume(unstage_req(&self.v.id, &self.staging))
+            .await
+            .expect("unstage");
+        assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
+    }
 }
 
 /// How many times the volume's file on the host holds `PATTERN` (read on the host: what a
@@ -172,16 +198,31 @@ fn mappings(vm: &Vm) -> Vec<String> {
 
 #[test]
 fn encrypted_volumes_on_a_real_kernel() {
-    let test = "vm_encryption";
+    in_a_dm_crypt_guest(
+        "vm_encryption",
+        ("vm-encryption", "moor-encryption", "menc", 254),
+        |sb, vm, log| runtime().block_on(life(sb, vm, log)),
+    );
+}
+
+/// Runs `body` with a sandbox, a booted guest whose kernel has dm-crypt and moor-node's log
+/// file (`names`: the sandbox's, the guest's, its bridge's tag and second octet); whatever
+/// happens, nothing is left mounted, open or bound in the guest, and a failure prints
+/// moor-node's log. Skipped, with the reason, without the VM lab.
+fn in_a_dm_crypt_guest(
+    test: &str,
+    (sandbox, guest, tag, second): (&str, &str, &str, u8),
+    body: impl FnOnce(&Sandbox, &Vm, &Path),
+) {
     if !moor_lab::vm::available(test) {
         return;
     }
-    let sb = Sandbox::new("vm-encryption");
-    let bridge = Bridge::new("menc", 254);
-    let vm = Vm::boot_for_dm_crypt("moor-encryption", &bridge, &sb, "1G");
+    let sb = Sandbox::new(sandbox);
+    let bridge = Bridge::new(tag, second);
+    let vm = Vm::boot_for_dm_crypt(guest, &bridge, &sb, "1G");
     let log = sb.state.join("node.log");
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        runtime().block_on(life(&sb, &vm, &log));
+        body(&sb, &vm, &log);
     }));
     // Whatever happened: nothing left mounted, open or bound in the guest.
     vm.clear_volumes(&sb.kubelet);
@@ -194,24 +235,30 @@ fn encrypted_volumes_on_a_real_kernel() {
     }
 }
 
-async fn start_node(sb: &Sandbox, vm: &Vm, log: &Path) -> NodeClient<Channel> {
-    start_node_in(vm, "node-c", &sb.kubelet, "moor-node", &[], &sb.state, log).await
-}
-
-async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
+/// moor-controller on the host, its embedded backend in the sandbox, and a client of it.
+async fn start_controller(sb: &Sandbox) -> (Daemon, ControllerClient<Channel>) {
     let data = sb.data.join("controller").display().to_string();
     let csocket = sb.root.join("controller.sock");
-    let mut controller = Daemon::start_program(
+    let controller = Daemon::start_program(
         "moor-controller",
         &csocket,
         &["--node-id", "node-c", "--data-dir", data.as_str()],
     )
     .await;
-    let mut ctl = ControllerClient::new(
+    let ctl = ControllerClient::new(
         moor_runtime::client::connect(&csocket)
             .await
             .expect("the controller's socket"),
     );
+    (controller, ctl)
+}
+
+async fn start_node(sb: &Sandbox, vm: &Vm, log: &Path) -> NodeClient<Channel> {
+    start_node_in(vm, "node-c", &sb.kubelet, "moor-node", &[], &sb.state, log).await
+}
+
+async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
+    let (mut controller, mut ctl) = start_controller(sb).await;
     let fs_vol = create(&mut ctl, "pvc-encrypted-fs", ext4()).await;
     let block_vol = create(
         &mut ctl,
@@ -436,5 +483,136 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
     assert_eq!(luks_formats(log), 2, "the restore is never formatted");
     end(&mut node, &restored).await;
     assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
+    controller.stop().await;
+}
+
+/// A data key rotation of a staged, published volume while a pod's writer runs (issue 40,
+/// point 3; docs/encryption.md, "Rotation"): moor-node's `RotateVolumeKey` in the guest, on
+/// dm-crypt, the mapping open throughout. The writer appends numbered lines, each fsynced,
+/// and counts the last one synced; after the rotation every synced line is there, in order;
+/// the header has one key slot, which the new key opens and the old does not; unstaged and
+/// staged again with the volume context's old key, the volume opens (the journal's rotated
+/// key) with its data.
+#[test]
+fn a_data_key_rotation_under_a_writer_on_a_real_kernel() {
+    in_a_dm_crypt_guest(
+        "vm_encryption (rotation)",
+        ("vm-rotation", "moor-rotation", "mrot", 251),
+        |sb, vm, log| runtime().block_on(rotation(sb, vm, log)),
+    );
+}
+
+/// In the guest: waits (5 minutes at most) until the writer has synced `n` lines.
+fn wait_synced(vm: &Vm, n: u64) {
+    vm.sh(&format!(
+        "timeout 300 sh -c 'until [ \"$(cat /tmp/synced 2>/dev/null || echo 0)\" -ge {n} ]; \
+         do sleep 0.2; done' || {{ echo 'the writer did not sync {n} lines in 5 minutes'; \
+         exit 1; }}"
+    ));
+}
+
+/// Whether `key` opens a slot of the LUKS header on `dev` in the guest.
+fn guest_opens(vm: &Vm, dev: &str, key: &Dek) -> bool {
+    let escaped: String = key.expose().iter().map(|b| format!("\\{b:03o}")).collect();
+    vm.sh(&format!(
+        "printf '{escaped}' | cryptsetup open --test-passphrase --key-file=- {dev}; echo rc=$?"
+    ))
+    .contains("rc=0")
+}
+
+async fn rotation(sb: &Sandbox, vm: &Vm, log: &Path) {
+    use moor_proto::keys::v1::RotateVolumeKeyRequest;
+    use moor_proto::keys::v1::node_keys_client::NodeKeysClient;
+    let (mut controller, mut ctl) = start_controller(sb).await;
+    let vol = create(&mut ctl, "pvc-rotated", ext4()).await;
+    let fs = Staged {
+        v: &vol,
+        dev: vm
+            .sh(&format!("losetup -f --show {}", vol.file))
+            .trim()
+            .to_string(),
+        staging: sb.staging("pv-rot"),
+        target: sb.target("pod-r", "pv-rot"),
+        cap: ext4(),
+    };
+    let mut node = start_node(sb, vm, log).await;
+    fs.bring_up(&mut node).await;
+    let file = fs.target.join("lines.txt").display().to_string();
+    vm.sh(&format!(
+        "rm -f /tmp/stop-writer /tmp/synced /tmp/writer-done; nohup sh -c 'i=1; \
+         while [ ! -e /tmp/stop-writer ]; do echo line-$i | dd of={file} oflag=append \
+         conv=notrunc,fsync status=none || break; echo $i > /tmp/synced; i=$((i+1)); done; \
+         touch /tmp/writer-done' >/dev/null 2>&1 &"
+    ));
+    wait_synced(vm, 20);
+
+    let kek = Kek::new("lab-kek", &KEK).expect("kek");
+    let old_text = fs.v.context["encryptedDEK"].clone();
+    let old = kek
+        .unwrap(
+            &moor_runtime::keys::WrappedDek::decode(&old_text).expect("decode"),
+            &fs.v.id,
+        )
+        .expect("old key");
+    let new = Dek::generate().expect("dek");
+    let new_wrapped = new.wrap(&kek, &fs.v.id).expect("wrap");
+    let mut keys = NodeKeysClient::new(
+        vm.channel(moor_lab::krbd_lab::SOCKET)
+            .await
+            .expect("the node's socket"),
+    );
+    let before: u64 = vm.sh("cat /tmp/synced").trim().parse().expect("synced");
+    let answer = keys
+        .rotate_volume_key(RotateVolumeKeyRequest {
+            volume_id: fs.v.id.clone(),
+            old_wrapped_dek: old_text.clone(),
+            new_wrapped_dek: new_wrapped.encode(),
+            luks_pbkdf: "pbkdf2".into(),
+            secrets: secrets(&KEK),
+        })
+        .await
+        .expect("RotateVolumeKey")
+        .into_inner();
+    assert_eq!(answer.steps.len(), 6, "{:?}", answer.steps);
+    // The writer went on through the rotation and after it.
+    wait_synced(vm, before + 20);
+    vm.sh(
+        "touch /tmp/stop-writer; timeout 300 sh -c 'until [ -e /tmp/writer-done ]; do sleep \
+         0.2; done'",
+    );
+    let synced: u64 = vm.sh("cat /tmp/synced").trim().parse().expect("synced");
+    let same = |what: &str| {
+        let out = vm.sh(&format!(
+            "seq -f line-%g 1 {synced} > /tmp/want; head -n {synced} {file} | cmp - /tmp/want \
+             && echo same"
+        ));
+        assert!(
+            out.contains("same"),
+            "{what}: the {synced} synced lines: {out}"
+        );
+    };
+    same("after the rotation");
+    eprintln!(
+        "vm_encryption (rotation): {synced} lines synced, {before} before the rotation; \
+         steps {:?}",
+        answer.steps
+    );
+    let slots = vm.sh(&format!(
+        "cryptsetup luksDump {} | grep -c ': luks2$'",
+        fs.dev
+    ));
+    assert_eq!(slots.trim(), "1", "one key slot left");
+    assert!(guest_opens(vm, &fs.dev, &new), "the new key opens it");
+    assert!(
+        !guest_opens(vm, &fs.dev, &old),
+        "the old key no longer does"
+    );
+
+    // Unstaged and staged again with the volume context's (old) key: the journal's rotated
+    // key opens it, the data is there.
+    fs.take_down(&mut node, vm).await;
+    fs.bring_up(&mut node).await;
+    same("staged again");
+    fs.take_down(&mut node, vm).await;
     controller.stop().await;
 }

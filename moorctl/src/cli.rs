@@ -89,6 +89,17 @@ pub enum Command {
     /// Usage and condition of a mounted volume (NodeGetVolumeStats).
     #[command(after_help = EXIT_CODES)]
     Stats(StatsArgs),
+    /// Rotates an encrypted volume's data key on the node where it is staged.
+    ///
+    /// moor's own RotateVolumeKey call on the node's socket: the LUKS key slot moves from the
+    /// old data key to a new one online, each step journaled on the node; run again with the
+    /// same keys, it resumes a rotation cut short. `--secrets` holds the key-encryption key
+    /// (`kek`, `kekID`). Without `--new-dek` a new key is made and its wrapped form printed on
+    /// standard error before the call: keep it. Nothing writes it into the controller's record
+    /// yet: once the rotation is done and the volume unstaged, its next stage needs that key
+    /// (docs/encryption.md, "Rotation", what is not built yet).
+    #[command(after_help = EXIT_CODES)]
+    RotateKey(RotateKeyArgs),
     /// Checks every volume moor staged or published here against the mount table and device.
     ///
     /// Reads moor-node's journal (without changing it) and compares each staged or published
@@ -345,6 +356,23 @@ pub struct UnstageArgs {
     /// kubelet's staging path.
     #[arg(long)]
     pub staging: PathBuf,
+}
+
+/// `rotate-key`.
+#[derive(Debug, Args)]
+pub struct RotateKeyArgs {
+    /// The volume id.
+    pub volume: String,
+    /// The volume's data key now, wrapped (its `encryptedDEK`, `v1:<kek id>:<base64>`).
+    #[arg(long)]
+    pub old_dek: String,
+    /// The new data key, wrapped by the same key-encryption key: to resume a rotation with
+    /// the key the first run printed. Made here when not given.
+    #[arg(long)]
+    pub new_dek: Option<String>,
+    /// The new key slot's PBKDF: the volume's `luksPBKDF`.
+    #[arg(long, default_value = "pbkdf2")]
+    pub pbkdf: String,
 }
 
 /// `mount`.

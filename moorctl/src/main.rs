@@ -120,6 +120,7 @@ fn run(cli: &Cli, endpoint_given: bool) -> Result<(), CliError> {
                     Command::Mount(a) => commands::mount(&mut c, a, timeout).await,
                     Command::Unmount(a) => commands::unmount(&mut c, a, timeout).await,
                     Command::Stats(a) => commands::stats(&mut c, a, timeout).await,
+                    Command::RotateKey(a) => commands::rotate_key(&mut c, a, timeout).await,
                     Command::Completion(_) | Command::Status(_) | Command::Demo(_) => {
                         Err(CliError::Local("handled above".into()))
                     }

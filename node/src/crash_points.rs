@@ -59,6 +59,18 @@ pub const CRYPT_POINTS: &[&str] = &[
     "unstage.closed",
 ];
 
+/// The crash points of a data key rotation (`engine::rotate`), in the order it reaches them:
+/// before each step, with its intent journaled, and after the last.
+pub const ROTATE_POINTS: &[&str] = &[
+    "rotate.copy_old",
+    "rotate.kill_old",
+    "rotate.add_new",
+    "rotate.record",
+    "rotate.verify",
+    "rotate.kill_spare",
+    "rotate.done",
+];
+
 /// Arms the point named by [`ENV`], if set. Returns it.
 #[cfg(feature = "crash-points")]
 pub fn arm_from_env() -> Option<&'static str> {

@@ -27,6 +27,7 @@ pub mod error;
 pub mod filesystem;
 pub mod fsgroup;
 pub mod journal;
+pub mod keys_service;
 pub mod local_controller;
 pub mod metrics;
 pub mod mount_options;

@@ -202,7 +202,12 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
     );
     let router = tonic::transport::Server::builder()
         .add_service(Metered::new(IdentityServer::new(identity)))
-        .add_service(Metered::new(NodeServer::new(node)));
+        .add_service(Metered::new(NodeServer::new(node)))
+        .add_service(Metered::new(
+            moor_proto::keys::v1::node_keys_server::NodeKeysServer::new(
+                moor_node::keys_service::KeysService::new(Arc::clone(&engine)),
+            ),
+        ));
 
     // One stop for every server: SIGTERM/SIGINT, or kubelet refusing the registration (once
     // kubelet has the answer to that call: the stop would otherwise race it to the client).

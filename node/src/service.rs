@@ -78,7 +78,7 @@ pub fn readiness<O: Os>(os: &O, state_dir: &std::path::Path) -> Option<String> {
 
 /// Runs `f`, which may block in the kernel (mount, mkfs), without stalling the server; a
 /// panic becomes INTERNAL.
-async fn blocking<T: Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, Error> + Send + 'static,
 ) -> Result<T, Status> {
     // On a multi-thread runtime (the daemon's): on this worker, with the runtime told it
@@ -133,7 +133,7 @@ fn log_outcome<T>(rpc: &str, volume: &str, start: Instant, r: &Result<T, Status>
     }
 }
 
-async fn traced<T>(
+pub(crate) async fn traced<T>(
     rpc: &'static str,
     volume: String,
     fut: impl Future<Output = Result<T, Status>>,

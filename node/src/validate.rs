@@ -340,6 +340,7 @@ fn encryption(
         key: std::sync::Arc::new(dek),
         wrapped: ctx.wrapped,
         kek_id: source.kek_id().to_owned(),
+        kek: std::sync::Arc::new(source),
         cipher: ctx.cipher.to_owned(),
         key_size: ctx.key_size,
         sector_size: ctx.sector_size,

@@ -3,6 +3,7 @@
 //! * [`csi::v1`]: the Container Storage Interface, served by `moor-node` and `moor-controller`.
 //! * [`registration::v1`]: kubelet's plugin registration API, served by `moor-node` when it
 //!   registers itself without the node-driver-registrar sidecar.
+//! * [`keys::v1`]: moor's own key calls (a data key rotation), served by `moor-node`.
 
 #![allow(
     missing_docs,
@@ -24,6 +25,14 @@ pub mod registration {
     /// `package pluginregistration` (API version v1).
     pub mod v1 {
         tonic::include_proto!("pluginregistration");
+    }
+}
+
+/// moor's own key calls (`keys.proto`), beside CSI on the node's socket.
+pub mod keys {
+    /// `package moor.keys.v1`.
+    pub mod v1 {
+        tonic::include_proto!("moor.keys.v1");
     }
 }
 

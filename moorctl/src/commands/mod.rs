@@ -4,10 +4,12 @@
 
 mod controller;
 mod identity;
+mod keys;
 mod node;
 
 pub use self::controller::{publish, snapshot, unpublish, volume};
 pub use self::identity::{info, probe};
+pub use self::keys::rotate_key;
 pub use self::node::{mount, stage, stats, unmount, unstage};
 
 use std::time::Duration;
@@ -29,6 +31,8 @@ pub struct Clients {
     identity: IdentityClient<Channel>,
     controller: ControllerClient<Channel>,
     node: NodeClient<Channel>,
+    /// moor's own key calls on the node (`moor.keys.v1`).
+    keys: moor_proto::keys::v1::node_keys_client::NodeKeysClient<Channel>,
     /// What the calls that carry secrets are given.
     secrets: Secrets,
 }
@@ -39,7 +43,8 @@ impl Clients {
         Self {
             identity: IdentityClient::new(channel.clone()),
             controller: ControllerClient::new(channel.clone()),
-            node: NodeClient::new(channel),
+            node: NodeClient::new(channel.clone()),
+            keys: moor_proto::keys::v1::node_keys_client::NodeKeysClient::new(channel),
             secrets,
         }
     }

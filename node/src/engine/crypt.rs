@@ -30,7 +30,7 @@ pub const CRYPTSETUP: &str = "cryptsetup";
 const MAPPER_DIR: &str = "/dev/mapper";
 
 /// How long an open, a close or a resize may take (a luksFormat takes the mkfs deadline).
-const CRYPTSETUP_DEADLINE: Duration = Duration::from_secs(120);
+pub(super) const CRYPTSETUP_DEADLINE: Duration = Duration::from_secs(120);
 
 /// The key slot's PBKDF cost, fixed (no benchmark at luksFormat: the passphrase is a random
 /// 256-bit data key, not a password): pbkdf2's iterations (cryptsetup's minimum), and
@@ -42,7 +42,7 @@ const ARGON2_ITERATIONS: &str = "4";
 const ARGON2_MEMORY_KIB: &str = "65536";
 
 /// cryptsetup's arguments that set the key slot's PBKDF `pbkdf` and its fixed cost.
-fn pbkdf_args(pbkdf: &str) -> Vec<String> {
+pub(super) fn pbkdf_args(pbkdf: &str) -> Vec<String> {
     let mut args = vec!["--pbkdf".to_owned(), pbkdf.to_owned()];
     if pbkdf == "pbkdf2" {
         args.extend(["--pbkdf-force-iterations".into(), PBKDF2_ITERATIONS.into()]);
@@ -58,7 +58,7 @@ fn pbkdf_args(pbkdf: &str) -> Vec<String> {
 }
 
 /// cryptsetup's exit code when no key slot opens with the key given.
-const EXIT_WRONG_KEY: i32 = 2;
+pub(super) const EXIT_WRONG_KEY: i32 = 2;
 
 /// cryptsetup's exit code for a device that is not there or not active.
 const EXIT_NO_DEVICE: i32 = 4;
@@ -107,7 +107,7 @@ fn describe_numbers(numbers: &[(u32, u32)]) -> String {
 }
 
 /// A cryptsetup run.
-fn cryptsetup(args: Vec<String>, deadline: Duration) -> ToolRun {
+pub(super) fn cryptsetup(args: Vec<String>, deadline: Duration) -> ToolRun {
     ToolRun {
         program: CRYPTSETUP.to_owned(),
         args,
@@ -220,29 +220,39 @@ impl<O: Os> Engine<O> {
             ],
             CRYPTSETUP_DEADLINE,
         );
-        if let Err(e) = self.os.run_tool_with_key(&open, enc.key.expose()) {
-            if !fresh {
-                record.crypt = None;
-                self.journal.put(record, Durability::Process)?;
-            }
-            return Err(match e {
-                ToolError::Failed {
-                    code: Some(EXIT_WRONG_KEY),
-                    ..
-                } => Error::FailedPrecondition(format!(
-                    "the key {:?} does not open volume {:?}: no key slot of the LUKS header on \
+        let opened = self.open_with_journaled_keys(record, enc, &req.volume_id, &open);
+        let opened_by = match opened {
+            Ok(by) => by,
+            Err(e) => {
+                if !fresh
+                    && record
+                        .crypt
+                        .as_ref()
+                        .is_none_or(|c| c.rotation.is_none() && !c.rotated)
+                {
+                    record.crypt = None;
+                    self.journal.put(record, Durability::Process)?;
+                }
+                return Err(match e {
+                    ToolError::Failed {
+                        code: Some(EXIT_WRONG_KEY),
+                        ..
+                    } => Error::FailedPrecondition(format!(
+                        "the key {:?} does not open volume {:?}: no key slot of the LUKS header on \
                      {} takes the data key it unwraps (the volume was made under another key, \
                      or its device is another volume's); nothing was opened",
-                    enc.kek_id,
-                    req.volume_id,
-                    path.display()
-                )),
-                other => other.into(),
-            });
-        }
+                        enc.kek_id,
+                        req.volume_id,
+                        path.display()
+                    )),
+                    other => other.into(),
+                });
+            }
+        };
         crash_points::point("stage.opened");
         let held = self.os.hold_device(&mapper).map_err(Error::Sys)?;
         self.record_crypt(record, (&name, enc), (path, dev), fresh_uuid, Phase::Done)?;
+        self.record_opened_by(record, opened_by)?;
         info!(
             volume = req.volume_id,
             mapping = name,
@@ -301,6 +311,8 @@ impl<O: Os> Engine<O> {
             fresh: true,
             phase: Phase::InProgress,
             boot: self.boot().stamp(),
+            rotation: None,
+            rotated: false,
         });
         self.journal.put(record, Durability::Power)?;
         crash_points::point("stage.luks_formatting");
@@ -336,15 +348,25 @@ impl<O: Os> Engine<O> {
         phase: Phase,
     ) -> Result<()> {
         let fresh = fresh_uuid.is_some();
+        // The key the journal already names for this device stays: after a data key
+        // rotation it is the one the header takes, whatever the volume context still says.
+        let wrapped_dek = record
+            .crypt
+            .as_ref()
+            .filter(|c| c.rotated || (c.rdev == dev.rdev && c.device == path))
+            .and_then(|c| c.wrapped_dek.clone())
+            .unwrap_or_else(|| enc.wrapped.encode());
         let want = CryptRecord {
             name: name.to_owned(),
             device: path.to_path_buf(),
             rdev: dev.rdev,
-            wrapped_dek: Some(enc.wrapped.encode()),
+            wrapped_dek: Some(wrapped_dek),
             luks_uuid: fresh_uuid,
             fresh,
             phase,
             boot: self.boot().stamp(),
+            rotation: record.crypt.as_ref().and_then(|c| c.rotation.clone()),
+            rotated: record.crypt.as_ref().is_some_and(|c| c.rotated),
         };
         if record.crypt.as_ref() == Some(&want) {
             return Ok(());
@@ -473,6 +495,9 @@ impl<O: Os> Engine<O> {
                 self.journal.put(record, Durability::Power)?;
             }
             Some(c) if c.fresh => {}
+            // A data key rotation cut short, or finished here: its keys stay journaled for the
+            // next stage and the rotation's next call (`engine::rotate`).
+            Some(c) if c.rotation.is_some() || c.rotated => {}
             Some(_) => {
                 record.crypt = None;
                 self.journal.put(record, Durability::Process)?;

@@ -77,6 +77,9 @@ pub struct Encryption {
     pub wrapped: moor_runtime::keys::WrappedDek,
     /// The id of the key-encryption key that unwrapped it (for errors: it is not secret).
     pub kek_id: String,
+    /// That key-encryption key's source, for the keys the journal holds wrapped of a data key
+    /// rotation cut short (`engine::rotate`): its `Debug` shows no key.
+    pub kek: std::sync::Arc<moor_runtime::keys::source::KeySource>,
     /// `--cipher`.
     pub cipher: String,
     /// `--key-size`, in bits.
@@ -84,6 +87,24 @@ pub struct Encryption {
     /// `--sector-size`, in bytes.
     pub sector_size: u32,
     /// `--pbkdf`.
+    pub pbkdf: String,
+}
+
+/// A rotation of an encrypted volume's data key (docs/encryption.md, "Rotation"), on the
+/// node where the volume is staged: its LUKS slot moves from the old key to the new, both
+/// given wrapped by one key-encryption key.
+#[derive(Debug, Clone)]
+pub struct RotateDek {
+    /// Volume id.
+    pub volume_id: String,
+    /// The key-encryption key that unwraps both keys (its `Debug` shows only its id).
+    pub kek: std::sync::Arc<moor_runtime::keys::Kek>,
+    /// The volume's data key now, wrapped: what the controller's record holds.
+    pub old_wrapped: moor_runtime::keys::WrappedDek,
+    /// The data key replacing it, wrapped: written into the controller's record as the
+    /// pending key before this request, so that the record holds it whatever a crash leaves.
+    pub new_wrapped: moor_runtime::keys::WrappedDek,
+    /// The new key slot's `--pbkdf` (the volume's `luksPBKDF`), a plain word.
     pub pbkdf: String,
 }
 

@@ -270,6 +270,50 @@ pub struct CryptRecord {
     /// The boot it was written in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot: Option<String>,
+    /// A rotation of the data key in progress (`engine::rotate`), written to survive a power
+    /// cut before each of its steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotation: Option<RotationRecord>,
+    /// A data key rotation finished here: `wrapped_dek` is the key the header takes, no longer
+    /// the volume context's. The record is kept (closed) across an unstage, so that the next
+    /// stage on this node opens with it, until the controller's record gives the node the
+    /// rotated key (docs/encryption.md, "Rotation").
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rotated: bool,
+}
+
+/// A data key rotation of an open LUKS volume (docs/encryption.md, "Rotation"): both keys,
+/// wrapped (never in the clear), and the step about to run. Written `Durability::Power`
+/// before each step, so that whatever a crash leaves in the LUKS header, the journal holds a
+/// wrapped key that opens it; dropped once the old key's slot is gone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RotationRecord {
+    /// The data key being replaced, wrapped.
+    pub old_wrapped: String,
+    /// The data key replacing it, wrapped.
+    pub new_wrapped: String,
+    /// The step about to run, or running.
+    pub step: RotationStep,
+}
+
+/// The steps of a data key rotation, in their order. The volume's key slot is slot 0 and the
+/// spare is slot 1; at every step some slot opens with a key the record holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum RotationStep {
+    /// The old key copied into the spare slot (`luksAddKey`).
+    CopyOld,
+    /// The volume's slot emptied (`luksKillSlot`; the spare still opens with the old key).
+    KillOld,
+    /// The new key written into the volume's slot (`luksAddKey`, opened by the spare).
+    AddNew,
+    /// The new wrapped key made the mapping's (`CryptRecord::wrapped_dek`).
+    Record,
+    /// The recorded key read back, unwrapped and tried on the volume's slot alone
+    /// (`open --test-passphrase --key-slot 0`).
+    Verify,
+    /// The spare slot, the old key, removed (`luksKillSlot`, proven by the new key).
+    KillSpare,
 }
 
 impl VolumeRecord {

@@ -8,16 +8,16 @@ use moor_runtime::keys::{Dek, Kek};
 use super::*;
 
 /// The mapping of the harness's volume.
-const MAPPER: &str = "/dev/mapper/moor-vol-1";
+pub(super) const MAPPER: &str = "/dev/mapper/moor-vol-1";
 
 /// A volume's keys: the KEK of the stage secret, and the data key wrapped for `vol-1`.
-struct Keys {
-    secrets: HashMap<String, String>,
-    wrapped: String,
-    dek: Dek,
+pub(super) struct Keys {
+    pub(super) secrets: HashMap<String, String>,
+    pub(super) wrapped: String,
+    pub(super) dek: Dek,
 }
 
-fn keys(kek_byte: u8) -> Keys {
+pub(super) fn keys(kek_byte: u8) -> Keys {
     let raw = [kek_byte; 32];
     let kek = Kek::new("kek-1", &raw).expect("kek");
     let dek = Dek::generate().expect("dek");
@@ -52,7 +52,7 @@ fn encrypted_req(cap: csi::VolumeCapability, k: &Keys) -> csi::NodeStageVolumeRe
     req
 }
 
-async fn stage_encrypted(
+pub(super) async fn stage_encrypted(
     h: &Harness,
     cap: csi::VolumeCapability,
     k: &Keys,
@@ -76,7 +76,7 @@ fn tools(h: &Harness) -> Vec<String> {
 }
 
 /// No key byte in any argument the fake saw, nor in the journal.
-fn no_key_anywhere(h: &Harness, k: &Keys) {
+pub(super) fn no_key_anywhere(h: &Harness, k: &Keys) {
     let hex: String = k.dek.expose().iter().map(|b| format!("{b:02x}")).collect();
     let kek = &k.secrets["kek"];
     for c in h.os.calls() {

@@ -19,6 +19,7 @@ mod publish;
 mod qos;
 pub(crate) mod rbd;
 mod reboot;
+mod rotation;
 mod stage;
 mod stats;
 

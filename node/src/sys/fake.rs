@@ -66,10 +66,18 @@ struct FakeDevice {
 /// mapping held when it was last closed.
 #[derive(Debug, Clone)]
 struct FakeLuks {
-    /// The passphrase of its one key slot (a fake's: it models the check, nothing else).
-    key: Vec<u8>,
+    /// The passphrases of its key slots, by slot (a fake's: it models the checks, nothing
+    /// else).
+    slots: BTreeMap<u32, Vec<u8>>,
     /// The mapping's written extents.
     data: BTreeMap<u64, Vec<u8>>,
+}
+
+impl FakeLuks {
+    /// Whether some key slot opens with `key`.
+    fn opens(&self, key: &[u8]) -> bool {
+        self.slots.values().any(|k| k == key)
+    }
 }
 
 /// The device-mapper major number of the fake's mappings.
@@ -96,6 +104,9 @@ struct State {
     corrupted: HashMap<PathBuf, i32>,
     failures: HashMap<&'static str, i32>,
     tool_failures: HashMap<String, i32>,
+    /// A crash of a later run of a program: (program, runs left before it, whether that run
+    /// does its work before it fails).
+    tool_crash: Option<(String, u32, bool)>,
     missing_programs: BTreeSet<String>,
     backing: HashMap<(u32, u32), PathBuf>,
     deleted_backing: BTreeSet<(u32, u32)>,
@@ -169,7 +180,16 @@ impl FakeOs {
         self.lock()
             .luks
             .get(device.as_ref())
-            .is_some_and(|l| l.key == key)
+            .is_some_and(|l| l.opens(key))
+    }
+
+    /// The key slots of the LUKS volume on `device` and the key each opens with.
+    pub fn luks_slots(&self, device: impl AsRef<Path>) -> BTreeMap<u32, Vec<u8>> {
+        self.lock()
+            .luks
+            .get(device.as_ref())
+            .map(|l| l.slots.clone())
+            .unwrap_or_default()
     }
 
     /// Drops every mapping, as a reboot does (what they held stays in their LUKS volumes).
@@ -243,6 +263,14 @@ impl FakeOs {
     /// Makes the next run of `program` exit with `code`.
     pub fn fail_tool(&self, program: &str, code: i32) {
         self.lock().tool_failures.insert(program.to_owned(), code);
+    }
+
+    /// Cuts the run of `program` after `skip` more runs short, as a crash of the caller
+    /// would: with `done`, the run does its work and then fails (the caller never learns it
+    /// ran), else it fails before it does anything. The failure is no exit code a caller
+    /// understands (signal 9's 137).
+    pub fn crash_tool_at(&self, program: &str, skip: u32, done: bool) {
+        self.lock().tool_crash = Some((program.to_owned(), skip, done));
     }
 
     /// Makes the device `rdev` a loop device backed by `file`.
@@ -385,8 +413,27 @@ impl FakeOs {
         if let Some(code) = failure {
             return Err(tool_failed(run, code, "injected failure"));
         }
+        let crash = match st.tool_crash.as_mut() {
+            Some((program, 0, done)) if *program == run.program => {
+                let done = *done;
+                st.tool_crash = None;
+                Some(done)
+            }
+            Some((program, left, _)) if *program == run.program => {
+                *left -= 1;
+                None
+            }
+            _ => None,
+        };
+        if crash == Some(false) {
+            return Err(tool_failed(run, 137, "crashed before it ran"));
+        }
         if run.program == "cryptsetup" {
-            return cryptsetup(&mut st, run, key);
+            let result = cryptsetup(&mut st, run, key);
+            if crash == Some(true) {
+                return Err(tool_failed(run, 137, "crashed after it ran"));
+            }
+            return result;
         }
 
         // mkfs writes a superblock the probe recognises; the device is its last argument.
@@ -999,10 +1046,106 @@ fn cryptsetup(st: &mut State, run: &ToolRun, key: Option<&[u8]>) -> Result<(), T
             st.luks.insert(
                 device,
                 FakeLuks {
-                    key: key.to_vec(),
+                    slots: BTreeMap::from([(0, key.to_vec())]),
                     data: BTreeMap::new(),
                 },
             );
+            Ok(())
+        }
+        Some("open") if args.iter().any(|a| a == "--test-passphrase") => {
+            let device = PathBuf::from(last(1));
+            let Some(luks) = st.luks.get(&device) else {
+                return Err(tool_failed(run, 1, "not a valid LUKS device"));
+            };
+            let key = key.filter(|_| key_on_stdin).unwrap_or_default();
+            match arg_after("--key-slot").and_then(|s| s.parse::<u32>().ok()) {
+                Some(slot) => match luks.slots.get(&slot) {
+                    None => Err(tool_failed(run, 1, "No usable keyslot is available.")),
+                    Some(k) if k.as_slice() == key => Ok(()),
+                    Some(_) => Err(tool_failed(
+                        run,
+                        2,
+                        "No key available with this passphrase.",
+                    )),
+                },
+                None if luks.opens(key) => Ok(()),
+                None => Err(tool_failed(
+                    run,
+                    2,
+                    "No key available with this passphrase.",
+                )),
+            }
+        }
+        Some("luksAddKey") => {
+            // The opening key, then the new one, both on stdin (`--keyfile-size`,
+            // `--new-keyfile-size`, the new key file `/dev/stdin`).
+            let size = |flag: &str| arg_after(flag).and_then(|s| s.parse::<usize>().ok());
+            let (Some(keys), true, Some(n), Some(m), "/dev/stdin") = (
+                key,
+                key_on_stdin,
+                size("--keyfile-size"),
+                size("--new-keyfile-size"),
+                last(1).as_str(),
+            ) else {
+                return Err(tool_failed(run, 1, "both keys must come on stdin"));
+            };
+            let (Some(opening), Some(new)) = (keys.get(..n), keys.get(n..n + m)) else {
+                return Err(tool_failed(run, 1, "short key input"));
+            };
+            let device = PathBuf::from(last(2));
+            let Some(luks) = st.luks.get_mut(&device) else {
+                return Err(tool_failed(run, 1, "not a valid LUKS device"));
+            };
+            if !luks.opens(opening) {
+                return Err(tool_failed(
+                    run,
+                    2,
+                    "No key available with this passphrase.",
+                ));
+            }
+            let Some(slot) = arg_after("--new-key-slot").and_then(|s| s.parse::<u32>().ok()) else {
+                return Err(tool_failed(run, 1, "the fake wants --new-key-slot"));
+            };
+            if luks.slots.contains_key(&slot) {
+                return Err(tool_failed(
+                    run,
+                    1,
+                    &format!("Key slot {slot} is full, please select another one."),
+                ));
+            }
+            luks.slots.insert(slot, new.to_vec());
+            Ok(())
+        }
+        Some("luksKillSlot") => {
+            // Without --batch-mode: the key given must open a slot other than the one killed.
+            let device = PathBuf::from(last(2));
+            let Some(luks) = st.luks.get_mut(&device) else {
+                return Err(tool_failed(run, 1, "not a valid LUKS device"));
+            };
+            let Ok(slot) = last(1).parse::<u32>() else {
+                return Err(tool_failed(run, 1, "no key slot"));
+            };
+            if !luks.slots.contains_key(&slot) {
+                return Err(tool_failed(
+                    run,
+                    1,
+                    &format!("Keyslot {slot} is not active."),
+                ));
+            }
+            let batch = args.iter().any(|a| a == "--batch-mode" || a == "-q");
+            let key = key.filter(|_| key_on_stdin).unwrap_or_default();
+            let proven = luks
+                .slots
+                .iter()
+                .any(|(s, k)| *s != slot && k.as_slice() == key);
+            if !batch && !proven {
+                return Err(tool_failed(
+                    run,
+                    2,
+                    "No key available with this passphrase.",
+                ));
+            }
+            luks.slots.remove(&slot);
             Ok(())
         }
         Some("open") => {
@@ -1010,7 +1153,7 @@ fn cryptsetup(st: &mut State, run: &ToolRun, key: Option<&[u8]>) -> Result<(), T
             let Some(luks) = st.luks.get(&device) else {
                 return Err(tool_failed(run, 1, "not a valid LUKS device"));
             };
-            if !key_on_stdin || key != Some(luks.key.as_slice()) {
+            if !key_on_stdin || !key.is_some_and(|k| luks.opens(k)) {
                 return Err(tool_failed(
                     run,
                     2,
@@ -1060,7 +1203,7 @@ fn cryptsetup(st: &mut State, run: &ToolRun, key: Option<&[u8]>) -> Result<(), T
                 .mappings
                 .get(&name)
                 .and_then(|d| st.luks.get(d))
-                .is_some_and(|l| key_on_stdin && key == Some(l.key.as_slice()));
+                .is_some_and(|l| key_on_stdin && key.is_some_and(|k| l.opens(k)));
             if !opens {
                 return Err(tool_failed(
                     run,

@@ -20,6 +20,9 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use zeroize::{Zeroize, Zeroizing};
 
+mod rewrap;
+pub use rewrap::{key_pair, rewrap};
+
 /// The length of a DEK and of a KEK, in bytes.
 pub const KEY_LEN: usize = 32;
 

@@ -220,3 +220,49 @@ fn the_secret_entries_of_a_kek_read_back_as_it() {
     let wrapped = new_wrapped(&kek(), "v");
     assert!(read.unwrap(&wrapped, "v").is_ok(), "the same key");
 }
+
+/// A second KEK of other bytes (0xa5), named `kek-2`.
+fn kek2() -> Kek {
+    Kek::new("kek-2", &[0xa5; KEY_LEN]).expect("kek-2")
+}
+
+#[test]
+fn rewrap_moves_a_dek_to_the_new_kek_and_keeps_the_key() {
+    let (old, new) = (kek(), kek2());
+    let dek = Dek::generate().expect("dek");
+    let wrapped = dek.wrap(&old, "vol-1").expect("wrap");
+    let rewrapped = rewrap(&wrapped, "vol-1", &old, &new).expect("rewrap");
+    assert_eq!(rewrapped.kek_id(), "kek-2");
+    assert_eq!(
+        new.unwrap(&rewrapped, "vol-1").expect("unwrap").expose(),
+        dek.expose(),
+        "the same data key under the new KEK: the LUKS slot still opens with it"
+    );
+    assert!(matches!(
+        old.unwrap(&rewrapped, "vol-1"),
+        Err(KeyError::OtherKek { .. })
+    ));
+    // Run again (a resumed rotation): the record already under the new KEK stays as it is.
+    assert_eq!(
+        rewrap(&rewrapped, "vol-1", &old, &new).expect("again"),
+        rewrapped
+    );
+}
+
+#[test]
+fn rewrap_refuses_a_wrong_old_kek_and_another_volumes_key() {
+    let (old, new) = (kek(), kek2());
+    let wrapped = new_wrapped(&old, "vol-1");
+    let impostor = Kek::new("kek-1", &[0x11; KEY_LEN]).expect("impostor");
+    let e = rewrap(&wrapped, "vol-1", &impostor, &new).expect_err("wrong old KEK");
+    assert!(matches!(e, KeyError::Unwrap { .. }), "{e:?}");
+    assert_no_key(&e.to_string(), &[0x11; KEY_LEN]);
+    let e = rewrap(&wrapped, "vol-2", &old, &new).expect_err("another volume's key");
+    assert!(matches!(e, KeyError::Unwrap { .. }), "{e:?}");
+    // A record claiming the new id that the new KEK does not open is refused, not kept.
+    let forged = new_wrapped(
+        &Kek::new("kek-2", &[0x22; KEY_LEN]).expect("forged"),
+        "vol-1",
+    );
+    assert!(rewrap(&forged, "vol-1", &old, &new).is_err());
+}
