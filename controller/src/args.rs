@@ -60,6 +60,13 @@ pub struct Args {
     /// the embedded backend.
     #[arg(long)]
     pub node_local: bool,
+    /// With --node-local, in a pod: label this node's VolumeGroupSnapshotContents (and the
+    /// VolumeSnapshotContents the snapshot-controller left unlabelled, such as those made by
+    /// hand) `snapshot.storage.kubernetes.io/managed-by: <node>`, so that the csi-snapshotter
+    /// `--node-deployment` beside it cuts them (the snapshot-controller labels neither). Needs
+    /// `list` and `patch` on both kinds of content.
+    #[arg(long, requires = "node_local")]
+    pub mark_snapshot_contents: bool,
     /// Do not serve the embedded backend (no volumes on this host's loop devices).
     #[arg(long)]
     pub no_embedded: bool,

@@ -15,6 +15,8 @@
 //! * [`inflight`] answers ABORTED when an operation on the same object is already running;
 //! * [`service`] and [`identity`] serve the CSI Controller and Identity services, and
 //!   [`node_info`] a node-local controller's NodeGetInfo for the sidecars beside it;
+//! * [`kube`] labels a node-local controller's snapshot contents with its node, through the
+//!   API server, for the csi-snapshotter beside it;
 //! * [`error`] maps every failure to the gRPC code the CSI spec names for it.
 
 pub mod args;
@@ -24,6 +26,7 @@ pub mod encryption;
 pub mod error;
 pub mod identity;
 pub mod inflight;
+pub mod kube;
 pub mod node_info;
 pub mod rbd;
 pub mod secrets;

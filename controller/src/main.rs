@@ -87,6 +87,10 @@ fn rbd_backend(
     Ok(Some(Box::new(RbdBackend::new(config))))
 }
 
+/// How often a node-local controller looks for snapshot contents to label with its node
+/// (`--mark-snapshot-contents`): a group snapshot waits at most this long for its node.
+const MARK_INTERVAL: Duration = Duration::from_secs(2);
+
 fn main() -> ExitCode {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
@@ -116,6 +120,14 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 .into(),
         );
     }
+    // The API server is named by the pod's environment: outside a pod, the start stops here.
+    let api = match args.mark_snapshot_contents {
+        true => Some(
+            moor_controller::kube::InCluster::from_env()
+                .map_err(|e| format!("--mark-snapshot-contents: {e}"))?,
+        ),
+        false => None,
+    };
     let overcommit = match args.thin_overcommit {
         Some(r) => Overcommit::ratio(r).map_err(|e| format!("--thin-overcommit {e}"))?,
         None => Overcommit::UNLIMITED,
@@ -178,6 +190,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         node = args.node_id,
         data_dir = %args.data_dir.display(),
         node_local = args.node_local,
+        mark_snapshot_contents = args.mark_snapshot_contents,
         version = env!("CARGO_PKG_VERSION"),
         "moor-controller serving"
     );
@@ -195,6 +208,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .add_service(Metered::new(SnapshotMetadataServer::new(snapshot_metadata)))
         .add_optional_service(node_info);
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let mut stop_rx2 = stop_tx.subscribe();
     let grpc = async {
         let r = server::serve(
             router,
@@ -218,7 +232,21 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             .await;
         }
     };
-    let (grpc, ()) = tokio::join!(grpc, web);
+    let marker = async {
+        if let Some(api) = api {
+            moor_controller::kube::mark_contents(
+                api,
+                args.driver_name.clone(),
+                args.node_id.clone(),
+                MARK_INTERVAL,
+                async {
+                    let _ = stop_rx2.wait_for(|s| *s).await;
+                },
+            )
+            .await;
+        }
+    };
+    let (grpc, (), ()) = tokio::join!(grpc, web, marker);
     grpc?;
     info!("moor-controller stopped cleanly");
     drop(instance);

@@ -257,6 +257,23 @@ impl Cluster {
         }
     }
 
+    /// Waits until the pod has ended, at most `deadline`, and asserts it Succeeded (else its
+    /// logs and events); then its logs.
+    ///
+    /// # Panics
+    /// When the deadline passes or the pod Failed.
+    pub fn wait_pod_succeeded(&self, namespace: &str, pod: &str, deadline: Duration) -> String {
+        let phase = self.wait_pod_finished(namespace, pod, deadline);
+        let logs = self.logs(namespace, pod);
+        assert_eq!(
+            phase,
+            "Succeeded",
+            "{pod}: {logs}{}",
+            self.describe(namespace, &format!("pod/{pod}"))
+        );
+        logs
+    }
+
     /// The logs of a pod's (only) container.
     pub fn logs(&self, namespace: &str, pod: &str) -> String {
         let out = self.kubectl(&["logs", "-n", namespace, pod]);
@@ -368,6 +385,36 @@ impl Cluster {
                 ))
             })
             .collect()
+    }
+
+    /// moor's pods of a component (`app.kubernetes.io/component`: `node`, `local`, ...) in
+    /// moor-system: (node, pod name), sorted.
+    ///
+    /// # Panics
+    /// When kubectl fails.
+    pub fn moor_pods(&self, component: &str) -> Vec<(String, String)> {
+        let out = self.ok(&[
+            "get",
+            "pods",
+            "-n",
+            "moor-system",
+            "-l",
+            &format!("app.kubernetes.io/component={component}"),
+            "-o",
+            "json",
+        ]);
+        let pods: Value = serde_json::from_str(&out).expect("kubectl get's JSON");
+        let mut v: Vec<(String, String)> = pods["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|p| {
+                let f = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+                (f(&p["spec"]["nodeName"]), f(&p["metadata"]["name"]))
+            })
+            .collect();
+        v.sort();
+        v
     }
 
     /// The moor-node pod on `node`.

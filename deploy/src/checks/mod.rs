@@ -46,7 +46,7 @@ use crate::kustomize::{Resource, meta};
 
 use self::pods::{DriverFact, workload};
 use self::rbac::rbac;
-pub use self::rbac::{CONTROLLER_NEEDS, LEASES, NODE_NEEDS, Need};
+pub use self::rbac::{CONTROLLER_NEEDS, LEASES, MARK_NEEDS, NODE_NEEDS, Need};
 pub use self::sidecars::{REGISTRAR, REGISTRAR_DEFAULT_DIR, SIDECARS, Sidecar};
 
 /// Kinds the checks know, and whether they are namespaced.

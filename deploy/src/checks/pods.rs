@@ -9,7 +9,7 @@ use serde_json::Value;
 use super::controller::{controller_pod, node_local_controller_pod};
 use super::node::node_pod;
 use super::probes::probes;
-use super::rbac::{CONTROLLER_NEEDS, LEASES, NODE_NEEDS, Need};
+use super::rbac::{CONTROLLER_NEEDS, LEASES, MARK_NEEDS, NODE_NEEDS, Need};
 use super::sidecars::{PROVISIONER, REGISTRAR, Sidecar, extra_needs, sidecar, sidecar_of};
 use super::{
     Context, arg_value, array, env_field, env_names, has_switch, image_repo, moor_binary, of_kind,
@@ -123,6 +123,9 @@ pub(super) fn workload(
                 "moor-node" => NODE_NEEDS,
                 _ => CONTROLLER_NEEDS,
             });
+            if bin == "moor-controller" && has_switch(&args, "mark-snapshot-contents") {
+                sa_needs.extend_from_slice(MARK_NEEDS);
+            }
         } else if let Some(s) = sidecar_of(c) {
             sidecar(c, s, &args, &mut cp);
             sa_needs.extend_from_slice(s.needs);

@@ -54,6 +54,25 @@ pub const LEASES: Need = Need {
 pub const NODE_NEEDS: &[Need] = &[need("", "nodes", &["get"])];
 /// What moor-controller needs from the API (nothing: the sidecars talk to it).
 pub const CONTROLLER_NEEDS: &[Need] = &[];
+/// What moor-controller `--mark-snapshot-contents` needs: its node's contents labelled, its
+/// node's copy of the driver's group snapshot classes made (controller/src/kube.rs).
+pub const MARK_NEEDS: &[Need] = &[
+    need(
+        "snapshot.storage.k8s.io",
+        "volumesnapshotcontents",
+        &["list", "patch"],
+    ),
+    need(
+        "groupsnapshot.storage.k8s.io",
+        "volumegroupsnapshotcontents",
+        &["list", "patch"],
+    ),
+    need(
+        "groupsnapshot.storage.k8s.io",
+        "volumegroupsnapshotclasses",
+        &["list", "create"],
+    ),
+];
 
 /// A permission triple granted or needed, with its scope (`None`: cluster-wide).
 type Grant = (Option<String>, String, String, String);
