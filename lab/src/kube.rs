@@ -304,6 +304,35 @@ impl Cluster {
         }
     }
 
+    /// [`wait_until`](Self::wait_until), and at the deadline the panic says also what
+    /// `evidence` finds then (a node's state, a daemon's log): what the failure needs to be
+    /// understood once the cluster is gone.
+    ///
+    /// # Panics
+    /// When the deadline passes.
+    pub fn wait_until_or<T>(
+        &self,
+        what: &str,
+        deadline: Duration,
+        mut check: impl FnMut() -> Option<T>,
+        evidence: impl FnOnce() -> String,
+    ) -> T {
+        let start = Instant::now();
+        loop {
+            if let Some(v) = check() {
+                return v;
+            }
+            if start.elapsed() >= deadline {
+                panic!(
+                    "waited {}s for {what}; then:\n{}",
+                    deadline.as_secs(),
+                    evidence()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
     /// Waits until the object is gone, at most `deadline`.
     ///
     /// # Panics

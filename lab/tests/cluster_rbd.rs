@@ -466,18 +466,40 @@ fn a_node_that_died_holding_an_rbd_volume_is_fenced_and_its_pod_runs_elsewhere()
         back.elapsed().as_secs_f64()
     );
     let node_pod = c.moor_node_pod(&dead);
-    c.wait_until(
+    let status = || {
+        c.exec(
+            "moor-system",
+            &node_pod,
+            "moor-node",
+            &["moorctl", "status", "-o", "json"],
+        )
+    };
+    c.wait_until_or(
         &format!("moor-node on {dead} to hold nothing of {handle} (moorctl status)"),
         DEADLINE,
         || {
-            let out = c.exec(
-                "moor-system",
-                &node_pod,
-                "moor-node",
-                &["moorctl", "status", "-o", "json"],
-            );
+            let out = status();
             let text = String::from_utf8_lossy(&out.stdout).into_owned();
             (out.status.success() && !text.contains(&handle)).then_some(())
+        },
+        || {
+            let out = status();
+            let log = c.kubectl(&[
+                "logs",
+                "-n",
+                "moor-system",
+                &node_pod,
+                "-c",
+                "moor-node",
+                "--tail",
+                "120",
+            ]);
+            format!(
+                "moorctl status: {}{}\nmoor-node's log, its end:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr),
+                String::from_utf8_lossy(&log.stdout)
+            )
         },
     );
 
