@@ -491,10 +491,14 @@ mod tests {
         }
     }
 
+    /// Held by every test that calls through [`Metered`]: the count of calls in flight is the
+    /// process's, and the tests of a binary run at once.
+    static METERED: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
     #[tokio::test]
     async fn a_call_is_in_flight_until_the_server_has_taken_its_answer() {
         use tower::Service as _;
-        // No other test in this binary goes through Metered.
+        let _alone = METERED.lock().await;
         let before = calls_in_flight();
         let mut svc = Metered::new(Answer);
         let call = svc.call(http::Request::new(()));
@@ -525,6 +529,7 @@ mod tests {
     #[tokio::test]
     async fn a_connections_first_call_is_counted_where_it_is_answered() {
         use tower::Service as _;
+        let _alone = METERED.lock().await;
         let long = || {
             let text = render_grpc();
             let bucket = |le: &str| {
