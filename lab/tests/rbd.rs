@@ -10,6 +10,7 @@
 //! is removed when it ends.
 
 use std::os::unix::fs::FileExt as _;
+use std::os::unix::process::CommandExt as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -640,6 +641,251 @@ fn an_rbd_fuse_that_hangs_is_killed_at_the_unmap_deadline() {
         node.node_unstage_volume(unstage_req("vol", &staging))
             .await
             .expect("unstage");
+        assert_eq!(w.leftovers(0), (0, 0, 0));
+    });
+}
+
+/// A process holding a node's volume in a mount namespace of its own (a container's copy
+/// of the mount, which kubelet's unmount does not reach), appending a numbered line to
+/// `held` and fsyncing it, again and again; exits 3 when a sync fails. Killed and waited for
+/// when dropped; after [`Holder::stop_fuse`] the node's rbd-fuse is killed too, so that the
+/// holder can die.
+struct Holder<'a> {
+    w: &'a World,
+    child: std::process::Child,
+    file: std::path::PathBuf,
+    fuse_stopped: bool,
+}
+
+impl<'a> Holder<'a> {
+    fn start(w: &'a World, staging: &Path) -> Self {
+        let file = staging.join("held");
+        let script = format!(
+            "i=0; while :; do i=$((i + 1)); echo $i >> {f} || exit 2; sync {f} || exit 3; done",
+            f = file.display()
+        );
+        let child = std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+            .process_group(0)
+            .spawn()
+            .expect("unshare");
+        let h = Self {
+            w,
+            child,
+            file,
+            fuse_stopped: false,
+        };
+        h.wait_lines(5, "the holder to write and sync 5 lines");
+        h
+    }
+
+    /// Stops the node's rbd-fuse (SIGSTOP): it answers nothing, as on a node its cluster
+    /// fenced.
+    fn stop_fuse(&mut self) {
+        self.fuse_stopped = true;
+        let pids = rbd_fuse_pids(self.w, 0);
+        assert_eq!(pids.len(), 1);
+        for p in &pids {
+            rustix::process::kill_process(*p, rustix::process::Signal::STOP).expect("stop");
+        }
+    }
+
+    /// The lines the holder has written, as this mount namespace reads them.
+    fn lines(&self) -> usize {
+        std::fs::read_to_string(&self.file)
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    }
+
+    fn wait_lines(&self, n: usize, what: &str) {
+        let start = Instant::now();
+        while self.lines() < n {
+            assert!(start.elapsed() < DEADLINE, "waited {DEADLINE:?} for {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Its exit status, once it has exited by itself (within the deadline).
+    fn exited(&mut self) -> std::process::ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().expect("wait") {
+                return s;
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "waited {DEADLINE:?} for the holder to exit"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Holder<'_> {
+    /// Kills the holder's every process (its `sync` too) and waits until they are all gone,
+    /// which ends its mount namespace.
+    fn drop(&mut self) {
+        let group = rustix::process::Pid::from_raw(self.child.id() as i32).expect("pid");
+        let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+        if self.fuse_stopped {
+            for p in rbd_fuse_pids(self.w, 0) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+        }
+        let _ = self.child.wait();
+        let start = Instant::now();
+        while rustix::process::test_kill_process_group(group).is_ok() && start.elapsed() < DEADLINE
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// The world of a holder test: one node, unmaps with a 20 s deadline, an image of 64 MiB and
+/// its staging path.
+fn holder_world(test: &str, name: &str) -> Option<(World, String, std::path::PathBuf)> {
+    let ceph = Ceph::from_env(test)?;
+    let mut w = World::new(name, ceph, 1);
+    w.extra = vec!["--rbd-unmap-timeout".into(), "20".into()];
+    let image = w.image(name, 64);
+    let staging = w.staging(0, "pv");
+    Some((w, image, staging))
+}
+
+/// The requests the node's rbd-fuse has not answered (its FUSE connection's `waiting`).
+fn fuse_waiting(w: &World) -> u64 {
+    let rbd = w.nodes[0].state.join("rbd");
+    let (table, _) = moor_node::sys::mount_table::read().expect("mountinfo");
+    let dev = table
+        .iter()
+        .find(|m| m.mount_point.parent() == Some(rbd.as_path()))
+        .map(|m| m.dev)
+        .expect("the rbd-fuse mount");
+    moor_node::sys::fusectl::FuseControl::open()
+        .expect("fusectl")
+        .waiting(dev)
+        .expect("the connection's waiting requests")
+}
+
+/// A node fenced by its cluster, or cut off from it, comes back: kubelet unstages a volume
+/// whose filesystem a container still holds in a mount namespace of its own, its process
+/// stuck in an fsync that rbd-fuse never answers (librbd of a blocklisted client keeps its
+/// writes). Waiting would hold the volume forever (a VolumeAttachment never released, the
+/// CI's dead-node failure): moor sees rbd-fuse answer nothing while requests wait, kills it,
+/// the holder's sync fails and it lets go, and the unstage ends with nothing left. What was
+/// synced before rbd-fuse stopped is on the image.
+#[test]
+fn a_holder_stuck_on_an_rbd_fuse_that_answers_nothing_is_let_go_at_unstage() {
+    let Some((mut w, image, staging)) = holder_world(
+        "a_holder_stuck_on_an_rbd_fuse_that_answers_nothing_is_let_go_at_unstage",
+        "rbd-stuck",
+    ) else {
+        return;
+    };
+    let rt = runtime();
+    rt.block_on(async {
+        let mut node = w.start(0, "moor-node", &[]).await;
+        node.node_stage_volume(w.stage_req("vol", &image, &staging, ext4()))
+            .await
+            .expect("stage");
+        std::fs::write(staging.join("marker"), MARKER).expect("write");
+        rustix::fs::sync();
+        let mut holder = Holder::start(&w, &staging);
+        holder.stop_fuse();
+        let start = Instant::now();
+        while fuse_waiting(&w) == 0 {
+            assert!(
+                start.elapsed() < DEADLINE,
+                "waited {DEADLINE:?} for the holder to wait on the stopped rbd-fuse"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let t = Instant::now();
+        let unstaged = tokio::time::timeout(
+            Duration::from_secs(120),
+            node.node_unstage_volume(unstage_req("vol", &staging)),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("the unstage hung\n{}", w.log(0)));
+        unstaged.unwrap_or_else(|e| panic!("unstage: {e:?}\n{}", w.log(0)));
+        eprintln!(
+            "unstage with a holder stuck on a stopped rbd-fuse: {}",
+            ms(t.elapsed())
+        );
+        assert!(
+            w.log(0)
+                .contains("killing rbd-fuse so that its requests fail"),
+            "{}",
+            w.log(0)
+        );
+        assert_eq!(holder.exited().code(), Some(3), "the holder's sync failed");
+        assert_eq!(w.leftovers(0), (0, 0, 0), "killed, unbound, unmounted");
+        drop(holder);
+        // What was synced before rbd-fuse stopped: the next stage finds it.
+        node.node_stage_volume(w.stage_req("vol", &image, &staging, ext4()))
+            .await
+            .unwrap_or_else(|e| panic!("stage again: {e:?}\n{}", w.log(0)));
+        assert_eq!(
+            std::fs::read(staging.join("marker")).expect("marker"),
+            MARKER
+        );
+        node.node_unstage_volume(unstage_req("vol", &staging))
+            .await
+            .expect("unstage");
+        assert_eq!(w.leftovers(0), (0, 0, 0));
+    });
+}
+
+/// The same holder with rbd-fuse answering: a mapping that works is never killed under its
+/// user. The unstage is refused (FAILED_PRECONDITION: the device is in use), the holder goes
+/// on writing, rbd-fuse lives; once the holder is gone the next unstage ends it all.
+#[test]
+fn a_holder_of_an_rbd_fuse_that_answers_keeps_it_and_the_unstage_waits() {
+    let Some((mut w, image, staging)) = holder_world(
+        "a_holder_of_an_rbd_fuse_that_answers_keeps_it_and_the_unstage_waits",
+        "rbd-held",
+    ) else {
+        return;
+    };
+    let rt = runtime();
+    rt.block_on(async {
+        let mut node = w.start(0, "moor-node", &[]).await;
+        node.node_stage_volume(w.stage_req("vol", &image, &staging, ext4()))
+            .await
+            .expect("stage");
+        let mut holder = Holder::start(&w, &staging);
+        let e = node
+            .node_unstage_volume(unstage_req("vol", &staging))
+            .await
+            .expect_err("a device in use is not unmapped");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        assert_eq!(rbd_fuse_pids(&w, 0).len(), 1, "rbd-fuse lives");
+        assert!(!w.log(0).contains("killing rbd-fuse"), "{}", w.log(0));
+        // The holder's namespace still has the filesystem: it goes on writing and syncing.
+        let root = format!("/proc/{}/root", holder.child.id());
+        let held = Path::new(&root).join(holder.file.strip_prefix("/").expect("absolute"));
+        let count = || {
+            std::fs::read_to_string(&held)
+                .map(|t| t.lines().count())
+                .unwrap_or(0)
+        };
+        let before = count();
+        let start = Instant::now();
+        while count() < before + 5 {
+            assert!(
+                holder.child.try_wait().expect("wait").is_none(),
+                "the holder died"
+            );
+            assert!(
+                start.elapsed() < DEADLINE,
+                "waited {DEADLINE:?} for the holder to go on writing"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(holder);
+        node.node_unstage_volume(unstage_req("vol", &staging))
+            .await
+            .unwrap_or_else(|e| panic!("unstage once the holder is gone: {e:?}\n{}", w.log(0)));
         assert_eq!(w.leftovers(0), (0, 0, 0));
     });
 }

@@ -8,6 +8,7 @@
 
 pub mod discovery;
 pub mod fake;
+pub mod fusectl;
 pub mod linux;
 pub mod loopdev;
 pub mod loopinfo;

@@ -20,6 +20,15 @@
 //! left behind, not even a process. [`Attacher::abort`] does the same for an unmount of the
 //! volume's filesystem that hangs on rbd-fuse.
 //!
+//! A device still held after the staging mount is gone (a container's copy of the mount in a
+//! mount namespace of its own, which kubelet's unmount does not reach) refuses the unmap, with
+//! one exception: when that holder waits on requests rbd-fuse does not answer (its FUSE
+//! connection has requests waiting, and rbd-fuse writes no answer for [`STALL`]: a node its
+//! cluster fenced, whose librbd keeps the writes, or one cut off from it) and no mount in
+//! moor's and kubelet's view holds the device, rbd-fuse is killed, its requests fail, the
+//! holder lets go and the unmap ends. The waiting requests are counted by the FUSE control
+//! filesystem ([`crate::sys::fusectl`]), which asks nothing of rbd-fuse.
+//!
 //! Nothing here reads through the FUSE mount while finding or unmapping: a daemon that hangs
 //! can stall only the map that waits for it, within its deadline.
 
@@ -37,6 +46,7 @@ use rustix::process::Pid;
 use super::{AttachError, Attacher, Deadlines, ImageSpec, MapRequest, Mapping, redact};
 use crate::crash_points;
 use crate::sys::discovery::DeviceIdentity;
+use crate::sys::fusectl::FuseControl;
 use crate::sys::linux::{find_program, run_with_deadline};
 use crate::sys::loopdev::{self, DetachError, LoopDevice};
 use crate::sys::{ToolError, ToolRun, mount_table};
@@ -55,6 +65,10 @@ pub const PROGRAM: &str = "rbd-fuse";
 const KILL_GRACE: Duration = Duration::from_secs(5);
 /// How long an unbound loop device may take to let go of its file.
 const UNBIND_SETTLE: Duration = Duration::from_secs(2);
+/// The longest rbd-fuse may go without answering a request it has, while something holds an
+/// unstaged volume's device, before it is taken for stopped (fenced or cut off) and killed;
+/// half the unmap deadline when that is shorter.
+const STALL: Duration = Duration::from_secs(10);
 /// The longest name a dir may have.
 const NAME_MAX: usize = 255;
 
@@ -71,6 +85,9 @@ pub struct FuseAttacher {
 struct Found {
     /// The FUSE mount is there.
     mounted: bool,
+    /// The device of the FUSE mount's superblock (mountinfo's `major:minor`), which names its
+    /// connection.
+    connection: Option<(u32, u32)>,
     /// rbd-fuse processes serving the mount dir.
     daemons: Vec<Pid>,
     /// Loop devices bound to the image file.
@@ -105,11 +122,12 @@ impl FuseAttacher {
 
     /// What of the image's mapping is on the node, without touching the FUSE mount.
     fn look(&self, dir: &Path, file: &Path) -> Found {
-        let mounted = mount_table::read()
-            .map(|(t, _)| t.iter().any(|m| m.mount_point == dir))
-            .unwrap_or(false);
+        let connection = mount_table::read()
+            .ok()
+            .and_then(|(t, _)| t.iter().rev().find(|m| m.mount_point == dir).map(|m| m.dev));
         Found {
-            mounted,
+            mounted: connection.is_some(),
+            connection,
             daemons: daemons(dir),
             loops: loopdev::bound_under(file)
                 .into_iter()
@@ -238,42 +256,36 @@ impl FuseAttacher {
         // Unbinding flushes the device into the file: a step that waits on rbd-fuse.
         let kill_daemons = || kill(&daemons(&dir));
         for l in &found.loops {
-            let path = l.path.clone();
-            match bounded(deadline, kill_daemons, move || loopdev::detach(&path)) {
-                Some(Ok(())) => {}
-                None => {
-                    return Err(AttachError::Timeout {
-                        step: "unmap",
-                        image: image.to_string(),
-                        deadline: self.deadlines.unmap,
-                    });
+            match self.unbind(image, l, deadline) {
+                Err(AttachError::Busy { .. })
+                    if !mounted_here(l) && self.stalled(&found, stall_window(deadline)) =>
+                {
+                    // The device's holder (a mount left in another mount namespace, a
+                    // process with it open) waits on requests rbd-fuse never answers: a
+                    // node its cluster fenced, or one cut off from it. It would hold the
+                    // device forever; rbd-fuse is killed, which fails those requests, and
+                    // the holder lets go. The staging mount is gone: kubelet has ended the
+                    // volume's use on this node, and no mount moor or kubelet can see
+                    // holds the device.
+                    tracing::warn!(
+                        image = %image,
+                        device = %l.path.display(),
+                        "the device's holder waits on rbd-fuse, which answers nothing; \
+                         killing rbd-fuse so that its requests fail"
+                    );
+                    kill(&found.daemons);
+                    let until = deadline.max(Instant::now() + KILL_GRACE);
+                    loop {
+                        match self.unbind(image, l, until) {
+                            Err(AttachError::Busy { .. }) if Instant::now() < until => {
+                                std::thread::sleep(Duration::from_millis(50));
+                            }
+                            other => break other?,
+                        }
+                    }
                 }
-                Some(Err(DetachError::Busy(p))) => {
-                    return Err(AttachError::Busy {
-                        image: image.to_string(),
-                        what: p.display().to_string(),
-                    });
-                }
-                Some(Err(e)) => return Err(Self::failed(image, "unmap", e.to_string())),
+                other => other?,
             }
-        }
-        // The kernel finishes an unbinding after the last close, on a worker of its own; a
-        // loop device another process still holds open is only marked to go when it is
-        // closed: still in use.
-        let bound = || {
-            loopdev::bound_under(&file)
-                .into_iter()
-                .find(|(_, f)| *f == file)
-        };
-        let settle = Instant::now() + UNBIND_SETTLE;
-        while !found.loops.is_empty() && bound().is_some() && Instant::now() < settle {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        if let Some((l, _)) = bound() {
-            return Err(AttachError::Busy {
-                image: image.to_string(),
-                what: l.path.display().to_string(),
-            });
         }
         if found.mounted {
             let target = dir.clone();
@@ -338,6 +350,77 @@ impl FuseAttacher {
         }
     }
 
+    /// Unbinds loop device `l` of the image's file, within `deadline` (past it rbd-fuse is
+    /// killed): Busy while anything holds the device.
+    fn unbind(
+        &self,
+        image: &ImageSpec,
+        l: &LoopDevice,
+        deadline: Instant,
+    ) -> Result<(), AttachError> {
+        let (dir, file, _) = self.paths(image)?;
+        let busy = || AttachError::Busy {
+            image: image.to_string(),
+            what: l.path.display().to_string(),
+        };
+        let path = l.path.clone();
+        match bounded(
+            deadline,
+            || kill(&daemons(&dir)),
+            move || loopdev::detach(&path),
+        ) {
+            Some(Ok(())) => {}
+            None => {
+                return Err(AttachError::Timeout {
+                    step: "unmap",
+                    image: image.to_string(),
+                    deadline: self.deadlines.unmap,
+                });
+            }
+            Some(Err(DetachError::Busy(_))) => return Err(busy()),
+            Some(Err(e)) => return Err(Self::failed(image, "unmap", e.to_string())),
+        }
+        // The kernel finishes an unbinding after the last close, on a worker of its own; a
+        // loop device another process still holds open is only marked to go when it is
+        // closed: still in use.
+        let bound = || {
+            loopdev::bound_under(&file)
+                .iter()
+                .any(|(b, f)| *f == file && b.path == l.path)
+        };
+        let settle = Instant::now() + UNBIND_SETTLE;
+        while bound() && Instant::now() < settle {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if bound() { Err(busy()) } else { Ok(()) }
+    }
+
+    /// Whether rbd-fuse has stopped answering: its FUSE connection has requests waiting and
+    /// none is answered (rbd-fuse writes nothing) from now until `until`. False as soon as
+    /// nothing waits or an answer goes out, and when the connection cannot be read.
+    fn stalled(&self, found: &Found, until: Instant) -> bool {
+        let Some(dev) = found.connection else {
+            return false;
+        };
+        let Ok(control) = FuseControl::open() else {
+            return false;
+        };
+        let answered = written(&found.daemons);
+        loop {
+            match control.waiting(dev) {
+                Ok(n) if n > 0 => {}
+                _ => return false,
+            }
+            if written(&found.daemons) != answered {
+                return false;
+            }
+            if Instant::now() >= until {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     fn mapping(&self, file: &Path, l: &LoopDevice) -> Mapping {
         Mapping {
             device: l.path.clone(),
@@ -349,6 +432,18 @@ impl FuseAttacher {
             read_only: l.read_only,
         }
     }
+}
+
+/// How long to watch rbd-fuse for an answer: [`STALL`], or half of what is left to `deadline`.
+fn stall_window(deadline: Instant) -> Instant {
+    let now = Instant::now();
+    now + STALL.min(deadline.saturating_duration_since(now) / 2)
+}
+
+/// Whether a filesystem on loop device `l` is mounted in this mount namespace (moor's and
+/// kubelet's view of the node).
+fn mounted_here(l: &LoopDevice) -> bool {
+    mount_table::read().map_or(true, |(t, _)| t.iter().any(|m| m.dev == l.rdev))
 }
 
 /// Removes a file when dropped.
