@@ -752,19 +752,14 @@ fn holder_world(test: &str, name: &str) -> Option<(World, String, std::path::Pat
     Some((w, image, staging))
 }
 
-/// The requests the node's rbd-fuse has not answered (its FUSE connection's `waiting`).
-fn fuse_waiting(w: &World) -> u64 {
-    let rbd = w.nodes[0].state.join("rbd");
-    let (table, _) = moor_node::sys::mount_table::read().expect("mountinfo");
-    let dev = table
-        .iter()
-        .find(|m| m.mount_point.parent() == Some(rbd.as_path()))
-        .map(|m| m.dev)
-        .expect("the rbd-fuse mount");
-    moor_node::sys::fusectl::FuseControl::open()
-        .expect("fusectl")
-        .waiting(dev)
-        .expect("the connection's waiting requests")
+/// The requests in flight on the node's loop device (which rbd-fuse serves).
+fn in_flight(w: &World) -> u64 {
+    let (l, _) = loopdev::bound_under(&w.nodes[0].state.join("rbd"))
+        .pop()
+        .expect("the loop device");
+    loopdev::io_progress(l.rdev)
+        .expect("the loop device's stat")
+        .in_flight
 }
 
 /// A node fenced by its cluster, or cut off from it, comes back: kubelet unstages a volume
@@ -793,7 +788,7 @@ fn a_holder_stuck_on_an_rbd_fuse_that_answers_nothing_is_let_go_at_unstage() {
         let mut holder = Holder::start(&w, &staging);
         holder.stop_fuse();
         let start = Instant::now();
-        while fuse_waiting(&w) == 0 {
+        while in_flight(&w) == 0 {
             assert!(
                 start.elapsed() < DEADLINE,
                 "waited {DEADLINE:?} for the holder to wait on the stopped rbd-fuse"

@@ -198,6 +198,39 @@ pub fn bound_under(path: &Path) -> Vec<(LoopDevice, PathBuf)> {
     found
 }
 
+/// A block device's I/O as sysfs counts it (`/sys/dev/block/MAJ:MIN/stat`, which asks nothing
+/// of the device or what serves it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IoProgress {
+    /// Requests completed: reads, writes, discards and flushes.
+    pub completed: u64,
+    /// Requests issued and not completed.
+    pub in_flight: u64,
+}
+
+/// The I/O of device `rdev` so far; None when sysfs does not show it.
+pub fn io_progress(rdev: (u32, u32)) -> Option<IoProgress> {
+    let text =
+        std::fs::read_to_string(format!("/sys/dev/block/{}:{}/stat", rdev.0, rdev.1)).ok()?;
+    parse_stat(&text)
+}
+
+/// Fields 1, 5, 12 and 16 of a block stat are the completed reads, writes, discards and
+/// flushes, field 9 the requests in flight (Documentation/block/stat.rst); older kernels
+/// print fewer fields.
+fn parse_stat(text: &str) -> Option<IoProgress> {
+    let f: Vec<u64> = text
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let at = |i: usize| f.get(i - 1).copied().unwrap_or(0);
+    (f.len() >= 11).then(|| IoProgress {
+        completed: at(1) + at(5) + at(12) + at(16),
+        in_flight: at(9),
+    })
+}
+
 /// `major:minor`.
 fn parse_dev(text: &str) -> Option<(u32, u32)> {
     let (a, b) = text.split_once(':')?;
@@ -207,6 +240,29 @@ fn parse_dev(text: &str) -> Option<(u32, u32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_block_stat_gives_completed_and_in_flight_requests() {
+        let stat = "     150        2     2072       15      127       75     3320       30        \
+                    3       52       54        4        0        0        0       98        8\n";
+        assert_eq!(
+            parse_stat(stat),
+            Some(IoProgress {
+                completed: 150 + 127 + 4 + 98,
+                in_flight: 3
+            })
+        );
+        // A kernel before discards and flushes were counted.
+        assert_eq!(
+            parse_stat("1 0 8 0 2 0 16 0 1 0 0"),
+            Some(IoProgress {
+                completed: 3,
+                in_flight: 1
+            })
+        );
+        assert_eq!(parse_stat("1 2 3"), None);
+        assert_eq!(parse_stat("x 0 8 0 2 0 16 0 1 0 0"), None);
+    }
 
     #[test]
     fn device_numbers_parse() {

@@ -8,7 +8,6 @@
 
 pub mod discovery;
 pub mod fake;
-pub mod fusectl;
 pub mod linux;
 pub mod loopdev;
 pub mod loopinfo;

@@ -22,12 +22,11 @@
 //!
 //! A device still held after the staging mount is gone (a container's copy of the mount in a
 //! mount namespace of its own, which kubelet's unmount does not reach) refuses the unmap, with
-//! one exception: when that holder waits on requests rbd-fuse does not answer (its FUSE
-//! connection has requests waiting, and rbd-fuse writes no answer for [`STALL`]: a node its
+//! one exception: when that holder waits on requests rbd-fuse does not answer (the loop device
+//! has requests in flight and completes none for [`STALL`], as sysfs counts them: a node its
 //! cluster fenced, whose librbd keeps the writes, or one cut off from it) and no mount in
 //! moor's and kubelet's view holds the device, rbd-fuse is killed, its requests fail, the
-//! holder lets go and the unmap ends. The waiting requests are counted by the FUSE control
-//! filesystem ([`crate::sys::fusectl`]), which asks nothing of rbd-fuse.
+//! holder lets go and the unmap ends.
 //!
 //! Nothing here reads through the FUSE mount while finding or unmapping: a daemon that hangs
 //! can stall only the map that waits for it, within its deadline.
@@ -46,7 +45,6 @@ use rustix::process::Pid;
 use super::{AttachError, Attacher, Deadlines, ImageSpec, MapRequest, Mapping, redact};
 use crate::crash_points;
 use crate::sys::discovery::DeviceIdentity;
-use crate::sys::fusectl::FuseControl;
 use crate::sys::linux::{find_program, run_with_deadline};
 use crate::sys::loopdev::{self, DetachError, LoopDevice};
 use crate::sys::{ToolError, ToolRun, mount_table};
@@ -85,9 +83,6 @@ pub struct FuseAttacher {
 struct Found {
     /// The FUSE mount is there.
     mounted: bool,
-    /// The device of the FUSE mount's superblock (mountinfo's `major:minor`), which names its
-    /// connection.
-    connection: Option<(u32, u32)>,
     /// rbd-fuse processes serving the mount dir.
     daemons: Vec<Pid>,
     /// Loop devices bound to the image file.
@@ -122,12 +117,11 @@ impl FuseAttacher {
 
     /// What of the image's mapping is on the node, without touching the FUSE mount.
     fn look(&self, dir: &Path, file: &Path) -> Found {
-        let connection = mount_table::read()
-            .ok()
-            .and_then(|(t, _)| t.iter().rev().find(|m| m.mount_point == dir).map(|m| m.dev));
+        let mounted = mount_table::read()
+            .map(|(t, _)| t.iter().any(|m| m.mount_point == dir))
+            .unwrap_or(false);
         Found {
-            mounted: connection.is_some(),
-            connection,
+            mounted,
             daemons: daemons(dir),
             loops: loopdev::bound_under(file)
                 .into_iter()
@@ -258,7 +252,7 @@ impl FuseAttacher {
         for l in &found.loops {
             match self.unbind(image, l, deadline) {
                 Err(AttachError::Busy { .. })
-                    if !mounted_here(l) && self.stalled(&found, stall_window(deadline)) =>
+                    if !mounted_here(l) && Self::stalled(l, stall_window(deadline)) =>
                 {
                     // The device's holder (a mount left in another mount namespace, a
                     // process with it open) waits on requests rbd-fuse never answers: a
@@ -395,24 +389,17 @@ impl FuseAttacher {
         if bound() { Err(busy()) } else { Ok(()) }
     }
 
-    /// Whether rbd-fuse has stopped answering: its FUSE connection has requests waiting and
-    /// none is answered (rbd-fuse writes nothing) from now until `until`. False as soon as
-    /// nothing waits or an answer goes out, and when the connection cannot be read.
-    fn stalled(&self, found: &Found, until: Instant) -> bool {
-        let Some(dev) = found.connection else {
+    /// Whether rbd-fuse has stopped answering loop device `l`: requests in flight on the
+    /// device and none completed from now until `until`. False as soon as nothing is in
+    /// flight or a request completes, and when sysfs does not show the device's I/O.
+    fn stalled(l: &LoopDevice, until: Instant) -> bool {
+        let Some(first) = loopdev::io_progress(l.rdev) else {
             return false;
         };
-        let Ok(control) = FuseControl::open() else {
-            return false;
-        };
-        let answered = written(&found.daemons);
         loop {
-            match control.waiting(dev) {
-                Ok(n) if n > 0 => {}
+            match loopdev::io_progress(l.rdev) {
+                Some(now) if now.in_flight > 0 && now.completed == first.completed => {}
                 _ => return false,
-            }
-            if written(&found.daemons) != answered {
-                return false;
             }
             if Instant::now() >= until {
                 return true;
