@@ -18,6 +18,7 @@ use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
 use std::time::SystemTime;
 
+use crate::encryption::rotation::RecordKeys;
 use crate::error::{Error, Result};
 
 /// A topology segment: topological domain → segment, e.g. `{"topology.moor.csi.io/node": "n1"}`.
@@ -603,6 +604,30 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         ))
     }
 
+    /// The wrapped data keys the record of the encrypted volume `volume_id` holds now (its
+    /// context's, until a rotation changes them; docs/encryption.md, "Rotation"). A volume in
+    /// the clear: FAILED_PRECONDITION.
+    fn volume_keys(&self, volume_id: &str) -> Result<RecordKeys> {
+        Err(keys_not_kept(volume_id))
+    }
+
+    /// Writes `after` as the keys of `volume_id`'s record, durably, if it holds `before`
+    /// (ABORTED, nothing written, when another call changed them since they were read).
+    fn write_volume_keys(
+        &self,
+        volume_id: &str,
+        before: &RecordKeys,
+        after: &RecordKeys,
+    ) -> Result<()> {
+        let _ = (before, after);
+        Err(keys_not_kept(volume_id))
+    }
+
+    /// The ids of the encrypted volumes whose keys this backend keeps, for a KEK rotation.
+    fn encrypted_volume_ids(&self) -> Result<Vec<String>> {
+        Ok(Vec::new())
+    }
+
     /// Deletes a volume; a volume that does not exist is success.
     fn delete_volume(&self, volume_id: &str) -> Result<()>;
 
@@ -824,6 +849,15 @@ pub fn check_data_dir(path: &Path) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// The answer of a backend that does not rotate its volumes' keys (yet).
+fn keys_not_kept(volume_id: &str) -> Error {
+    Error::FailedPrecondition(format!(
+        "volume {:?}: its backend does not rotate encrypted volumes' keys (built for the \
+         embedded backend; docs/encryption.md, \"Rotation\")",
+        crate::error::trunc(volume_id)
+    ))
 }
 
 #[cfg(test)]
