@@ -604,6 +604,7 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
 }
 
 pub mod group;
+pub mod keys;
 pub mod metadata;
 #[cfg(test)]
 mod tests;

@@ -156,7 +156,7 @@ pub fn rewrap(
 
 /// Step 1 over a backend: the volume's record read, a pending key made (or the pending one
 /// kept) and written, durably, before this answers: the keys to give the node.
-pub fn begin_on(b: &dyn Backend, volume: &str, kek: &KeySource) -> Result<RecordKeys> {
+pub fn begin_on<B: Backend + ?Sized>(b: &B, volume: &str, kek: &KeySource) -> Result<RecordKeys> {
     let before = b.volume_keys(volume)?;
     let after = begin(&before, kek, volume)?;
     b.write_volume_keys(volume, &before, &after)?;
@@ -164,7 +164,7 @@ pub fn begin_on(b: &dyn Backend, volume: &str, kek: &KeySource) -> Result<Record
 }
 
 /// Step 3 over a backend: `new` promoted in the volume's record, durably.
-pub fn promote_on(b: &dyn Backend, volume: &str, new: &str) -> Result<RecordKeys> {
+pub fn promote_on<B: Backend + ?Sized>(b: &B, volume: &str, new: &str) -> Result<RecordKeys> {
     let before = b.volume_keys(volume)?;
     let after = promote(&before, new, volume)?;
     b.write_volume_keys(volume, &before, &after)?;
@@ -187,7 +187,11 @@ pub struct KekRotation {
 /// rotation cut short (a crash, an error) is resumed by running it again: the records done
 /// are under `new` and are left as they are. A record under another KEK is left alone and
 /// reported. The first error stops it (the records before it are done).
-pub fn rotate_kek_on(b: &dyn Backend, old: &KeySource, new: &KeySource) -> Result<KekRotation> {
+pub fn rotate_kek_on<B: Backend + ?Sized>(
+    b: &B,
+    old: &KeySource,
+    new: &KeySource,
+) -> Result<KekRotation> {
     let mut done = KekRotation::default();
     for volume in b.encrypted_volume_ids()? {
         let before = b.volume_keys(&volume)?;

@@ -58,25 +58,28 @@ fn encrypted_volume(w: &World, name: &str) -> String {
 
 /// An encrypted volume made on `b` as CreateVolume makes one, its key wrapped by `kek`.
 fn made_encrypted(b: &EmbeddedBackend<Arc<FakeAttacher>>, kek: &KeySource, name: &str) -> String {
-    let v = b
-        .create_volume(&NewVolume {
-            name: name.into(),
-            capacity: Some(crate::backend::CapacityRange {
-                required: 1 << 20,
-                limit: 0,
-            }),
-            capabilities: vec![cap()],
-            parameters: Parameters::from([
-                ("encrypted".to_owned(), "true".to_owned()),
-                ("kmsID".to_owned(), "secret".to_owned()),
-            ]),
-            source: None,
-            accessibility: None,
-        })
-        .expect("create");
+    let v = b.create_volume(&new_encrypted(name)).expect("create");
     let wrapped = super::super::new_wrapped_dek(kek, &v.id).expect("wrap");
     b.record_wrapped_dek(&v.id, &wrapped).expect("record");
     v.id
+}
+
+/// CreateVolume's request of an encrypted volume.
+fn new_encrypted(name: &str) -> NewVolume {
+    NewVolume {
+        name: name.into(),
+        capacity: Some(crate::backend::CapacityRange {
+            required: 1 << 20,
+            limit: 0,
+        }),
+        capabilities: vec![cap()],
+        parameters: Parameters::from([
+            ("encrypted".to_owned(), "true".to_owned()),
+            ("kmsID".to_owned(), "secret".to_owned()),
+        ]),
+        source: None,
+        accessibility: None,
+    }
 }
 
 fn cap() -> Capability {
@@ -351,5 +354,83 @@ fn a_kek_rotation_rewraps_current_and_pending_keys_and_resumes_after_a_crash_hal
     assert_eq!(
         w4.b.volume_keys(&v4).expect("keys").kek_ids().expect("ids"),
         ["kek-1"]
+    );
+}
+
+#[test]
+fn the_key_calls_check_their_requests_and_name_no_key() {
+    use moor_proto::keys::v1 as keys;
+    let w = world("rot-calls");
+    let id = encrypted_volume(&w, "pvc-1");
+    let secrets: HashMap<String, String> = moor_runtime::keys::secret_entries("kek-1", &[1; 32])
+        .into_iter()
+        .collect();
+    let begun = crate::service::keys::begin(
+        &w.b,
+        &keys::BeginVolumeKeyRotationRequest {
+            volume_id: id.clone(),
+            secrets: secrets.clone(),
+        },
+    )
+    .expect("begin");
+    assert_eq!(
+        begun.current_wrapped_dek,
+        w.b.volume_keys(&id).expect("k").current
+    );
+    assert!(!begun.pending_wrapped_dek.is_empty());
+    // A volume in the clear has no key to rotate.
+    let clear =
+        w.b.create_volume(&NewVolume {
+            parameters: Parameters::new(),
+            ..new_encrypted("pvc-clear")
+        })
+        .expect("clear");
+    let e = crate::service::keys::begin(
+        &w.b,
+        &keys::BeginVolumeKeyRotationRequest {
+            volume_id: clear.id,
+            secrets: secrets.clone(),
+        },
+    )
+    .expect_err("clear");
+    assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
+    // Finishing with a key that is not a wrapped key: INVALID_ARGUMENT.
+    let e = crate::service::keys::finish(
+        &w.b,
+        &keys::FinishVolumeKeyRotationRequest {
+            volume_id: id.clone(),
+            new_wrapped_dek: "not a key".into(),
+        },
+    )
+    .expect_err("malformed");
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    let done = crate::service::keys::finish(
+        &w.b,
+        &keys::FinishVolumeKeyRotationRequest {
+            volume_id: id.clone(),
+            new_wrapped_dek: begun.pending_wrapped_dek.clone(),
+        },
+    )
+    .expect("finish");
+    assert_eq!(done.current_wrapped_dek, begun.pending_wrapped_dek);
+    assert!(done.pending_wrapped_dek.is_empty());
+    // A new KEK under the old one's id: refused, no byte of either in the error.
+    let same_id: HashMap<String, String> = moor_runtime::keys::secret_entries("kek-1", &[5; 32])
+        .into_iter()
+        .collect();
+    let e = crate::service::keys::rotate_kek(
+        &w.b,
+        &keys::RotateKeyEncryptionKeyRequest {
+            kms_id: String::new(),
+            old_secrets: secrets.clone(),
+            new_secrets: same_id.clone(),
+        },
+    )
+    .expect_err("same id");
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    let text = format!("{e} {e:?}");
+    assert!(
+        !text.contains(&secrets["kek"]) && !text.contains(&same_id["kek"]),
+        "{text}"
     );
 }
