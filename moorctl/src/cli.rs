@@ -607,4 +607,30 @@ mod tests {
         assert_eq!(cli.output, Output::Json);
         assert_eq!(cli.endpoint, "unix:///csi/csi.sock");
     }
+
+    #[test]
+    fn rotate_key_takes_its_keys_from_the_controller_or_from_the_command_line() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(["moorctl", "rotate-key", "vol-1"].iter().chain(args))
+        };
+        let Command::RotateKey(a) = parse(&["--controller", "unix:///c.sock"])
+            .expect("parse")
+            .command
+        else {
+            panic!("rotate-key");
+        };
+        assert_eq!(a.controller.as_deref(), Some("unix:///c.sock"));
+        assert_eq!(a.old_dek, None);
+        assert!(parse(&["--old-dek", "v1:k:x"]).is_ok());
+        // One or the other: the controller's record, or the keys given here.
+        assert!(parse(&[]).is_err());
+        assert!(parse(&["--controller", "unix:///c.sock", "--old-dek", "v1:k:x"]).is_err());
+        assert!(parse(&["--controller", "unix:///c.sock", "--new-dek", "v1:k:x"]).is_err());
+        let cli = Cli::try_parse_from(["moorctl", "rotate-kek", "--new-secrets", "/k2.env"])
+            .expect("parse");
+        let Command::RotateKek(k) = cli.command else {
+            panic!("rotate-kek");
+        };
+        assert_eq!(k.kms_id, "secret");
+    }
 }
