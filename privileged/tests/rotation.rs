@@ -548,6 +548,26 @@ fn a_volume_rotated_through_the_controller_is_published_with_the_key_its_header_
         "--controller",
         &ctl_ep,
     ];
+    // An operator's run cut short after its first step (a crash of moorctl): the record
+    // holds the pending key, every publish gives both keys, and the next run resumes with
+    // that very key.
+    let mut keys = rt.block_on(async {
+        moor_proto::keys::v1::controller_keys_client::ControllerKeysClient::new(
+            connect(&ctl_sock).await.expect("socket"),
+        )
+    });
+    let begun = rt
+        .block_on(
+            keys.begin_volume_key_rotation(moor_proto::keys::v1::BeginVolumeKeyRotationRequest {
+                volume_id: id.clone(),
+                secrets: moor_runtime::keys::secret_entries("kek-1", &[9; 32])
+                    .into_iter()
+                    .collect(),
+            }),
+        )
+        .expect("BeginVolumeKeyRotation")
+        .into_inner();
+    assert_eq!(begun.current_wrapped_dek, context_key);
     let answer = moorctl_json(&rotate_args);
     assert_eq!(
         answer["steps"].as_array().map(Vec::len),
@@ -555,6 +575,10 @@ fn a_volume_rotated_through_the_controller_is_published_with_the_key_its_header_
         "{answer}"
     );
     let new_text = answer["encryptedDEK"].as_str().expect("new key").to_owned();
+    assert_eq!(
+        new_text, begun.pending_wrapped_dek,
+        "resumed with the pending key"
+    );
     assert_ne!(new_text, context_key);
     let new = kek1.unwrap(&decode(&new_text), &id).expect("unwrap");
     assert_eq!(slots(&dev, &old, &new), [(0, "new")]);
