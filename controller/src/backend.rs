@@ -608,7 +608,10 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// context's, until a rotation changes them; docs/encryption.md, "Rotation"). A volume in
     /// the clear: FAILED_PRECONDITION.
     fn volume_keys(&self, volume_id: &str) -> Result<RecordKeys> {
-        Err(keys_not_kept(volume_id))
+        Err(keys_not_kept(&format!(
+            "volume {:?}",
+            crate::error::trunc(volume_id)
+        )))
     }
 
     /// Writes `after` as the keys of `volume_id`'s record, durably, if it holds `before`
@@ -620,11 +623,20 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         after: &RecordKeys,
     ) -> Result<()> {
         let _ = (before, after);
-        Err(keys_not_kept(volume_id))
+        Err(keys_not_kept(&format!(
+            "volume {:?}",
+            crate::error::trunc(volume_id)
+        )))
     }
 
-    /// The ids of the encrypted volumes whose keys this backend keeps, for a KEK rotation.
+    /// The ids of the encrypted volumes whose keys this backend keeps, for a KEK rotation. A
+    /// backend that makes encrypted volumes but does not rotate their keys refuses
+    /// (FAILED_PRECONDITION), so that a KEK rotation never reports done while records of its
+    /// stay under the old KEK (which the operator would then retire).
     fn encrypted_volume_ids(&self) -> Result<Vec<String>> {
+        if self.serves_encryption() {
+            return Err(keys_not_kept("the encrypted volumes of a backend"));
+        }
         Ok(Vec::new())
     }
 
@@ -852,11 +864,10 @@ pub fn check_data_dir(path: &Path) -> Result<()> {
 }
 
 /// The answer of a backend that does not rotate its volumes' keys (yet).
-fn keys_not_kept(volume_id: &str) -> Error {
+fn keys_not_kept(what: &str) -> Error {
     Error::FailedPrecondition(format!(
-        "volume {:?}: its backend does not rotate encrypted volumes' keys (built for the \
-         embedded backend; docs/encryption.md, \"Rotation\")",
-        crate::error::trunc(volume_id)
+        "{what}: its backend does not rotate encrypted volumes' keys yet (built for the \
+         embedded backend; docs/encryption.md, \"Rotation\"); nothing was changed"
     ))
 }
 

@@ -434,3 +434,19 @@ fn the_key_calls_check_their_requests_and_name_no_key() {
         "{text}"
     );
 }
+
+#[test]
+fn a_kek_rotation_over_a_backend_that_does_not_rotate_keys_writes_nothing() {
+    let w = world("rot-kek-rbd");
+    let id = encrypted_volume(&w, "pvc-1");
+    let before = w.b.volume_keys(&id).expect("keys");
+    let rbd = crate::rbd::RbdBackend::new(crate::rbd::Config::new(
+        crate::rbd::clusters::Clusters::empty(),
+    ));
+    let both = crate::select::Backends::new(Some(Box::new(w.b)), Some(Box::new(rbd)));
+    // The RBD backend makes encrypted volumes but keeps no rotated keys: refused before any
+    // record is written, so no record is left under the old KEK behind a report of "done".
+    let e = rotate_kek_on(&both, &w.kek, &source("kek-2", 2)).expect_err("rbd");
+    assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
+    assert_eq!(both.volume_keys(&id).expect("keys"), before);
+}
