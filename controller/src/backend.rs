@@ -18,6 +18,7 @@ use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
 use std::time::SystemTime;
 
+use crate::encryption::rotation::RecordKeys;
 use crate::error::{Error, Result};
 
 /// A topology segment: topological domain → segment, e.g. `{"topology.moor.csi.io/node": "n1"}`.
@@ -603,6 +604,42 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         ))
     }
 
+    /// The wrapped data keys the record of the encrypted volume `volume_id` holds now (its
+    /// context's, until a rotation changes them; docs/encryption.md, "Rotation"). A volume in
+    /// the clear: FAILED_PRECONDITION.
+    fn volume_keys(&self, volume_id: &str) -> Result<RecordKeys> {
+        Err(keys_not_kept(&format!(
+            "volume {:?}",
+            crate::error::trunc(volume_id)
+        )))
+    }
+
+    /// Writes `after` as the keys of `volume_id`'s record, durably, if it holds `before`
+    /// (ABORTED, nothing written, when another call changed them since they were read).
+    fn write_volume_keys(
+        &self,
+        volume_id: &str,
+        before: &RecordKeys,
+        after: &RecordKeys,
+    ) -> Result<()> {
+        let _ = (before, after);
+        Err(keys_not_kept(&format!(
+            "volume {:?}",
+            crate::error::trunc(volume_id)
+        )))
+    }
+
+    /// The ids of the encrypted volumes whose keys this backend keeps, for a KEK rotation. A
+    /// backend that makes encrypted volumes but does not rotate their keys refuses
+    /// (FAILED_PRECONDITION), so that a KEK rotation never reports done while records of its
+    /// stay under the old KEK (which the operator would then retire).
+    fn encrypted_volume_ids(&self) -> Result<Vec<String>> {
+        if self.serves_encryption() {
+            return Err(keys_not_kept("the encrypted volumes of a backend"));
+        }
+        Ok(Vec::new())
+    }
+
     /// Deletes a volume; a volume that does not exist is success.
     fn delete_volume(&self, volume_id: &str) -> Result<()>;
 
@@ -824,6 +861,14 @@ pub fn check_data_dir(path: &Path) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// The answer of a backend that does not rotate its volumes' keys (yet).
+fn keys_not_kept(what: &str) -> Error {
+    Error::FailedPrecondition(format!(
+        "{what}: its backend does not rotate encrypted volumes' keys yet (built for the \
+         embedded backend; docs/encryption.md, \"Rotation\"); nothing was changed"
+    ))
 }
 
 #[cfg(test)]

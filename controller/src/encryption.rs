@@ -12,6 +12,8 @@
 use crate::backend::Parameters;
 use crate::error::{Error, Result, trunc};
 
+pub mod rotation;
+
 /// `"true"` makes the volume LUKS2 on the node; `"false"` (the default) does not.
 pub use moor_runtime::contract::ENCRYPTED_KEY;
 /// The key source of an encrypted volume's key-encryption key.
@@ -288,6 +290,31 @@ pub fn of_volume(parameters: &Parameters, context: &Parameters) -> Parameters {
         );
     }
     carried
+}
+
+/// What a copy carries ([`of_volume`]) with the data key its source's record holds now
+/// (`keys`; `None`: the context's, no rotation yet). A source whose rotation is pending is
+/// FAILED_PRECONDITION, nothing made: its header may open with either key, a copy carries one.
+pub fn with_record_key(
+    mut carried: Parameters,
+    keys: Option<&rotation::RecordKeys>,
+    source_id: &str,
+) -> Result<Parameters> {
+    let Some(keys) = keys.filter(|_| !carried.is_empty()) else {
+        return Ok(carried);
+    };
+    if keys.pending.is_some() {
+        return Err(Error::FailedPrecondition(format!(
+            "volume {:?}: a rotation of its data key is pending; finish it (moorctl \
+             rotate-key --controller) before copying the volume",
+            trunc(source_id)
+        )));
+    }
+    carried.insert(
+        moor_runtime::contract::ENCRYPTED_DEK_KEY.to_owned(),
+        keys.current.clone(),
+    );
+    Ok(carried)
 }
 
 /// The encryption parameters among `params` (`encrypted`, `kmsID`, `luks*`): what a volume's

@@ -18,6 +18,7 @@ use moor_proto::csi::v1::group_controller_server::GroupControllerServer;
 use moor_proto::csi::v1::identity_server::IdentityServer;
 use moor_proto::csi::v1::node_server::NodeServer;
 use moor_proto::csi::v1::snapshot_metadata_server::SnapshotMetadataServer;
+use moor_proto::keys::v1::controller_keys_server::ControllerKeysServer;
 use moor_runtime::metrics::Metered;
 use moor_runtime::{daemon, http, instance, server};
 use tracing::{info, warn};
@@ -179,6 +180,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let controller = ControllerService::new(Arc::clone(&backend)).node_local(args.node_local);
     let group_controller = ControllerService::new(Arc::clone(&backend));
     let snapshot_metadata = ControllerService::new(Arc::clone(&backend));
+    let controller_keys = ControllerService::new(Arc::clone(&backend));
     let listener = server::bind_unix(&socket)?;
     let http_listener = match &args.http_endpoint {
         Some(e) => Some(http::bind(e).await?),
@@ -206,6 +208,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .add_service(Metered::new(ControllerServer::new(controller)))
         .add_service(Metered::new(GroupControllerServer::new(group_controller)))
         .add_service(Metered::new(SnapshotMetadataServer::new(snapshot_metadata)))
+        .add_service(Metered::new(ControllerKeysServer::new(controller_keys)))
         .add_optional_service(node_info);
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     let mut stop_rx2 = stop_tx.subscribe();

@@ -10,6 +10,7 @@ use crate::backend::{
     MetadataSink, NewGroupSnapshot, NewSnapshot, NewVolume, Page, PageRequest, Parameters,
     PublishContext, PublishRequest, Qos, Snapshot, SnapshotFilter, Volume, VolumeStatus,
 };
+use crate::encryption::rotation::RecordKeys;
 use crate::error::{Error, Result, trunc};
 use crate::rbd::ids::is_rbd_id;
 use crate::rbd::parameters::{BACKEND_KEY, BACKEND_NAME, is_rbd};
@@ -240,6 +241,34 @@ impl Backend for Backends {
         self.by_id(volume_id)
             .ok_or_else(|| volume_not_found(volume_id))?
             .record_wrapped_dek(volume_id, wrapped)
+    }
+
+    fn volume_keys(&self, volume_id: &str) -> Result<RecordKeys> {
+        self.by_id(volume_id)
+            .ok_or_else(|| volume_not_found(volume_id))?
+            .volume_keys(volume_id)
+    }
+
+    fn write_volume_keys(
+        &self,
+        volume_id: &str,
+        before: &RecordKeys,
+        after: &RecordKeys,
+    ) -> Result<()> {
+        self.by_id(volume_id)
+            .ok_or_else(|| volume_not_found(volume_id))?
+            .write_volume_keys(volume_id, before, after)
+    }
+
+    fn encrypted_volume_ids(&self) -> Result<Vec<String>> {
+        let mut ids = Vec::new();
+        for b in [self.embedded.as_deref(), self.rbd.as_deref()]
+            .into_iter()
+            .flatten()
+        {
+            ids.extend(b.encrypted_volume_ids()?);
+        }
+        Ok(ids)
     }
 
     fn delete_volume(&self, volume_id: &str) -> Result<()> {

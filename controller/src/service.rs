@@ -67,11 +67,19 @@ fn copy_encryption<B: Backend>(
             )
         }),
     };
-    let (what, carried, wrapped_for) = match read {
+    let (what, mut carried, wrapped_for) = match read {
         Ok(r) => r,
         Err(_) if !encrypted => return Ok(None),
         Err(e) => return Err(e),
     };
+    if let Some(ContentSource::Volume(id)) = source
+        && !carried.is_empty()
+    {
+        // The key its record holds now (a rotation changes it; the context cannot). A backend
+        // that does not rotate keys has the context's.
+        let keys = b.volume_keys(id).ok();
+        carried = encryption::with_record_key(carried, keys.as_ref(), id)?;
+    }
     match (!carried.is_empty(), encrypted) {
         (false, false) => Ok(None),
         (true, true) => Ok(Some((carried, wrapped_for))),
@@ -596,6 +604,7 @@ impl<B: Backend> csi::controller_server::Controller for ControllerService<B> {
 }
 
 pub mod group;
+pub mod keys;
 pub mod metadata;
 #[cfg(test)]
 mod tests;

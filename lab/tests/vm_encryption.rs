@@ -520,21 +520,27 @@ fn guest_opens(vm: &Vm, dev: &str, key: &Dek) -> bool {
     .contains("rc=0")
 }
 
+/// `vol` as an ext4 volume of the guest: its file bound to a loop device there, its kubelet
+/// paths under the pod `pod-r` and the PV `pv`.
+fn mount_in_guest<'a>(sb: &Sandbox, vm: &Vm, vol: &'a Volume, pv: &str) -> Staged<'a> {
+    Staged {
+        v: vol,
+        dev: vm
+            .sh(&format!("losetup -f --show {}", vol.file))
+            .trim()
+            .to_string(),
+        staging: sb.staging(pv),
+        target: sb.target("pod-r", pv),
+        cap: ext4(),
+    }
+}
+
 async fn rotation(sb: &Sandbox, vm: &Vm, log: &Path) {
     use moor_proto::keys::v1::RotateVolumeKeyRequest;
     use moor_proto::keys::v1::node_keys_client::NodeKeysClient;
     let (mut controller, mut ctl) = start_controller(sb).await;
     let vol = create(&mut ctl, "pvc-rotated", ext4()).await;
-    let fs = Staged {
-        v: &vol,
-        dev: vm
-            .sh(&format!("losetup -f --show {}", vol.file))
-            .trim()
-            .to_string(),
-        staging: sb.staging("pv-rot"),
-        target: sb.target("pod-r", "pv-rot"),
-        cap: ext4(),
-    };
+    let fs = mount_in_guest(sb, vm, &vol, "pv-rot");
     let mut node = start_node(sb, vm, log).await;
     fs.bring_up(&mut node).await;
     let file = fs.target.join("lines.txt").display().to_string();
@@ -614,5 +620,161 @@ async fn rotation(sb: &Sandbox, vm: &Vm, log: &Path) {
     fs.bring_up(&mut node).await;
     same("staged again");
     fs.take_down(&mut node, vm).await;
+    controller.stop().await;
+}
+
+#[test]
+fn a_volume_rotated_through_the_controller_opens_on_a_second_node_instance() {
+    in_a_dm_crypt_guest(
+        "vm_encryption (rotation through the controller)",
+        ("vm-rotctl", "moor-rotctl", "mrct", 249),
+        |sb, vm, log| runtime().block_on(rotation_through_the_controller(sb, vm, log)),
+    );
+}
+
+/// The controller's record keys of the volume, as ControllerPublishVolume gives them (the
+/// host's loop device it attaches is detached again: the guest binds the file).
+async fn published_keys(
+    ctl: &mut ControllerClient<Channel>,
+    v: &Volume,
+    cap: &csi::VolumeCapability,
+) -> HashMap<String, String> {
+    let ctx = ctl
+        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+            volume_id: v.id.clone(),
+            node_id: "node-c".into(),
+            volume_capability: Some(cap.clone()),
+            volume_context: v.context.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("ControllerPublishVolume")
+        .into_inner()
+        .publish_context;
+    ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+        volume_id: v.id.clone(),
+        node_id: "node-c".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("ControllerUnpublishVolume");
+    ctx.into_iter()
+        .filter(|(k, _)| k.starts_with("encryptedDEK"))
+        .collect()
+}
+
+/// A data key rotation owned by the controller on a real kernel: a volume staged by node A
+/// (moor-node in the guest), a pod's data synced on it; the rotation's three steps, as
+/// `moorctl rotate-key --controller` makes them (the pending key into the controller's record,
+/// the slot steps on node A, the promotion); unstaged; then a second moor-node instance with
+/// an empty journal (another node, as far as its journal knows) stages it from the request
+/// alone, the controller's publish_context giving the record's key: it opens, and the data is
+/// there. The same stage without the publish_context's key (the volume context's old key
+/// only) is refused with nothing opened.
+async fn rotation_through_the_controller(sb: &Sandbox, vm: &Vm, log: &Path) {
+    use moor_proto::keys::v1::controller_keys_client::ControllerKeysClient;
+    use moor_proto::keys::v1::node_keys_client::NodeKeysClient;
+    use moor_proto::keys::v1::{
+        BeginVolumeKeyRotationRequest, FinishVolumeKeyRotationRequest, RotateVolumeKeyRequest,
+    };
+    let (mut controller, mut ctl) = start_controller(sb).await;
+    let vol = create(&mut ctl, "pvc-rotated-ctl", ext4()).await;
+    let fs = mount_in_guest(sb, vm, &vol, "pv-rotctl");
+    let mut node_a = start_node(sb, vm, log).await;
+    fs.bring_up(&mut node_a).await;
+    let file = fs.target.join("kept.txt").display().to_string();
+    vm.sh(&format!(
+        "echo {PATTERN} | dd of={file} conv=fsync status=none"
+    ));
+
+    let mut keys_ctl = ControllerKeysClient::new(
+        moor_runtime::client::connect(&sb.root.join("controller.sock"))
+            .await
+            .expect("the controller's socket"),
+    );
+    let begun = keys_ctl
+        .begin_volume_key_rotation(BeginVolumeKeyRotationRequest {
+            volume_id: vol.id.clone(),
+            secrets: secrets(&KEK),
+        })
+        .await
+        .expect("BeginVolumeKeyRotation")
+        .into_inner();
+    assert_eq!(begun.current_wrapped_dek, vol.context["encryptedDEK"]);
+    // Pending in the record before the node is asked: every stage is given both keys.
+    let during = published_keys(&mut ctl, &vol, &fs.cap).await;
+    assert_eq!(
+        during.get("encryptedDEKPending"),
+        Some(&begun.pending_wrapped_dek)
+    );
+    let mut keys_node = NodeKeysClient::new(
+        vm.channel(moor_lab::krbd_lab::SOCKET)
+            .await
+            .expect("the node's socket"),
+    );
+    let answer = keys_node
+        .rotate_volume_key(RotateVolumeKeyRequest {
+            volume_id: vol.id.clone(),
+            old_wrapped_dek: begun.current_wrapped_dek.clone(),
+            new_wrapped_dek: begun.pending_wrapped_dek.clone(),
+            luks_pbkdf: begun.luks_pbkdf.clone(),
+            secrets: secrets(&KEK),
+        })
+        .await
+        .expect("RotateVolumeKey")
+        .into_inner();
+    assert_eq!(answer.steps.len(), 6, "{:?}", answer.steps);
+    keys_ctl
+        .finish_volume_key_rotation(FinishVolumeKeyRotationRequest {
+            volume_id: vol.id.clone(),
+            new_wrapped_dek: begun.pending_wrapped_dek.clone(),
+        })
+        .await
+        .expect("FinishVolumeKeyRotation");
+    fs.take_down(&mut node_a, vm).await;
+
+    // A second node instance: its own state dir (an empty journal) and socket.
+    let state_b = sb.root.join("state-b");
+    std::fs::create_dir_all(&state_b).expect("state dir");
+    let launch = moor_lab::krbd_lab::Launch {
+        program: "moor-node",
+        attacher: "kernel",
+        socket: "/run/moor-csi-b.sock",
+        wrap: &[],
+        env: &[],
+    };
+    let log_b = sb.root.join("node-b.log");
+    let mut node_b =
+        moor_lab::krbd_lab::start_node_as(vm, "node-c", &sb.kubelet, &launch, &state_b, &log_b)
+            .await;
+    // Without the record's key: the volume context's old key opens no slot; nothing opened.
+    let e = node_b
+        .node_stage_volume(fs.stage_req(&KEK))
+        .await
+        .expect_err("the volume context's key after the rotation");
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
+    // With the controller's publish_context: the record's key opens it, the data is there.
+    let after = published_keys(&mut ctl, &vol, &fs.cap).await;
+    assert_eq!(after.get("encryptedDEK"), Some(&begun.pending_wrapped_dek));
+    assert_eq!(after.get("encryptedDEKPending"), None);
+    let mut req = fs.stage_req(&KEK);
+    req.publish_context.extend(after);
+    node_b.node_stage_volume(req).await.unwrap_or_else(|e| {
+        panic!(
+            "the second node's stage: {e:?}\n{}",
+            std::fs::read_to_string(&log_b).unwrap_or_default()
+        )
+    });
+    node_b
+        .node_publish_volume(publish(&vol.id, &fs.staging, &fs.target, fs.cap.clone()))
+        .await
+        .expect("publish on the second node");
+    let read = vm.sh(&format!("cat {file}"));
+    assert!(
+        read.contains(PATTERN),
+        "the data after the rotation: {read:?}"
+    );
+    fs.take_down(&mut node_b, vm).await;
     controller.stop().await;
 }

@@ -91,15 +91,29 @@ pub enum Command {
     Stats(StatsArgs),
     /// Rotates an encrypted volume's data key on the node where it is staged.
     ///
-    /// moor's own RotateVolumeKey call on the node's socket: the LUKS key slot moves from the
-    /// old data key to a new one online, each step journaled on the node; run again with the
-    /// same keys, it resumes a rotation cut short. `--secrets` holds the key-encryption key
-    /// (`kek`, `kekID`). Without `--new-dek` a new key is made and its wrapped form printed on
-    /// standard error before the call: keep it. Nothing writes it into the controller's record
-    /// yet: once the rotation is done and the volume unstaged, its next stage needs that key
-    /// (docs/encryption.md, "Rotation", what is not built yet).
+    /// With `--controller` (the way to rotate): the controller's record is the truth for the
+    /// volume's wrapped key. The controller makes the new key and writes it into the record as
+    /// pending (BeginVolumeKeyRotation on `--controller`), the node where the volume is staged
+    /// (`--endpoint`) moves the LUKS key slot from the current key to the pending one online,
+    /// each step journaled, and verifies it (RotateVolumeKey), and the controller then makes
+    /// the pending key current (FinishVolumeKeyRotation). Run again, it resumes where a crash
+    /// left it. `--secrets` holds the key-encryption key (`kek`, `kekID`).
+    ///
+    /// Without `--controller`: the node's call alone, with `--old-dek`; the new key is made
+    /// here and printed on standard error before the call (keep it): nothing writes it into
+    /// the controller's record, so the volume then opens only on this node or with that key.
     #[command(after_help = EXIT_CODES)]
     RotateKey(RotateKeyArgs),
+    /// Rotates the key-encryption key of every encrypted volume's record on the controller.
+    ///
+    /// moor's own RotateKeyEncryptionKey call on the controller's socket (`--endpoint`): each
+    /// record's data keys (current and a rotation's pending one) unwrapped with the KEK of
+    /// `--secrets` and wrapped again with the KEK of `--new-secrets`, one record at a time,
+    /// no LUKS header and no data touched. Run again after a crash, it resumes. Then give the
+    /// nodes the new KEK (the node-stage and node-expand secrets); retire the old one once no
+    /// volume is staged with it (docs/encryption.md, "KEK rotation").
+    #[command(after_help = EXIT_CODES)]
+    RotateKek(RotateKekArgs),
     /// Checks every volume moor staged or published here against the mount table and device.
     ///
     /// Reads moor-node's journal (without changing it) and compares each staged or published
@@ -363,9 +377,14 @@ pub struct UnstageArgs {
 pub struct RotateKeyArgs {
     /// The volume id.
     pub volume: String,
-    /// The volume's data key now, wrapped (its `encryptedDEK`, `v1:<kek id>:<base64>`).
-    #[arg(long)]
-    pub old_dek: String,
+    /// The controller whose record holds the volume's keys (its socket, `unix://...`): the
+    /// rotation begins and ends there, and `--old-dek` and `--new-dek` come from its record.
+    #[arg(long, conflicts_with_all = ["old_dek", "new_dek"])]
+    pub controller: Option<String>,
+    /// Without `--controller`: the volume's data key now, wrapped (its `encryptedDEK`,
+    /// `v1:<kek id>:<base64>`).
+    #[arg(long, required_unless_present = "controller")]
+    pub old_dek: Option<String>,
     /// The new data key, wrapped by the same key-encryption key: to resume a rotation with
     /// the key the first run printed. Made here when not given.
     #[arg(long)]
@@ -373,6 +392,18 @@ pub struct RotateKeyArgs {
     /// The new key slot's PBKDF: the volume's `luksPBKDF`.
     #[arg(long, default_value = "pbkdf2")]
     pub pbkdf: String,
+}
+
+/// `rotate-kek`.
+#[derive(Debug, Args)]
+pub struct RotateKekArgs {
+    /// A file of KEY=VALUE lines holding the new key-encryption key (`kek`, `kekID`; its id
+    /// must differ from the old one's), as `--secrets` holds the old one.
+    #[arg(long)]
+    pub new_secrets: PathBuf,
+    /// The key source both KEKs belong to (`kmsID`).
+    #[arg(long, default_value = "secret")]
+    pub kms_id: String,
 }
 
 /// `mount`.
@@ -575,5 +606,31 @@ mod tests {
             Cli::try_parse_from(["moorctl", "volume", "list", "--output", "json"]).expect("parse");
         assert_eq!(cli.output, Output::Json);
         assert_eq!(cli.endpoint, "unix:///csi/csi.sock");
+    }
+
+    #[test]
+    fn rotate_key_takes_its_keys_from_the_controller_or_from_the_command_line() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(["moorctl", "rotate-key", "vol-1"].iter().chain(args))
+        };
+        let Command::RotateKey(a) = parse(&["--controller", "unix:///c.sock"])
+            .expect("parse")
+            .command
+        else {
+            panic!("rotate-key");
+        };
+        assert_eq!(a.controller.as_deref(), Some("unix:///c.sock"));
+        assert_eq!(a.old_dek, None);
+        assert!(parse(&["--old-dek", "v1:k:x"]).is_ok());
+        // One or the other: the controller's record, or the keys given here.
+        assert!(parse(&[]).is_err());
+        assert!(parse(&["--controller", "unix:///c.sock", "--old-dek", "v1:k:x"]).is_err());
+        assert!(parse(&["--controller", "unix:///c.sock", "--new-dek", "v1:k:x"]).is_err());
+        let cli = Cli::try_parse_from(["moorctl", "rotate-kek", "--new-secrets", "/k2.env"])
+            .expect("parse");
+        let Command::RotateKek(k) = cli.command else {
+            panic!("rotate-kek");
+        };
+        assert_eq!(k.kms_id, "secret");
     }
 }

@@ -121,6 +121,7 @@ fn run(cli: &Cli, endpoint_given: bool) -> Result<(), CliError> {
                     Command::Unmount(a) => commands::unmount(&mut c, a, timeout).await,
                     Command::Stats(a) => commands::stats(&mut c, a, timeout).await,
                     Command::RotateKey(a) => commands::rotate_key(&mut c, a, timeout).await,
+                    Command::RotateKek(a) => commands::rotate_kek(&mut c, a, timeout).await,
                     Command::Completion(_) | Command::Status(_) | Command::Demo(_) => {
                         Err(CliError::Local("handled above".into()))
                     }

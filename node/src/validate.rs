@@ -13,8 +13,9 @@ use moor_proto::csi::v1 as csi;
 use moor_runtime::contract::{
     BACKING_FILE_FIELD, BACKING_FILE_KEY, DEVICE_PATH_FIELD, DEVICE_PATH_KEY, DEVICE_SERIAL_FIELD,
     DEVICE_SERIAL_KEY, DEVICE_WWN_FIELD, DEVICE_WWN_KEY, ENCRYPTED_DEK_FIELD, ENCRYPTED_DEK_KEY,
-    ENCRYPTED_FIELD, ENCRYPTED_KEY, Filesystem, KMS_ID_KEY, LUKS_CIPHER_KEY, LUKS_KEY_SIZE_KEY,
-    LUKS_PBKDF_KEY, LUKS_SECTOR_SIZE_KEY, QOS_LIMITS_FIELD, QOS_LIMITS_KEY, QosLimits,
+    ENCRYPTED_DEK_PENDING_FIELD, ENCRYPTED_DEK_PENDING_KEY, ENCRYPTED_FIELD, ENCRYPTED_KEY,
+    Filesystem, KMS_ID_KEY, LUKS_CIPHER_KEY, LUKS_KEY_SIZE_KEY, LUKS_PBKDF_KEY,
+    LUKS_SECTOR_SIZE_KEY, PUBLISHED_DEK_FIELD, QOS_LIMITS_FIELD, QOS_LIMITS_KEY, QosLimits,
     qos_from_context,
 };
 use moor_runtime::keys::source::{KMS_IDS, KMS_TPM2, KeySource};
@@ -219,7 +220,7 @@ pub fn stage_but_device(
     map_size("publish_context", &req.publish_context)?;
     map_size("volume_context", &req.volume_context)?;
     map_size("secrets", &req.secrets)?;
-    encrypted_context(&req.volume_context)?;
+    encrypted_context(&req.volume_context, &req.publish_context)?;
     Ok((volume_id, staging, cap))
 }
 
@@ -228,7 +229,10 @@ pub fn stage_but_device(
 struct EncryptedContext<'a> {
     /// The key source, one of `KMS_IDS`.
     kms: &'a str,
-    wrapped: WrappedDek,
+    /// The wrapped data keys that may open it, in the order they are tried: the
+    /// publish_context's current and pending keys (the controller's record, which a rotation
+    /// changes), then the volume context's (the key the volume was made with). Never empty.
+    wrapped: Vec<WrappedDek>,
     cipher: &'a str,
     key_size: u32,
     sector_size: u32,
@@ -238,7 +242,10 @@ struct EncryptedContext<'a> {
 /// The volume context's encryption keys, checked: `encrypted` `"true"` or `"false"`, and for
 /// an encrypted volume the key source `secret`, its wrapped data key and the LUKS parameters,
 /// each a plain word (they reach cryptsetup's command line, as arguments of their own).
-fn encrypted_context(ctx: &HashMap<String, String>) -> Result<Option<EncryptedContext<'_>>> {
+fn encrypted_context<'a>(
+    ctx: &'a HashMap<String, String>,
+    published: &HashMap<String, String>,
+) -> Result<Option<EncryptedContext<'a>>> {
     match ctx.get(ENCRYPTED_KEY).map(String::as_str) {
         None | Some("false") => return Ok(None),
         Some("true") => {}
@@ -286,12 +293,24 @@ fn encrypted_context(ctx: &HashMap<String, String>) -> Result<Option<EncryptedCo
             ),
         ));
     }
-    let wrapped = ctx
+    let decode = |field: &'static str, t: &String| {
+        WrappedDek::decode(t).map_err(|e| Error::invalid(field, e.to_string()))
+    };
+    let given = ctx
         .get(ENCRYPTED_DEK_KEY)
         .ok_or_else(|| Error::invalid(ENCRYPTED_DEK_FIELD, "required for an encrypted volume"))
-        .and_then(|t| {
-            WrappedDek::decode(t).map_err(|e| Error::invalid(ENCRYPTED_DEK_FIELD, e.to_string()))
-        })?;
+        .and_then(|t| decode(ENCRYPTED_DEK_FIELD, t))?;
+    let mut wrapped = Vec::new();
+    for (key, field) in [
+        (ENCRYPTED_DEK_KEY, PUBLISHED_DEK_FIELD),
+        (ENCRYPTED_DEK_PENDING_KEY, ENCRYPTED_DEK_PENDING_FIELD),
+    ] {
+        if let Some(t) = published.get(key) {
+            wrapped.push(decode(field, t)?);
+        }
+    }
+    wrapped.push(given);
+    wrapped.dedup_by(|a, b| a.encode() == b.encode());
     Ok(Some(EncryptedContext {
         kms,
         wrapped,
@@ -329,7 +348,30 @@ fn encryption(
         KeyError::Unavailable(m) => Error::Unavailable(format!("{m}; nothing was opened")),
         e => Error::FailedPrecondition(format!("{e}; nothing was opened")),
     };
-    let mut dek = source.unwrap(&ctx.wrapped, volume_id).map_err(refused)?;
+    // The first key the source unwraps is the one the open tries first; the others are tried
+    // after it (a rotation's other key, the volume context's when the record's is under
+    // another key-encryption key). None unwraps: the first one's refusal.
+    let mut first_refusal = None;
+    let mut unwrapped = None;
+    for (i, w) in ctx.wrapped.iter().enumerate() {
+        match source.unwrap(w, volume_id) {
+            Ok(dek) => {
+                unwrapped = Some((i, dek));
+                break;
+            }
+            Err(e @ KeyError::Unavailable(_)) => return Err(refused(e)),
+            Err(e) => {
+                first_refusal.get_or_insert(e);
+            }
+        }
+    }
+    let Some((chosen, mut dek)) = unwrapped else {
+        return Err(refused(first_refusal.unwrap_or_else(|| {
+            KeyError::Damaged("no wrapped data key".into())
+        })));
+    };
+    let mut others = ctx.wrapped;
+    let wrapped = others.remove(chosen);
     if ctx.kms == KMS_TPM2 {
         // The node's half: this node's TPM (its key made at the first use).
         let tpm = Tpm2Tools::from_env();
@@ -338,7 +380,8 @@ fn encryption(
     }
     Ok(Encryption {
         key: std::sync::Arc::new(dek),
-        wrapped: ctx.wrapped,
+        wrapped,
+        others,
         kek_id: source.kek_id().to_owned(),
         kek: std::sync::Arc::new(source),
         cipher: ctx.cipher.to_owned(),
@@ -362,7 +405,7 @@ pub fn asks_a_key_source(ctx: &HashMap<String, String>) -> bool {
 pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<Stage> {
     let (volume_id, staging, cap) = stage_but_device(req, kubelet_dir)?;
     let (device, identity) = device_identity(&req.publish_context, kubelet_dir)?;
-    let encryption = encrypted_context(&req.volume_context)?
+    let encryption = encrypted_context(&req.volume_context, &req.publish_context)?
         .map(|ctx| encryption(&volume_id, ctx, &req.secrets))
         .transpose()?;
     Ok(Stage {

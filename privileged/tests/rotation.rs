@@ -130,40 +130,10 @@ fn world(name: &str) -> World {
     let sb = Sandbox::new(name);
     let dev = sb.loop_device("luks.img", 64 << 20);
     let old = Dek::generate().expect("old");
-    let d = dev.display().to_string();
-    let code = cryptsetup(
-        &[
-            "luksFormat",
-            "--batch-mode",
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            "--key-file=-",
-            &d,
-        ],
-        old.expose(),
-    );
-    assert_eq!(code, 0, "luksFormat");
+    luks_format(&dev, &old);
     let kek = Arc::new(Kek::new("kek-1", &[9; 32]).expect("kek"));
     let old_wrapped = old.wrap(&kek, VOL).expect("wrap");
-    let (journal, _) = Journal::open(&sb.state, false).expect("journal");
-    let mut record = VolumeRecord::new(VOL);
-    record.crypt = Some(CryptRecord {
-        name: format!("moor-{VOL}"),
-        device: dev.clone(),
-        rdev: (0, 0),
-        wrapped_dek: Some(old_wrapped.encode()),
-        luks_uuid: None,
-        fresh: false,
-        phase: Phase::Done,
-        boot: None,
-        rotation: None,
-        rotated: false,
-    });
-    journal.put(&record, Durability::Power).expect("record");
+    let journal = mapping_open(&sb.state, VOL, &dev, &old_wrapped.encode(), false);
     let os = Arc::new(Linux::new(&sb.kubelet).expect("os"));
     let cfg = EngineConfig {
         kubelet_dir: sb.kubelet.clone(),
@@ -186,6 +156,48 @@ fn world(name: &str) -> World {
         new,
         req,
     }
+}
+
+/// `dev` made LUKS2 by cryptsetup itself with `key` in slot 0.
+fn luks_format(dev: &Path, key: &Dek) {
+    let d = dev.display().to_string();
+    let code = cryptsetup(
+        &[
+            "luksFormat",
+            "--batch-mode",
+            "--type",
+            "luks2",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--key-file=-",
+            &d,
+        ],
+        key.expose(),
+    );
+    assert_eq!(code, 0, "luksFormat");
+}
+
+/// The node journal in `state` with `volume`'s mapping open on `dev` by `wrapped`, as a stage
+/// leaves it (this host has no device-mapper to open one).
+fn mapping_open(state: &Path, volume: &str, dev: &Path, wrapped: &str, rotated: bool) -> Journal {
+    let (journal, _) = Journal::open(state, false).expect("journal");
+    let mut record = VolumeRecord::new(volume);
+    record.crypt = Some(CryptRecord {
+        name: format!("moor-{volume}"),
+        device: dev.to_path_buf(),
+        rdev: (0, 0),
+        wrapped_dek: Some(wrapped.to_owned()),
+        luks_uuid: None,
+        fresh: false,
+        phase: Phase::Done,
+        boot: None,
+        rotation: None,
+        rotated,
+    });
+    journal.put(&record, Durability::Power).expect("record");
+    journal
 }
 
 /// The new key alone, in slot 0; the journal names it and no rotation.
@@ -391,4 +403,235 @@ fn secrets_kek() -> String {
     moor_runtime::keys::secret_entries("kek-1", &[9; 32])[0]
         .1
         .clone()
+}
+
+/// The secrets file moorctl reads for the KEK `id` of `byte`s, under the sandbox.
+fn kek_file(sb: &Sandbox, id: &str, byte: u8) -> std::path::PathBuf {
+    let path = sb.root.join(format!("{id}.env"));
+    let lines: String = moor_runtime::keys::secret_entries(id, &[byte; 32])
+        .iter()
+        .map(|(k, v)| format!("{k}={v}\n"))
+        .collect();
+    std::fs::write(&path, lines).expect("secrets file");
+    path
+}
+
+/// moorctl with `args`; its JSON answer, or the test fails with what it said.
+fn moorctl_json(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(moor_privileged::client::binary("moorctl"))
+        .args(["--output", "json"])
+        .args(args)
+        .env_remove("CSI_ENDPOINT")
+        .stdin(Stdio::null())
+        .output()
+        .expect("moorctl");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "moorctl {args:?}: {stdout}{stderr}");
+    serde_json::from_str(&stdout).expect("json")
+}
+
+/// A data key rotation owned by the controller (docs/encryption.md, "Rotation"): a real
+/// moor-controller makes an encrypted volume and attaches it, its LUKS header is made with the
+/// key its record holds (what the first stage does; this host has no device-mapper to open a
+/// mapping, so the node's journal is given the open mapping's record by hand, as above),
+/// `moorctl rotate-key --controller` runs the pending key, the node's slot steps against a
+/// real moor-node and the promotion; then the volume is published again, as for a pod on
+/// another node, and the publish_context gives the new key, which opens the header where the
+/// volume context's old key no longer does. `moorctl rotate-kek` then rewraps the record under
+/// a new KEK, the header untouched, and the next publish gives a key the new KEK unwraps to the
+/// same data key.
+#[test]
+fn a_volume_rotated_through_the_controller_is_published_with_the_key_its_header_takes() {
+    use csi::controller_client::ControllerClient;
+    use moor_privileged::client::{Daemon, connect};
+    use moor_proto::csi::v1 as csi;
+    let sb = Sandbox::new("rotate-controller");
+    let _sweep = moor_privileged::LoopSweep(sb.root.clone());
+    let rt = moor_privileged::runtime();
+    let ctl_data = sb.data.join("controller").display().to_string();
+    let (ctl_sock, node_sock) = (sb.root.join("controller.sock"), sb.root.join("node.sock"));
+    let mut controller = rt.block_on(Daemon::start_program(
+        "moor-controller",
+        &ctl_sock,
+        &["--node-id", "n1", "--data-dir", &ctl_data],
+    ));
+    let kek1 = Kek::new("kek-1", &[9; 32]).expect("kek");
+    let cap = csi::VolumeCapability {
+        access_mode: Some(csi::volume_capability::AccessMode {
+            mode: csi::volume_capability::access_mode::Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(csi::volume_capability::AccessType::Block(
+            csi::volume_capability::BlockVolume {},
+        )),
+    };
+    let mut ctl =
+        rt.block_on(async { ControllerClient::new(connect(&ctl_sock).await.expect("socket")) });
+    let volume = rt
+        .block_on(
+            ctl.create_volume(csi::CreateVolumeRequest {
+                name: "pvc-rotated".into(),
+                capacity_range: Some(csi::CapacityRange {
+                    required_bytes: 64 << 20,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![cap.clone()],
+                parameters: [("encrypted", "true"), ("kmsID", "secret")]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                    .collect(),
+                secrets: moor_runtime::keys::secret_entries("kek-1", &[9; 32])
+                    .into_iter()
+                    .collect(),
+                ..Default::default()
+            }),
+        )
+        .expect("CreateVolume")
+        .into_inner()
+        .volume
+        .expect("volume");
+    let id = volume.volume_id.clone();
+    // ControllerPublishVolume at n1 (attached until `unpublish`): its publish_context.
+    let publish = |ctl: &mut ControllerClient<tonic::transport::Channel>| {
+        rt.block_on(
+            ctl.controller_publish_volume(csi::ControllerPublishVolumeRequest {
+                volume_id: id.clone(),
+                node_id: "n1".into(),
+                volume_capability: Some(cap.clone()),
+                volume_context: volume.volume_context.clone(),
+                ..Default::default()
+            }),
+        )
+        .expect("ControllerPublishVolume")
+        .into_inner()
+        .publish_context
+    };
+    let unpublish = |ctl: &mut ControllerClient<tonic::transport::Channel>| {
+        rt.block_on(
+            ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+                volume_id: id.clone(),
+                node_id: "n1".into(),
+                ..Default::default()
+            }),
+        )
+        .expect("ControllerUnpublishVolume");
+    };
+    let first = publish(&mut ctl);
+    let context_key = volume.volume_context["encryptedDEK"].clone();
+    assert_eq!(first.get("encryptedDEK"), Some(&context_key));
+    assert_eq!(first.get("encryptedDEKPending"), None);
+    let decode = |t: &str| moor_runtime::keys::WrappedDek::decode(t).expect("decode");
+    let old = kek1.unwrap(&decode(&context_key), &id).expect("unwrap");
+    // Attached for the node, made LUKS with the record's key (as the first stage does).
+    let attached = first;
+    let dev = std::path::PathBuf::from(&attached["devicePath"]);
+    luks_format(&dev, &old);
+    // Node A: the volume's mapping open on the device, as its stage leaves it; `rotated` so
+    // that the daemon's start pass keeps it (see the moorctl test above).
+    drop(mapping_open(&sb.state, &id, &dev, &context_key, true));
+    let mut node = rt.block_on(Daemon::start(&node_sock, &sb.node_args("n1", &[])));
+    let secrets1 = kek_file(&sb, "kek-1", 9);
+    let (node_ep, ctl_ep) = (
+        format!("unix://{}", node_sock.display()),
+        format!("unix://{}", ctl_sock.display()),
+    );
+    let s1 = secrets1.display().to_string();
+    let rotate_args = [
+        "--endpoint",
+        node_ep.as_str(),
+        "--secrets",
+        &s1,
+        "rotate-key",
+        &id,
+        "--controller",
+        &ctl_ep,
+    ];
+    // An operator's run cut short after its first step (a crash of moorctl): the record
+    // holds the pending key, every publish gives both keys, and the next run resumes with
+    // that very key.
+    let mut keys = rt.block_on(async {
+        moor_proto::keys::v1::controller_keys_client::ControllerKeysClient::new(
+            connect(&ctl_sock).await.expect("socket"),
+        )
+    });
+    let begun = rt
+        .block_on(
+            keys.begin_volume_key_rotation(moor_proto::keys::v1::BeginVolumeKeyRotationRequest {
+                volume_id: id.clone(),
+                secrets: moor_runtime::keys::secret_entries("kek-1", &[9; 32])
+                    .into_iter()
+                    .collect(),
+            }),
+        )
+        .expect("BeginVolumeKeyRotation")
+        .into_inner();
+    assert_eq!(begun.current_wrapped_dek, context_key);
+    let answer = moorctl_json(&rotate_args);
+    assert_eq!(
+        answer["steps"].as_array().map(Vec::len),
+        Some(6),
+        "{answer}"
+    );
+    let new_text = answer["encryptedDEK"].as_str().expect("new key").to_owned();
+    assert_eq!(
+        new_text, begun.pending_wrapped_dek,
+        "resumed with the pending key"
+    );
+    assert_ne!(new_text, context_key);
+    let new = kek1.unwrap(&decode(&new_text), &id).expect("unwrap");
+    assert_eq!(slots(&dev, &old, &new), [(0, "new")]);
+    // Run again: the record holds no pending key, so this is a second rotation, from the
+    // record's current key; it too ends with the record and the header agreeing.
+    let again = moorctl_json(&rotate_args);
+    let newer_text = again["encryptedDEK"]
+        .as_str()
+        .expect("newer key")
+        .to_owned();
+    let newer = kek1.unwrap(&decode(&newer_text), &id).expect("unwrap");
+    assert_eq!(slots(&dev, &new, &newer), [(0, "new")]);
+    rt.block_on(node.stop());
+    unpublish(&mut ctl);
+    // Published again (a pod on another node): the record's key, which the header takes; the
+    // volume context's, which any node would be given without the record, opens no slot.
+    let moved = publish(&mut ctl);
+    assert_eq!(moved.get("encryptedDEK"), Some(&newer_text));
+    assert_eq!(moved.get("encryptedDEKPending"), None);
+    let dev = std::path::PathBuf::from(&moved["devicePath"]);
+    assert!(opens(&dev, 0, &newer));
+    assert!(
+        !(0..4).any(|s| opens(&dev, s, &old)),
+        "the context's key opens nothing"
+    );
+    unpublish(&mut ctl);
+    // The KEK rotated over the records: the header untouched, the record under kek-2.
+    let secrets2 = kek_file(&sb, "kek-2", 10);
+    let s2 = secrets2.display().to_string();
+    let kek_args = [
+        "--endpoint",
+        ctl_ep.as_str(),
+        "--secrets",
+        &s1,
+        "rotate-kek",
+        "--new-secrets",
+        &s2,
+    ];
+    let rotated = moorctl_json(&kek_args);
+    assert_eq!(rotated["rewrapped"], serde_json::json!([id]), "{rotated}");
+    let under_2 = publish(&mut ctl);
+    let kek2 = Kek::new("kek-2", &[10; 32]).expect("kek");
+    let key = kek2
+        .unwrap(&decode(&under_2["encryptedDEK"]), &id)
+        .expect("the new KEK unwraps the record's key");
+    assert_eq!(key.expose(), newer.expose(), "the same data key");
+    assert!(opens(
+        &std::path::PathBuf::from(&under_2["devicePath"]),
+        0,
+        &key
+    ));
+    unpublish(&mut ctl);
+    let resumed = moorctl_json(&kek_args);
+    assert_eq!(resumed["unchanged"], serde_json::json!([id]), "{resumed}");
+    rt.block_on(controller.stop());
 }

@@ -184,6 +184,16 @@ pub fn qos_from_context(text: &str) -> Result<QosLimits, String> {
 pub const ENCRYPTED_DEK_KEY: &str = "encryptedDEK";
 /// How an error names the [`ENCRYPTED_DEK_KEY`] field of a NodeStageVolume.
 pub const ENCRYPTED_DEK_FIELD: &str = "volume_context.encryptedDEK";
+/// How an error names the [`ENCRYPTED_DEK_KEY`] field of a NodeStageVolume's publish_context,
+/// where the controller puts the key its record holds now (it changes at a rotation; the
+/// volume context's cannot).
+pub const PUBLISHED_DEK_FIELD: &str = "publish_context.encryptedDEK";
+/// publish_context key of an encrypted volume during a data key rotation: the new data key,
+/// wrapped, that the controller's record holds as pending until the node has proven it on the
+/// volume's key slot (docs/encryption.md, "Rotation"). A stage tries the current key, then this.
+pub const ENCRYPTED_DEK_PENDING_KEY: &str = "encryptedDEKPending";
+/// How an error names the [`ENCRYPTED_DEK_PENDING_KEY`] field of a NodeStageVolume.
+pub const ENCRYPTED_DEK_PENDING_FIELD: &str = "publish_context.encryptedDEKPending";
 /// StorageClass parameter and volume_context key: the key source of an encrypted volume's
 /// key-encryption key (`secret`: the CSI secrets of the call).
 pub const KMS_ID_KEY: &str = "kmsID";

@@ -46,7 +46,9 @@ use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-use moor_runtime::contract::{BACKING_FILE_KEY, DEVICE_PATH_KEY, QOS_LIMITS_KEY};
+use moor_runtime::contract::{
+    BACKING_FILE_KEY, DEVICE_PATH_KEY, ENCRYPTED_DEK_KEY, ENCRYPTED_DEK_PENDING_KEY, QOS_LIMITS_KEY,
+};
 use tracing::{info, warn};
 
 use self::attach::{AttachError, Attacher, FileId};
@@ -914,14 +916,34 @@ impl<A: Attacher> EmbeddedBackend<A> {
         }
     }
 
-    /// What the node is told: the device, its file, and the volume's QoS limits of now, which
-    /// the node applies to the pods it publishes the volume to.
-    fn publish_context(device: &str, file: &Path, qos: &crate::backend::Qos) -> PublishContext {
-        PublishContext::from([
+    /// What the node is told: the device, its file, the volume's QoS limits of now, which
+    /// the node applies to the pods it publishes the volume to, and an encrypted volume's
+    /// wrapped data keys as its record holds them now (`encryptedDEK`, and
+    /// `encryptedDEKPending` during a rotation): the node tries them before the volume
+    /// context's, which a rotation cannot change.
+    fn publish_context(device: &str, file: &Path, rec: &VolumeRecord) -> PublishContext {
+        let mut ctx = PublishContext::from([
             (DEVICE_PATH_KEY.to_string(), device.to_string()),
             (BACKING_FILE_KEY.to_string(), file.display().to_string()),
-            (QOS_LIMITS_KEY.to_string(), qos.to_context()),
-        ])
+            (QOS_LIMITS_KEY.to_string(), rec.qos.to_context()),
+        ]);
+        if let Some(keys) = Self::keys_of(rec) {
+            ctx.insert(ENCRYPTED_DEK_KEY.to_string(), keys.current);
+            if let Some(p) = keys.pending {
+                ctx.insert(ENCRYPTED_DEK_PENDING_KEY.to_string(), p);
+            }
+        }
+        ctx
+    }
+
+    /// An encrypted volume's wrapped data keys as its record holds them now: its rotation's,
+    /// else its context's; `None` for a volume in the clear.
+    fn keys_of(rec: &VolumeRecord) -> Option<crate::encryption::rotation::RecordKeys> {
+        rec.keys.clone().or_else(|| {
+            rec.context
+                .get(ENCRYPTED_DEK_KEY)
+                .map(|w| crate::encryption::rotation::RecordKeys::of_context(w))
+        })
     }
 
     /// Attaches the volume and records it, intent first.
@@ -982,7 +1004,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
             return Err(e);
         }
         info!(volume = %rec.id, device, node = %req.node_id, "attached");
-        Ok(Self::publish_context(&device, path, &rec.qos))
+        Ok(Self::publish_context(&device, path, rec))
     }
 
     /// Detaches every device bound to the volume's file (used when the record does not say

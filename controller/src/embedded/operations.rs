@@ -22,6 +22,7 @@ use crate::backend::{
     Parameters, PublishContext, PublishRequest, Qos, SizePolicy, Snapshot, SnapshotFilter, Volume,
     VolumeStatus,
 };
+use crate::encryption::rotation::RecordKeys;
 use crate::error::{Error, Result, trunc};
 
 impl<A: Attacher> Backend for EmbeddedBackend<A> {
@@ -179,6 +180,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             source: req.source.clone(),
             publication: None,
             qos: Qos::default(),
+            keys: None,
         };
         if let Err(e) = self.save_volume(&rec) {
             let _ = Self::remove_data_file(&target);
@@ -205,6 +207,51 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             info!(volume = %id, "its wrapped data key recorded");
         }
         Ok(self.volume_of(&rec))
+    }
+
+    fn volume_keys(&self, volume_id: &str) -> Result<RecordKeys> {
+        let id = self.volume_here(volume_id)?;
+        let rec = self
+            .volume_record(&id)
+            .ok_or_else(|| Error::VolumeNotFound(trunc(volume_id).to_string()))?;
+        Self::keys_of(&rec).ok_or_else(|| {
+            Error::FailedPrecondition(format!("volume {id}: not encrypted, it has no data key"))
+        })
+    }
+
+    fn write_volume_keys(
+        &self,
+        volume_id: &str,
+        before: &RecordKeys,
+        after: &RecordKeys,
+    ) -> Result<()> {
+        let id = self.volume_here(volume_id)?;
+        let _claim = self.inflight.claim(&[&volume_key(&id)], &[])?;
+        let mut rec = self
+            .volume_record(&id)
+            .ok_or_else(|| Error::VolumeNotFound(trunc(volume_id).to_string()))?;
+        if Self::keys_of(&rec).as_ref() != Some(before) {
+            return Err(Error::OperationPending(format!(
+                "volume {id}: its data keys changed since they were read; run the rotation again"
+            )));
+        }
+        if before == after {
+            return Ok(());
+        }
+        rec.keys = Some(after.clone());
+        self.save_volume(&rec)?;
+        info!(volume = %id, pending = after.pending.is_some(), "its data keys recorded");
+        Ok(())
+    }
+
+    fn encrypted_volume_ids(&self) -> Result<Vec<String>> {
+        let st = self.state();
+        Ok(st
+            .volumes
+            .values()
+            .filter(|r| Self::keys_of(r).is_some())
+            .map(|r| self.show(&r.id))
+            .collect())
     }
 
     fn delete_volume(&self, volume_id: &str) -> Result<()> {
@@ -291,7 +338,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             }
             if let Some(dev) = &p.device {
                 if self.attacher.backing_of(Path::new(dev))? == Some(file) {
-                    return Ok(Self::publish_context(dev, &path, &rec.qos));
+                    return Ok(Self::publish_context(dev, &path, &rec));
                 }
                 warn!(volume = %id, device = %dev, "recorded device no longer backs the volume; attaching again");
             }
@@ -581,7 +628,11 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             created_secs,
             created_nanos,
             group_snapshot_id: None,
-            encryption: crate::encryption::of_volume(&vrec.parameters, &vrec.context),
+            encryption: crate::encryption::with_record_key(
+                crate::encryption::of_volume(&vrec.parameters, &vrec.context),
+                vrec.keys.as_ref(),
+                &vrec.id,
+            )?,
         };
         if let Err(e) = self.store.put_snapshot(&rec) {
             let _ = Self::remove_data_file(&target);

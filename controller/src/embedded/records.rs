@@ -104,6 +104,10 @@ pub struct VolumeRecord {
     /// Its QoS limits (its VolumeAttributesClass), if any.
     #[serde(default, skip_serializing_if = "Qos::is_none")]
     pub qos: Qos,
+    /// An encrypted volume's wrapped data keys once a rotation has begun (the current one and
+    /// a pending one; docs/encryption.md, "Rotation"); `None`: its context's `encryptedDEK`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<crate::encryption::rotation::RecordKeys>,
 }
 
 /// One snapshot.
@@ -504,6 +508,7 @@ mod tests {
                 device: Some("/dev/loop3".into()),
             }),
             qos: Qos::default(),
+            keys: None,
         }
     }
 

@@ -1,14 +1,21 @@
 //! `rotate-key`: a data key rotation of an encrypted volume on the node where it is staged
 //! (moor's own `moor.keys.v1.NodeKeys/RotateVolumeKey`, beside CSI on the node's socket;
-//! docs/encryption.md, "Rotation"). The key-encryption key comes from `--secrets` (the
-//! `secret` key source's `kek` and `kekID`); the new data key is made here and wrapped by it
+//! docs/encryption.md, "Rotation"). With `--controller`, the controller's record owns it:
+//! `ControllerKeys/BeginVolumeKeyRotation` writes the new key as pending and gives both keys,
+//! the node rotates the slot to the pending key and verifies it, and
+//! `FinishVolumeKeyRotation` makes it current; each step is safe to run again, so running the
+//! command again resumes a rotation cut short. Without it, the node's call alone: the
+//! key-encryption key comes from `--secrets`; the new data key is made here and wrapped by it
 //! when `--new-dek` is not given, and its wrapped form is printed BEFORE the call, on
-//! standard error, so that the operator holds it whatever happens next: it is what the
-//! volume's record must hold once the rotation is done (it is not secret).
+//! standard error, so that the operator holds it whatever happens next (it is not secret).
+//!
+//! `rotate-kek`: `ControllerKeys/RotateKeyEncryptionKey` on the controller, the old KEK from
+//! `--secrets` and the new one from `--new-secrets`.
 
 use std::time::Duration;
 
 use moor_proto::keys::v1 as keys;
+use moor_proto::keys::v1::controller_keys_client::ControllerKeysClient;
 use moor_runtime::keys::{Dek, WrappedDek, kek_from_secret};
 use serde_json::json;
 
@@ -16,6 +23,7 @@ use super::{Clients, req};
 use crate::cli;
 use crate::error::CliError;
 use crate::output::Report;
+use crate::secrets::Secrets;
 
 /// `rotate-key`.
 pub async fn rotate_key(
@@ -26,8 +34,11 @@ pub async fn rotate_key(
     let secrets = c.secrets.to_map();
     let kek = kek_from_secret(|k| secrets.get(k).map(String::as_str))
         .map_err(|e| CliError::Local(format!("--secrets: {e}")))?;
-    let old =
-        WrappedDek::decode(&a.old_dek).map_err(|e| CliError::Local(format!("--old-dek: {e}")))?;
+    if let Some(controller) = &a.controller {
+        return rotate_through(c, a, controller, t).await;
+    }
+    let old = WrappedDek::decode(a.old_dek.as_deref().unwrap_or_default())
+        .map_err(|e| CliError::Local(format!("--old-dek: {e}")))?;
     let new = match &a.new_dek {
         Some(text) => {
             WrappedDek::decode(text).map_err(|e| CliError::Local(format!("--new-dek: {e}")))?
@@ -72,6 +83,122 @@ pub async fn rotate_key(
             "steps": answer.steps,
             "kek_id": answer.kek_id,
             "encryptedDEK": new.encode(),
+        }),
+    ))
+}
+
+/// `rotate-key --controller`: begin at the controller (the pending key in its record), the
+/// slot rotated and verified on the node, the pending key promoted at the controller.
+async fn rotate_through(
+    c: &mut Clients,
+    a: &cli::RotateKeyArgs,
+    controller: &str,
+    t: Duration,
+) -> Result<Report, CliError> {
+    let secrets = c.secrets.to_map();
+    let mut ck = ControllerKeysClient::new(crate::client::connect(controller, t).await?);
+    let begun = ck
+        .begin_volume_key_rotation(req(
+            keys::BeginVolumeKeyRotationRequest {
+                volume_id: a.volume.clone(),
+                secrets: secrets.clone(),
+            },
+            t,
+        ))
+        .await
+        .map_err(CliError::rpc("BeginVolumeKeyRotation"))?
+        .into_inner();
+    if begun.pending_wrapped_dek.is_empty() {
+        return Err(CliError::Local(format!(
+            "volume {}: the controller began no rotation",
+            a.volume
+        )));
+    }
+    let pbkdf = if begun.luks_pbkdf.is_empty() {
+        a.pbkdf.clone()
+    } else {
+        begun.luks_pbkdf.clone()
+    };
+    let rotated = c
+        .keys
+        .rotate_volume_key(req(
+            keys::RotateVolumeKeyRequest {
+                volume_id: a.volume.clone(),
+                old_wrapped_dek: begun.current_wrapped_dek.clone(),
+                new_wrapped_dek: begun.pending_wrapped_dek.clone(),
+                luks_pbkdf: pbkdf,
+                secrets,
+            },
+            t,
+        ))
+        .await
+        .map_err(CliError::rpc("RotateVolumeKey"))?
+        .into_inner();
+    let done = ck
+        .finish_volume_key_rotation(req(
+            keys::FinishVolumeKeyRotationRequest {
+                volume_id: a.volume.clone(),
+                new_wrapped_dek: begun.pending_wrapped_dek,
+            },
+            t,
+        ))
+        .await
+        .map_err(CliError::rpc("FinishVolumeKeyRotation"))?
+        .into_inner();
+    Ok(Report::text(
+        format!(
+            "volume {}: data key rotated (steps run on the node: {}); the controller's record \
+             holds it: {}",
+            a.volume,
+            rotated.steps.join(", "),
+            done.current_wrapped_dek
+        ),
+        json!({
+            "volume_id": a.volume,
+            "steps": rotated.steps,
+            "kek_id": rotated.kek_id,
+            "encryptedDEK": done.current_wrapped_dek,
+        }),
+    ))
+}
+
+/// `rotate-kek`.
+pub async fn rotate_kek(
+    c: &mut Clients,
+    a: &cli::RotateKekArgs,
+    t: Duration,
+) -> Result<Report, CliError> {
+    let new_secrets = Secrets::load(&a.new_secrets)?.to_map();
+    let answer = c
+        .controller_keys
+        .rotate_key_encryption_key(req(
+            keys::RotateKeyEncryptionKeyRequest {
+                kms_id: a.kms_id.clone(),
+                old_secrets: c.secrets.to_map(),
+                new_secrets,
+            },
+            t,
+        ))
+        .await
+        .map_err(CliError::rpc("RotateKeyEncryptionKey"))?
+        .into_inner();
+    Ok(Report::text(
+        format!(
+            "key-encryption key rotated: {} records written, {} already under the new key, \
+             {} under another key left alone{}",
+            answer.rewrapped.len(),
+            answer.unchanged.len(),
+            answer.other_keks.len(),
+            if answer.other_keks.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", answer.other_keks.join("; "))
+            }
+        ),
+        json!({
+            "rewrapped": answer.rewrapped,
+            "unchanged": answer.unchanged,
+            "other_keks": answer.other_keks,
         }),
     ))
 }

@@ -9,7 +9,7 @@ mod node;
 
 pub use self::controller::{publish, snapshot, unpublish, volume};
 pub use self::identity::{info, probe};
-pub use self::keys::rotate_key;
+pub use self::keys::{rotate_kek, rotate_key};
 pub use self::node::{mount, stage, stats, unmount, unstage};
 
 use std::time::Duration;
@@ -33,6 +33,8 @@ pub struct Clients {
     node: NodeClient<Channel>,
     /// moor's own key calls on the node (`moor.keys.v1`).
     keys: moor_proto::keys::v1::node_keys_client::NodeKeysClient<Channel>,
+    /// moor's own key calls on the controller (`moor.keys.v1`).
+    controller_keys: moor_proto::keys::v1::controller_keys_client::ControllerKeysClient<Channel>,
     /// What the calls that carry secrets are given.
     secrets: Secrets,
 }
@@ -44,7 +46,9 @@ impl Clients {
             identity: IdentityClient::new(channel.clone()),
             controller: ControllerClient::new(channel.clone()),
             node: NodeClient::new(channel.clone()),
-            keys: moor_proto::keys::v1::node_keys_client::NodeKeysClient::new(channel),
+            keys: moor_proto::keys::v1::node_keys_client::NodeKeysClient::new(channel.clone()),
+            controller_keys:
+                moor_proto::keys::v1::controller_keys_client::ControllerKeysClient::new(channel),
             secrets,
         }
     }

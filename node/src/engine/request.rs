@@ -75,6 +75,10 @@ pub struct Encryption {
     /// The data key as the volume context gives it, wrapped (not secret): the journal keeps
     /// it for NodeExpandVolume, which has no volume context.
     pub wrapped: moor_runtime::keys::WrappedDek,
+    /// The other wrapped data keys the stage was given, tried in order when no key slot takes
+    /// `key` (docs/encryption.md, "Rotation"): the pending key of a rotation the controller's
+    /// record holds, the volume context's key once the record's has changed.
+    pub others: Vec<moor_runtime::keys::WrappedDek>,
     /// The id of the key-encryption key that unwrapped it (for errors: it is not secret).
     pub kek_id: String,
     /// That key-encryption key's source, for the keys the journal holds wrapped of a data key

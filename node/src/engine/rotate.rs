@@ -331,9 +331,11 @@ fn rotate_point(step: RotationStep) -> &'static str {
 
 impl<O: Os> Engine<O> {
     /// Runs `open` (a `cryptsetup open` reading its key on stdin) with the request's data
-    /// key, and when no slot takes it while the journal keeps a rotation of the volume cut
-    /// short or finished here, with the rotation's other keys (or the finished one's), unwrapped by the request's key-encryption key:
-    /// a volume staged during a rotation opens with whichever key its header holds. The
+    /// key, and when no slot takes it, with the other keys the stage was given (the
+    /// controller's pending key, the volume context's) and those the journal keeps of a
+    /// rotation cut short or finished here, in that order, each unwrapped by the request's
+    /// key-encryption key: a volume staged at any instant of a rotation opens with whichever
+    /// key its header holds. The
     /// wrapped key that opened it when it was not the request's; the request's failure when
     /// none did.
     pub(super) fn open_with_journaled_keys(
@@ -361,14 +363,22 @@ impl<O: Os> Engine<O> {
         let rotated = crypt
             .filter(|c| c.rotated)
             .and_then(|c| c.wrapped_dek.clone());
-        let journaled: Vec<String> = crypt
-            .and_then(|c| c.rotation.as_ref())
-            .map(|r| vec![r.new_wrapped.clone(), r.old_wrapped.clone()])
-            .unwrap_or_default()
-            .into_iter()
+        let published = enc.others.iter().map(WrappedDek::encode);
+        let journaled: Vec<String> = published
+            .chain(
+                crypt
+                    .and_then(|c| c.rotation.as_ref())
+                    .map(|r| vec![r.new_wrapped.clone(), r.old_wrapped.clone()])
+                    .unwrap_or_default(),
+            )
             .chain(rotated)
             .collect();
-        for text in journaled.into_iter().filter(|t| *t != given) {
+        let mut tried = vec![given];
+        for text in journaled {
+            if tried.contains(&text) {
+                continue;
+            }
+            tried.push(text.clone());
             let Ok(key) = WrappedDek::decode(&text).and_then(|w| enc.kek.unwrap(&w, volume)) else {
                 continue;
             };
@@ -376,7 +386,8 @@ impl<O: Os> Engine<O> {
                 Ok(()) => {
                     info!(
                         volume,
-                        "opened with a key of the data key rotation the journal keeps"
+                        "opened with another key the stage was given or the journal keeps \
+                         (a data key rotation)"
                     );
                     return Ok(Some(text));
                 }

@@ -34,7 +34,7 @@ pub(super) fn keys(kek_byte: u8) -> Keys {
 
 /// NodeStageVolume of the encrypted `vol-1` with `cap`, its data key `k.wrapped`, the stage
 /// secret `k.secrets`.
-fn encrypted_req(cap: csi::VolumeCapability, k: &Keys) -> csi::NodeStageVolumeRequest {
+pub(super) fn encrypted_req(cap: csi::VolumeCapability, k: &Keys) -> csi::NodeStageVolumeRequest {
     let mut req = stage_req(cap);
     req.volume_context = [
         ("encrypted", "true"),

@@ -14,7 +14,7 @@ use super::encryption::{Keys, keys, no_key_anywhere, stage_encrypted};
 use super::*;
 use crate::engine::{RotateDek, SLOT_SPARE, SLOT_VOLUME};
 use crate::error::Error;
-use crate::journal::RotationStep;
+use crate::journal::{Durability, RotationStep};
 
 /// The harness's volume.
 const VOL: &str = "vol-1";
@@ -476,4 +476,83 @@ async fn after_a_finished_rotation_the_next_stage_here_opens_with_the_rotated_ke
         .expect_err("another KEK");
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
     assert!(r.h.os.luks_mappings().is_empty());
+}
+
+/// NodeStageVolume of the volume with the volume context's old key and, in its
+/// publish_context, the controller record's `current` and `pending` keys.
+async fn stage_published(
+    r: &Rotation,
+    current: Option<&str>,
+    pending: Option<&str>,
+) -> Result<(), tonic::Status> {
+    let mut req = super::encryption::encrypted_req(ext4(), &r.old);
+    for (k, v) in [("encryptedDEK", current), ("encryptedDEKPending", pending)] {
+        if let Some(v) = v {
+            req.publish_context.insert(k.to_owned(), v.to_owned());
+        }
+    }
+    r.h.svc.node_stage_volume(Request::new(req)).await.map(drop)
+}
+
+/// The volume unstaged and its node's journal forgotten: what another node (or this one
+/// after its journal is lost) knows of it is what the stage request says.
+async fn unstaged_and_forgotten(r: &Rotation) {
+    r.h.svc
+        .node_unstage_volume(Request::new(unstage_req()))
+        .await
+        .expect("unstage");
+    assert!(r.h.os.luks_mappings().is_empty(), "closed");
+    r.h.engine
+        .journal()
+        .put(&journal::VolumeRecord::new(VOL), Durability::Power)
+        .expect("forget");
+}
+
+#[tokio::test]
+async fn a_node_without_the_rotation_in_its_journal_opens_with_the_key_the_controller_publishes() {
+    let r = staged().await;
+    r.h.engine.rotate_dek(&r.req).expect("rotate");
+    unstaged_and_forgotten(&r).await;
+    let new = r.req.new_wrapped.encode();
+    // The volume context's old key alone opens nothing now: the header holds the new key only.
+    let e = stage_published(&r, None, None)
+        .await
+        .expect_err("the old key");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    // The controller's record, promoted: the publish_context's current key opens it.
+    stage_published(&r, Some(&new), None)
+        .await
+        .expect("the published key");
+    assert!(r.h.os.luks_mappings().contains_key("moor-vol-1"));
+    // NodeExpandVolume's key is the one that opened it.
+    assert_eq!(crypt_record(&r.h).wrapped_dek, Some(new.clone()));
+    unstaged_and_forgotten(&r).await;
+    // Not promoted yet (the controller crashed after the node's answer): the pending key.
+    stage_published(&r, Some(&r.old.wrapped), Some(&new))
+        .await
+        .expect("the pending key");
+    assert_eq!(crypt_record(&r.h).wrapped_dek, Some(new));
+    no_key_anywhere(&r.h, &r.old);
+}
+
+#[tokio::test]
+async fn a_volume_staged_elsewhere_at_every_crash_of_a_rotation_opens_with_the_record_s_keys() {
+    let runs = runs_of_a_rotation().await;
+    let new = |r: &Rotation| r.req.new_wrapped.encode();
+    for at in 0..runs {
+        for done in [false, true] {
+            let r = staged().await;
+            r.h.os.crash_tool_at("cryptsetup", at, done);
+            r.h.engine.rotate_dek(&r.req).expect_err("crashed");
+            let header = slots(&r);
+            unstaged_and_forgotten(&r).await;
+            // The controller's record during a rotation: current the old key, pending the new.
+            stage_published(&r, Some(&r.old.wrapped), Some(&new(&r)))
+                .await
+                .unwrap_or_else(|e| panic!("run {at} (done: {done}), header {header:?}: {e:?}"));
+            // The rotation resumes where this stage opened the volume, and finishes.
+            r.h.engine.rotate_dek(&r.req).expect("resumed here");
+            assert_eq!(slots(&r), BTreeMap::from([(SLOT_VOLUME, "new")]));
+        }
+    }
 }

@@ -1,0 +1,216 @@
+//! The controller's half of a key rotation (docs/encryption.md, "Rotation"): what a volume's
+//! record holds of its data key, and how a rotation changes it. The record is the truth for
+//! the wrapped data key; the node changes the LUKS key slot in between (`engine::rotate`).
+//!
+//! A DEK rotation, in order, each step a write of the record the next one needs:
+//!
+//! 1. [`begin`]: the new data key made, wrapped by the volume's KEK and written into the
+//!    record as **pending**, before the node changes any slot (a rotation begun again returns
+//!    the same pending key: it may already be in the header);
+//! 2. the node rotates the slot from `current` to `pending` and verifies it (not here);
+//! 3. [`promote`]: once the node answered, `pending` becomes `current`.
+//!
+//! At every instant the header opens with `current` or `pending` (the node's order sees to
+//! it), and every stage is given both (the publish_context), so a volume staged at any
+//! instant opens, on any node. A KEK rotation ([`rewrap`]) wraps both again under a new KEK,
+//! touching no header: each wrapped key names the KEK that wrapped it (`v1:<kek id>:...`), so
+//! a KEK rotation cut short resumes at the next record.
+
+use moor_runtime::keys::source::KeySource;
+use moor_runtime::keys::{KeyError, WrappedDek};
+use serde::{Deserialize, Serialize};
+
+use crate::backend::Backend;
+use crate::error::{Error, Result, trunc};
+
+/// The wrapped data keys of an encrypted volume's record (not secret: each is wrapped).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordKeys {
+    /// The key that opens the volume's slot once no rotation is in progress.
+    pub current: String,
+    /// The key a rotation in progress moves the slot to; `None` when none is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<String>,
+}
+
+impl RecordKeys {
+    /// The keys of a record that has seen no rotation: the volume context's.
+    #[must_use]
+    pub fn of_context(wrapped: &str) -> Self {
+        Self {
+            current: wrapped.to_owned(),
+            pending: None,
+        }
+    }
+
+    /// The KEK ids that wrap them, `current`'s first.
+    pub fn kek_ids(&self) -> Result<Vec<String>> {
+        self.all()
+            .map(|t| decode(t).map(|w| w.kek_id().to_owned()))
+            .collect()
+    }
+
+    fn all(&self) -> impl Iterator<Item = &String> {
+        std::iter::once(&self.current).chain(self.pending.as_ref())
+    }
+}
+
+fn decode(text: &str) -> Result<WrappedDek> {
+    WrappedDek::decode(text).map_err(|e| Error::Internal(format!("a volume record: {e}")))
+}
+
+/// A key source's refusal of a volume's key, as the controller answers it: a key server that
+/// cannot be reached UNAVAILABLE, any other refusal (another KEK, a wrong one) FAILED_PRECONDITION;
+/// never a key byte.
+fn refused(volume: &str, what: &str) -> impl FnOnce(KeyError) -> Error {
+    let (volume, what) = (trunc(volume).to_string(), what.to_owned());
+    move |e| match e {
+        KeyError::Unavailable(m) => Error::Unavailable(format!("volume {volume:?}: {m}")),
+        e => Error::FailedPrecondition(format!("volume {volume:?}: {what}: {e}")),
+    }
+}
+
+/// Step 1 of a DEK rotation of `volume`: the record's keys with a pending key, made now and
+/// wrapped by `kek`, unless a rotation is pending already (then they are returned as they
+/// are, after `kek` is proven to unwrap both: the node may have written the pending key into
+/// a slot). `kek` must unwrap the current key: the node's rotation opens the old slot with it.
+pub fn begin(keys: &RecordKeys, kek: &KeySource, volume: &str) -> Result<RecordKeys> {
+    for text in keys.all() {
+        kek.unwrap(&decode(text)?, volume).map_err(refused(
+            volume,
+            "the secrets' key does not unwrap its data key",
+        ))?;
+    }
+    if keys.pending.is_some() {
+        return Ok(keys.clone());
+    }
+    Ok(RecordKeys {
+        current: keys.current.clone(),
+        pending: Some(super::new_wrapped_dek(kek, volume)?),
+    })
+}
+
+/// Step 3: `new`, the pending key the node has rotated the volume's slot to and verified,
+/// made the current one. Already current (a promotion run again): unchanged. Any other key:
+/// FAILED_PRECONDITION, the record untouched (a pending key is promoted only once the node
+/// has proven it, and only the one the record holds).
+pub fn promote(keys: &RecordKeys, new: &str, volume: &str) -> Result<RecordKeys> {
+    if keys.pending.as_deref() == Some(new) {
+        return Ok(RecordKeys::of_context(new));
+    }
+    if keys.current == new && keys.pending.is_none() {
+        return Ok(keys.clone());
+    }
+    Err(Error::FailedPrecondition(format!(
+        "volume {:?}: the key to promote is not the record's pending data key{}; nothing was \
+         changed",
+        trunc(volume),
+        if keys.pending.is_none() {
+            " (no rotation is pending)"
+        } else {
+            ""
+        }
+    )))
+}
+
+/// A KEK rotation's step for one record: `current` and `pending` wrapped again under `new`
+/// (each unwrapped by `old`, wrapped by `new`, and proven to unwrap under `new` to the same
+/// key: `moor_runtime::keys::rewrap`'s rule). A key already under `new` is kept after `new`
+/// proves it, so a rotation run again does nothing twice. The keys and whether they changed.
+pub fn rewrap(
+    keys: &RecordKeys,
+    volume: &str,
+    old: &KeySource,
+    new: &KeySource,
+) -> Result<(RecordKeys, bool)> {
+    let one = |text: &String| -> Result<String> {
+        let wrapped = decode(text)?;
+        if wrapped.kek_id() == new.kek_id() {
+            new.unwrap(&wrapped, volume)
+                .map_err(refused(volume, "the new key does not unwrap its data key"))?;
+            return Ok(text.clone());
+        }
+        let dek = old
+            .unwrap(&wrapped, volume)
+            .map_err(refused(volume, "the old key does not unwrap its data key"))?;
+        let again = super::wrap_for(&dek, new, volume)?;
+        let back = new.unwrap(&decode(&again)?, volume).map_err(refused(
+            volume,
+            "the new key does not unwrap what it wrapped",
+        ))?;
+        if back.expose() != dek.expose() {
+            return Err(Error::Internal(format!(
+                "volume {:?}: the data key wrapped again does not unwrap to itself",
+                trunc(volume)
+            )));
+        }
+        Ok(again)
+    };
+    let after = RecordKeys {
+        current: one(&keys.current)?,
+        pending: keys.pending.as_ref().map(one).transpose()?,
+    };
+    let changed = after != *keys;
+    Ok((after, changed))
+}
+
+/// Step 1 over a backend: the volume's record read, a pending key made (or the pending one
+/// kept) and written, durably, before this answers: the keys to give the node.
+pub fn begin_on<B: Backend + ?Sized>(b: &B, volume: &str, kek: &KeySource) -> Result<RecordKeys> {
+    let before = b.volume_keys(volume)?;
+    let after = begin(&before, kek, volume)?;
+    b.write_volume_keys(volume, &before, &after)?;
+    Ok(after)
+}
+
+/// Step 3 over a backend: `new` promoted in the volume's record, durably.
+pub fn promote_on<B: Backend + ?Sized>(b: &B, volume: &str, new: &str) -> Result<RecordKeys> {
+    let before = b.volume_keys(volume)?;
+    let after = promote(&before, new, volume)?;
+    b.write_volume_keys(volume, &before, &after)?;
+    Ok(after)
+}
+
+/// What a KEK rotation over every record did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KekRotation {
+    /// The volumes whose records it wrote, their keys now under the new KEK.
+    pub rewrapped: Vec<String>,
+    /// The volumes already under the new KEK (a rotation run again, or resumed).
+    pub unchanged: Vec<String>,
+    /// The volumes under neither KEK, left alone: their KEK ids.
+    pub other_keks: Vec<(String, Vec<String>)>,
+}
+
+/// A KEK rotation over every encrypted volume of `b`: each record whose keys `old` or `new`
+/// wrap is rewrapped under `new` ([`rewrap`]) and written, one record at a time, so a
+/// rotation cut short (a crash, an error) is resumed by running it again: the records done
+/// are under `new` and are left as they are. A record under another KEK is left alone and
+/// reported. The first error stops it (the records before it are done).
+pub fn rotate_kek_on<B: Backend + ?Sized>(
+    b: &B,
+    old: &KeySource,
+    new: &KeySource,
+) -> Result<KekRotation> {
+    let mut done = KekRotation::default();
+    for volume in b.encrypted_volume_ids()? {
+        let before = b.volume_keys(&volume)?;
+        let ids = before.kek_ids()?;
+        if ids.iter().any(|i| i != old.kek_id() && i != new.kek_id()) {
+            done.other_keks.push((volume, ids));
+            continue;
+        }
+        let (after, changed) = rewrap(&before, &volume, old, new)?;
+        if changed {
+            b.write_volume_keys(&volume, &before, &after)?;
+            done.rewrapped.push(volume);
+        } else {
+            done.unchanged.push(volume);
+        }
+    }
+    Ok(done)
+}
+
+#[cfg(test)]
+#[path = "rotation_tests.rs"]
+mod tests;
