@@ -19,11 +19,13 @@
 //! node, swtpm's socket in the tests.
 
 use std::fmt;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use ring::hkdf;
 use zeroize::Zeroizing;
@@ -39,10 +41,22 @@ pub const DEFAULT_DIR: &str = "/var/lib/moor/tpm2";
 /// What salts the combination: the format's version.
 const SALT: &[u8] = b"moor-tpm2-v1";
 
+/// How long one tpm2-tools call may take before it is killed and the TPM taken as
+/// unreachable ([`KeyError::Unavailable`]): a TPM (or its resource manager, or swtpm) that
+/// hangs must fail a stage, never hold it. A call on a real TPM takes well under a second;
+/// an ECC primary key on a slow firmware TPM a few.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
 /// The node's TPM: an HMAC-SHA256 under a key that never leaves it.
 pub trait Tpm: Send + Sync {
     /// HMAC-SHA256 of `message` under the node's TPM-held key.
     fn hmac(&self, message: &[u8]) -> Result<Zeroizing<Vec<u8>>>;
+
+    /// Makes the node's key if it has none yet (the first stage of a `tpm2` volume on the
+    /// node). Nothing for a TPM whose key always exists.
+    fn ensure_key(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The passphrase of `volume`'s LUKS key slot under the `tpm2` source: HKDF-SHA256 of the
@@ -89,6 +103,10 @@ pub struct Tpm2Tools {
     /// One TPM conversation at a time: without a resource manager (swtpm's socket) the TPM
     /// holds three transient objects, and the saved contexts are files in `dir`.
     lock: Mutex<()>,
+    /// How long one call may take ([`DEADLINE`]).
+    deadline: Duration,
+    /// The directory of the tpm2-tools programs, when not the PATH's.
+    programs: Option<PathBuf>,
 }
 
 impl fmt::Debug for Tpm2Tools {
@@ -96,6 +114,8 @@ impl fmt::Debug for Tpm2Tools {
         f.debug_struct("Tpm2Tools")
             .field("dir", &self.dir)
             .field("tcti", &self.tcti)
+            .field("deadline", &self.deadline)
+            .field("programs", &self.programs)
             .finish_non_exhaustive()
     }
 }
@@ -108,7 +128,23 @@ impl Tpm2Tools {
             dir: dir.to_owned(),
             tcti,
             lock: Mutex::new(()),
+            deadline: DEADLINE,
+            programs: None,
         }
+    }
+
+    /// Each tpm2-tools call killed after `deadline` rather than [`DEADLINE`].
+    #[must_use]
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// The tpm2-tools programs taken from `dir` rather than the PATH.
+    #[must_use]
+    pub fn with_programs(mut self, dir: &Path) -> Self {
+        self.programs = Some(dir.to_owned());
+        self
     }
 
     /// The node's TPM as moor-node finds it: the key's blobs in `MOOR_TPM2_DIR` (default
@@ -123,32 +159,78 @@ impl Tpm2Tools {
 
     /// Runs the tpm2-tools program `program` with `args` in `dir`, `stdin` on its standard
     /// input; its standard output. A failure names the program and the TPM's words.
+    /// The call is killed (with anything it started: its own process group) when it has not
+    /// ended within the deadline: [`KeyError::Unavailable`], saying so.
     fn run(&self, program: &str, args: &[&str], stdin: &[u8]) -> Result<Zeroizing<Vec<u8>>> {
-        let mut cmd = Command::new(program);
+        let path = self
+            .programs
+            .as_ref()
+            .map_or_else(|| PathBuf::from(program), |d| d.join(program));
+        let mut cmd = Command::new(path);
         cmd.args(args)
             .current_dir(&self.dir)
+            .process_group(0)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if let Some(t) = &self.tcti {
             cmd.env("TPM2TOOLS_TCTI", t);
         }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| KeyError::Unavailable(format!("the node's TPM: {program}: {e}")))?;
-        if let Some(mut input) = child.stdin.take() {
-            input
-                .write_all(stdin)
-                .map_err(|e| KeyError::Unavailable(format!("the node's TPM: {program}: {e}")))?;
-        }
-        let out = child
-            .wait_with_output()
-            .map_err(|e| KeyError::Unavailable(format!("the node's TPM: {program}: {e}")))?;
-        let stdout = Zeroizing::new(out.stdout);
-        if out.status.success() {
+        let unavailable =
+            |e: std::io::Error| KeyError::Unavailable(format!("the node's TPM: {program}: {e}"));
+        let mut child = cmd.spawn().map_err(unavailable)?;
+        let group = rustix::process::Pid::from_child(&child);
+        // Read on threads of their own, so that a tool filling a pipe cannot stall the wait.
+        let reader = |pipe: Option<Box<dyn Read + Send>>| {
+            std::thread::spawn(move || {
+                let mut out = Zeroizing::new(Vec::new());
+                if let Some(mut p) = pipe {
+                    let _ = p.read_to_end(&mut out);
+                }
+                out
+            })
+        };
+        let stdout = reader(child.stdout.take().map(|p| Box::new(p) as _));
+        let stderr = reader(child.stderr.take().map(|p| Box::new(p) as _));
+        let written = child
+            .stdin
+            .take()
+            .map_or(Ok(()), |mut input| input.write_all(stdin));
+        let until = Instant::now() + self.deadline;
+        let mut pause = Duration::from_millis(1);
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break status,
+                Ok(None) if Instant::now() < until => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+                outcome => {
+                    let _ =
+                        rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+                    let _ = child.wait();
+                    // The readers end when the group's last process holding the pipes is
+                    // gone; they are not waited for.
+                    return Err(match outcome {
+                        Err(e) => unavailable(e),
+                        _ => KeyError::Unavailable(format!(
+                            "the node's TPM: {program} did not answer within {:?} and was \
+                             killed (the TPM, its resource manager or the TCTI hangs)",
+                            self.deadline
+                        )),
+                    });
+                }
+            }
+        };
+        let stdout = stdout.join().unwrap_or_default();
+        let stderr = stderr.join().unwrap_or_default();
+        // The tool's own exit says more than a pipe it closed early.
+        if status.success() {
+            written.map_err(unavailable)?;
             return Ok(stdout);
         }
-        let said: String = String::from_utf8_lossy(&out.stderr)
+        let stderr = String::from_utf8_lossy(&stderr);
+        let said: String = stderr
             .lines()
             .rfind(|l| l.contains("ERROR"))
             .unwrap_or("")
@@ -164,8 +246,8 @@ impl Tpm2Tools {
             "Failed to initialize",
         ]
         .iter()
-        .any(|w| String::from_utf8_lossy(&out.stderr).contains(w));
-        let what = format!("the node's TPM: {program} failed ({}): {said}", out.status);
+        .any(|w| stderr.contains(w));
+        let what = format!("the node's TPM: {program} failed ({status}): {said}");
         Err(if unreachable {
             KeyError::Unavailable(what)
         } else {
@@ -250,6 +332,10 @@ impl Tpm2Tools {
 }
 
 impl Tpm for Tpm2Tools {
+    fn ensure_key(&self) -> Result<()> {
+        Tpm2Tools::ensure_key(self)
+    }
+
     fn hmac(&self, message: &[u8]) -> Result<Zeroizing<Vec<u8>>> {
         let _held = self
             .lock
