@@ -162,6 +162,7 @@ fn world(name: &str) -> World {
         boot: None,
         rotation: None,
         rotated: false,
+        kms_id: Some("secret".into()),
     });
     journal.put(&record, Durability::Power).expect("record");
     let os = Arc::new(Linux::new(&sb.kubelet).expect("os"));

@@ -4,19 +4,26 @@
 //! every stage on that TPM, another TPM cannot load the key's blobs, another TPM's own key
 //! gives another passphrase, and a TPM gone is `Unavailable`.
 //!
-//! What this does not show (the VM lab's part, not built yet): cryptsetup opening a LUKS
-//! volume with the passphrase, which needs dm-crypt (not in this host's kernel).
+//! NodeExpandVolume's key of a `tpm2` volume (`validate::expand_key`) is the key its stage
+//! made the LUKS header with, on its own TPM only, proven by the real cryptsetup on a header
+//! (`--test-passphrase`); a TPM that hangs (swtpm stopped) is UNAVAILABLE at the deadline.
+//!
+//! What this does not show (the VM lab's part, `lab/tests/vm_tpm2.rs`): the mapping opened,
+//! resized and its filesystem grown, which needs dm-crypt (not in this host's kernel).
 //!
 //! Needs `swtpm` and tpm2-tools (Debian: `swtpm`, `tpm2-tools`); skipped, saying why,
 //! without them. Needs no root.
 
+use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use moor_node::validate;
+use moor_privileged::luks;
 use moor_runtime::keys::tpm2::{Tpm2Tools, combine};
-use moor_runtime::keys::{Dek, Kek, KeyError};
+use moor_runtime::keys::{Dek, Kek, KeyError, secret_entries};
 
 /// How long swtpm may take to listen.
 const LISTEN_DEADLINE: Duration = Duration::from_secs(60);
@@ -114,6 +121,10 @@ impl Swtpm {
     fn key_dir(&self) -> PathBuf {
         self.root.join("moor")
     }
+
+    fn pid(&self) -> rustix::process::Pid {
+        rustix::process::Pid::from_child(self.child.as_ref().expect("running"))
+    }
 }
 
 #[test]
@@ -173,4 +184,84 @@ fn a_volume_opens_with_both_halves_on_its_own_tpm_only() {
     node_a.stop();
     let e = combine(&cluster_half, &tpm_a, "vol-1").expect_err("TPM gone");
     assert!(matches!(&e, KeyError::Unavailable(_)), "{e:?}");
+}
+
+/// The code a node call answers with for `e`.
+fn code(e: &moor_node::error::Error) -> tonic::Code {
+    e.code()
+}
+
+#[test]
+fn a_tpm2_volume_grows_with_the_key_its_stage_opened_with_on_its_own_tpm_only() {
+    if let Some(why) = missing_tools() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let mut node_a = Swtpm::start("grow-a");
+    let node_b = Swtpm::start("grow-b");
+    let tpm_a = node_a.tools(&node_a.key_dir());
+    let raw = [0x42; 32];
+    let kek = Kek::new("cluster-1", &raw).expect("kek");
+    let secrets: HashMap<String, String> = secret_entries("cluster-1", &raw).into_iter().collect();
+    let wrapped = Dek::generate()
+        .expect("dek")
+        .wrap(&kek, "vol-1")
+        .expect("wrap")
+        .encode();
+    // The first stage on node a: its TPM's key made, the LUKS header made with the key.
+    let req = luks::encrypted_stage_req("vol-1", "tpm2", &wrapped, &secrets);
+    let header = node_a.root.join("luks.img");
+    luks::luks_format(&header, &luks::stage_key(&req, &tpm_a));
+    let record = luks::crypt_record("vol-1", Some("tpm2"), &wrapped);
+
+    // NodeExpandVolume on node a with the node-expand secret: the key opens the header.
+    let key = validate::expand_key("vol-1", &record, &secrets, &tpm_a).expect("expand key");
+    assert!(
+        luks::opens(&header, key.key.expose()),
+        "the expansion's key is the stage's"
+    );
+    assert_eq!(key.wrapped, wrapped);
+    // The cluster half alone (what the expansion took before it combined): no slot.
+    let alone = kek
+        .unwrap(
+            &moor_runtime::keys::WrappedDek::decode(&wrapped).expect("decode"),
+            "vol-1",
+        )
+        .expect("unwrap");
+    assert!(!luks::opens(&header, alone.expose()));
+
+    // Node b, whose TPM has a key of its own: a key, which no slot takes.
+    let tpm_b = node_b.tools(&node_b.key_dir());
+    tpm_b.ensure_key().expect("node b's key");
+    let key = validate::expand_key("vol-1", &record, &secrets, &tpm_b).expect("a key");
+    assert!(!luks::opens(&header, key.key.expose()));
+    // A node whose TPM has no key for moor: FAILED_PRECONDITION, and no key is made.
+    let empty = node_b.root.join("no-key");
+    let e = validate::expand_key("vol-1", &record, &secrets, &node_b.tools(&empty))
+        .expect_err("no key");
+    assert_eq!(code(&e), tonic::Code::FailedPrecondition, "{e}");
+    assert!(!empty.join("hmac.priv").exists(), "expand made a key");
+
+    // Node a's TPM hangs (swtpm stopped: its socket accepts, nothing answers): each call ends
+    // at the deadline, UNAVAILABLE, at the expansion and at a stage alike.
+    let hung = node_a
+        .tools(&node_a.key_dir())
+        .with_deadline(Duration::from_secs(3));
+    let pid = node_a.pid();
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).expect("SIGSTOP");
+    let e = validate::expand_key("vol-1", &record, &secrets, &hung).expect_err("hung");
+    let stage = validate::stage_with_tpm(&req, Path::new(luks::KUBELET), &hung);
+    rustix::process::kill_process(pid, rustix::process::Signal::CONT).expect("SIGCONT");
+    assert_eq!(code(&e), tonic::Code::Unavailable, "{e}");
+    assert!(e.to_string().contains("did not answer within"), "{e}");
+    let e = stage.expect_err("hung at stage");
+    assert_eq!(code(&e), tonic::Code::Unavailable, "{e}");
+    // Answering again: the same key.
+    let key = validate::expand_key("vol-1", &record, &secrets, &tpm_a).expect("again");
+    assert!(luks::opens(&header, key.key.expose()));
+
+    // Gone: UNAVAILABLE.
+    node_a.stop();
+    let e = validate::expand_key("vol-1", &record, &secrets, &tpm_a).expect_err("gone");
+    assert_eq!(code(&e), tonic::Code::Unavailable, "{e}");
 }

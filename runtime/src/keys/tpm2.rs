@@ -28,7 +28,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use ring::hkdf;
-use zeroize::Zeroizing;
+/// What [`Tpm::hmac`] answers in: zeroed when dropped.
+pub use zeroize::Zeroizing;
 
 use super::{Dek, KEY_LEN, KeyError, Result, Secret};
 
