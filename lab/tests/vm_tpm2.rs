@@ -11,7 +11,10 @@
 //! * with the cluster half but another TPM key (the node's key blobs moved away: the node makes
 //!   a new key in its TPM, as a node with another TPM would have) nothing opens: cryptsetup
 //!   refuses the passphrase, FAILED_PRECONDITION;
-//! * the blobs back, it opens again with its data.
+//! * the blobs back, it opens again with its data;
+//! * grown (ControllerExpandVolume, then NodeExpandVolume with the node-expand secret): the
+//!   mapping takes the device's new size with both halves, then the filesystem; without the
+//!   secret INVALID_ARGUMENT, with a wrong cluster KEK FAILED_PRECONDITION, nothing grown.
 //!
 //! Needs the VM lab, swtpm and tpm2-tools (Debian: `swtpm`, `tpm2-tools`; the guest runs the
 //! host's tools); skipped, with the reason, without them.
@@ -40,6 +43,8 @@ const PATTERN: &str = "MOOR-TPM2-LAB-PLAINTEXT-7d30b2";
 /// The cluster KEK, and one that is not it.
 const KEK: [u8; 32] = [0x24; 32];
 const WRONG_KEK: [u8; 32] = [0x25; 32];
+/// The volume's size once grown, in MiB (made with 96).
+const GROWN_MIB: i64 = 192;
 /// How long swtpm may take to make its socket.
 const SWTPM_DEADLINE: Duration = Duration::from_secs(60);
 
@@ -149,6 +154,16 @@ async fn start_node(sb: &Sandbox, vm: &Vm, log: &Path) -> NodeClient<Channel> {
         log,
     )
     .await
+}
+
+/// The size of the filesystem mounted at `at` in the guest, in MiB.
+fn fs_mib(vm: &Vm, at: &Path) -> i64 {
+    let out = vm.sh(&format!("stat -f -c '%b %S' {}", at.display()));
+    let mut it = out
+        .split_whitespace()
+        .map(|v| v.parse::<i64>().expect("stat -f"));
+    let (blocks, size) = (it.next().expect("blocks"), it.next().expect("size"));
+    blocks * size / MIB
 }
 
 /// The mappings open in the guest.
@@ -308,6 +323,58 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
         .filter(|l| l.contains("formatted as LUKS2"))
         .count();
     assert_eq!(formats, 1, "one luksFormat in the volume's life");
+
+    // Growth: the controller grows the volume's file, the loop device takes its size, and
+    // NodeExpandVolume grows the mapping with both halves (the node-expand secret's cluster
+    // half, this node's TPM), then the filesystem.
+    ctl.controller_expand_volume(csi::ControllerExpandVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: GROWN_MIB * MIB,
+            limit_bytes: 0,
+        }),
+        secrets: secrets(&KEK),
+        volume_capability: Some(ext4()),
+    })
+    .await
+    .expect("ControllerExpandVolume");
+    vm.sh(&format!("losetup -c {dev}"));
+    let before = fs_mib(vm, &target);
+    let expand_req = |secrets: HashMap<String, String>| csi::NodeExpandVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        volume_path: target.display().to_string(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: GROWN_MIB * MIB,
+            limit_bytes: 0,
+        }),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(ext4()),
+        secrets,
+    };
+    let s = node
+        .node_expand_volume(expand_req(HashMap::new()))
+        .await
+        .expect_err("no node-expand secret");
+    assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
+    let s = node
+        .node_expand_volume(expand_req(secrets(&WRONG_KEK)))
+        .await
+        .expect_err("a wrong cluster KEK");
+    assert_eq!(s.code(), tonic::Code::FailedPrecondition, "{s:?}");
+    assert_eq!(fs_mib(vm, &target), before, "nothing grown");
+    node.node_expand_volume(expand_req(secrets(&KEK)))
+        .await
+        .expect("NodeExpandVolume of a tpm2 volume");
+    let after = fs_mib(vm, &target);
+    eprintln!("vm_tpm2: the filesystem grew from {before} MiB to {after} MiB");
+    assert!(
+        after >= before + (GROWN_MIB - 96) / 2,
+        "the filesystem grew from {before} MiB to {after} MiB only"
+    );
+    assert_eq!(
+        vm.sh(&format!("grep -c {PATTERN} {written}")).trim(),
+        "2000"
+    );
     unstage(&mut node).await;
     assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
     controller.stop().await;
