@@ -71,27 +71,38 @@ impl Swtpm {
         let root = std::env::temp_dir().join(format!("moor-tpm2-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         std::fs::create_dir_all(root.join("state")).expect("state dir");
-        let (port, ctrl) = free_ports();
+        let (port, _ctrl) = free_ports();
+        let mut tpm = Self {
+            child: None,
+            root,
+            port,
+        };
+        tpm.run();
+        tpm
+    }
+
+    /// swtpm started on the state and port, and listening (its control port the next).
+    fn run(&mut self) {
         let child = Command::new("swtpm")
             .args(["socket", "--tpm2", "--flags", "startup-clear", "--tpmstate"])
-            .arg(format!("dir={}", root.join("state").display()))
+            .arg(format!("dir={}", self.root.join("state").display()))
             .arg("--server")
-            .arg(format!("type=tcp,port={port},bindaddr=127.0.0.1"))
+            .arg(format!("type=tcp,port={},bindaddr=127.0.0.1", self.port))
             .arg("--ctrl")
-            .arg(format!("type=tcp,port={ctrl},bindaddr=127.0.0.1"))
+            .arg(format!(
+                "type=tcp,port={},bindaddr=127.0.0.1",
+                self.port + 1
+            ))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("swtpm starts");
-        let mut tpm = Self {
-            child: Some(child),
-            root,
-            port,
-        };
+        self.child = Some(child);
+        let port = self.port;
         let until = Instant::now() + LISTEN_DEADLINE;
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Some(Ok(Some(status))) = tpm.child.as_mut().map(Child::try_wait) {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
                 panic!("swtpm exited ({status}) before it listened on {port}");
             }
             assert!(
@@ -100,7 +111,29 @@ impl Swtpm {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        tpm
+    }
+
+    /// Started again on the same state and port: a reboot of the node, its PCRs reset.
+    fn restart(&mut self) {
+        self.stop();
+        self.run();
+    }
+
+    /// PCR `index` of the sha256 bank extended (what a boot measuring something else does).
+    fn extend_pcr(&self, index: u8) {
+        let out = Command::new("tpm2_pcrextend")
+            .arg(format!("{index}:sha256={}", "ab".repeat(32)))
+            .env(
+                "TPM2TOOLS_TCTI",
+                format!("swtpm:host=127.0.0.1,port={}", self.port),
+            )
+            .output()
+            .expect("tpm2_pcrextend runs");
+        assert!(
+            out.status.success(),
+            "tpm2_pcrextend: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     fn stop(&mut self) {
@@ -264,4 +297,71 @@ fn a_tpm2_volume_grows_with_the_key_its_stage_opened_with_on_its_own_tpm_only() 
     node_a.stop();
     let e = validate::expand_key("vol-1", &record, &secrets, &tpm_a).expect_err("gone");
     assert_eq!(code(&e), tonic::Code::Unavailable, "{e}");
+}
+
+#[test]
+fn a_key_sealed_to_pcrs_refuses_once_they_change_and_gives_the_same_half_after_a_reboot() {
+    if let Some(why) = missing_tools() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let mut node = Swtpm::start("pcr");
+    let sealed = node
+        .tools(&node.key_dir())
+        .with_pcrs("sha256:7")
+        .expect("a selection");
+    let other_pcr = node
+        .tools(&node.key_dir())
+        .with_pcrs("sha256:8")
+        .expect("a selection");
+    let unsealed = node.tools(&node.key_dir());
+    for tpm in [&sealed, &other_pcr, &unsealed] {
+        tpm.ensure_key().expect("the node's key");
+    }
+    assert!(node.key_dir().join("hmac-sha256_7.priv").is_file());
+    let kek = Kek::new("cluster-1", &[0x42; 32]).expect("kek");
+    let wrapped = Dek::generate()
+        .expect("dek")
+        .wrap(&kek, "vol-1")
+        .expect("wrap");
+    let cluster_half = kek.unwrap(&wrapped, "vol-1").expect("unwrap");
+    let first = combine(&cluster_half, &sealed, "vol-1").expect("PCRs unchanged");
+    let again = combine(&cluster_half, &sealed, "vol-1").expect("PCRs unchanged");
+    assert_eq!(
+        first.expose(),
+        again.expose(),
+        "the same half at each stage"
+    );
+    let by_8 = combine(&cluster_half, &other_pcr, "vol-1").expect("PCR 8");
+    assert_ne!(
+        by_8.expose(),
+        first.expose(),
+        "each sealing is a key of its own"
+    );
+
+    // PCR 7 changes (another Secure Boot state): the key sealed to it refuses, saying why;
+    // the TPM still serves the rest.
+    node.extend_pcr(7);
+    let e = combine(&cluster_half, &sealed, "vol-1").expect_err("PCR 7 changed");
+    assert!(
+        matches!(&e, KeyError::Refused(m)
+            if m.contains("sealed to the PCRs sha256:7") && m.contains("policy check failed")),
+        "{e:?}"
+    );
+    assert_eq!(
+        combine(&cluster_half, &other_pcr, "vol-1")
+            .expect("PCR 8 unchanged")
+            .expose(),
+        by_8.expose()
+    );
+    assert!(combine(&cluster_half, &unsealed, "vol-1").is_ok());
+
+    // A reboot into the same state (PCRs reset): the same half again.
+    node.restart();
+    assert_eq!(
+        combine(&cluster_half, &sealed, "vol-1")
+            .expect("after the reboot")
+            .expose(),
+        first.expose()
+    );
 }

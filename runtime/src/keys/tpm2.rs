@@ -11,7 +11,7 @@
 //! gives an HMAC that opens nothing; without the TPM (a stolen disk, a copied record, another
 //! node), the unwrapped DEK opens nothing. What it does not protect against: root on the
 //! running node while it holds the cluster KEK (it can ask its TPM), and the key is bound to
-//! the TPM, not to the boot state (no PCR policy yet).
+//! the TPM, not to the boot state unless it is sealed to PCRs ([`Tpm2Tools::with_pcrs`]).
 //!
 //! The TPM is reached through tpm2-tools ([`Tpm2Tools`]), executed with the volume id on stdin
 //! and the HMAC read from stdout: no key in an argument, the environment or a file. Which TPM
@@ -108,6 +108,35 @@ pub struct Tpm2Tools {
     deadline: Duration,
     /// The directory of the tpm2-tools programs, when not the PATH's.
     programs: Option<PathBuf>,
+    /// The PCRs the key is sealed to ([`pcr_selection`]'s form), if any.
+    pcrs: Option<String>,
+}
+
+/// The PCR selection `text` (`<bank>:<index>[,<index>...]`, the bank `sha1`, `sha256` or
+/// `sha384`, indices 0 to 23), checked and in its one form (indices sorted, each once): it
+/// reaches tpm2-tools' argv and names the key's blobs. [`KeyError::Malformed`] naming
+/// `tpm2PCRs` otherwise.
+pub fn pcr_selection(text: &str) -> Result<String> {
+    let malformed = |problem: &str| KeyError::Malformed {
+        field: "tpm2PCRs",
+        problem: problem.to_owned(),
+    };
+    let (bank, list) = text
+        .split_once(':')
+        .ok_or_else(|| malformed("is not <bank>:<index>[,<index>...]"))?;
+    if !matches!(bank, "sha1" | "sha256" | "sha384") {
+        return Err(malformed("names a bank other than sha1, sha256, sha384"));
+    }
+    let mut indices = list
+        .split(',')
+        .map(|i| i.parse::<u8>().ok().filter(|i| *i <= 23))
+        .collect::<Option<Vec<_>>>()
+        .filter(|v| !v.is_empty())
+        .ok_or_else(|| malformed("has an index that is not 0 to 23"))?;
+    indices.sort_unstable();
+    indices.dedup();
+    let list: Vec<String> = indices.iter().map(u8::to_string).collect();
+    Ok(format!("{bank}:{}", list.join(",")))
 }
 
 impl fmt::Debug for Tpm2Tools {
@@ -131,6 +160,24 @@ impl Tpm2Tools {
             lock: Mutex::new(()),
             deadline: DEADLINE,
             programs: None,
+            pcrs: None,
+        }
+    }
+
+    /// The node's key sealed to the PCRs `selection` names ([`pcr_selection`]): made with a
+    /// policy of their values now, it gives an HMAC only while they hold the same values (the
+    /// same firmware, bootloader, kernel, Secure Boot state, as the PCRs chosen measure). Its
+    /// blobs are named by the selection, beside the unsealed key's.
+    pub fn with_pcrs(mut self, selection: &str) -> Result<Self> {
+        self.pcrs = Some(pcr_selection(selection)?);
+        Ok(self)
+    }
+
+    /// The name of the key's blob `ext` (`pub`, `priv`), by its PCRs.
+    fn blob(&self, ext: &str) -> String {
+        match &self.pcrs {
+            None => format!("hmac.{ext}"),
+            Some(p) => format!("hmac-{}.{ext}", p.replace([':', ','], "_")),
         }
     }
 
@@ -233,7 +280,8 @@ impl Tpm2Tools {
         let stderr = String::from_utf8_lossy(&stderr);
         let said: String = stderr
             .lines()
-            .rfind(|l| l.contains("ERROR"))
+            .rfind(|l| l.contains("policy check failed"))
+            .or_else(|| stderr.lines().rfind(|l| l.contains("ERROR")))
             .unwrap_or("")
             .chars()
             .take(200)
@@ -291,7 +339,8 @@ impl Tpm2Tools {
             .lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if self.dir.join("hmac.priv").exists() {
+        let (public, private) = (self.blob("pub"), self.blob("priv"));
+        if self.dir.join(&private).exists() {
             return Ok(());
         }
         std::fs::DirBuilder::new()
@@ -305,21 +354,31 @@ impl Tpm2Tools {
                 ))
             })?;
         self.primary()?;
-        let made = self.run(
-            "tpm2_create",
-            &[
-                "-Q",
-                "-C",
-                "primary.ctx",
-                "-G",
-                "hmac",
-                "-u",
-                "hmac.pub.new",
-                "-r",
-                "hmac.priv.new",
-            ],
-            &[],
-        );
+        let (public_new, private_new) = (format!("{public}.new"), format!("{private}.new"));
+        let mut args = vec![
+            "-Q",
+            "-C",
+            "primary.ctx",
+            "-G",
+            "hmac",
+            "-u",
+            &public_new,
+            "-r",
+            &private_new,
+        ];
+        // Sealed to the PCRs: the policy of their values now (a trial session), and the key
+        // usable only through it (tpm2_create clears `userwithauth` when given a policy).
+        if let Some(pcrs) = &self.pcrs {
+            let policy = self.run(
+                "tpm2_createpolicy",
+                &["-Q", "--policy-pcr", "-l", pcrs, "-L", "pcr.policy"],
+                &[],
+            );
+            self.flush()?;
+            policy?;
+            args.extend(["-L", "pcr.policy"]);
+        }
+        let made = self.run("tpm2_create", &args, &[]);
         self.flush()?;
         made?;
         let rename = |from: &str, to: &str| {
@@ -327,8 +386,8 @@ impl Tpm2Tools {
                 .map_err(|e| KeyError::Unavailable(format!("the node's TPM key blobs: {e}")))
         };
         // The private blob last: its presence says the key is whole.
-        rename("hmac.pub.new", "hmac.pub")?;
-        rename("hmac.priv.new", "hmac.priv")
+        rename(&public_new, &public)?;
+        rename(&private_new, &private)
     }
 }
 
@@ -342,7 +401,8 @@ impl Tpm for Tpm2Tools {
             .lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !self.dir.join("hmac.priv").exists() {
+        let (public, private) = (self.blob("pub"), self.blob("priv"));
+        if !self.dir.join(&private).exists() {
             return Err(KeyError::Refused(format!(
                 "this node has no TPM key for moor in {}: a volume of the tpm2 source opens \
                  only on the node that made it",
@@ -357,9 +417,9 @@ impl Tpm for Tpm2Tools {
                 "-C",
                 "primary.ctx",
                 "-u",
-                "hmac.pub",
+                &public,
                 "-r",
-                "hmac.priv",
+                &private,
                 "-c",
                 "hmac.ctx",
             ],
@@ -367,9 +427,57 @@ impl Tpm for Tpm2Tools {
         );
         self.flush()?;
         loaded?;
-        let mac = self.run("tpm2_hmac", &["-c", "hmac.ctx", "-g", "sha256"], message);
+        let Some(pcrs) = &self.pcrs else {
+            let mac = self.run("tpm2_hmac", &["-c", "hmac.ctx", "-g", "sha256"], message);
+            self.flush()?;
+            return mac;
+        };
+        // Sealed: a policy session that holds only if the PCRs are as they were. The message
+        // (not secret: the salt and the volume id) from a file: from stdin tpm2_hmac runs a
+        // sequence, whose object a refused session leaves in a TPM without a resource manager.
+        std::fs::write(self.dir.join("hmac.msg"), message)
+            .map_err(|e| KeyError::Unavailable(format!("the node's TPM key dir: {e}")))?;
+        let session = self.run(
+            "tpm2_startauthsession",
+            &["--policy-session", "-S", "session.ctx"],
+            &[],
+        );
+        let mac = session
+            .and_then(|_| {
+                self.run(
+                    "tpm2_policypcr",
+                    &["-Q", "-S", "session.ctx", "-l", pcrs],
+                    &[],
+                )
+            })
+            .and_then(|_| {
+                self.run(
+                    "tpm2_hmac",
+                    &[
+                        "-c",
+                        "hmac.ctx",
+                        "-g",
+                        "sha256",
+                        "-p",
+                        "session:session.ctx",
+                        "hmac.msg",
+                    ],
+                    &[],
+                )
+            });
+        let _ = self.run("tpm2_flushcontext", &["session.ctx"], &[]);
         self.flush()?;
-        mac
+        mac.map_err(|e| match e {
+            KeyError::Refused(m) if m.contains("policy check failed") => {
+                KeyError::Refused(format!(
+                    "the node's TPM refuses its key sealed to the PCRs {pcrs}: they no longer hold \
+                 the values it was sealed to (the node booted other firmware, bootloader, \
+                 kernel or Secure Boot state than when the key was made); nothing opens until \
+                 they do, or the volume's key is sealed again ({m})"
+                ))
+            }
+            e => e,
+        })
     }
 }
 

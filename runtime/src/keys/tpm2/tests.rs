@@ -163,3 +163,36 @@ fn a_tpm_that_hangs_is_unavailable_after_the_deadline_never_a_hung_call() {
         pid.trim()
     );
 }
+
+#[test]
+fn a_pcr_selection_is_checked_and_has_one_form() {
+    assert_eq!(pcr_selection("sha256:7").expect("one"), "sha256:7");
+    assert_eq!(pcr_selection("sha256:7,0,7").expect("set"), "sha256:0,7");
+    for bad in [
+        "7",
+        "md5:7",
+        "sha256:",
+        "sha256:24",
+        "sha256:-1",
+        "sha256:7;rm",
+        "sha256:7 ",
+    ] {
+        let e = pcr_selection(bad).expect_err(bad);
+        assert!(
+            matches!(
+                e,
+                KeyError::Malformed {
+                    field: "tpm2PCRs",
+                    ..
+                }
+            ),
+            "{bad}: {e:?}"
+        );
+    }
+    let dir = Path::new("/nonexistent");
+    let sealed = Tpm2Tools::new(dir, None)
+        .with_pcrs("sha256:7,0")
+        .expect("sealed");
+    assert_eq!(sealed.blob("priv"), "hmac-sha256_0_7.priv");
+    assert_eq!(Tpm2Tools::new(dir, None).blob("priv"), "hmac.priv");
+}
