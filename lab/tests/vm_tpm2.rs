@@ -338,7 +338,17 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
     })
     .await
     .expect("ControllerExpandVolume");
-    vm.sh(&format!("losetup -c {dev}"));
+    // The guest's view of the shared file may be the size it cached: set to the grown size
+    // (the controller's already), then the loop device told, as moor's local attacher does.
+    vm.sh(&format!(
+        "truncate -s {} {file} && losetup -c {dev}",
+        GROWN_MIB * MIB
+    ));
+    assert_eq!(
+        vm.sh(&format!("blockdev --getsize64 {dev}")).trim(),
+        (GROWN_MIB * MIB).to_string(),
+        "the loop device has the grown size"
+    );
     let before = fs_mib(vm, &target);
     let expand_req = |secrets: HashMap<String, String>| csi::NodeExpandVolumeRequest {
         volume_id: v.volume_id.clone(),
