@@ -15,7 +15,7 @@ use moor_runtime::contract::{
     DEVICE_SERIAL_KEY, DEVICE_WWN_FIELD, DEVICE_WWN_KEY, ENCRYPTED_DEK_FIELD, ENCRYPTED_DEK_KEY,
     ENCRYPTED_FIELD, ENCRYPTED_KEY, Filesystem, KMS_ID_KEY, LUKS_CIPHER_KEY, LUKS_KEY_SIZE_KEY,
     LUKS_PBKDF_KEY, LUKS_SECTOR_SIZE_KEY, QOS_LIMITS_FIELD, QOS_LIMITS_KEY, QosLimits,
-    qos_from_context,
+    TPM2_PCRS_KEY, qos_from_context,
 };
 use moor_runtime::keys::kmip::KMIP_ENDPOINT_KEY;
 use moor_runtime::keys::source::{KMS_IDS, KMS_KMIP, KMS_SECRET, KMS_TPM2, KeySource};
@@ -233,6 +233,8 @@ struct EncryptedContext<'a> {
     key_size: u32,
     sector_size: u32,
     pbkdf: &'a str,
+    /// The PCRs a `tpm2` volume's node half is sealed to, checked, if any.
+    tpm2_pcrs: Option<String>,
 }
 
 /// The volume context's encryption keys, checked: `encrypted` `"true"` or `"false"`, and for
@@ -292,8 +294,21 @@ fn encrypted_context(ctx: &HashMap<String, String>) -> Result<Option<EncryptedCo
         .and_then(|t| {
             WrappedDek::decode(t).map_err(|e| Error::invalid(ENCRYPTED_DEK_FIELD, e.to_string()))
         })?;
+    let tpm2_pcrs = match ctx.get(TPM2_PCRS_KEY) {
+        None => None,
+        Some(_) if kms != KMS_TPM2 => {
+            return Err(Error::invalid(
+                "volume_context",
+                format!("{TPM2_PCRS_KEY}: only for a volume of the {KMS_TPM2:?} key source"),
+            ));
+        }
+        Some(v) => Some(
+            tpm2::pcr_selection(v).map_err(|e| Error::invalid("volume_context", e.to_string()))?,
+        ),
+    };
     Ok(Some(EncryptedContext {
         kms,
+        tpm2_pcrs,
         wrapped,
         cipher: word(LUKS_CIPHER_KEY)?,
         key_size: number(LUKS_KEY_SIZE_KEY)?,
@@ -338,6 +353,7 @@ impl KeyCall {
 /// a node without its TPM key): FAILED_PRECONDITION, naming the key's id, never a byte.
 fn data_key(
     (volume_id, kms, wrapped): (&str, &str, &WrappedDek),
+    pcrs: Option<&str>,
     secrets: &HashMap<String, String>,
     tpm: &dyn Tpm,
     call: KeyCall,
@@ -358,7 +374,13 @@ fn data_key(
     };
     let mut dek = source.unwrap(wrapped, volume_id).map_err(refused)?;
     if kms == KMS_TPM2 {
-        // The node's half: this node's TPM (its key made at the first stage).
+        // The node's half: this node's TPM (its key made at the first stage), its key sealed
+        // to the volume's PCRs when it names some.
+        let sealed = pcrs
+            .map(|p| tpm.sealed_to(p))
+            .transpose()
+            .map_err(refused)?;
+        let tpm = sealed.as_deref().unwrap_or(tpm);
         if matches!(call, KeyCall::Stage) {
             tpm.ensure_key().map_err(refused)?;
         }
@@ -377,6 +399,7 @@ fn encryption(
 ) -> Result<Encryption> {
     let (dek, source) = data_key(
         (volume_id, ctx.kms, &ctx.wrapped),
+        ctx.tpm2_pcrs.as_deref(),
         secrets,
         tpm,
         KeyCall::Stage,
@@ -391,6 +414,7 @@ fn encryption(
         sector_size: ctx.sector_size,
         pbkdf: ctx.pbkdf.to_owned(),
         kms_id: ctx.kms.to_owned(),
+        tpm2_pcrs: ctx.tpm2_pcrs,
     })
 }
 
@@ -421,7 +445,13 @@ pub fn expand_key(
             KMS_SECRET
         }
     });
-    let (dek, source) = data_key((volume_id, kms, &wrapped), secrets, tpm, KeyCall::Expand)?;
+    let (dek, source) = data_key(
+        (volume_id, kms, &wrapped),
+        crypt.tpm2_pcrs.as_deref(),
+        secrets,
+        tpm,
+        KeyCall::Expand,
+    )?;
     Ok(ExpandKey {
         key: std::sync::Arc::new(dek),
         wrapped: text.to_owned(),

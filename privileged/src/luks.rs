@@ -63,6 +63,7 @@ pub fn crypt_record(vol: &str, kms: Option<&str>, wrapped: &str) -> CryptRecord 
         rotation: None,
         rotated: false,
         kms_id: kms.map(str::to_owned),
+        tpm2_pcrs: None,
     }
 }
 

@@ -163,6 +163,7 @@ fn world(name: &str) -> World {
         rotation: None,
         rotated: false,
         kms_id: Some("secret".into()),
+        tpm2_pcrs: None,
     });
     journal.put(&record, Durability::Power).expect("record");
     let os = Arc::new(Linux::new(&sb.kubelet).expect("os"));

@@ -314,6 +314,7 @@ impl<O: Os> Engine<O> {
             rotation: None,
             rotated: false,
             kms_id: Some(enc.kms_id.clone()),
+            tpm2_pcrs: enc.tpm2_pcrs.clone(),
         });
         self.journal.put(record, Durability::Power)?;
         crash_points::point("stage.luks_formatting");
@@ -369,6 +370,7 @@ impl<O: Os> Engine<O> {
             rotation: record.crypt.as_ref().and_then(|c| c.rotation.clone()),
             rotated: record.crypt.as_ref().is_some_and(|c| c.rotated),
             kms_id: Some(enc.kms_id.clone()),
+            tpm2_pcrs: enc.tpm2_pcrs.clone(),
         };
         if record.crypt.as_ref() == Some(&want) {
             return Ok(());

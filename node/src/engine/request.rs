@@ -91,6 +91,9 @@ pub struct Encryption {
     /// The key source the volume context names (`kmsID`): the journal keeps it for
     /// NodeExpandVolume.
     pub kms_id: String,
+    /// The PCRs a `tpm2` volume's node half is sealed to (`tpm2PCRs`): the journal keeps them
+    /// for NodeExpandVolume.
+    pub tpm2_pcrs: Option<String>,
 }
 
 /// An encrypted volume's key at NodeExpandVolume (`cryptsetup resize` needs it): got as its

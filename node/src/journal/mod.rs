@@ -286,6 +286,9 @@ pub struct CryptRecord {
     /// node-expand secret: a KMIP server's fields, or a Secret's KEK).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kms_id: Option<String>,
+    /// The PCRs a `tpm2` volume's node half is sealed to, for NodeExpandVolume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm2_pcrs: Option<String>,
 }
 
 /// A data key rotation of an open LUKS volume (docs/encryption.md, "Rotation"): both keys,

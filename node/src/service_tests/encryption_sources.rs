@@ -5,7 +5,7 @@
 //! UNAVAILABLE, never holds it. The fake's cryptsetup checks the key it reads on stdin against
 //! the key the LUKS header was made with.
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 
 use moor_runtime::keys::tpm2::{Tpm, Tpm2Tools, Zeroizing};
 use moor_runtime::keys::{KeyError, Result as KeyResult};
@@ -21,6 +21,32 @@ struct FakeTpm {
     seed: u8,
     reachable: bool,
     keys_made: AtomicUsize,
+    /// The PCRs no longer hold the values its sealed keys were made with.
+    pcrs_changed: AtomicBool,
+}
+
+/// A [`FakeTpm`]'s key sealed to `pcrs`: a key of its own, refused once the PCRs change.
+struct Sealed<'a> {
+    tpm: &'a FakeTpm,
+    pcrs: String,
+}
+
+impl Tpm for Sealed<'_> {
+    fn hmac(&self, message: &[u8]) -> KeyResult<Zeroizing<Vec<u8>>> {
+        if self.tpm.pcrs_changed.load(Ordering::Relaxed) {
+            return Err(KeyError::Refused(format!(
+                "the node's TPM refuses its key sealed to the PCRs {}: a policy check failed",
+                self.pcrs
+            )));
+        }
+        let mut sealed = self.pcrs.as_bytes().to_vec();
+        sealed.extend_from_slice(message);
+        self.tpm.hmac(&sealed)
+    }
+
+    fn ensure_key(&self) -> KeyResult<()> {
+        self.tpm.ensure_key()
+    }
 }
 
 impl FakeTpm {
@@ -29,6 +55,7 @@ impl FakeTpm {
             seed,
             reachable: true,
             keys_made: AtomicUsize::new(0),
+            pcrs_changed: AtomicBool::new(false),
         })
     }
 }
@@ -52,6 +79,13 @@ impl Tpm for FakeTpm {
         self.keys_made.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
+
+    fn sealed_to(&self, pcrs: &str) -> KeyResult<Box<dyn Tpm + '_>> {
+        Ok(Box::new(Sealed {
+            tpm: self,
+            pcrs: pcrs.to_owned(),
+        }))
+    }
 }
 
 /// The harness's service with `tpm` as the node's TPM.
@@ -62,9 +96,22 @@ fn with_tpm(h: &mut Harness, tpm: Arc<dyn Tpm>) {
 /// `vol-1` staged as a `tpm2` volume (its cluster half under a Secret's KEK) on `tpm`, its
 /// device then grown to 2 GiB.
 async fn staged_tpm2(h: &mut Harness, tpm: Arc<dyn Tpm>, k: &encryption::Keys) {
+    staged_tpm2_with(h, tpm, k, &[]).await;
+}
+
+/// As [`staged_tpm2`], with more of the volume context.
+async fn staged_tpm2_with(
+    h: &mut Harness,
+    tpm: Arc<dyn Tpm>,
+    k: &encryption::Keys,
+    more: &[(&str, &str)],
+) {
     with_tpm(h, tpm);
     let mut req = encrypted_req(ext4(), k);
     req.volume_context.insert("kmsID".into(), "tpm2".into());
+    for (key, value) in more {
+        req.volume_context.insert((*key).into(), (*value).into());
+    }
     h.svc
         .node_stage_volume(Request::new(req))
         .await
@@ -131,6 +178,7 @@ async fn a_tpm2_volume_does_not_grow_on_another_tpm_or_without_one() {
             seed: 1,
             reachable: false,
             keys_made: AtomicUsize::new(0),
+            pcrs_changed: AtomicBool::new(false),
         }),
     );
     let s = h
@@ -245,4 +293,90 @@ fn crypt_record(h: &Harness) -> journal::CryptRecord {
         .get("vol-1")
         .and_then(|r| r.crypt)
         .expect("the mapping's record")
+}
+
+#[tokio::test]
+async fn a_tpm2_volume_sealed_to_pcrs_grows_while_they_hold_and_is_refused_once_they_change() {
+    let mut h = harness();
+    let k = keys(7);
+    let tpm = FakeTpm::new(1);
+    staged_tpm2_with(
+        &mut h,
+        Arc::clone(&tpm) as _,
+        &k,
+        &[("tpm2PCRs", "sha256:7,0")],
+    )
+    .await;
+    assert_eq!(
+        crypt_record(&h).tpm2_pcrs.as_deref(),
+        Some("sha256:0,7"),
+        "the journal keeps the selection, in its one form"
+    );
+    h.svc
+        .node_expand_volume(Request::new(expand_with(&k.secrets)))
+        .await
+        .expect("expand with the sealed key");
+    grew_mapping_then_filesystem(&h);
+
+    // The key unsealed is another key: a record without the selection does not open it.
+    let mut record = h.engine.journal().get("vol-1").expect("record");
+    let kept = record.crypt.clone();
+    if let Some(c) = record.crypt.as_mut() {
+        c.tpm2_pcrs = None;
+    }
+    h.engine
+        .journal()
+        .put(&record, journal::Durability::Process)
+        .expect("put");
+    h.os.clear_calls();
+    let s = h
+        .svc
+        .node_expand_volume(Request::new(expand_with(&k.secrets)))
+        .await
+        .expect_err("the unsealed key");
+    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+    record.crypt = kept;
+    h.engine
+        .journal()
+        .put(&record, journal::Durability::Process)
+        .expect("put");
+
+    // The PCRs change (another boot): refused, saying why, nothing run.
+    tpm.pcrs_changed.store(true, Ordering::Relaxed);
+    h.os.clear_calls();
+    let s = h
+        .svc
+        .node_expand_volume(Request::new(expand_with(&k.secrets)))
+        .await
+        .expect_err("PCRs changed");
+    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+    assert!(
+        s.message().contains("sealed to the PCRs sha256:0,7"),
+        "{}",
+        s.message()
+    );
+    assert!(tools(&h).is_empty(), "{:?}", tools(&h));
+}
+
+#[tokio::test]
+async fn a_pcr_selection_is_checked_and_only_for_tpm2() {
+    let k = keys(7);
+    for (kms, pcrs) in [
+        ("tpm2", "sha256:24"),
+        ("tpm2", "md5:7"),
+        ("secret", "sha256:7"),
+    ] {
+        let h = harness();
+        let mut req = encrypted_req(ext4(), &k);
+        req.volume_context.insert("kmsID".into(), kms.into());
+        req.volume_context.insert("tpm2PCRs".into(), pcrs.into());
+        let s = h
+            .svc
+            .node_stage_volume(Request::new(req))
+            .await
+            .expect_err("refused");
+        assert_eq!(s.code(), Code::InvalidArgument, "{kms} {pcrs}: {s:?}");
+        assert!(s.message().contains("tpm2PCRs"), "{}", s.message());
+        assert!(h.os.calls().is_empty());
+    }
 }

@@ -24,7 +24,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ring::hkdf;
@@ -57,6 +57,13 @@ pub trait Tpm: Send + Sync {
     /// node). Nothing for a TPM whose key always exists.
     fn ensure_key(&self) -> Result<()> {
         Ok(())
+    }
+
+    /// The same TPM, its key sealed to the PCRs `pcrs` names ([`pcr_selection`]'s form).
+    fn sealed_to(&self, pcrs: &str) -> Result<Box<dyn Tpm + '_>> {
+        Err(KeyError::Refused(format!(
+            "this TPM cannot seal its key to the PCRs {pcrs}"
+        )))
     }
 }
 
@@ -103,7 +110,7 @@ pub struct Tpm2Tools {
     tcti: Option<String>,
     /// One TPM conversation at a time: without a resource manager (swtpm's socket) the TPM
     /// holds three transient objects, and the saved contexts are files in `dir`.
-    lock: Mutex<()>,
+    lock: Arc<Mutex<()>>,
     /// How long one call may take ([`DEADLINE`]).
     deadline: Duration,
     /// The directory of the tpm2-tools programs, when not the PATH's.
@@ -157,7 +164,7 @@ impl Tpm2Tools {
         Self {
             dir: dir.to_owned(),
             tcti,
-            lock: Mutex::new(()),
+            lock: Arc::new(Mutex::new(())),
             deadline: DEADLINE,
             programs: None,
             pcrs: None,
@@ -394,6 +401,21 @@ impl Tpm2Tools {
 impl Tpm for Tpm2Tools {
     fn ensure_key(&self) -> Result<()> {
         Tpm2Tools::ensure_key(self)
+    }
+
+    /// The key sealed to `pcrs`, its calls taking turns with this one's (one lock).
+    fn sealed_to(&self, pcrs: &str) -> Result<Box<dyn Tpm + '_>> {
+        Ok(Box::new(
+            Self {
+                dir: self.dir.clone(),
+                tcti: self.tcti.clone(),
+                lock: Arc::clone(&self.lock),
+                deadline: self.deadline,
+                programs: self.programs.clone(),
+                pcrs: None,
+            }
+            .with_pcrs(pcrs)?,
+        ))
     }
 
     fn hmac(&self, message: &[u8]) -> Result<Zeroizing<Vec<u8>>> {
