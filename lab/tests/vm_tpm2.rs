@@ -14,7 +14,9 @@
 //! * the blobs back, it opens again with its data;
 //! * grown (ControllerExpandVolume, then NodeExpandVolume with the node-expand secret): the
 //!   mapping takes the device's new size with both halves, then the filesystem; without the
-//!   secret INVALID_ARGUMENT, with a wrong cluster KEK FAILED_PRECONDITION, nothing grown.
+//!   secret INVALID_ARGUMENT, with a wrong cluster KEK FAILED_PRECONDITION, nothing grown;
+//! * a volume of a class sealed to PCR 16 (`tpm2PCRs`) opens while the PCR is as sealed, is
+//!   refused once the guest extends it, and opens again once it is reset.
 //!
 //! Needs the VM lab, swtpm and tpm2-tools (Debian: `swtpm`, `tpm2-tools`; the guest runs the
 //! host's tools); skipped, with the reason, without them.
@@ -166,6 +168,75 @@ fn fs_mib(vm: &Vm, at: &Path) -> i64 {
     blocks * size / MIB
 }
 
+/// A volume of a `tpm2` class (and `more` parameters) named and sized (MiB) as `(name, mib)`,
+/// made by the controller, its file attached in the guest: the volume, its file, its device.
+async fn tpm2_volume(
+    ctl: &mut ControllerClient<Channel>,
+    vm: &Vm,
+    (name, mib): (&str, i64),
+    more: &[(&str, &str)],
+) -> (csi::Volume, String, String) {
+    let mut parameters = HashMap::from([
+        ("encrypted".to_owned(), "true".to_owned()),
+        ("kmsID".to_owned(), "tpm2".to_owned()),
+    ]);
+    parameters.extend(more.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    let v = ctl
+        .create_volume(csi::CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: mib * MIB,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![ext4()],
+            parameters,
+            secrets: secrets(&KEK),
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume of a tpm2 class")
+        .into_inner()
+        .volume
+        .expect("a volume");
+    let file = moor_lab::vm::embedded_volume_file(ctl, &v, "node-c", ext4()).await;
+    let dev = vm
+        .sh(&format!("losetup -f --show {file}"))
+        .trim()
+        .to_string();
+    (v, file, dev)
+}
+
+/// NodeStageVolume of `v` on its `(device, file)` at `staging`, the stage secret's KEK `kek`.
+fn stage_request(
+    v: &csi::Volume,
+    (dev, file): (&str, &str),
+    staging: &Path,
+    kek: &[u8],
+) -> csi::NodeStageVolumeRequest {
+    csi::NodeStageVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        publish_context: HashMap::from([
+            (DEVICE_PATH_KEY.into(), dev.to_owned()),
+            (BACKING_FILE_KEY.into(), file.to_owned()),
+        ]),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(ext4()),
+        secrets: secrets(kek),
+        volume_context: v.volume_context.clone(),
+    }
+}
+
+/// `s` is FAILED_PRECONDITION saying `says`, and no mapping is open.
+fn refused_opening_nothing(vm: &Vm, s: &tonic::Status, says: &str) {
+    assert_eq!(s.code(), tonic::Code::FailedPrecondition, "{s:?}");
+    assert!(s.message().contains(says), "{}", s.message());
+    assert!(
+        mappings(vm).is_empty(),
+        "nothing opened: {:?}",
+        mappings(vm)
+    );
+}
+
 /// The mappings open in the guest.
 fn mappings(vm: &Vm) -> Vec<String> {
     vm.sh("dmsetup ls --target crypt 2>/dev/null | awk '$1 ~ /^moor-/ {print $1}'; true")
@@ -188,44 +259,10 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
             .await
             .expect("the controller's socket"),
     );
-    let v = ctl
-        .create_volume(csi::CreateVolumeRequest {
-            name: "pvc-tpm2".into(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: 96 * MIB,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![ext4()],
-            parameters: HashMap::from([
-                ("encrypted".into(), "true".into()),
-                ("kmsID".into(), "tpm2".into()),
-            ]),
-            secrets: secrets(&KEK),
-            ..Default::default()
-        })
-        .await
-        .expect("CreateVolume of a tpm2 class")
-        .into_inner()
-        .volume
-        .expect("a volume");
-    let file = moor_lab::vm::embedded_volume_file(&mut ctl, &v, "node-c", ext4()).await;
-    let dev = vm
-        .sh(&format!("losetup -f --show {file}"))
-        .trim()
-        .to_string();
+    let (v, file, dev) = tpm2_volume(&mut ctl, vm, ("pvc-tpm2", 96), &[]).await;
     let staging = sb.staging("pv-tpm2");
     let target = sb.target("pod-a", "pv-tpm2");
-    let stage_req = |kek: &[u8]| csi::NodeStageVolumeRequest {
-        volume_id: v.volume_id.clone(),
-        publish_context: HashMap::from([
-            (DEVICE_PATH_KEY.into(), dev.clone()),
-            (BACKING_FILE_KEY.into(), file.clone()),
-        ]),
-        staging_target_path: staging.display().to_string(),
-        volume_capability: Some(ext4()),
-        secrets: secrets(kek),
-        volume_context: v.volume_context.clone(),
-    };
+    let stage_req = |kek: &[u8]| stage_request(&v, (&dev, &file), &staging, kek);
     let mut node = start_node(sb, vm, log).await;
 
     // First stage: the node's TPM key made, LUKS2 made with both halves, a pod writes.
@@ -292,17 +329,7 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
         .node_stage_volume(stage_req(&KEK))
         .await
         .expect_err("another TPM key");
-    assert_eq!(s.code(), tonic::Code::FailedPrecondition, "{s:?}");
-    assert!(
-        s.message().contains("does not open volume"),
-        "{}",
-        s.message()
-    );
-    assert!(
-        mappings(vm).is_empty(),
-        "nothing opened: {:?}",
-        mappings(vm)
-    );
+    refused_opening_nothing(vm, &s, "does not open volume");
 
     // The node's own key back: both halves, the data is there, nothing formatted again.
     std::fs::remove_dir_all(key_dir(sb)).expect("the other key's blobs");
@@ -387,5 +414,53 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
     );
     unstage(&mut node).await;
     assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
+    sealed_to_a_pcr(sb, vm, &mut ctl, &mut node).await;
     controller.stop().await;
+}
+
+/// A volume of a class sealed to PCR 16 (the debug PCR, which the guest may extend and reset):
+/// it opens while the PCR holds the value it was sealed to, is refused once it is extended
+/// (FAILED_PRECONDITION naming the PCRs, nothing opened), and opens again once it is reset.
+async fn sealed_to_a_pcr(
+    sb: &Sandbox,
+    vm: &Vm,
+    ctl: &mut ControllerClient<Channel>,
+    node: &mut NodeClient<Channel>,
+) {
+    let (v, file, dev) = tpm2_volume(
+        ctl,
+        vm,
+        ("pvc-tpm2-sealed", 64),
+        &[("tpm2PCRs", "sha256:16")],
+    )
+    .await;
+    let staging = sb.staging("pv-tpm2-sealed");
+    let stage_req = stage_request(&v, (&dev, &file), &staging, &KEK);
+    let tpm = "TPM2TOOLS_TCTI=device:/dev/tpmrm0";
+    vm.sh(&format!("{tpm} tpm2_pcrreset 16"));
+    node.node_stage_volume(stage_req.clone())
+        .await
+        .expect("first stage, PCR 16 as sealed");
+    assert!(key_dir(sb).join("hmac-sha256_16.priv").is_file());
+    node.node_unstage_volume(unstage_req(&v.volume_id, &staging))
+        .await
+        .expect("unstage");
+    vm.sh(&format!(
+        "{tpm} tpm2_pcrextend 16:sha256={}",
+        "ab".repeat(32)
+    ));
+    let s = node
+        .node_stage_volume(stage_req.clone())
+        .await
+        .expect_err("PCR 16 changed");
+    refused_opening_nothing(vm, &s, "sealed to the PCRs sha256:16");
+    vm.sh(&format!("{tpm} tpm2_pcrreset 16"));
+    node.node_stage_volume(stage_req)
+        .await
+        .expect("PCR 16 as sealed again");
+    node.node_unstage_volume(unstage_req(&v.volume_id, &staging))
+        .await
+        .expect("unstage");
+    assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
+    vm.sh(&format!("losetup -d {dev}"));
 }
