@@ -26,15 +26,18 @@ pub use moor_runtime::contract::LUKS_KEY_SIZE_KEY as KEY_SIZE_KEY;
 pub use moor_runtime::contract::LUKS_PBKDF_KEY as PBKDF_KEY;
 /// The LUKS sector size in bytes.
 pub use moor_runtime::contract::LUKS_SECTOR_SIZE_KEY as SECTOR_SIZE_KEY;
+/// The PCRs a `tpm2` volume's node half is sealed to.
+pub use moor_runtime::contract::TPM2_PCRS_KEY;
 
 /// The parameters that say how a volume is encrypted.
-const ENCRYPTION_KEYS: [&str; 6] = [
+const ENCRYPTION_KEYS: [&str; 7] = [
     ENCRYPTED_KEY,
     KMS_ID_KEY,
     CIPHER_KEY,
     KEY_SIZE_KEY,
     SECTOR_SIZE_KEY,
     PBKDF_KEY,
+    TPM2_PCRS_KEY,
 ];
 
 /// The key sources this driver knows (`moor_runtime::keys::source`): the Kubernetes Secret
@@ -94,6 +97,8 @@ pub struct Encryption {
     pub sector_size: u32,
     /// The PBKDF.
     pub pbkdf: &'static str,
+    /// The PCRs a `tpm2` volume's node half is sealed to (`tpm2PCRs`, in its one form).
+    pub tpm2_pcrs: Option<String>,
 }
 
 impl Encryption {
@@ -110,6 +115,7 @@ impl Encryption {
             (PBKDF_KEY, self.pbkdf.to_owned()),
         ]
         .into_iter()
+        .chain(self.tpm2_pcrs.clone().map(|p| (TPM2_PCRS_KEY, p)))
         .map(|(k, v)| (k.to_owned(), v))
         .collect()
     }
@@ -143,9 +149,10 @@ fn one_of<T: Copy + std::fmt::Display + PartialEq>(
 /// is not encrypted) and the other parameters, for the backend. INVALID_ARGUMENT names the
 /// parameter that is wrong: an `encrypted` other than `"true"` or `"false"`, no `kmsID` or an
 /// unknown one, a cipher, key size, sector size or PBKDF moor does not take, a key size the
-/// cipher does not take, any of them on a volume that is not encrypted.
+/// cipher does not take, a `tpm2PCRs` that is not a PCR selection or is given with another
+/// `kmsID` than `tpm2`, any of them on a volume that is not encrypted.
 pub fn split(raw: &Parameters) -> Result<(Option<Encryption>, Parameters)> {
-    const KEYS: [&str; 6] = ENCRYPTION_KEYS;
+    const KEYS: [&str; 7] = ENCRYPTION_KEYS;
     let rest: Parameters = raw
         .iter()
         .filter(|(k, _)| !KEYS.contains(&k.as_str()))
@@ -191,6 +198,19 @@ pub fn split(raw: &Parameters) -> Result<(Option<Encryption>, Parameters)> {
         PBKDFS.iter().copied().find(|p| *p == v)
     })?
     .unwrap_or_default();
+    let tpm2_pcrs = match raw.get(TPM2_PCRS_KEY) {
+        None => None,
+        Some(v) if kms_id != moor_runtime::keys::source::KMS_TPM2 => {
+            return Err(bad(TPM2_PCRS_KEY, v, "only with kmsID=\"tpm2\""));
+        }
+        Some(v) => Some(moor_runtime::keys::tpm2::pcr_selection(v).map_err(|_| {
+            bad(
+                TPM2_PCRS_KEY,
+                v,
+                "<bank>:<index>[,<index>...], the bank sha1, sha256 or sha384, indices 0 to 23",
+            )
+        })?),
+    };
     Ok((
         Some(Encryption {
             kms_id: kms_id.clone(),
@@ -198,6 +218,7 @@ pub fn split(raw: &Parameters) -> Result<(Option<Encryption>, Parameters)> {
             key_size,
             sector_size,
             pbkdf,
+            tpm2_pcrs,
         }),
         rest,
     ))

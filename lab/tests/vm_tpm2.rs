@@ -11,7 +11,12 @@
 //! * with the cluster half but another TPM key (the node's key blobs moved away: the node makes
 //!   a new key in its TPM, as a node with another TPM would have) nothing opens: cryptsetup
 //!   refuses the passphrase, FAILED_PRECONDITION;
-//! * the blobs back, it opens again with its data.
+//! * the blobs back, it opens again with its data;
+//! * grown (ControllerExpandVolume, then NodeExpandVolume with the node-expand secret): the
+//!   mapping takes the device's new size with both halves, then the filesystem; without the
+//!   secret INVALID_ARGUMENT, with a wrong cluster KEK FAILED_PRECONDITION, nothing grown;
+//! * a volume of a class sealed to PCR 16 (`tpm2PCRs`) opens while the PCR is as sealed, is
+//!   refused once the guest extends it, and opens again once it is reset.
 //!
 //! Needs the VM lab, swtpm and tpm2-tools (Debian: `swtpm`, `tpm2-tools`; the guest runs the
 //! host's tools); skipped, with the reason, without them.
@@ -40,6 +45,8 @@ const PATTERN: &str = "MOOR-TPM2-LAB-PLAINTEXT-7d30b2";
 /// The cluster KEK, and one that is not it.
 const KEK: [u8; 32] = [0x24; 32];
 const WRONG_KEK: [u8; 32] = [0x25; 32];
+/// The volume's size once grown, in MiB (made with 96).
+const GROWN_MIB: i64 = 192;
 /// How long swtpm may take to make its socket.
 const SWTPM_DEADLINE: Duration = Duration::from_secs(60);
 
@@ -151,6 +158,85 @@ async fn start_node(sb: &Sandbox, vm: &Vm, log: &Path) -> NodeClient<Channel> {
     .await
 }
 
+/// The size of the filesystem mounted at `at` in the guest, in MiB.
+fn fs_mib(vm: &Vm, at: &Path) -> i64 {
+    let out = vm.sh(&format!("stat -f -c '%b %S' {}", at.display()));
+    let mut it = out
+        .split_whitespace()
+        .map(|v| v.parse::<i64>().expect("stat -f"));
+    let (blocks, size) = (it.next().expect("blocks"), it.next().expect("size"));
+    blocks * size / MIB
+}
+
+/// A volume of a `tpm2` class (and `more` parameters) named and sized (MiB) as `(name, mib)`,
+/// made by the controller, its file attached in the guest: the volume, its file, its device.
+async fn tpm2_volume(
+    ctl: &mut ControllerClient<Channel>,
+    vm: &Vm,
+    (name, mib): (&str, i64),
+    more: &[(&str, &str)],
+) -> (csi::Volume, String, String) {
+    let mut parameters = HashMap::from([
+        ("encrypted".to_owned(), "true".to_owned()),
+        ("kmsID".to_owned(), "tpm2".to_owned()),
+    ]);
+    parameters.extend(more.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    let v = ctl
+        .create_volume(csi::CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: mib * MIB,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![ext4()],
+            parameters,
+            secrets: secrets(&KEK),
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume of a tpm2 class")
+        .into_inner()
+        .volume
+        .expect("a volume");
+    let file = moor_lab::vm::embedded_volume_file(ctl, &v, "node-c", ext4()).await;
+    let dev = vm
+        .sh(&format!("losetup -f --show {file}"))
+        .trim()
+        .to_string();
+    (v, file, dev)
+}
+
+/// NodeStageVolume of `v` on its `(device, file)` at `staging`, the stage secret's KEK `kek`.
+fn stage_request(
+    v: &csi::Volume,
+    (dev, file): (&str, &str),
+    staging: &Path,
+    kek: &[u8],
+) -> csi::NodeStageVolumeRequest {
+    csi::NodeStageVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        publish_context: HashMap::from([
+            (DEVICE_PATH_KEY.into(), dev.to_owned()),
+            (BACKING_FILE_KEY.into(), file.to_owned()),
+        ]),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(ext4()),
+        secrets: secrets(kek),
+        volume_context: v.volume_context.clone(),
+    }
+}
+
+/// `s` is FAILED_PRECONDITION saying `says`, and no mapping is open.
+fn refused_opening_nothing(vm: &Vm, s: &tonic::Status, says: &str) {
+    assert_eq!(s.code(), tonic::Code::FailedPrecondition, "{s:?}");
+    assert!(s.message().contains(says), "{}", s.message());
+    assert!(
+        mappings(vm).is_empty(),
+        "nothing opened: {:?}",
+        mappings(vm)
+    );
+}
+
 /// The mappings open in the guest.
 fn mappings(vm: &Vm) -> Vec<String> {
     vm.sh("dmsetup ls --target crypt 2>/dev/null | awk '$1 ~ /^moor-/ {print $1}'; true")
@@ -173,44 +259,10 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
             .await
             .expect("the controller's socket"),
     );
-    let v = ctl
-        .create_volume(csi::CreateVolumeRequest {
-            name: "pvc-tpm2".into(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: 96 * MIB,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![ext4()],
-            parameters: HashMap::from([
-                ("encrypted".into(), "true".into()),
-                ("kmsID".into(), "tpm2".into()),
-            ]),
-            secrets: secrets(&KEK),
-            ..Default::default()
-        })
-        .await
-        .expect("CreateVolume of a tpm2 class")
-        .into_inner()
-        .volume
-        .expect("a volume");
-    let file = moor_lab::vm::embedded_volume_file(&mut ctl, &v, "node-c", ext4()).await;
-    let dev = vm
-        .sh(&format!("losetup -f --show {file}"))
-        .trim()
-        .to_string();
+    let (v, file, dev) = tpm2_volume(&mut ctl, vm, ("pvc-tpm2", 96), &[]).await;
     let staging = sb.staging("pv-tpm2");
     let target = sb.target("pod-a", "pv-tpm2");
-    let stage_req = |kek: &[u8]| csi::NodeStageVolumeRequest {
-        volume_id: v.volume_id.clone(),
-        publish_context: HashMap::from([
-            (DEVICE_PATH_KEY.into(), dev.clone()),
-            (BACKING_FILE_KEY.into(), file.clone()),
-        ]),
-        staging_target_path: staging.display().to_string(),
-        volume_capability: Some(ext4()),
-        secrets: secrets(kek),
-        volume_context: v.volume_context.clone(),
-    };
+    let stage_req = |kek: &[u8]| stage_request(&v, (&dev, &file), &staging, kek);
     let mut node = start_node(sb, vm, log).await;
 
     // First stage: the node's TPM key made, LUKS2 made with both halves, a pod writes.
@@ -277,17 +329,7 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
         .node_stage_volume(stage_req(&KEK))
         .await
         .expect_err("another TPM key");
-    assert_eq!(s.code(), tonic::Code::FailedPrecondition, "{s:?}");
-    assert!(
-        s.message().contains("does not open volume"),
-        "{}",
-        s.message()
-    );
-    assert!(
-        mappings(vm).is_empty(),
-        "nothing opened: {:?}",
-        mappings(vm)
-    );
+    refused_opening_nothing(vm, &s, "does not open volume");
 
     // The node's own key back: both halves, the data is there, nothing formatted again.
     std::fs::remove_dir_all(key_dir(sb)).expect("the other key's blobs");
@@ -308,7 +350,117 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
         .filter(|l| l.contains("formatted as LUKS2"))
         .count();
     assert_eq!(formats, 1, "one luksFormat in the volume's life");
+
+    // Growth: the controller grows the volume's file, the loop device takes its size, and
+    // NodeExpandVolume grows the mapping with both halves (the node-expand secret's cluster
+    // half, this node's TPM), then the filesystem.
+    ctl.controller_expand_volume(csi::ControllerExpandVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: GROWN_MIB * MIB,
+            limit_bytes: 0,
+        }),
+        secrets: secrets(&KEK),
+        volume_capability: Some(ext4()),
+    })
+    .await
+    .expect("ControllerExpandVolume");
+    // The guest's view of the shared file may be the size it cached: set to the grown size
+    // (the controller's already), then the loop device told, as moor's local attacher does.
+    vm.sh(&format!(
+        "truncate -s {} {file} && losetup -c {dev}",
+        GROWN_MIB * MIB
+    ));
+    assert_eq!(
+        vm.sh(&format!("blockdev --getsize64 {dev}")).trim(),
+        (GROWN_MIB * MIB).to_string(),
+        "the loop device has the grown size"
+    );
+    let before = fs_mib(vm, &target);
+    let expand_req = |secrets: HashMap<String, String>| csi::NodeExpandVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        volume_path: target.display().to_string(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: GROWN_MIB * MIB,
+            limit_bytes: 0,
+        }),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(ext4()),
+        secrets,
+    };
+    let s = node
+        .node_expand_volume(expand_req(HashMap::new()))
+        .await
+        .expect_err("no node-expand secret");
+    assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
+    let s = node
+        .node_expand_volume(expand_req(secrets(&WRONG_KEK)))
+        .await
+        .expect_err("a wrong cluster KEK");
+    assert_eq!(s.code(), tonic::Code::FailedPrecondition, "{s:?}");
+    assert_eq!(fs_mib(vm, &target), before, "nothing grown");
+    node.node_expand_volume(expand_req(secrets(&KEK)))
+        .await
+        .expect("NodeExpandVolume of a tpm2 volume");
+    let after = fs_mib(vm, &target);
+    eprintln!("vm_tpm2: the filesystem grew from {before} MiB to {after} MiB");
+    assert!(
+        after >= before + (GROWN_MIB - 96) / 2,
+        "the filesystem grew from {before} MiB to {after} MiB only"
+    );
+    assert_eq!(
+        vm.sh(&format!("grep -c {PATTERN} {written}")).trim(),
+        "2000"
+    );
     unstage(&mut node).await;
     assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
+    sealed_to_a_pcr(sb, vm, &mut ctl, &mut node).await;
     controller.stop().await;
+}
+
+/// A volume of a class sealed to PCR 16 (the debug PCR, which the guest may extend and reset):
+/// it opens while the PCR holds the value it was sealed to, is refused once it is extended
+/// (FAILED_PRECONDITION naming the PCRs, nothing opened), and opens again once it is reset.
+async fn sealed_to_a_pcr(
+    sb: &Sandbox,
+    vm: &Vm,
+    ctl: &mut ControllerClient<Channel>,
+    node: &mut NodeClient<Channel>,
+) {
+    let (v, file, dev) = tpm2_volume(
+        ctl,
+        vm,
+        ("pvc-tpm2-sealed", 64),
+        &[("tpm2PCRs", "sha256:16")],
+    )
+    .await;
+    let staging = sb.staging("pv-tpm2-sealed");
+    let stage_req = stage_request(&v, (&dev, &file), &staging, &KEK);
+    let tpm = "TPM2TOOLS_TCTI=device:/dev/tpmrm0";
+    vm.sh(&format!("{tpm} tpm2_pcrreset 16"));
+    node.node_stage_volume(stage_req.clone())
+        .await
+        .expect("first stage, PCR 16 as sealed");
+    assert!(key_dir(sb).join("hmac-sha256_16.priv").is_file());
+    node.node_unstage_volume(unstage_req(&v.volume_id, &staging))
+        .await
+        .expect("unstage");
+    vm.sh(&format!(
+        "{tpm} tpm2_pcrextend 16:sha256={}",
+        "ab".repeat(32)
+    ));
+    let s = node
+        .node_stage_volume(stage_req.clone())
+        .await
+        .expect_err("PCR 16 changed");
+    refused_opening_nothing(vm, &s, "sealed to the PCRs sha256:16");
+    vm.sh(&format!("{tpm} tpm2_pcrreset 16"));
+    node.node_stage_volume(stage_req)
+        .await
+        .expect("PCR 16 as sealed again");
+    node.node_unstage_volume(unstage_req(&v.volume_id, &staging))
+        .await
+        .expect("unstage");
+    assert!(mappings(vm).is_empty(), "{:?}", mappings(vm));
+    vm.sh(&format!("losetup -d {dev}"));
 }

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use moor_proto::csi::v1 as csi;
+use moor_runtime::keys::tpm2::{Tpm, Tpm2Tools};
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
@@ -212,6 +213,19 @@ pub struct NodeService<O: Os> {
     local: Option<Arc<dyn LocalController>>,
     /// Whether NodeGetCapabilities announces CSI 1.13's health calls.
     health_capabilities: bool,
+    /// This node's TPM, for the node half of `tpm2` volumes: one for the process, so that
+    /// its calls take turns (`Tpm2Tools` holds one conversation at a time).
+    tpm: NodeTpm,
+}
+
+/// The node's TPM, shared by the calls.
+#[derive(Clone)]
+struct NodeTpm(Arc<dyn Tpm>);
+
+impl std::fmt::Debug for NodeTpm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NodeTpm")
+    }
 }
 
 impl<O: Os> NodeService<O> {
@@ -222,7 +236,16 @@ impl<O: Os> NodeService<O> {
             info,
             local: None,
             health_capabilities: false,
+            tpm: NodeTpm(Arc::new(Tpm2Tools::from_env())),
         }
+    }
+
+    /// The node half of `tpm2` volumes from `tpm` rather than the TPM moor-node finds
+    /// ([`Tpm2Tools::from_env`]).
+    #[must_use]
+    pub fn with_tpm(mut self, tpm: Arc<dyn Tpm>) -> Self {
+        self.tpm = NodeTpm(tpm);
+        self
     }
 
     /// Announces CSI 1.13's GET_VOLUME_HEALTH and GET_STORAGE_HEALTH in NodeGetCapabilities
@@ -255,6 +278,7 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         let dir = self.kubelet_dir();
         let local = self.local.clone();
         let node_id = self.info.node_id.clone();
+        let tpm = Arc::clone(&self.tpm.0);
         traced("NodeStageVolume", req.volume_id.clone(), async move {
             // A node-local volume: the controller on this node attaches it, as a CO's attach
             // would have, once the rest of the request holds.
@@ -278,9 +302,9 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
             // unwraps: off the server's thread, as mount and mkfs are.
             let v = if validate::asks_a_key_source(&req.volume_context) {
                 let (req, dir) = (req.clone(), dir.clone());
-                blocking(move || validate::stage(&req, &dir)).await?
+                blocking(move || validate::stage_with_tpm(&req, &dir, &*tpm)).await?
             } else {
-                validate::stage(&req, &dir)?
+                validate::stage_with_tpm(&req, &dir, &*tpm)?
             };
             let rbd = crate::attach::request::stage(&req)?;
             let journal = Arc::clone(engine.journal());
@@ -447,8 +471,17 @@ impl<O: Os> csi::node_server::Node for NodeService<O> {
         let engine = Arc::clone(&self.engine);
         let dir = self.kubelet_dir();
         let local = self.local.clone();
+        let tpm = Arc::clone(&self.tpm.0);
         traced("NodeExpandVolume", req.volume_id.clone(), async move {
-            let v = validate::expand(&req, &dir)?;
+            let mut v = validate::expand(&req, &dir)?;
+            // An encrypted volume's key, got as its stage got it, by the source its journal
+            // record names (a key server or the TPM blocks: off the server's thread).
+            if let Some(crypt) = engine.journal().get(&v.volume_id).and_then(|r| r.crypt) {
+                let asks = validate::expand_asks_a_key_source(&crypt, &req.secrets);
+                let (id, secrets) = (v.volume_id.clone(), req.secrets.clone());
+                let key = move || validate::expand_key(&id, &crypt, &secrets, &*tpm);
+                v.key = Some(if asks { blocking(key).await? } else { key()? });
+            }
             // A node-local volume grows first where it lives: its file, by the controller on
             // this node (which tells the device); then its filesystem, as any volume's.
             if let Some(local) = &local {

@@ -16,17 +16,17 @@ use moor_runtime::contract::{
     ENCRYPTED_DEK_PENDING_FIELD, ENCRYPTED_DEK_PENDING_KEY, ENCRYPTED_FIELD, ENCRYPTED_KEY,
     Filesystem, KMS_ID_KEY, LUKS_CIPHER_KEY, LUKS_KEY_SIZE_KEY, LUKS_PBKDF_KEY,
     LUKS_SECTOR_SIZE_KEY, PUBLISHED_DEK_FIELD, QOS_LIMITS_FIELD, QOS_LIMITS_KEY, QosLimits,
-    qos_from_context,
+    TPM2_PCRS_KEY, qos_from_context,
 };
-use moor_runtime::keys::source::{KMS_IDS, KMS_TPM2, KeySource};
-use moor_runtime::keys::tpm2::{self, Tpm2Tools};
-use moor_runtime::keys::{
-    KeyError, SECRET_KEK_ID_KEY, SECRET_KEK_KEY, WrappedDek, kek_from_secret,
-};
+use moor_runtime::keys::kmip::KMIP_ENDPOINT_KEY;
+use moor_runtime::keys::source::{KMS_IDS, KMS_KMIP, KMS_SECRET, KMS_TPM2, KeySource};
+use moor_runtime::keys::tpm2::{self, Tpm, Tpm2Tools};
+use moor_runtime::keys::{KeyError, WrappedDek};
 use moor_runtime::limits::{self, trunc};
 
 use crate::engine::{
-    Access, Capability, Encryption, Expand, HealthQuery, Publish, Stage, Stats, Unpublish, Unstage,
+    Access, Capability, Encryption, Expand, ExpandKey, HealthQuery, Publish, Stage, Stats,
+    Unpublish, Unstage,
 };
 use crate::error::{Error, Result};
 use crate::mount_options;
@@ -237,6 +237,8 @@ struct EncryptedContext<'a> {
     key_size: u32,
     sector_size: u32,
     pbkdf: &'a str,
+    /// The PCRs a `tpm2` volume's node half is sealed to, checked, if any.
+    tpm2_pcrs: Option<String>,
 }
 
 /// The volume context's encryption keys, checked: `encrypted` `"true"` or `"false"`, and for
@@ -311,8 +313,21 @@ fn encrypted_context<'a>(
     }
     wrapped.push(given);
     wrapped.dedup_by(|a, b| a.encode() == b.encode());
+    let tpm2_pcrs = match ctx.get(TPM2_PCRS_KEY) {
+        None => None,
+        Some(_) if kms != KMS_TPM2 => {
+            return Err(Error::invalid(
+                "volume_context",
+                format!("{TPM2_PCRS_KEY}: only for a volume of the {KMS_TPM2:?} key source"),
+            ));
+        }
+        Some(v) => Some(
+            tpm2::pcr_selection(v).map_err(|e| Error::invalid("volume_context", e.to_string()))?,
+        ),
+    };
     Ok(Some(EncryptedContext {
         kms,
+        tpm2_pcrs,
         wrapped,
         cipher: word(LUKS_CIPHER_KEY)?,
         key_size: number(LUKS_KEY_SIZE_KEY)?,
@@ -321,39 +336,68 @@ fn encrypted_context<'a>(
     }))
 }
 
-/// An encrypted volume's data key, unwrapped by the key source its `kmsID` names, configured
-/// by the stage secrets (the StorageClass's node-stage secret); for `tpm2`, combined with this
-/// node's TPM half. A secret without a field the source needs, or a malformed one:
-/// INVALID_ARGUMENT naming the secrets key (a required field of the request is missing). A
-/// key server or TPM that cannot be reached: UNAVAILABLE. A well-formed key that does not
-/// unwrap the volume's data key (another KEK, a wrapped key of another volume, a damaged one,
-/// a key server's refusal): FAILED_PRECONDITION, naming the key's id, never a byte.
-fn encryption(
-    volume_id: &str,
-    ctx: EncryptedContext<'_>,
+/// Which CSI secret configures the key source, for errors.
+#[derive(Debug, Clone, Copy)]
+enum KeyCall {
+    /// NodeStageVolume: opens (and makes the node's TPM key at the first `tpm2` stage).
+    Stage,
+    /// NodeExpandVolume: resizes (never makes a TPM key: a node without one never opened the
+    /// volume).
+    Expand,
+}
+
+impl KeyCall {
+    fn secret(self) -> &'static str {
+        match self {
+            Self::Stage => "node-stage secret (csi.storage.k8s.io/node-stage-secret-name)",
+            Self::Expand => "node-expand secret (csi.storage.k8s.io/node-expand-secret-name)",
+        }
+    }
+
+    fn nothing(self) -> &'static str {
+        match self {
+            Self::Stage => "nothing was opened",
+            Self::Expand => "nothing was resized",
+        }
+    }
+}
+
+/// An encrypted volume's key: the first of the data keys `wrapped` that the key source `kms`
+/// names unwraps (its index returned), configured by `secrets`; for `tpm2`, combined with
+/// this node's TPM half (`tpm`).
+/// The one way both stage and expand get it, with the same codes. A secret without a field
+/// the source needs, or a malformed one: INVALID_ARGUMENT naming the secrets key (a required
+/// field of the request is missing). A key server or TPM that cannot be reached (or hangs
+/// past its deadline): UNAVAILABLE. A well-formed key that does not unwrap the volume's data
+/// key (another KEK, a wrapped key of another volume, a damaged one, a key server's refusal,
+/// a node without its TPM key): FAILED_PRECONDITION, naming the key's id, never a byte.
+fn data_key(
+    (volume_id, kms, wrapped): (&str, &str, &[WrappedDek]),
+    pcrs: Option<&str>,
     secrets: &HashMap<String, String>,
-) -> Result<Encryption> {
+    tpm: &dyn Tpm,
+    call: KeyCall,
+) -> Result<(usize, moor_runtime::keys::Dek, KeySource)> {
     let source =
-        KeySource::from_secrets(ctx.kms, |k| secrets.get(k).map(String::as_str)).map_err(|e| {
+        KeySource::from_secrets(kms, |k| secrets.get(k).map(String::as_str)).map_err(|e| {
             Error::invalid(
                 "secrets",
                 format!(
-                    "{e}: an encrypted volume's node-stage secret \
-                     (csi.storage.k8s.io/node-stage-secret-name) configures its key source {:?}",
-                    ctx.kms
+                    "{e}: an encrypted volume's {} configures its key source {kms:?}",
+                    call.secret()
                 ),
             )
         })?;
     let refused = |e: KeyError| match e {
-        KeyError::Unavailable(m) => Error::Unavailable(format!("{m}; nothing was opened")),
-        e => Error::FailedPrecondition(format!("{e}; nothing was opened")),
+        KeyError::Unavailable(m) => Error::Unavailable(format!("{m}; {}", call.nothing())),
+        e => Error::FailedPrecondition(format!("{e}; {}", call.nothing())),
     };
     // The first key the source unwraps is the one the open tries first; the others are tried
     // after it (a rotation's other key, the volume context's when the record's is under
     // another key-encryption key). None unwraps: the first one's refusal.
     let mut first_refusal = None;
     let mut unwrapped = None;
-    for (i, w) in ctx.wrapped.iter().enumerate() {
+    for (i, w) in wrapped.iter().enumerate() {
         match source.unwrap(w, volume_id) {
             Ok(dek) => {
                 unwrapped = Some((i, dek));
@@ -370,14 +414,39 @@ fn encryption(
             KeyError::Damaged("no wrapped data key".into())
         })));
     };
+    if kms == KMS_TPM2 {
+        // The node's half: this node's TPM (its key made at the first stage), its key sealed
+        // to the volume's PCRs when it names some.
+        let sealed = pcrs
+            .map(|p| tpm.sealed_to(p))
+            .transpose()
+            .map_err(refused)?;
+        let tpm = sealed.as_deref().unwrap_or(tpm);
+        if matches!(call, KeyCall::Stage) {
+            tpm.ensure_key().map_err(refused)?;
+        }
+        dek = tpm2::combine(&dek, tpm, volume_id).map_err(refused)?;
+    }
+    Ok((chosen, dek, source))
+}
+
+/// An encrypted volume's data key, as [`data_key`] gets it with the stage secrets (the
+/// StorageClass's node-stage secret), and how to open the volume.
+fn encryption(
+    volume_id: &str,
+    ctx: EncryptedContext<'_>,
+    secrets: &HashMap<String, String>,
+    tpm: &dyn Tpm,
+) -> Result<Encryption> {
+    let (chosen, dek, source) = data_key(
+        (volume_id, ctx.kms, &ctx.wrapped),
+        ctx.tpm2_pcrs.as_deref(),
+        secrets,
+        tpm,
+        KeyCall::Stage,
+    )?;
     let mut others = ctx.wrapped;
     let wrapped = others.remove(chosen);
-    if ctx.kms == KMS_TPM2 {
-        // The node's half: this node's TPM (its key made at the first use).
-        let tpm = Tpm2Tools::from_env();
-        tpm.ensure_key().map_err(refused)?;
-        dek = tpm2::combine(&dek, &tpm, volume_id).map_err(refused)?;
-    }
     Ok(Encryption {
         key: std::sync::Arc::new(dek),
         wrapped,
@@ -388,7 +457,63 @@ fn encryption(
         key_size: ctx.key_size,
         sector_size: ctx.sector_size,
         pbkdf: ctx.pbkdf.to_owned(),
+        kms_id: ctx.kms.to_owned(),
+        tpm2_pcrs: ctx.tpm2_pcrs,
     })
+}
+
+/// NodeExpandVolume of an encrypted volume: the key of its mapping (`crypt`, the journal's
+/// record), got as its stage got it ([`data_key`]) with the request's secrets (the
+/// StorageClass's node-expand secret), from the wrapped data key the journal keeps, by the
+/// key source the journal names. A record from before the source was kept: a KMIP server's
+/// when the secrets name one, else a Secret's KEK. It asks a key server or the TPM, and so
+/// blocks, for `kmip` and `tpm2`.
+pub fn expand_key(
+    volume_id: &str,
+    crypt: &crate::journal::CryptRecord,
+    secrets: &HashMap<String, String>,
+    tpm: &dyn Tpm,
+) -> Result<ExpandKey> {
+    let text = crypt.wrapped_dek.as_deref().ok_or_else(|| {
+        Error::FailedPrecondition(format!(
+            "volume {volume_id:?}: the journal has no wrapped data key of its mapping; stage \
+             it again to record one; nothing was resized"
+        ))
+    })?;
+    let wrapped = WrappedDek::decode(text)
+        .map_err(|e| Error::FailedPrecondition(format!("volume {volume_id:?}: {e}")))?;
+    let kms = crypt.kms_id.as_deref().unwrap_or_else(|| {
+        if secrets.contains_key(KMIP_ENDPOINT_KEY) {
+            KMS_KMIP
+        } else {
+            KMS_SECRET
+        }
+    });
+    let (_, dek, source) = data_key(
+        (volume_id, kms, std::slice::from_ref(&wrapped)),
+        crypt.tpm2_pcrs.as_deref(),
+        secrets,
+        tpm,
+        KeyCall::Expand,
+    )?;
+    Ok(ExpandKey {
+        key: std::sync::Arc::new(dek),
+        wrapped: text.to_owned(),
+        kek_id: source.kek_id().to_owned(),
+    })
+}
+
+/// Whether NodeExpandVolume of a volume with this mapping record asks a key server or the
+/// node's TPM for its key (and so blocks).
+#[must_use]
+pub fn expand_asks_a_key_source(
+    crypt: &crate::journal::CryptRecord,
+    secrets: &HashMap<String, String>,
+) -> bool {
+    crypt.kms_id.as_deref().map_or_else(
+        || secrets.contains_key(KMIP_ENDPOINT_KEY),
+        |k| k != KMS_SECRET,
+    )
 }
 
 /// Whether the stage of a volume with this context asks a key server or the node's TPM for
@@ -401,12 +526,22 @@ pub fn asks_a_key_source(ctx: &HashMap<String, String>) -> bool {
             .is_some_and(|k| k != moor_runtime::keys::source::KMS_SECRET)
 }
 
-/// Validates NodeStageVolume.
+/// Validates NodeStageVolume (an encrypted volume's TPM half, for `tpm2`, from this node's
+/// TPM as moor-node finds it: [`Tpm2Tools::from_env`]).
 pub fn stage(req: &csi::NodeStageVolumeRequest, kubelet_dir: &Path) -> Result<Stage> {
+    stage_with_tpm(req, kubelet_dir, &Tpm2Tools::from_env())
+}
+
+/// Validates NodeStageVolume, an encrypted `tpm2` volume's node half from `tpm`.
+pub fn stage_with_tpm(
+    req: &csi::NodeStageVolumeRequest,
+    kubelet_dir: &Path,
+    tpm: &dyn Tpm,
+) -> Result<Stage> {
     let (volume_id, staging, cap) = stage_but_device(req, kubelet_dir)?;
     let (device, identity) = device_identity(&req.publish_context, kubelet_dir)?;
     let encryption = encrypted_context(&req.volume_context, &req.publish_context)?
-        .map(|ctx| encryption(&volume_id, ctx, &req.secrets))
+        .map(|ctx| encryption(&volume_id, ctx, &req.secrets, tpm))
         .transpose()?;
     Ok(Stage {
         volume_id,
@@ -606,24 +741,14 @@ pub fn expand(req: &csi::NodeExpandVolumeRequest, kubelet_dir: &Path) -> Result<
         None => None,
         Some(c) => Some(capability(Some(c))?),
     };
-    // An encrypted volume's KEK (the StorageClass's node-expand secret): its mapping grows
-    // only with its key. Secrets that hold none are another driver's business.
-    let kek = if req.secrets.contains_key(SECRET_KEK_KEY)
-        || req.secrets.contains_key(SECRET_KEK_ID_KEY)
-    {
-        Some(std::sync::Arc::new(
-            kek_from_secret(|k| req.secrets.get(k).map(String::as_str))
-                .map_err(|e| Error::invalid("secrets", e.to_string()))?,
-        ))
-    } else {
-        None
-    };
+    // An encrypted volume's key (its mapping grows only with it) is got from the secrets by
+    // `expand_key`, once the journal says the volume has a mapping and by which source.
     // Last: a malformed field is INVALID_ARGUMENT even when the volume is not there.
     let path = volume_path(&volume_id, &req.volume_path, kubelet_dir)?;
     Ok(Expand {
         volume_id,
         path,
-        kek,
+        key: None,
         staging,
         required_bytes,
         limit_bytes,

@@ -14,6 +14,7 @@ pub mod client;
 pub mod gosym;
 pub mod idmap;
 pub mod kubelet_calls;
+pub mod luks;
 pub mod pathgrpc;
 pub mod requests;
 

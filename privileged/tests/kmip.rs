@@ -2,7 +2,9 @@
 //! and client certificates this test makes (openssl). moor creates and activates a KEK on the
 //! server, wraps a DEK through it and unwraps it for its volume only; the server's refusals
 //! (another volume's record, an unknown key) are `Refused`, a server that is gone is
-//! `Unavailable`.
+//! `Unavailable`. NodeExpandVolume's key of a `kmip` volume (`validate::expand_key`) is the
+//! key its stage made the LUKS header with (the real cryptsetup's `--test-passphrase`; the
+//! mapping's resize needs dm-crypt, not in this host's kernel).
 //!
 //! Needs the server (`bash .ci/pykmip` installs it from PyPI and prints
 //! `MOOR_PYKMIP_SERVER=...`; the default place is looked at too) and the `openssl` program;
@@ -16,10 +18,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use moor_node::validate;
+use moor_privileged::luks;
 use moor_runtime::keys::kmip::{
     self, KMIP_CA_CERT_KEY, KMIP_CLIENT_CERT_KEY, KMIP_CLIENT_KEY_KEY, KMIP_ENDPOINT_KEY,
     KMIP_TLS_SERVER_NAME_KEY, KMIP_UNIQUE_IDENTIFIER_KEY, KmipConfig,
 };
+use moor_runtime::keys::tpm2::Tpm2Tools;
 use moor_runtime::keys::{Dek, KeyError};
 
 /// Where `.ci/pykmip` puts the server when not told otherwise.
@@ -165,7 +170,10 @@ impl Server {
 
     /// Certificates made, the server started, and listening.
     fn start(program: &Path) -> Self {
-        let dir = std::env::temp_dir().join(format!("moor-kmip-{}", std::process::id()));
+        // One dir per server: the tests of this file run at once.
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("moor-kmip-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("policies")).expect("test dir");
         // A free port: bound, read, released (the server binds it right after).
@@ -246,19 +254,28 @@ impl Server {
     }
 }
 
-#[test]
-fn pykmip_wraps_and_unwraps_a_dek_and_refuses_what_it_must() {
+/// A server holding a KEK moor made on it, and the KEK's id; None (the test skipped, saying
+/// why) without the server program.
+fn server_with_kek() -> Option<(Server, String)> {
     let program = match server_program() {
         Ok(p) => p,
         Err(why) => {
             eprintln!("skipped: {why}");
-            return;
+            return None;
         }
     };
-    let mut server = Server::start(&program);
+    let server = Server::start(&program);
     let maker = server.config("client", "unset");
     let kek_id =
         kmip::create_kek(&mut maker.connect().expect("connect")).expect("a KEK on the server");
+    Some((server, kek_id))
+}
+
+#[test]
+fn pykmip_wraps_and_unwraps_a_dek_and_refuses_what_it_must() {
+    let Some((mut server, kek_id)) = server_with_kek() else {
+        return;
+    };
     let config = server.config("client", &kek_id);
 
     let dek = Dek::generate().expect("dek");
@@ -293,4 +310,53 @@ fn pykmip_wraps_and_unwraps_a_dek_and_refuses_what_it_must() {
         matches!(&e, KeyError::Unavailable(m) if m.contains(&format!("127.0.0.1:{}", server.port))),
         "{e:?}"
     );
+}
+
+#[test]
+fn a_kmip_volume_grows_with_the_key_its_stage_opened_with() {
+    let Some((mut server, kek_id)) = server_with_kek() else {
+        return;
+    };
+    let secrets: HashMap<String, String> = server
+        .secrets("client", &kek_id)
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+    let dek = Dek::generate().expect("dek");
+    let wrapped = server
+        .config("client", &kek_id)
+        .wrap(&dek, "vol-1")
+        .expect("wrap")
+        .encode();
+    // The first stage: the key the server unwraps makes the LUKS header.
+    let req = luks::encrypted_stage_req("vol-1", "kmip", &wrapped, &secrets);
+    let tpm = Tpm2Tools::from_env();
+    let header = server.dir.join("luks.img");
+    luks::luks_format(&header, &luks::stage_key(&req, &tpm));
+
+    // NodeExpandVolume with the node-expand secret (the same KMIP configuration): the server
+    // unwraps the journal's wrapped key, and it opens the header; a record from before the
+    // source was kept finds the server by the secrets.
+    for kms in [Some("kmip"), None] {
+        let record = luks::crypt_record("vol-1", kms, &wrapped);
+        let key = validate::expand_key("vol-1", &record, &secrets, &tpm).expect("expand key");
+        assert!(luks::opens(&header, key.key.expose()), "{kms:?}");
+        assert_eq!(key.kek_id, kek_id);
+    }
+    let record = luks::crypt_record("vol-1", Some("kmip"), &wrapped);
+    // A Secret's KEK in its place: INVALID_ARGUMENT naming the field the source needs.
+    let not_kmip: HashMap<String, String> = moor_runtime::keys::secret_entries("k", &[1; 32])
+        .into_iter()
+        .collect();
+    let e = validate::expand_key("vol-1", &record, &not_kmip, &tpm).expect_err("a Secret");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    assert!(e.to_string().contains(KMIP_ENDPOINT_KEY), "{e}");
+    // Another volume's journal record: the server refuses (GCM's tag), FAILED_PRECONDITION.
+    let e = validate::expand_key("vol-2", &record, &secrets, &tpm).expect_err("vol-2");
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
+    // The server gone: UNAVAILABLE, nothing resized.
+    server.stop();
+    let e = validate::expand_key("vol-1", &record, &secrets, &tpm).expect_err("gone");
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+    assert!(e.to_string().contains("nothing was resized"), "{e}");
 }

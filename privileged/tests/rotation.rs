@@ -195,6 +195,8 @@ fn mapping_open(state: &Path, volume: &str, dev: &Path, wrapped: &str, rotated: 
         boot: None,
         rotation: None,
         rotated,
+        kms_id: Some("secret".into()),
+        tpm2_pcrs: None,
     });
     journal.put(&record, Durability::Power).expect("record");
     journal

@@ -4,19 +4,26 @@
 //! every stage on that TPM, another TPM cannot load the key's blobs, another TPM's own key
 //! gives another passphrase, and a TPM gone is `Unavailable`.
 //!
-//! What this does not show (the VM lab's part, not built yet): cryptsetup opening a LUKS
-//! volume with the passphrase, which needs dm-crypt (not in this host's kernel).
+//! NodeExpandVolume's key of a `tpm2` volume (`validate::expand_key`) is the key its stage
+//! made the LUKS header with, on its own TPM only, proven by the real cryptsetup on a header
+//! (`--test-passphrase`); a TPM that hangs (swtpm stopped) is UNAVAILABLE at the deadline.
+//!
+//! What this does not show (the VM lab's part, `lab/tests/vm_tpm2.rs`): the mapping opened,
+//! resized and its filesystem grown, which needs dm-crypt (not in this host's kernel).
 //!
 //! Needs `swtpm` and tpm2-tools (Debian: `swtpm`, `tpm2-tools`); skipped, saying why,
 //! without them. Needs no root.
 
+use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use moor_node::validate;
+use moor_privileged::luks;
 use moor_runtime::keys::tpm2::{Tpm2Tools, combine};
-use moor_runtime::keys::{Dek, Kek, KeyError};
+use moor_runtime::keys::{Dek, Kek, KeyError, secret_entries};
 
 /// How long swtpm may take to listen.
 const LISTEN_DEADLINE: Duration = Duration::from_secs(60);
@@ -64,27 +71,38 @@ impl Swtpm {
         let root = std::env::temp_dir().join(format!("moor-tpm2-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         std::fs::create_dir_all(root.join("state")).expect("state dir");
-        let (port, ctrl) = free_ports();
+        let (port, _ctrl) = free_ports();
+        let mut tpm = Self {
+            child: None,
+            root,
+            port,
+        };
+        tpm.run();
+        tpm
+    }
+
+    /// swtpm started on the state and port, and listening (its control port the next).
+    fn run(&mut self) {
         let child = Command::new("swtpm")
             .args(["socket", "--tpm2", "--flags", "startup-clear", "--tpmstate"])
-            .arg(format!("dir={}", root.join("state").display()))
+            .arg(format!("dir={}", self.root.join("state").display()))
             .arg("--server")
-            .arg(format!("type=tcp,port={port},bindaddr=127.0.0.1"))
+            .arg(format!("type=tcp,port={},bindaddr=127.0.0.1", self.port))
             .arg("--ctrl")
-            .arg(format!("type=tcp,port={ctrl},bindaddr=127.0.0.1"))
+            .arg(format!(
+                "type=tcp,port={},bindaddr=127.0.0.1",
+                self.port + 1
+            ))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("swtpm starts");
-        let mut tpm = Self {
-            child: Some(child),
-            root,
-            port,
-        };
+        self.child = Some(child);
+        let port = self.port;
         let until = Instant::now() + LISTEN_DEADLINE;
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Some(Ok(Some(status))) = tpm.child.as_mut().map(Child::try_wait) {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
                 panic!("swtpm exited ({status}) before it listened on {port}");
             }
             assert!(
@@ -93,7 +111,29 @@ impl Swtpm {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        tpm
+    }
+
+    /// Started again on the same state and port: a reboot of the node, its PCRs reset.
+    fn restart(&mut self) {
+        self.stop();
+        self.run();
+    }
+
+    /// PCR `index` of the sha256 bank extended (what a boot measuring something else does).
+    fn extend_pcr(&self, index: u8) {
+        let out = Command::new("tpm2_pcrextend")
+            .arg(format!("{index}:sha256={}", "ab".repeat(32)))
+            .env(
+                "TPM2TOOLS_TCTI",
+                format!("swtpm:host=127.0.0.1,port={}", self.port),
+            )
+            .output()
+            .expect("tpm2_pcrextend runs");
+        assert!(
+            out.status.success(),
+            "tpm2_pcrextend: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     fn stop(&mut self) {
@@ -113,6 +153,10 @@ impl Swtpm {
 
     fn key_dir(&self) -> PathBuf {
         self.root.join("moor")
+    }
+
+    fn pid(&self) -> rustix::process::Pid {
+        rustix::process::Pid::from_child(self.child.as_ref().expect("running"))
     }
 }
 
@@ -173,4 +217,151 @@ fn a_volume_opens_with_both_halves_on_its_own_tpm_only() {
     node_a.stop();
     let e = combine(&cluster_half, &tpm_a, "vol-1").expect_err("TPM gone");
     assert!(matches!(&e, KeyError::Unavailable(_)), "{e:?}");
+}
+
+/// The code a node call answers with for `e`.
+fn code(e: &moor_node::error::Error) -> tonic::Code {
+    e.code()
+}
+
+#[test]
+fn a_tpm2_volume_grows_with_the_key_its_stage_opened_with_on_its_own_tpm_only() {
+    if let Some(why) = missing_tools() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let mut node_a = Swtpm::start("grow-a");
+    let node_b = Swtpm::start("grow-b");
+    let tpm_a = node_a.tools(&node_a.key_dir());
+    let raw = [0x42; 32];
+    let kek = Kek::new("cluster-1", &raw).expect("kek");
+    let secrets: HashMap<String, String> = secret_entries("cluster-1", &raw).into_iter().collect();
+    let wrapped = Dek::generate()
+        .expect("dek")
+        .wrap(&kek, "vol-1")
+        .expect("wrap")
+        .encode();
+    // The first stage on node a: its TPM's key made, the LUKS header made with the key.
+    let req = luks::encrypted_stage_req("vol-1", "tpm2", &wrapped, &secrets);
+    let header = node_a.root.join("luks.img");
+    luks::luks_format(&header, &luks::stage_key(&req, &tpm_a));
+    let record = luks::crypt_record("vol-1", Some("tpm2"), &wrapped);
+
+    // NodeExpandVolume on node a with the node-expand secret: the key opens the header.
+    let key = validate::expand_key("vol-1", &record, &secrets, &tpm_a).expect("expand key");
+    assert!(
+        luks::opens(&header, key.key.expose()),
+        "the expansion's key is the stage's"
+    );
+    assert_eq!(key.wrapped, wrapped);
+    // The cluster half alone (what the expansion took before it combined): no slot.
+    let alone = kek
+        .unwrap(
+            &moor_runtime::keys::WrappedDek::decode(&wrapped).expect("decode"),
+            "vol-1",
+        )
+        .expect("unwrap");
+    assert!(!luks::opens(&header, alone.expose()));
+
+    // Node b, whose TPM has a key of its own: a key, which no slot takes.
+    let tpm_b = node_b.tools(&node_b.key_dir());
+    tpm_b.ensure_key().expect("node b's key");
+    let key = validate::expand_key("vol-1", &record, &secrets, &tpm_b).expect("a key");
+    assert!(!luks::opens(&header, key.key.expose()));
+    // A node whose TPM has no key for moor: FAILED_PRECONDITION, and no key is made.
+    let empty = node_b.root.join("no-key");
+    let e = validate::expand_key("vol-1", &record, &secrets, &node_b.tools(&empty))
+        .expect_err("no key");
+    assert_eq!(code(&e), tonic::Code::FailedPrecondition, "{e}");
+    assert!(!empty.join("hmac.priv").exists(), "expand made a key");
+
+    // Node a's TPM hangs (swtpm stopped: its socket accepts, nothing answers): each call ends
+    // at the deadline, UNAVAILABLE, at the expansion and at a stage alike.
+    let hung = node_a
+        .tools(&node_a.key_dir())
+        .with_deadline(Duration::from_secs(3));
+    let pid = node_a.pid();
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).expect("SIGSTOP");
+    let e = validate::expand_key("vol-1", &record, &secrets, &hung).expect_err("hung");
+    let stage = validate::stage_with_tpm(&req, Path::new(luks::KUBELET), &hung);
+    rustix::process::kill_process(pid, rustix::process::Signal::CONT).expect("SIGCONT");
+    assert_eq!(code(&e), tonic::Code::Unavailable, "{e}");
+    assert!(e.to_string().contains("did not answer within"), "{e}");
+    let e = stage.expect_err("hung at stage");
+    assert_eq!(code(&e), tonic::Code::Unavailable, "{e}");
+    // Answering again: the same key.
+    let key = validate::expand_key("vol-1", &record, &secrets, &tpm_a).expect("again");
+    assert!(luks::opens(&header, key.key.expose()));
+
+    // Gone: UNAVAILABLE.
+    node_a.stop();
+    let e = validate::expand_key("vol-1", &record, &secrets, &tpm_a).expect_err("gone");
+    assert_eq!(code(&e), tonic::Code::Unavailable, "{e}");
+}
+
+#[test]
+fn a_key_sealed_to_pcrs_refuses_once_they_change_and_gives_the_same_half_after_a_reboot() {
+    if let Some(why) = missing_tools() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let mut node = Swtpm::start("pcr");
+    let sealed = node
+        .tools(&node.key_dir())
+        .with_pcrs("sha256:7")
+        .expect("a selection");
+    let other_pcr = node
+        .tools(&node.key_dir())
+        .with_pcrs("sha256:8")
+        .expect("a selection");
+    let unsealed = node.tools(&node.key_dir());
+    for tpm in [&sealed, &other_pcr, &unsealed] {
+        tpm.ensure_key().expect("the node's key");
+    }
+    assert!(node.key_dir().join("hmac-sha256_7.priv").is_file());
+    let kek = Kek::new("cluster-1", &[0x42; 32]).expect("kek");
+    let wrapped = Dek::generate()
+        .expect("dek")
+        .wrap(&kek, "vol-1")
+        .expect("wrap");
+    let cluster_half = kek.unwrap(&wrapped, "vol-1").expect("unwrap");
+    let first = combine(&cluster_half, &sealed, "vol-1").expect("PCRs unchanged");
+    let again = combine(&cluster_half, &sealed, "vol-1").expect("PCRs unchanged");
+    assert_eq!(
+        first.expose(),
+        again.expose(),
+        "the same half at each stage"
+    );
+    let by_8 = combine(&cluster_half, &other_pcr, "vol-1").expect("PCR 8");
+    assert_ne!(
+        by_8.expose(),
+        first.expose(),
+        "each sealing is a key of its own"
+    );
+
+    // PCR 7 changes (another Secure Boot state): the key sealed to it refuses, saying why;
+    // the TPM still serves the rest.
+    node.extend_pcr(7);
+    let e = combine(&cluster_half, &sealed, "vol-1").expect_err("PCR 7 changed");
+    assert!(
+        matches!(&e, KeyError::Refused(m)
+            if m.contains("sealed to the PCRs sha256:7") && m.contains("policy check failed")),
+        "{e:?}"
+    );
+    assert_eq!(
+        combine(&cluster_half, &other_pcr, "vol-1")
+            .expect("PCR 8 unchanged")
+            .expose(),
+        by_8.expose()
+    );
+    assert!(combine(&cluster_half, &unsealed, "vol-1").is_ok());
+
+    // A reboot into the same state (PCRs reset): the same half again.
+    node.restart();
+    assert_eq!(
+        combine(&cluster_half, &sealed, "vol-1")
+            .expect("after the reboot")
+            .expose(),
+        first.expose()
+    );
 }

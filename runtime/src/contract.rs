@@ -205,6 +205,9 @@ pub const LUKS_KEY_SIZE_KEY: &str = "luksKeySize";
 pub const LUKS_SECTOR_SIZE_KEY: &str = "luksSectorSize";
 /// StorageClass parameter and volume_context key: the PBKDF of the LUKS key slot.
 pub const LUKS_PBKDF_KEY: &str = "luksPBKDF";
+/// StorageClass parameter and volume_context key of a `tpm2` volume: the PCRs the node's TPM
+/// key is sealed to (`sha256:7`; `moor_runtime::keys::tpm2::pcr_selection`).
+pub const TPM2_PCRS_KEY: &str = "tpm2PCRs";
 
 /// The secrets key naming the Ceph user (without `client.`), as ceph-csi names it.
 pub const RBD_USER_ID_SECRET: &str = "userID";

@@ -45,6 +45,7 @@ fn an_encrypted_volume_takes_the_safe_defaults() {
             key_size: 512,
             sector_size: 4096,
             pbkdf: "pbkdf2",
+            tpm2_pcrs: None,
         }
     );
     assert_eq!(rest, params(&[("fsType", "ext4")]));
@@ -161,4 +162,41 @@ fn a_copy_of_a_volume_whose_key_is_split_with_a_tpm_is_refused_before_any_key_is
     };
     assert_eq!(*field, "volume_content_source", "{e:?}");
     assert!(e.to_string().contains("TPM"), "{e}");
+}
+
+#[test]
+fn a_tpm2_class_may_seal_to_pcrs_and_only_it() {
+    let (e, rest) = split(&params(&[
+        ("encrypted", "true"),
+        ("kmsID", "tpm2"),
+        ("tpm2PCRs", "sha256:7,0,7"),
+        ("fsType", "ext4"),
+    ]))
+    .expect("split");
+    let e = e.expect("encrypted");
+    assert_eq!(
+        e.tpm2_pcrs.as_deref(),
+        Some("sha256:0,7"),
+        "in its one form"
+    );
+    assert_eq!(rest, params(&[("fsType", "ext4")]));
+    // It reaches the volume's parameters, and so its context.
+    let named = e.parameters();
+    assert_eq!(
+        named.get("tpm2PCRs").map(String::as_str),
+        Some("sha256:0,7")
+    );
+    assert_eq!(
+        encryption_parameters(&named)
+            .get("tpm2PCRs")
+            .map(String::as_str),
+        Some("sha256:0,7")
+    );
+    assert_eq!(split(&named).expect("split").0, Some(e));
+    for (kms, pcrs) in [("tpm2", "sha256:24"), ("tpm2", "7"), ("secret", "sha256:7")] {
+        let why = refused(&[("encrypted", "true"), ("kmsID", kms), ("tpm2PCRs", pcrs)]);
+        assert!(why.starts_with("tpm2PCRs="), "{kms} {pcrs}: {why}");
+    }
+    let why = refused(&[("tpm2PCRs", "sha256:7")]);
+    assert!(why.contains("only for a volume with encrypted"), "{why}");
 }

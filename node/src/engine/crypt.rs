@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
-use super::{Encryption, Engine, Stage};
+use super::{Encryption, Engine, ExpandKey, Stage};
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::journal::{Boot, CryptRecord, Durability, Phase, VolumeRecord};
@@ -313,6 +313,8 @@ impl<O: Os> Engine<O> {
             boot: self.boot().stamp(),
             rotation: None,
             rotated: false,
+            kms_id: Some(enc.kms_id.clone()),
+            tpm2_pcrs: enc.tpm2_pcrs.clone(),
         });
         self.journal.put(record, Durability::Power)?;
         crash_points::point("stage.luks_formatting");
@@ -367,6 +369,8 @@ impl<O: Os> Engine<O> {
             boot: self.boot().stamp(),
             rotation: record.crypt.as_ref().and_then(|c| c.rotation.clone()),
             rotated: record.crypt.as_ref().is_some_and(|c| c.rotated),
+            kms_id: Some(enc.kms_id.clone()),
+            tpm2_pcrs: enc.tpm2_pcrs.clone(),
         };
         if record.crypt.as_ref() == Some(&want) {
             return Ok(());
@@ -508,46 +512,52 @@ impl<O: Os> Engine<O> {
     }
 
     /// Before an encrypted volume's filesystem grows: its mapping grown to the device under it
-    /// (`cryptsetup resize`, which needs the key: the data key the journal keeps wrapped,
-    /// unwrapped with `kek`, the node-expand secret's). Nothing for a volume without a mapping.
-    pub(super) fn resize_mapping(
-        &self,
-        volume_id: &str,
-        kek: Option<&moor_runtime::keys::Kek>,
-    ) -> Result<()> {
+    /// (`cryptsetup resize`, which needs the key: `key`, got by the service as the stage gets
+    /// it, from the wrapped data key the journal keeps, by the key source it names, with the
+    /// node-expand secret). Nothing for a volume without a mapping.
+    pub(super) fn resize_mapping(&self, volume_id: &str, key: Option<&ExpandKey>) -> Result<()> {
         let Some(c) = self.record(volume_id).crypt else {
             return Ok(());
         };
-        let Some(kek) = kek else {
+        let Some(key) = key else {
             return Err(Error::invalid(
                 "secrets",
                 format!(
                     "volume {volume_id:?} is encrypted: its mapping grows only with its key, \
-                     which the node-expand secret's key-encryption key unwraps \
-                     (csi.storage.k8s.io/node-expand-secret-name)"
+                     which the node-expand secret (csi.storage.k8s.io/node-expand-secret-name) \
+                     unwraps"
                 ),
             ));
         };
-        let wrapped = c
-            .wrapped_dek
-            .as_deref()
-            .map(moor_runtime::keys::WrappedDek::decode)
-            .transpose()
-            .map_err(|e| Error::FailedPrecondition(format!("volume {volume_id:?}: {e}")))?
-            .ok_or_else(|| {
-                Error::FailedPrecondition(format!(
-                    "volume {volume_id:?}: the journal has no wrapped data key of its mapping; \
-                     stage it again to record one"
-                ))
-            })?;
-        let dek = kek
-            .unwrap(&wrapped, volume_id)
-            .map_err(|e| Error::FailedPrecondition(format!("{e}; nothing was resized")))?;
+        if c.wrapped_dek.as_deref() != Some(key.wrapped.as_str()) {
+            // A data key rotation (or a new stage) changed the mapping's key since the
+            // service read it: the key in hand may open no slot.
+            warn!(
+                volume = volume_id,
+                "the mapping's key changed while NodeExpandVolume ran (a data key rotation): \
+                 nothing resized, the call is to be retried"
+            );
+            return Err(Error::OperationPending(volume_id.to_owned()));
+        }
         let resize = cryptsetup(
             vec!["resize".into(), "--key-file=-".into(), c.name.clone()],
             CRYPTSETUP_DEADLINE,
         );
-        self.os.run_tool_with_key(&resize, dek.expose())?;
+        match self.os.run_tool_with_key(&resize, key.key.expose()) {
+            Ok(()) => {}
+            Err(ToolError::Failed {
+                code: Some(EXIT_WRONG_KEY),
+                ..
+            }) => {
+                return Err(Error::FailedPrecondition(format!(
+                    "the key {:?} does not open volume {volume_id:?}: no key slot of its LUKS \
+                     header takes it (for a tpm2 volume: this node's TPM is not the one that \
+                     made it); nothing was resized",
+                    key.kek_id
+                )));
+            }
+            Err(e) => return Err(e.into()),
+        }
         info!(
             volume = volume_id,
             mapping = c.name,

@@ -53,7 +53,7 @@ impl<O: Os> Engine<O> {
         // An encrypted volume's mapping takes its device's new size before the filesystem.
         let crypt = record.as_ref().and_then(|r| r.crypt.clone());
         if crypt.is_some() {
-            self.resize_mapping(&req.volume_id, req.kek.as_deref())?;
+            self.resize_mapping(&req.volume_id, req.key.as_ref())?;
         }
         let dev = self.open_device(&req.volume_id, &stage.device)?;
         if dev.rdev != stage.rdev {

@@ -92,6 +92,27 @@ pub struct Encryption {
     pub sector_size: u32,
     /// `--pbkdf`.
     pub pbkdf: String,
+    /// The key source the volume context names (`kmsID`): the journal keeps it for
+    /// NodeExpandVolume.
+    pub kms_id: String,
+    /// The PCRs a `tpm2` volume's node half is sealed to (`tpm2PCRs`): the journal keeps them
+    /// for NodeExpandVolume.
+    pub tpm2_pcrs: Option<String>,
+}
+
+/// An encrypted volume's key at NodeExpandVolume (`cryptsetup resize` needs it): got as its
+/// stage gets it, from the wrapped data key the journal keeps, by the key source the journal
+/// names (`validate::expand_key`).
+#[derive(Debug, Clone)]
+pub struct ExpandKey {
+    /// The passphrase of the LUKS key slot (for `tpm2`, combined with this node's TPM);
+    /// zeroed when the last clone goes, its `Debug` shows no byte.
+    pub key: std::sync::Arc<moor_runtime::keys::Dek>,
+    /// The wrapped data key it was got from, as the journal held it (not secret): the engine
+    /// uses the key only while the journal still names it.
+    pub wrapped: String,
+    /// The id of the key-encryption key that unwrapped it (for errors).
+    pub kek_id: String,
 }
 
 /// A rotation of an encrypted volume's data key (docs/encryption.md, "Rotation"), on the
@@ -186,9 +207,9 @@ pub struct Expand {
     pub path: PathBuf,
     /// staging_target_path, if given.
     pub staging: Option<PathBuf>,
-    /// The key-encryption key of the request's secrets (an encrypted volume's node-expand
-    /// secret), if they hold one.
-    pub kek: Option<std::sync::Arc<moor_runtime::keys::Kek>>,
+    /// An encrypted volume's key, got with the request's secrets (its node-expand secret):
+    /// set by the service for a volume whose journal record has a mapping.
+    pub key: Option<ExpandKey>,
     /// capacity_range.required_bytes (0: unset).
     pub required_bytes: u64,
     /// capacity_range.limit_bytes (0: unset).

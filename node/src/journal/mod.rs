@@ -280,6 +280,15 @@ pub struct CryptRecord {
     /// rotated key (docs/encryption.md, "Rotation").
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub rotated: bool,
+    /// The volume's key source (its `kmsID`), for NodeExpandVolume, which has no volume
+    /// context: a `tpm2` volume's key is the unwrapped DEK combined with this node's TPM.
+    /// None in a record written before it was kept (the source is then told by the
+    /// node-expand secret: a KMIP server's fields, or a Secret's KEK).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kms_id: Option<String>,
+    /// The PCRs a `tpm2` volume's node half is sealed to, for NodeExpandVolume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm2_pcrs: Option<String>,
 }
 
 /// A data key rotation of an open LUKS volume (docs/encryption.md, "Rotation"): both keys,

@@ -8,6 +8,7 @@
 
 mod device;
 mod encryption;
+mod encryption_sources;
 mod expand;
 mod format;
 mod health;

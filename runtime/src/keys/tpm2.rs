@@ -11,7 +11,7 @@
 //! gives an HMAC that opens nothing; without the TPM (a stolen disk, a copied record, another
 //! node), the unwrapped DEK opens nothing. What it does not protect against: root on the
 //! running node while it holds the cluster KEK (it can ask its TPM), and the key is bound to
-//! the TPM, not to the boot state (no PCR policy yet).
+//! the TPM, not to the boot state unless it is sealed to PCRs ([`Tpm2Tools::with_pcrs`]).
 //!
 //! The TPM is reached through tpm2-tools ([`Tpm2Tools`]), executed with the volume id on stdin
 //! and the HMAC read from stdout: no key in an argument, the environment or a file. Which TPM
@@ -19,14 +19,17 @@
 //! node, swtpm's socket in the tests.
 
 use std::fmt;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use ring::hkdf;
-use zeroize::Zeroizing;
+/// What [`Tpm::hmac`] answers in: zeroed when dropped.
+pub use zeroize::Zeroizing;
 
 use super::{Dek, KEY_LEN, KeyError, Result, Secret};
 
@@ -39,10 +42,29 @@ pub const DEFAULT_DIR: &str = "/var/lib/moor/tpm2";
 /// What salts the combination: the format's version.
 const SALT: &[u8] = b"moor-tpm2-v1";
 
+/// How long one tpm2-tools call may take before it is killed and the TPM taken as
+/// unreachable ([`KeyError::Unavailable`]): a TPM (or its resource manager, or swtpm) that
+/// hangs must fail a stage, never hold it. A call on a real TPM takes well under a second;
+/// an ECC primary key on a slow firmware TPM a few.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
 /// The node's TPM: an HMAC-SHA256 under a key that never leaves it.
 pub trait Tpm: Send + Sync {
     /// HMAC-SHA256 of `message` under the node's TPM-held key.
     fn hmac(&self, message: &[u8]) -> Result<Zeroizing<Vec<u8>>>;
+
+    /// Makes the node's key if it has none yet (the first stage of a `tpm2` volume on the
+    /// node). Nothing for a TPM whose key always exists.
+    fn ensure_key(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The same TPM, its key sealed to the PCRs `pcrs` names ([`pcr_selection`]'s form).
+    fn sealed_to(&self, pcrs: &str) -> Result<Box<dyn Tpm + '_>> {
+        Err(KeyError::Refused(format!(
+            "this TPM cannot seal its key to the PCRs {pcrs}"
+        )))
+    }
 }
 
 /// The passphrase of `volume`'s LUKS key slot under the `tpm2` source: HKDF-SHA256 of the
@@ -88,7 +110,40 @@ pub struct Tpm2Tools {
     tcti: Option<String>,
     /// One TPM conversation at a time: without a resource manager (swtpm's socket) the TPM
     /// holds three transient objects, and the saved contexts are files in `dir`.
-    lock: Mutex<()>,
+    lock: Arc<Mutex<()>>,
+    /// How long one call may take ([`DEADLINE`]).
+    deadline: Duration,
+    /// The directory of the tpm2-tools programs, when not the PATH's.
+    programs: Option<PathBuf>,
+    /// The PCRs the key is sealed to ([`pcr_selection`]'s form), if any.
+    pcrs: Option<String>,
+}
+
+/// The PCR selection `text` (`<bank>:<index>[,<index>...]`, the bank `sha1`, `sha256` or
+/// `sha384`, indices 0 to 23), checked and in its one form (indices sorted, each once): it
+/// reaches tpm2-tools' argv and names the key's blobs. [`KeyError::Malformed`] naming
+/// `tpm2PCRs` otherwise.
+pub fn pcr_selection(text: &str) -> Result<String> {
+    let malformed = |problem: &str| KeyError::Malformed {
+        field: "tpm2PCRs",
+        problem: problem.to_owned(),
+    };
+    let (bank, list) = text
+        .split_once(':')
+        .ok_or_else(|| malformed("is not <bank>:<index>[,<index>...]"))?;
+    if !matches!(bank, "sha1" | "sha256" | "sha384") {
+        return Err(malformed("names a bank other than sha1, sha256, sha384"));
+    }
+    let mut indices = list
+        .split(',')
+        .map(|i| i.parse::<u8>().ok().filter(|i| *i <= 23))
+        .collect::<Option<Vec<_>>>()
+        .filter(|v| !v.is_empty())
+        .ok_or_else(|| malformed("has an index that is not 0 to 23"))?;
+    indices.sort_unstable();
+    indices.dedup();
+    let list: Vec<String> = indices.iter().map(u8::to_string).collect();
+    Ok(format!("{bank}:{}", list.join(",")))
 }
 
 impl fmt::Debug for Tpm2Tools {
@@ -96,6 +151,8 @@ impl fmt::Debug for Tpm2Tools {
         f.debug_struct("Tpm2Tools")
             .field("dir", &self.dir)
             .field("tcti", &self.tcti)
+            .field("deadline", &self.deadline)
+            .field("programs", &self.programs)
             .finish_non_exhaustive()
     }
 }
@@ -107,8 +164,42 @@ impl Tpm2Tools {
         Self {
             dir: dir.to_owned(),
             tcti,
-            lock: Mutex::new(()),
+            lock: Arc::new(Mutex::new(())),
+            deadline: DEADLINE,
+            programs: None,
+            pcrs: None,
         }
+    }
+
+    /// The node's key sealed to the PCRs `selection` names ([`pcr_selection`]): made with a
+    /// policy of their values now, it gives an HMAC only while they hold the same values (the
+    /// same firmware, bootloader, kernel, Secure Boot state, as the PCRs chosen measure). Its
+    /// blobs are named by the selection, beside the unsealed key's.
+    pub fn with_pcrs(mut self, selection: &str) -> Result<Self> {
+        self.pcrs = Some(pcr_selection(selection)?);
+        Ok(self)
+    }
+
+    /// The name of the key's blob `ext` (`pub`, `priv`), by its PCRs.
+    fn blob(&self, ext: &str) -> String {
+        match &self.pcrs {
+            None => format!("hmac.{ext}"),
+            Some(p) => format!("hmac-{}.{ext}", p.replace([':', ','], "_")),
+        }
+    }
+
+    /// Each tpm2-tools call killed after `deadline` rather than [`DEADLINE`].
+    #[must_use]
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// The tpm2-tools programs taken from `dir` rather than the PATH.
+    #[must_use]
+    pub fn with_programs(mut self, dir: &Path) -> Self {
+        self.programs = Some(dir.to_owned());
+        self
     }
 
     /// The node's TPM as moor-node finds it: the key's blobs in `MOOR_TPM2_DIR` (default
@@ -123,34 +214,81 @@ impl Tpm2Tools {
 
     /// Runs the tpm2-tools program `program` with `args` in `dir`, `stdin` on its standard
     /// input; its standard output. A failure names the program and the TPM's words.
+    /// The call is killed (with anything it started: its own process group) when it has not
+    /// ended within the deadline: [`KeyError::Unavailable`], saying so.
     fn run(&self, program: &str, args: &[&str], stdin: &[u8]) -> Result<Zeroizing<Vec<u8>>> {
-        let mut cmd = Command::new(program);
+        let path = self
+            .programs
+            .as_ref()
+            .map_or_else(|| PathBuf::from(program), |d| d.join(program));
+        let mut cmd = Command::new(path);
         cmd.args(args)
             .current_dir(&self.dir)
+            .process_group(0)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if let Some(t) = &self.tcti {
             cmd.env("TPM2TOOLS_TCTI", t);
         }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| KeyError::Unavailable(format!("the node's TPM: {program}: {e}")))?;
-        if let Some(mut input) = child.stdin.take() {
-            input
-                .write_all(stdin)
-                .map_err(|e| KeyError::Unavailable(format!("the node's TPM: {program}: {e}")))?;
-        }
-        let out = child
-            .wait_with_output()
-            .map_err(|e| KeyError::Unavailable(format!("the node's TPM: {program}: {e}")))?;
-        let stdout = Zeroizing::new(out.stdout);
-        if out.status.success() {
+        let unavailable =
+            |e: std::io::Error| KeyError::Unavailable(format!("the node's TPM: {program}: {e}"));
+        let mut child = cmd.spawn().map_err(unavailable)?;
+        let group = rustix::process::Pid::from_child(&child);
+        // Read on threads of their own, so that a tool filling a pipe cannot stall the wait.
+        let reader = |pipe: Option<Box<dyn Read + Send>>| {
+            std::thread::spawn(move || {
+                let mut out = Zeroizing::new(Vec::new());
+                if let Some(mut p) = pipe {
+                    let _ = p.read_to_end(&mut out);
+                }
+                out
+            })
+        };
+        let stdout = reader(child.stdout.take().map(|p| Box::new(p) as _));
+        let stderr = reader(child.stderr.take().map(|p| Box::new(p) as _));
+        let written = child
+            .stdin
+            .take()
+            .map_or(Ok(()), |mut input| input.write_all(stdin));
+        let until = Instant::now() + self.deadline;
+        let mut pause = Duration::from_millis(1);
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break status,
+                Ok(None) if Instant::now() < until => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+                outcome => {
+                    let _ =
+                        rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+                    let _ = child.wait();
+                    // The readers end when the group's last process holding the pipes is
+                    // gone; they are not waited for.
+                    return Err(match outcome {
+                        Err(e) => unavailable(e),
+                        _ => KeyError::Unavailable(format!(
+                            "the node's TPM: {program} did not answer within {:?} and was \
+                             killed (the TPM, its resource manager or the TCTI hangs)",
+                            self.deadline
+                        )),
+                    });
+                }
+            }
+        };
+        let stdout = stdout.join().unwrap_or_default();
+        let stderr = stderr.join().unwrap_or_default();
+        // The tool's own exit says more than a pipe it closed early.
+        if status.success() {
+            written.map_err(unavailable)?;
             return Ok(stdout);
         }
-        let said: String = String::from_utf8_lossy(&out.stderr)
+        let stderr = String::from_utf8_lossy(&stderr);
+        let said: String = stderr
             .lines()
-            .rfind(|l| l.contains("ERROR"))
+            .rfind(|l| l.contains("policy check failed"))
+            .or_else(|| stderr.lines().rfind(|l| l.contains("ERROR")))
             .unwrap_or("")
             .chars()
             .take(200)
@@ -164,8 +302,8 @@ impl Tpm2Tools {
             "Failed to initialize",
         ]
         .iter()
-        .any(|w| String::from_utf8_lossy(&out.stderr).contains(w));
-        let what = format!("the node's TPM: {program} failed ({}): {said}", out.status);
+        .any(|w| stderr.contains(w));
+        let what = format!("the node's TPM: {program} failed ({status}): {said}");
         Err(if unreachable {
             KeyError::Unavailable(what)
         } else {
@@ -208,7 +346,8 @@ impl Tpm2Tools {
             .lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if self.dir.join("hmac.priv").exists() {
+        let (public, private) = (self.blob("pub"), self.blob("priv"));
+        if self.dir.join(&private).exists() {
             return Ok(());
         }
         std::fs::DirBuilder::new()
@@ -222,21 +361,31 @@ impl Tpm2Tools {
                 ))
             })?;
         self.primary()?;
-        let made = self.run(
-            "tpm2_create",
-            &[
-                "-Q",
-                "-C",
-                "primary.ctx",
-                "-G",
-                "hmac",
-                "-u",
-                "hmac.pub.new",
-                "-r",
-                "hmac.priv.new",
-            ],
-            &[],
-        );
+        let (public_new, private_new) = (format!("{public}.new"), format!("{private}.new"));
+        let mut args = vec![
+            "-Q",
+            "-C",
+            "primary.ctx",
+            "-G",
+            "hmac",
+            "-u",
+            &public_new,
+            "-r",
+            &private_new,
+        ];
+        // Sealed to the PCRs: the policy of their values now (a trial session), and the key
+        // usable only through it (tpm2_create clears `userwithauth` when given a policy).
+        if let Some(pcrs) = &self.pcrs {
+            let policy = self.run(
+                "tpm2_createpolicy",
+                &["-Q", "--policy-pcr", "-l", pcrs, "-L", "pcr.policy"],
+                &[],
+            );
+            self.flush()?;
+            policy?;
+            args.extend(["-L", "pcr.policy"]);
+        }
+        let made = self.run("tpm2_create", &args, &[]);
         self.flush()?;
         made?;
         let rename = |from: &str, to: &str| {
@@ -244,18 +393,38 @@ impl Tpm2Tools {
                 .map_err(|e| KeyError::Unavailable(format!("the node's TPM key blobs: {e}")))
         };
         // The private blob last: its presence says the key is whole.
-        rename("hmac.pub.new", "hmac.pub")?;
-        rename("hmac.priv.new", "hmac.priv")
+        rename(&public_new, &public)?;
+        rename(&private_new, &private)
     }
 }
 
 impl Tpm for Tpm2Tools {
+    fn ensure_key(&self) -> Result<()> {
+        Tpm2Tools::ensure_key(self)
+    }
+
+    /// The key sealed to `pcrs`, its calls taking turns with this one's (one lock).
+    fn sealed_to(&self, pcrs: &str) -> Result<Box<dyn Tpm + '_>> {
+        Ok(Box::new(
+            Self {
+                dir: self.dir.clone(),
+                tcti: self.tcti.clone(),
+                lock: Arc::clone(&self.lock),
+                deadline: self.deadline,
+                programs: self.programs.clone(),
+                pcrs: None,
+            }
+            .with_pcrs(pcrs)?,
+        ))
+    }
+
     fn hmac(&self, message: &[u8]) -> Result<Zeroizing<Vec<u8>>> {
         let _held = self
             .lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !self.dir.join("hmac.priv").exists() {
+        let (public, private) = (self.blob("pub"), self.blob("priv"));
+        if !self.dir.join(&private).exists() {
             return Err(KeyError::Refused(format!(
                 "this node has no TPM key for moor in {}: a volume of the tpm2 source opens \
                  only on the node that made it",
@@ -270,9 +439,9 @@ impl Tpm for Tpm2Tools {
                 "-C",
                 "primary.ctx",
                 "-u",
-                "hmac.pub",
+                &public,
                 "-r",
-                "hmac.priv",
+                &private,
                 "-c",
                 "hmac.ctx",
             ],
@@ -280,9 +449,57 @@ impl Tpm for Tpm2Tools {
         );
         self.flush()?;
         loaded?;
-        let mac = self.run("tpm2_hmac", &["-c", "hmac.ctx", "-g", "sha256"], message);
+        let Some(pcrs) = &self.pcrs else {
+            let mac = self.run("tpm2_hmac", &["-c", "hmac.ctx", "-g", "sha256"], message);
+            self.flush()?;
+            return mac;
+        };
+        // Sealed: a policy session that holds only if the PCRs are as they were. The message
+        // (not secret: the salt and the volume id) from a file: from stdin tpm2_hmac runs a
+        // sequence, whose object a refused session leaves in a TPM without a resource manager.
+        std::fs::write(self.dir.join("hmac.msg"), message)
+            .map_err(|e| KeyError::Unavailable(format!("the node's TPM key dir: {e}")))?;
+        let session = self.run(
+            "tpm2_startauthsession",
+            &["--policy-session", "-S", "session.ctx"],
+            &[],
+        );
+        let mac = session
+            .and_then(|_| {
+                self.run(
+                    "tpm2_policypcr",
+                    &["-Q", "-S", "session.ctx", "-l", pcrs],
+                    &[],
+                )
+            })
+            .and_then(|_| {
+                self.run(
+                    "tpm2_hmac",
+                    &[
+                        "-c",
+                        "hmac.ctx",
+                        "-g",
+                        "sha256",
+                        "-p",
+                        "session:session.ctx",
+                        "hmac.msg",
+                    ],
+                    &[],
+                )
+            });
+        let _ = self.run("tpm2_flushcontext", &["session.ctx"], &[]);
         self.flush()?;
-        mac
+        mac.map_err(|e| match e {
+            KeyError::Refused(m) if m.contains("policy check failed") => {
+                KeyError::Refused(format!(
+                    "the node's TPM refuses its key sealed to the PCRs {pcrs}: they no longer hold \
+                 the values it was sealed to (the node booted other firmware, bootloader, \
+                 kernel or Secure Boot state than when the key was made); nothing opens until \
+                 they do, or the volume's key is sealed again ({m})"
+                ))
+            }
+            e => e,
+        })
     }
 }
 

@@ -595,3 +595,40 @@ async fn kms_id_chooses_the_source_that_wraps_the_data_key() {
     kek.unwrap(&wrapped, &v.volume_id)
         .expect("the cluster KEK unwraps the cluster half");
 }
+
+#[tokio::test]
+async fn a_tpm2_volume_sealed_to_pcrs_carries_them_to_the_node() {
+    let fx = Fx::new("svc-create-tpm2-pcrs");
+    let mut r = create_req("sealed", 1 << 20);
+    for (k, v) in [
+        ("encrypted", "true"),
+        ("kmsID", "tpm2"),
+        ("tpm2PCRs", "sha256:7,0"),
+    ] {
+        r.parameters.insert(k.into(), v.into());
+    }
+    r.secrets = kek_secrets("kek-1", 7);
+    let v = fx
+        .svc
+        .create_volume(Request::new(r.clone()))
+        .await
+        .expect("a tpm2 volume sealed to PCRs")
+        .into_inner()
+        .volume
+        .expect("volume");
+    assert_eq!(
+        v.volume_context.get("tpm2PCRs").map(String::as_str),
+        Some("sha256:0,7"),
+        "{:?}",
+        v.volume_context
+    );
+    r.name = "not-a-selection".into();
+    r.parameters.insert("tpm2PCRs".into(), "sha256:99".into());
+    let s = fx
+        .svc
+        .create_volume(Request::new(r))
+        .await
+        .expect_err("not a selection");
+    assert_eq!(s.code(), Code::InvalidArgument);
+    assert!(s.message().contains("tpm2PCRs"), "{}", s.message());
+}
