@@ -119,6 +119,8 @@ pub struct Engine<O: Os> {
     stage_failures: health::StageFailures,
     /// Each publication whose QoS limits are not in force (`qos`).
     qos_notes: qos::QosNotes,
+    /// Each publication this process knows to have set limits or none (`qos`).
+    qos_known: qos::QosKnown,
 }
 
 impl<O: Os> Engine<O> {
@@ -134,6 +136,7 @@ impl<O: Os> Engine<O> {
             unmounting: Arc::default(),
             stage_failures: health::StageFailures::default(),
             qos_notes: qos::QosNotes::default(),
+            qos_known: qos::QosKnown::default(),
         }
     }
 

@@ -159,7 +159,7 @@ impl<O: Os> Engine<O> {
         let source = self.bind_source(req, &stage)?;
         check_publications(&record, req, &wanted)?;
         // Before the bind: a limit the kernel refuses leaves nothing mounted.
-        let qos = self.apply_qos(req, stage.rdev)?;
+        let qos = self.apply_qos(req, stage.rdev, !here)?;
         if self.prepare_target(req, &source, wanted.attrs.read_only)? {
             // A retry, or a crash after the bind: the same mount is there. The journal is
             // written only if its record says otherwise (a crash before the confirmation, an

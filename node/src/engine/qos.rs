@@ -13,8 +13,16 @@
 //! written) leaves the publication working: a warning, the metric `moor_qos_total` and the
 //! volume's health entry `QosNotApplied` say so. A limit the kernel refuses (EINVAL) fails the
 //! publication with INVALID_ARGUMENT, since it is the limit itself that is wrong.
+//!
+//! An unpublish looks for a rule to take out (the hierarchy, then the pod's cgroup under each
+//! of kubelet's layouts: about 0.3 ms, docs/performance.md) unless this process made the
+//! publication itself without limits ([`QosKnown`]). That knowledge is in memory, not in the
+//! journal: what a restart or a crash forgets falls back to the search, which is right for any
+//! publication, while a journal field would either be written on every record (which the last
+//! release refuses to read: a downgrade would stop) or only for limits (and then read the
+//! last release's limited publications as unlimited, leaving their rules behind).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use moor_runtime::contract::{QOS_LIMITS_FIELD, QosLimits};
@@ -273,6 +281,41 @@ impl QosNotes {
     }
 }
 
+/// What this process knows of each publication's limits, (volume, target) to whether it set
+/// any: an unpublish searches the pod's cgroup for a rule unless the publication is known
+/// here to have set none. Unknown (never published by this process, or published before a
+/// restart or a crash) is searched, as is one that set limits. A publication that set limits
+/// once stays limited here until its unpublish, whatever a later call for it says.
+#[derive(Debug, Default)]
+pub(super) struct QosKnown(std::sync::Mutex<HashMap<(String, PathBuf), bool>>);
+
+impl QosKnown {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, PathBuf), bool>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A publication about to set limits: known limited.
+    fn limited(&self, key: (String, PathBuf)) {
+        self.lock().insert(key, true);
+    }
+
+    /// A publication without limits on a target that held none this process does not know of
+    /// (`fresh`): known unlimited, unless it was known limited.
+    fn unlimited(&self, key: (String, PathBuf), fresh: bool) {
+        let mut known = self.lock();
+        if fresh {
+            known.entry(key).or_insert(false);
+        }
+    }
+
+    /// Forgets an ended publication: whether it is known to have set no limits.
+    fn take_unlimited(&self, key: &(String, PathBuf)) -> bool {
+        self.lock().remove(key) == Some(false)
+    }
+}
+
 impl<O: Os> Engine<O> {
     /// The cgroup of pod `uid` that can throttle, in the hierarchy under the cgroup root.
     fn pod_cgroup(&self, uid: &str) -> std::result::Result<(Hierarchy, PathBuf), QosOutcome> {
@@ -368,13 +411,22 @@ impl<O: Os> Engine<O> {
     }
 
     /// Applies the publication's limits to device `dev` in its pod's cgroup. Err only for a
-    /// limit the kernel refuses.
-    pub(super) fn apply_qos(&self, req: &Publish, dev: (u32, u32)) -> Result<QosOutcome> {
+    /// limit the kernel refuses. `fresh`: the target holds no publication of the volume's
+    /// record (one this process may not have made).
+    pub(super) fn apply_qos(
+        &self,
+        req: &Publish,
+        dev: (u32, u32),
+        fresh: bool,
+    ) -> Result<QosOutcome> {
         let key = (req.volume_id.clone(), req.target.clone());
         if req.limits == [None; 4] {
             self.qos_notes.lock().remove(&key);
+            self.qos_known.unlimited(key, fresh);
             return Ok(QosOutcome::Unlimited);
         }
+        // Before any rule is written: an unpublish must look for it.
+        self.qos_known.limited(key.clone());
         let outcome = match self.pod_of(req.pod_uid.as_deref(), &req.target) {
             None => not_applied(
                 "no_pod",
@@ -418,11 +470,14 @@ impl<O: Os> Engine<O> {
     }
 
     /// Takes device `dev`'s rule out of the cgroup of the pod of an ended publication, if
-    /// that cgroup is still there (it dies with the pod). Never fails the unpublish.
+    /// that cgroup is still there (it dies with the pod), unless this process made the
+    /// publication without limits ([`QosKnown`]). Never fails the unpublish.
     pub(super) fn remove_qos(&self, req: &Unpublish, dev: Option<(u32, u32)>) {
-        self.qos_notes
-            .lock()
-            .remove(&(req.volume_id.clone(), req.target.clone()));
+        let key = (req.volume_id.clone(), req.target.clone());
+        self.qos_notes.lock().remove(&key);
+        if self.qos_known.take_unlimited(&key) {
+            return;
+        }
         let (Some(dev), Some(uid)) = (dev, pod_uid_of_target(&self.cfg.kubelet_dir, &req.target))
         else {
             return;

@@ -2,7 +2,7 @@
 //! cgroup v1 blkio and v2 `io.max`, kubelet's cgroupfs and systemd layouts, the pod named by
 //! kubelet or by the target path, what cannot be applied (a health entry, the publication
 //! still made), what the kernel refuses (INVALID_ARGUMENT, nothing mounted), the rule's
-//! removal at NodeUnpublishVolume.
+//! removal at NodeUnpublishVolume, and no search for one when the publication set no limits.
 
 use super::health::health;
 use super::*;
@@ -71,6 +71,30 @@ fn file(h: &Harness, path: String) -> String {
         .unwrap_or_else(|| panic!("no {path}"))
 }
 
+/// The node's plugin started again on the same node and journal (after a restart or a crash:
+/// the process's memory is gone either way).
+fn restarted(h: &Harness) -> NodeService<FakeOs> {
+    let (journal, _) = Journal::open(&h.state, false).expect("journal");
+    let engine = Engine::new(
+        Arc::clone(&h.os),
+        Arc::new(journal),
+        h.engine.config().clone(),
+    );
+    NodeService::new(Arc::new(engine), h.info.clone())
+}
+
+async fn unpublish_at_pod(svc: &NodeService<FakeOs>) {
+    svc.node_unpublish_volume(Request::new(unpublish_req(&pod_target())))
+        .await
+        .expect("unpublish");
+}
+
+fn no_rule(h: &Harness, dir: &str) {
+    for f in V1_FILES {
+        assert_eq!(file(h, format!("{dir}/{f}")), "", "{f} after unpublish");
+    }
+}
+
 fn outcome(h: &Harness, req: &csi::NodePublishVolumeRequest) -> QosOutcome {
     let v = crate::validate::publish(req, Path::new(K)).expect("valid");
     h.engine.publish_report(&v).expect("publish")
@@ -100,9 +124,7 @@ async fn a_v1_cgroupfs_pod_gets_its_volumes_limits_and_loses_them_at_unpublish()
         .node_unpublish_volume(Request::new(unpublish_req(&pod_target())))
         .await
         .expect("unpublish");
-    for f in V1_FILES {
-        assert_eq!(file(&h, format!("{dir}/{f}")), "", "{f} after unpublish");
-    }
+    no_rule(&h, &dir);
 }
 
 #[tokio::test]
@@ -300,5 +322,87 @@ async fn a_malformed_limit_is_invalid_argument_and_no_limit_touches_no_cgroup() 
             .iter()
             .any(|c| matches!(c, Call::WriteCgroup(..))),
         "no limit, no write"
+    );
+}
+
+#[tokio::test]
+async fn an_unpublish_of_a_publication_without_limits_looks_in_no_cgroup() {
+    let h = harness();
+    staged_for_pod(&h).await;
+    let dir = v1_host(&h, &format!("kubepods/burstable/pod{UID}"));
+    let mut unlimited = publish_req(ext4(), false);
+    unlimited.target_path = pod_target();
+    h.svc
+        .node_publish_volume(Request::new(unlimited.clone()))
+        .await
+        .expect("publish");
+    h.os.clear_calls();
+    unpublish_at_pod(&h.svc).await;
+    assert_eq!(h.os.mount_depth(pod_target()), 0, "unpublished");
+    assert_eq!(h.os.cgroup_reads(), Vec::<PathBuf>::new(), "no QoS search");
+    assert!(
+        !h.os
+            .calls()
+            .iter()
+            .any(|c| matches!(c, Call::WriteCgroup(..))),
+        "no QoS write"
+    );
+
+    // With limits, the rule is still looked for and taken out.
+    let limits = limited("readBytesPerSecond=1048576", true, true);
+    h.svc
+        .node_publish_volume(Request::new(limits.clone()))
+        .await
+        .expect("publish");
+    assert_eq!(
+        file(&h, format!("{dir}/{}", V1_FILES[0])),
+        "7:7 1048576
+"
+    );
+    unpublish_at_pod(&h.svc).await;
+    no_rule(&h, &dir);
+
+    // Published without limits, then again with them (the same target): limited.
+    h.svc
+        .node_publish_volume(Request::new(unlimited))
+        .await
+        .expect("publish");
+    assert_eq!(
+        outcome(&h, &limits),
+        QosOutcome::Applied(dir.clone().into())
+    );
+    unpublish_at_pod(&h.svc).await;
+    no_rule(&h, &dir);
+}
+
+#[tokio::test]
+async fn limits_set_before_a_restart_are_taken_out_by_the_unpublish_after_it() {
+    let h = harness();
+    staged_for_pod(&h).await;
+    let dir = v1_host(&h, &format!("kubepods/pod{UID}"));
+    h.svc
+        .node_publish_volume(Request::new(limited("writeIOPS=100", true, true)))
+        .await
+        .expect("publish");
+    assert_eq!(file(&h, format!("{dir}/{}", V1_FILES[3])), "7:7 100\n");
+    unpublish_at_pod(&restarted(&h)).await;
+    assert_eq!(h.os.mount_depth(pod_target()), 0, "unpublished");
+    no_rule(&h, &dir);
+
+    // A publication without limits made before the restart is not known to be one: looked
+    // for, as any publication this process did not make.
+    let mut unlimited = publish_req(ext4(), false);
+    unlimited.target_path = pod_target();
+    h.svc
+        .node_publish_volume(Request::new(unlimited))
+        .await
+        .expect("publish");
+    h.os.clear_calls();
+    let after = restarted(&h);
+    unpublish_at_pod(&after).await;
+    assert!(
+        h.os.cgroup_reads().iter().any(|p| p.starts_with(&dir)),
+        "the pod's cgroup looked at: {:?}",
+        h.os.cgroup_reads()
     );
 }

@@ -125,6 +125,8 @@ struct State {
     mappings: BTreeMap<String, PathBuf>,
     next_dm_minor: u32,
     calls: Vec<Call>,
+    /// The cgroup control files read, in order (reads are not [`Call`]s: they change nothing).
+    cgroup_reads: Vec<PathBuf>,
 }
 
 /// The fake OS. Cheap to build; every test makes its own.
@@ -384,9 +386,16 @@ impl FakeOs {
         self.calls()
     }
 
-    /// Forgets the calls recorded so far.
+    /// Forgets the calls recorded so far, and the cgroup files read.
     pub fn clear_calls(&self) {
-        self.lock().calls.clear();
+        let mut st = self.lock();
+        st.calls.clear();
+        st.cgroup_reads.clear();
+    }
+
+    /// The cgroup control files read so far (since [`FakeOs::clear_calls`]).
+    pub fn cgroup_reads(&self) -> Vec<PathBuf> {
+        self.lock().cgroup_reads.clone()
     }
 
     /// How many mounts are stacked on `target`.
@@ -800,6 +809,7 @@ impl Os for FakeOs {
 
     fn read_cgroup(&self, path: &Path) -> SysResult<String> {
         let mut st = self.lock();
+        st.cgroup_reads.push(path.to_path_buf());
         Self::take_failure(&mut st, "read_cgroup", path)?;
         st.cgroup
             .get(path)

@@ -187,10 +187,10 @@ const ROWS: &[Row] = &[
     row("m", "the machine: the same after both threads slept 3 ms, as a plugin's do through a mount", "wake/slept-3ms", Some("wake/busy"), Time, NoTarget, "wake"),
 ];
 
-/// The median, in nanoseconds, from a criterion `estimates.json`.
-fn median_ns(json: &str) -> Option<f64> {
-    let rest = &json[json.find("\"median\"")?..];
-    let rest = &rest[rest.find("\"point_estimate\"")? + "\"point_estimate\"".len()..];
+/// The number after `"key":` in `text`.
+fn number_after(text: &str, key: &str) -> Option<f64> {
+    let quoted = format!("\"{key}\"");
+    let rest = &text[text.find(&quoted)? + quoted.len()..];
     let rest = rest.trim_start().strip_prefix(':')?.trim_start();
     let end = rest
         .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E')))
@@ -198,14 +198,57 @@ fn median_ns(json: &str) -> Option<f64> {
     rest[..end].parse().ok()
 }
 
+/// The median, in nanoseconds, from a criterion `estimates.json`.
+fn median_ns(json: &str) -> Option<f64> {
+    number_after(&json[json.find("\"median\"")?..], "point_estimate")
+}
+
+/// The median's interval (criterion's 95% confidence interval, bootstrapped from the
+/// samples), from an `estimates.json`; the median alone (no spread) when the file has none,
+/// as a measured run's single result.
+fn median_interval(json: &str) -> Option<(f64, f64)> {
+    let point = median_ns(json)?;
+    let median = &json[json.find("\"median\"")?..];
+    // The median's own object: its interval comes before its point estimate.
+    let own = &median[..median.find("\"point_estimate\"").unwrap_or(0)];
+    match (
+        number_after(own, "lower_bound"),
+        number_after(own, "upper_bound"),
+    ) {
+        (Some(lo), Some(hi)) if lo <= point && point <= hi => Some((lo, hi)),
+        _ => Some((point, point)),
+    }
+}
+
 /// The median of benchmark `id`; for `a+b`, the sum of their medians (a floor made of parts).
 fn median(dir: &Path, id: &str) -> Option<f64> {
+    interval(dir, id).map(|(_, point, _)| point)
+}
+
+/// The median of benchmark `id` within its interval: (low, median, high); for `a+b`, the sums.
+fn interval(dir: &Path, id: &str) -> Option<(f64, f64, f64)> {
     id.split('+')
         .map(|part| {
             let text = std::fs::read_to_string(dir.join(part).join("new/estimates.json")).ok()?;
-            median_ns(&text)
+            let (lo, hi) = median_interval(&text)?;
+            Some((lo, median_ns(&text)?, hi))
         })
-        .sum()
+        .try_fold((0.0, 0.0, 0.0), |(a, b, c), x| {
+            x.map(|(lo, m, hi)| (a + lo, b + m, c + hi))
+        })
+}
+
+/// The range a ratio `f(a, b)` takes over the intervals of `a` and `b` (each its ends).
+fn ratio_range(a: (f64, f64, f64), b: (f64, f64, f64), f: impl Fn(f64, f64) -> f64) -> (f64, f64) {
+    let ends = [f(a.0, b.0), f(a.0, b.2), f(a.2, b.0), f(a.2, b.2)];
+    ends.iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)))
+}
+
+/// Whether a ratio whose range is `range` is noise against `bound`: the range holds it, so the
+/// run cannot tell the ratio from it.
+fn straddles(range: (f64, f64), bound: f64) -> bool {
+    range.0 <= bound && bound <= range.1 && range.0 < range.1
 }
 
 /// Three significant digits in the best unit.
@@ -309,7 +352,8 @@ fn rows() -> Vec<&'static Row> {
     ROWS.iter().chain(measured::rows()).collect()
 }
 
-/// One table row of `r`.
+/// One table row of `r`. A ratio whose range (over the 95% intervals of the medians it is
+/// made of) holds 1 or the row's target is marked as noise: that run cannot tell them apart.
 fn table_row(dir: &Path, r: &Row) -> String {
     let this = median(dir, r.id);
     let reference = r.reference.map(|id| (id, median(dir, id)));
@@ -319,23 +363,49 @@ fn table_row(dir: &Path, r: &Row) -> String {
         Some((_, Some(ref_ns))) => reference_value(r.kind, ref_ns),
         Some((id, None)) => format!("`{id}` not run"),
     };
-    let measured = match (r.ratio, this, reference) {
-        (_, _, None) => None,
-        (Ratio::Medians, Some(ns), Some((_, Some(ref_ns)))) => {
-            Some((ratio(r.kind, ns, ref_ns), ""))
+    let over = |a: &str, b: &str, f: &dyn Fn(f64, f64) -> f64| {
+        interval(dir, a)
+            .zip(interval(dir, b))
+            .map(|(a, b)| (f(a.1, b.1), ratio_range(a, b, f)))
+    };
+    let measured = match (r.ratio, r.reference) {
+        (_, None) => None,
+        (Ratio::Medians, Some(reference)) => {
+            over(r.id, reference, &|a, b| ratio(r.kind, a, b)).map(|m| (m, ""))
         }
-        (Ratio::Medians, _, _) => None,
-        (Paired(id), _, _) => median(dir, id).map(|x| (x, " (paired)")),
-        (PairedOver(a, b), _, _) => median(dir, a)
-            .zip(median(dir, b))
-            .map(|(a, b)| (a / b, " (paired)")),
+        (Paired(id), _) => interval(dir, id).map(|(lo, m, hi)| ((m, (lo, hi)), " (paired)")),
+        (PairedOver(a, b), _) => over(a, b, &|a, b| a / b).map(|m| (m, " (paired)")),
+    };
+    let bound = match r.target {
+        AtMost(x) | AtLeast(x) => Some(x),
+        _ => None,
     };
     let ratio_text = match (r.reference, measured) {
         (None, _) => "reference".to_string(),
-        (Some(_), Some((x, how))) => format!("{}×{how}", sig3(x)),
+        (Some(_), Some(((x, range), how))) => {
+            let noise = straddles(range, 1.0) || bound.is_some_and(|b| straddles(range, b));
+            if noise {
+                format!(
+                    "{}×{how}, noise ({}–{}×)",
+                    sig3(x),
+                    sig3(range.0),
+                    sig3(range.1)
+                )
+            } else {
+                format!("{}×{how}", sig3(x))
+            }
+        }
         (Some(_), None) => "—".to_string(),
     };
-    let holds = r.target.holds(this, measured.map(|(x, _)| x));
+    let mut holds = r
+        .target
+        .holds(this, measured.map(|((x, _), _)| x))
+        .to_string();
+    if let (Some(((_, range), _)), Some(b)) = (measured, bound)
+        && straddles(range, b)
+    {
+        holds.push_str(", within noise");
+    }
     format!(
         "| {} | {} | {median_text} | {ref_text} | {ratio_text} | {} | {holds} | `{}` |\n",
         r.group,
@@ -520,6 +590,21 @@ mod tests {
         dir
     }
 
+    /// The tables of the estimates under `dir`, which is then removed.
+    fn table_of(dir: &Path) -> String {
+        let text = table(dir, None);
+        let _ = std::fs::remove_dir_all(dir);
+        text
+    }
+
+    /// The table's row whose text holds `label`.
+    fn line_of(text: &str, label: &str) -> String {
+        text.lines()
+            .find(|l| l.contains(label))
+            .unwrap_or_else(|| panic!("no row {label:?} in\n{text}"))
+            .to_string()
+    }
+
     #[test]
     fn a_sum_id_adds_medians() {
         let dir = estimates("sum", &[("g/a", 100.0), ("g/b", 250.5)]);
@@ -544,14 +629,8 @@ mod tests {
                 ("stage-paired/floor-xfs", 1.05),
             ],
         );
-        let text = table(&dir, None);
-        let _ = std::fs::remove_dir_all(&dir);
-        let line = |label: &str| {
-            text.lines()
-                .find(|l| l.contains(label))
-                .unwrap_or_else(|| panic!("no row {label:?} in\n{text}"))
-                .to_string()
-        };
+        let text = table_of(&dir);
+        let line = |label: &str| line_of(&text, label);
         let moor = line("| gRPC NodeStage+NodeUnstage, formatted xfs |");
         assert!(
             moor.contains("| 3.00 ms | 1.00 ms | 1.10× (paired) | ≤ 1.2× | yes |"),
@@ -574,6 +653,61 @@ mod tests {
             ext4.contains("| not run | `stage/raw-ext4` not run | — | ≤ 1.2× |  |"),
             "{ext4}"
         );
+    }
+
+    #[test]
+    fn reads_the_medians_interval() {
+        let json = r#"{"mean":{"confidence_interval":{"confidence_level":0.95,"lower_bound":1.0,"upper_bound":3.0},"point_estimate":2.0,"standard_error":0.1},"median":{"confidence_interval":{"confidence_level":0.95,"lower_bound":4.0,"upper_bound":6.0},"point_estimate":5.5,"standard_error":0.2},"median_abs_dev":{"confidence_interval":{"confidence_level":0.95,"lower_bound":0.1,"upper_bound":0.3},"point_estimate":0.2,"standard_error":0.1}}"#;
+        assert_eq!(median_interval(json), Some((4.0, 6.0)));
+        // None given (a measured run's single result): no spread.
+        assert_eq!(
+            median_interval(r#"{"median":{"point_estimate":7.0}}"#),
+            Some((7.0, 7.0))
+        );
+    }
+
+    /// Writes criterion estimates with these medians and intervals under a fresh dir.
+    fn estimates_within(name: &str, medians: &[(&str, f64, f64, f64)]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("bench-report-{name}-{}", std::process::id()));
+        for (id, lo, ns, hi) in medians {
+            let d = dir.join(id).join("new");
+            std::fs::create_dir_all(&d).expect("dir");
+            let json = format!(
+                r#"{{"median":{{"confidence_interval":{{"confidence_level":0.95,"lower_bound":{lo},"upper_bound":{hi}}},"point_estimate":{ns}}}}}"#
+            );
+            std::fs::write(d.join("estimates.json"), json).expect("write");
+        }
+        dir
+    }
+
+    #[test]
+    fn a_ratio_its_intervals_cannot_tell_from_one_or_its_target_is_marked_noise() {
+        let dir = estimates_within(
+            "noise",
+            &[
+                // The engine's stage "faster" than the mount it holds: 0.90×, 0.75–1.06×.
+                ("stage/raw-ext4", 5.5e6, 6e6, 6.4e6),
+                ("stage/engine-ext4", 4.8e6, 5.4e6, 5.8e6),
+                // 1.25× paired, its interval holding the target 1.2.
+                ("stage/grpc-ext4", 4e6, 4.3e6, 4.6e6),
+                ("stage-paired/grpc-ext4", 1.15, 1.25, 1.4),
+                // xfs: 1.10× within 1.08–1.12: clear of 1 and of 1.2.
+                ("stage/raw-xfs", 2.2e7, 2.3e7, 2.4e7),
+                ("stage/grpc-xfs", 1.4e7, 1.45e7, 1.5e7),
+                ("stage-paired/grpc-xfs", 1.08, 1.1, 1.12),
+            ],
+        );
+        let text = table_of(&dir);
+        let line = |label: &str| line_of(&text, label);
+        let engine = line("| engine stage+unstage, formatted ext4, no gRPC |");
+        assert!(engine.contains("| 0.90×, noise (0.75–1.05×) |"), "{engine}");
+        let grpc = line("| gRPC NodeStage+NodeUnstage, formatted ext4 |");
+        assert!(
+            grpc.contains("| 1.25× (paired), noise (1.15–1.40×) | ≤ 1.2× | **no**, within noise |"),
+            "{grpc}"
+        );
+        let xfs = line("| gRPC NodeStage+NodeUnstage, formatted xfs |");
+        assert!(xfs.contains("| 1.10× (paired) | ≤ 1.2× | yes |"), "{xfs}");
     }
 
     #[test]
