@@ -200,6 +200,31 @@ pub async fn embedded_volume_file(
     file
 }
 
+/// moor-controller on the host as node `node`'s, its embedded backend in `sandbox`'s data
+/// dir, and a client of it (for the guests' encrypted volumes).
+pub async fn start_embedded_controller(
+    sandbox: &moor_privileged::Sandbox,
+    node: &str,
+) -> (
+    moor_privileged::client::Daemon,
+    moor_proto::csi::v1::controller_client::ControllerClient<Channel>,
+) {
+    let data = sandbox.data.join("controller").display().to_string();
+    let socket = sandbox.root.join("controller.sock");
+    let daemon = moor_privileged::client::Daemon::start_program(
+        "moor-controller",
+        &socket,
+        &["--node-id", node, "--data-dir", data.as_str()],
+    )
+    .await;
+    let client = moor_proto::csi::v1::controller_client::ControllerClient::new(
+        moor_runtime::client::connect(&socket)
+            .await
+            .expect("the controller's socket"),
+    );
+    (daemon, client)
+}
+
 impl Vm {
     /// A guest for encrypted volumes: named `name`, on `bridge` at `.2`, writing `sandbox`'s
     /// state, kubelet and data dirs, with `memory`; dm-crypt (a module of the guest's kernel,
