@@ -78,13 +78,11 @@ pub fn stage_key(req: &csi::NodeStageVolumeRequest, tpm: &dyn Tpm) -> Vec<u8> {
         .to_vec()
 }
 
-/// cryptsetup with `key` on its standard input (never argv); whether it succeeded, and its
-/// exit code.
-fn cryptsetup(args: &[&str], file: &Path, key: &[u8]) -> (bool, Option<i32>) {
+/// `cryptsetup args...` with `input` (a key, never on argv) on its standard input; whether it
+/// succeeded, and its exit code.
+pub fn run_cryptsetup(args: &[&str], input: &[u8]) -> (bool, Option<i32>) {
     let mut child = Command::new("cryptsetup")
         .args(args)
-        .arg("--key-file=-")
-        .arg(file)
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -94,10 +92,18 @@ fn cryptsetup(args: &[&str], file: &Path, key: &[u8]) -> (bool, Option<i32>) {
         .stdin
         .take()
         .expect("stdin")
-        .write_all(key)
+        .write_all(input)
         .expect("key written");
     let status = child.wait().expect("cryptsetup ends");
     (status.success(), status.code())
+}
+
+/// cryptsetup `args`, then `--key-file=- file`, with `key` on its standard input.
+fn cryptsetup(args: &[&str], file: &Path, key: &[u8]) -> (bool, Option<i32>) {
+    let file = file.display().to_string();
+    let mut all = args.to_vec();
+    all.extend(["--key-file=-", file.as_str()]);
+    run_cryptsetup(&all, key)
 }
 
 /// A LUKS2 header on a 20 MiB file `file`, its key slot's passphrase `key` (moor's first

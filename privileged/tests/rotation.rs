@@ -9,7 +9,6 @@
 //! `moor.keys.v1` service. The mapping itself (and a rotation under a writer, the crash
 //! replay, power cuts) needs dm-crypt: the VM lab.
 
-use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -24,20 +23,9 @@ const VOL: &str = "vol-rot";
 
 /// `cryptsetup args...` with `input` on its stdin; its exit code.
 fn cryptsetup(args: &[&str], input: &[u8]) -> i32 {
-    let mut child = Command::new("cryptsetup")
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("cryptsetup");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(input)
-        .expect("key");
-    child.wait().expect("wait").code().unwrap_or(-1)
+    moor_privileged::luks::run_cryptsetup(args, input)
+        .1
+        .unwrap_or(-1)
 }
 
 /// Whether `slot` of the header on `dev` opens with `key`.
