@@ -75,6 +75,12 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
             "crash point armed (tests only): this process kills itself there"
         );
     }
+    if let Some(point) = moor_node::crash_points::arm_hold_from_env() {
+        warn!(
+            point,
+            "crash point armed to hold (tests only): the call that reaches it waits there"
+        );
+    }
     let socket = server::parse_endpoint(&args.endpoint)?;
     let state_dir = std::path::absolute(&args.state_dir)
         .map_err(|e| format!("state dir {}: {e}", args.state_dir.display()))?;
