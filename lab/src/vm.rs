@@ -200,6 +200,76 @@ pub async fn embedded_volume_file(
     file
 }
 
+/// The keys of an encrypted volume's controller record (`encryptedDEK`, and
+/// `encryptedDEKPending` while a rotation runs) as its ControllerPublishVolume to `node`
+/// gives them to a stage; the host's loop device that call attaches is detached again (a
+/// guest binds the file, or has it as a disk).
+pub async fn embedded_record_keys(
+    ctl: &mut moor_proto::csi::v1::controller_client::ControllerClient<tonic::transport::Channel>,
+    volume: &moor_proto::csi::v1::Volume,
+    node: &str,
+    capability: moor_proto::csi::v1::VolumeCapability,
+) -> std::collections::HashMap<String, String> {
+    use moor_proto::csi::v1 as csi;
+    let req = csi::ControllerPublishVolumeRequest {
+        volume_id: volume.volume_id.clone(),
+        node_id: node.into(),
+        volume_capability: Some(capability),
+        volume_context: volume.volume_context.clone(),
+        ..Default::default()
+    };
+    let context = ctl
+        .controller_publish_volume(req)
+        .await
+        .expect("ControllerPublishVolume")
+        .into_inner()
+        .publish_context;
+    let detach = csi::ControllerUnpublishVolumeRequest {
+        volume_id: volume.volume_id.clone(),
+        node_id: node.into(),
+        ..Default::default()
+    };
+    ctl.controller_unpublish_volume(detach)
+        .await
+        .expect("ControllerUnpublishVolume");
+    context
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("encryptedDEK"))
+        .collect()
+}
+
+/// An encrypted ext4 volume of `mib` MiB (the `secret` key source, its KEK in `secrets`),
+/// made by the controller `ctl`.
+pub async fn create_encrypted_volume(
+    ctl: &mut moor_proto::csi::v1::controller_client::ControllerClient<tonic::transport::Channel>,
+    name: &str,
+    mib: i64,
+    secrets: std::collections::HashMap<String, String>,
+) -> moor_proto::csi::v1::Volume {
+    use moor_proto::csi::v1 as csi;
+    let parameters = [("encrypted", "true"), ("kmsID", "secret")];
+    let req = csi::CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: mib << 20,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![crate::ceph::ext4()],
+        parameters: parameters
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        secrets,
+        ..Default::default()
+    };
+    ctl.create_volume(req)
+        .await
+        .unwrap_or_else(|e| panic!("CreateVolume of encrypted {name}: {e:?}"))
+        .into_inner()
+        .volume
+        .unwrap_or_else(|| panic!("CreateVolume of {name} answered no volume"))
+}
+
 /// moor-controller on the host as node `node`'s, its embedded backend in `sandbox`'s data
 /// dir, and a client of it (for the guests' encrypted volumes).
 pub async fn start_embedded_controller(

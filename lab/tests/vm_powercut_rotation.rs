@@ -34,8 +34,8 @@
 //! files keep whatever reached QEMU (`cache=unsafe`, the host's page cache survives a QEMU
 //! kill), as in `vm_powercut.rs`.
 //!
-//! Modes: `MOOR_VM_POWERCUT_ROTATION_QUICK=1` (the test command's) cuts at the steps where
-//! the two keys coexist in the header (before `Record`, `Verify` and `KillSpare`), once;
+//! Modes: `MOOR_VM_POWERCUT_ROTATION_QUICK=1` (the test command's) cuts at two of the steps
+//! where the two keys coexist in the header (before `Record` and before `KillSpare`), once;
 //! otherwise every point, `MOOR_VM_POWERCUT_ROTATION_ROUNDS` rounds of them (default 1; a
 //! soak: more). Skipped, with the reason, without the VM lab.
 
@@ -71,9 +71,11 @@ const VOLUME_SERIAL: &str = "pcr-vol";
 const STATE_DIR: &str = "/run/state/moor";
 /// The crash-points build of moor-node (`.ci/test` builds it).
 const CRASH_NODE: &str = "moor-node-crash-points";
-/// The points where the old key (spare slot) and the new key (volume's slot) are both in
-/// the header: the quick mode's cuts.
-const BOTH_KEYS: &[&str] = &["rotate.record", "rotate.verify", "rotate.kill_spare"];
+/// The quick mode's cuts: where the old key (spare slot) and the new key (volume's slot) are
+/// both in the header, the first (the new key written, not yet recorded) and the last (recorded
+/// and verified, the old slot about to go). `rotate.verify`, between them, leaves the same
+/// header; the full mode cuts there too.
+const BOTH_KEYS: &[&str] = &["rotate.record", "rotate.kill_spare"];
 /// How long a step that waits for the guest may take (TCG on a loaded machine is slow).
 const DEADLINE: Duration = Duration::from_secs(300);
 
@@ -181,10 +183,11 @@ impl World<'_> {
             .to_string()
     }
 
-    /// After a boot: the modules, the state disk mounted (ext4 recovers its journal).
+    /// After a boot: the modules (moor-node's kernel RBD attacher wants rbd loaded), the state
+    /// disk mounted (ext4 recovers its journal).
     fn mount_state(&self) {
         self.vm.sh(&format!(
-            "modprobe -a loop ext4 dm_crypt && for d in /sys/block/vd*; do \
+            "modprobe -a loop ext4 rbd dm_crypt && for d in /sys/block/vd*; do \
              [ \"$(cat $d/serial)\" = {STATE_SERIAL} ] && dev=/dev/${{d##*/}}; done; \
              mkdir -p /run/state && mount \"$dev\" /run/state && mkdir -p {STATE_DIR}"
         ));
@@ -217,31 +220,7 @@ impl World<'_> {
 
     /// The controller record's keys, as ControllerPublishVolume gives them to a stage.
     async fn record_keys(&mut self) -> HashMap<String, String> {
-        let ctx = self
-            .ctl
-            .controller_publish_volume(csi::ControllerPublishVolumeRequest {
-                volume_id: self.volume.volume_id.clone(),
-                node_id: NODE.into(),
-                volume_capability: Some(ext4()),
-                volume_context: self.volume.volume_context.clone(),
-                ..Default::default()
-            })
-            .await
-            .expect("ControllerPublishVolume")
-            .into_inner()
-            .publish_context;
-        // The host's loop device it attached is not the guest's: detached again.
-        self.ctl
-            .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-                volume_id: self.volume.volume_id.clone(),
-                node_id: NODE.into(),
-                ..Default::default()
-            })
-            .await
-            .expect("ControllerUnpublishVolume");
-        ctx.into_iter()
-            .filter(|(k, _)| k.starts_with("encryptedDEK"))
-            .collect()
+        moor_lab::vm::embedded_record_keys(&mut self.ctl, &self.volume, NODE, ext4()).await
     }
 
     /// kubelet's stage and publish after a reboot, each retried until it succeeds: the
@@ -450,26 +429,12 @@ fn power_cuts_at_each_step_of_a_data_key_rotation_lose_nothing() {
     let sb = Sandbox::new("vm-pcrot");
     let rt = runtime();
     let (mut controller, mut ctl) = rt.block_on(moor_lab::vm::start_embedded_controller(&sb, NODE));
-    let volume = rt.block_on(async {
-        ctl.create_volume(csi::CreateVolumeRequest {
-            name: "pvc-powercut-rotation".into(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: 96 * MIB as i64,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![ext4()],
-            parameters: [("encrypted", "true"), ("kmsID", "secret")]
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .into(),
-            secrets: secrets(),
-            ..Default::default()
-        })
-        .await
-        .expect("CreateVolume, encrypted")
-        .into_inner()
-        .volume
-        .expect("its volume")
-    });
+    let volume = rt.block_on(moor_lab::vm::create_encrypted_volume(
+        &mut ctl,
+        "pvc-powercut-rotation",
+        96,
+        secrets(),
+    ));
     let file = rt.block_on(moor_lab::vm::embedded_volume_file(
         &mut ctl,
         &volume,
