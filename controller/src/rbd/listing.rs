@@ -63,7 +63,7 @@ impl RbdBackend {
 
     /// Every location to list, with a session on its cluster. A cluster that cannot be
     /// reached is left out (and logged): the others still list.
-    fn locations(&self) -> Vec<(Session, Location)> {
+    pub(super) fn locations(&self) -> Vec<(Session, Location)> {
         let mut out = Vec::new();
         for cref in self.reachable() {
             let s = match self.session(&cref) {
