@@ -639,25 +639,17 @@ async fn published_keys(
     v: &Volume,
     cap: &csi::VolumeCapability,
 ) -> HashMap<String, String> {
-    let ctx = ctl
-        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+    let ctx = moor_lab::ceph::published_context(
+        ctl,
+        csi::ControllerPublishVolumeRequest {
             volume_id: v.id.clone(),
             node_id: "node-c".into(),
             volume_capability: Some(cap.clone()),
             volume_context: v.context.clone(),
             ..Default::default()
-        })
-        .await
-        .expect("ControllerPublishVolume")
-        .into_inner()
-        .publish_context;
-    ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-        volume_id: v.id.clone(),
-        node_id: "node-c".into(),
-        ..Default::default()
-    })
-    .await
-    .expect("ControllerUnpublishVolume");
+        },
+    )
+    .await;
     ctx.into_iter()
         .filter(|(k, _)| k.starts_with("encryptedDEK"))
         .collect()
