@@ -14,7 +14,12 @@
 //! it), and every stage is given both (the publish_context), so a volume staged at any
 //! instant opens, on any node. A KEK rotation ([`rewrap`]) wraps both again under a new KEK,
 //! touching no header: each wrapped key names the KEK that wrapped it (`v1:<kek id>:...`), so
-//! a KEK rotation cut short resumes at the next record.
+//! a KEK rotation cut short resumes at the next record; it wraps again the key each snapshot
+//! record carries too, so that a restore opens once the old KEK is retired.
+//!
+//! Where the record lives is the backend's, through the [`Backend`] trait (the embedded
+//! backend's record file; an RBD volume's image metadata, `rbd::keys`); what it holds and the
+//! order of its steps are decided here, once, for both.
 
 use moor_runtime::keys::source::KeySource;
 use moor_runtime::keys::{KeyError, WrappedDek};
