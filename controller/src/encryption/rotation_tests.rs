@@ -495,3 +495,29 @@ fn a_kek_rotation_over_both_backends_reaches_the_embedded_records() {
         ["kek-2"]
     );
 }
+
+#[test]
+fn a_kek_rotation_refuses_before_writing_when_an_rbd_cluster_cannot_be_read() {
+    let w = world("rot-kek-unseen");
+    let id = encrypted_volume(&w, "pvc-1");
+    let before = w.b.volume_keys(&id).expect("keys");
+    // A cluster of the list without the controller's own credentials, and no connection to
+    // it: its volumes cannot be seen, so the rotation is refused before any record is
+    // written (reporting done would let the operator retire a KEK its records still need).
+    let clusters = crate::rbd::clusters::Clusters::from_json(
+        r#"[{"clusterID": "unseen", "monitors": ["192.0.2.1:6789"]}]"#,
+    )
+    .expect("clusters");
+    let rbd = crate::rbd::RbdBackend::new(crate::rbd::Config::new(clusters));
+    let both = crate::select::Backends::new(Some(Box::new(w.b)), Some(Box::new(rbd)));
+    let e = rotate_kek_on(&both, &w.kek, &source("kek-2", 2)).expect_err("unseen cluster");
+    assert!(
+        matches!(&e, Error::FailedPrecondition(m) if m.contains("unseen")),
+        "{e:?}"
+    );
+    assert_eq!(
+        both.volume_keys(&id).expect("keys"),
+        before,
+        "nothing written"
+    );
+}

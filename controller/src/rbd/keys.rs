@@ -25,7 +25,9 @@
 use moor_rbd::{Image, Pool};
 use tracing::info;
 
-use super::ids::{SnapshotId, VolumeId};
+use std::collections::BTreeSet;
+
+use super::ids::{ClusterRef, Location, SnapshotId, VolumeId};
 use super::records::{Registry, SnapshotState, VolumeRecord, VolumeState};
 use super::volumes::{DEK_METADATA_KEY, snapshot_key, volume_key};
 use super::{RbdBackend, Session};
@@ -144,20 +146,47 @@ impl RbdBackend {
         Ok(())
     }
 
-    /// Every ready encrypted volume in every pool the backend lists.
+    /// Every ready encrypted volume in every RBD pool of every cluster the controller knows
+    /// (its cluster list, and those it has a connection to). Unlike a listing, a cluster that
+    /// cannot be read is not left out: FAILED_PRECONDITION naming it, before a KEK rotation
+    /// writes anything (it asks for these first), so that a rotation never reports done while
+    /// a record it did not see stays under the KEK the operator would then retire.
     pub(super) fn encrypted_volume_ids_impl(&self) -> Result<Vec<String>> {
+        let mut refs: BTreeSet<ClusterRef> = self
+            .clusters()
+            .iter()
+            .map(|c| ClusterRef::Id(c.id.clone()))
+            .collect();
+        refs.extend(self.connections.clusters());
         let mut ids = Vec::new();
-        for (s, loc) in self.locations() {
-            let Some(pool) = self.open_pool(&s, &loc.pool)? else {
-                continue;
+        for cref in refs {
+            let unseen = |e: Error| {
+                Error::FailedPrecondition(format!(
+                    "cluster {cref}: its volumes' keys cannot be read ({e}); a KEK rotation \
+                     goes over every cluster the controller knows, so that none is left under \
+                     the old KEK: give the controller its own credentials for it (its cluster \
+                     list's user and keyFile); nothing was rewrapped"
+                ))
             };
-            for (suffix, rec) in Registry::new(&pool).volumes()? {
-                if rec.state == VolumeState::Ready && rec.context.contains_key(ENCRYPTED_DEK_KEY) {
-                    let id = VolumeId {
-                        location: loc.clone(),
-                        suffix,
-                    };
-                    ids.push(id.to_string());
+            let s = self.session(&cref).map_err(unseen)?;
+            for pool in self.rbd_pools(&s).map_err(unseen)? {
+                let Some(p) = self.open_pool(&s, &pool).map_err(unseen)? else {
+                    continue;
+                };
+                let loc = Location {
+                    cluster: cref.clone(),
+                    pool,
+                };
+                for (suffix, rec) in Registry::new(&p).volumes()? {
+                    if rec.state == VolumeState::Ready
+                        && rec.context.contains_key(ENCRYPTED_DEK_KEY)
+                    {
+                        let id = VolumeId {
+                            location: loc.clone(),
+                            suffix,
+                        };
+                        ids.push(id.to_string());
+                    }
                 }
             }
         }

@@ -40,7 +40,7 @@ impl RbdBackend {
     }
 
     /// The RBD pools of a cluster (pools with the `rbd` application).
-    fn rbd_pools(&self, s: &Session) -> Result<Vec<String>> {
+    pub(super) fn rbd_pools(&self, s: &Session) -> Result<Vec<String>> {
         let out = s
             .cluster()
             .mon_command(&serde_json::json!({"prefix": "osd pool ls", "detail": "detail"}))
@@ -63,7 +63,7 @@ impl RbdBackend {
 
     /// Every location to list, with a session on its cluster. A cluster that cannot be
     /// reached is left out (and logged): the others still list.
-    pub(super) fn locations(&self) -> Vec<(Session, Location)> {
+    fn locations(&self) -> Vec<(Session, Location)> {
         let mut out = Vec::new();
         for cref in self.reachable() {
             let s = match self.session(&cref) {
