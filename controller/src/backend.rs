@@ -640,6 +640,20 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         Ok(Vec::new())
     }
 
+    /// Writes `after` as the wrapped data key the record of the snapshot `snapshot_id` of an
+    /// encrypted volume carries ([`Snapshot::encryption`]'s `encryptedDEK`, wrapped for its
+    /// source volume), durably, if it carries `before` (ABORTED, nothing written, when
+    /// another call changed it since it was read): a KEK rotation's re-wrap, so that a
+    /// restore opens after the old KEK is retired. A backend that keeps no snapshot keys
+    /// refuses (FAILED_PRECONDITION).
+    fn write_snapshot_key(&self, snapshot_id: &str, before: &str, after: &str) -> Result<()> {
+        let _ = (before, after);
+        Err(keys_not_kept(&format!(
+            "snapshot {:?}",
+            crate::error::trunc(snapshot_id)
+        )))
+    }
+
     /// Deletes a volume; a volume that does not exist is success.
     fn delete_volume(&self, volume_id: &str) -> Result<()>;
 
@@ -866,8 +880,8 @@ pub fn check_data_dir(path: &Path) -> Result<()> {
 /// The answer of a backend that does not rotate its volumes' keys (yet).
 fn keys_not_kept(what: &str) -> Error {
     Error::FailedPrecondition(format!(
-        "{what}: its backend does not rotate encrypted volumes' keys yet (built for the \
-         embedded backend; docs/encryption.md, \"Rotation\"); nothing was changed"
+        "{what}: its backend does not rotate encrypted volumes' keys (built for the embedded \
+         and RBD backends; docs/encryption.md, \"Rotation\"); nothing was changed"
     ))
 }
 

@@ -260,6 +260,12 @@ impl Backend for Backends {
             .write_volume_keys(volume_id, before, after)
     }
 
+    fn write_snapshot_key(&self, snapshot_id: &str, before: &str, after: &str) -> Result<()> {
+        self.by_id(snapshot_id)
+            .ok_or_else(|| Error::SnapshotNotFound(trunc(snapshot_id).to_string()))?
+            .write_snapshot_key(snapshot_id, before, after)
+    }
+
     fn encrypted_volume_ids(&self) -> Result<Vec<String>> {
         let mut ids = Vec::new();
         for b in [self.embedded.as_deref(), self.rbd.as_deref()]

@@ -639,6 +639,29 @@ pub fn publish(
     }
 }
 
+/// The publish_context ControllerPublishVolume answers `req` with; the volume is unpublished
+/// at that node again (with the request's secrets) before this returns.
+pub async fn published_context(
+    ctl: &mut moor_proto::csi::v1::controller_client::ControllerClient<Channel>,
+    req: csi::ControllerPublishVolumeRequest,
+) -> HashMap<String, String> {
+    let unpublish = csi::ControllerUnpublishVolumeRequest {
+        volume_id: req.volume_id.clone(),
+        node_id: req.node_id.clone(),
+        secrets: req.secrets.clone(),
+    };
+    let ctx = ctl
+        .controller_publish_volume(req)
+        .await
+        .expect("ControllerPublishVolume")
+        .into_inner()
+        .publish_context;
+    ctl.controller_unpublish_volume(unpublish)
+        .await
+        .expect("ControllerUnpublishVolume");
+    ctx
+}
+
 pub fn ms(d: Duration) -> String {
     format!("{:.0} ms", d.as_secs_f64() * 1e3)
 }

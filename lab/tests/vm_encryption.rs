@@ -14,7 +14,8 @@
 //!   mapping in the journal: the volume is healthy, its unstage closes the mapping;
 //! * a snapshot of the volume restored into a new encrypted volume opens with the source's
 //!   data key (wrapped for the copy), holds the data, is never formatted, and its file holds
-//!   no plaintext.
+//!   no plaintext; the KEK is rotated before the restore and the old one retired: the
+//!   snapshot's key was rewrapped, and the restore and its stage take the new KEK alone.
 //!
 //! The guest's agent is reached over a bridge of the test's own (no Ceph cluster needed).
 //! Skipped, with the reason, without the VM lab.
@@ -47,6 +48,13 @@ fn secrets(kek: &[u8]) -> HashMap<String, String> {
     secret_entries("lab-kek", kek).into_iter().collect()
 }
 
+/// The KEK a KEK rotation moves the records to, under an id of its own.
+const NEW_KEK: [u8; 32] = [0x44; 32];
+
+fn new_secrets() -> HashMap<String, String> {
+    secret_entries("lab-kek-2", &NEW_KEK).into_iter().collect()
+}
+
 /// An encrypted volume made by the controller, and its file.
 struct Volume {
     id: String,
@@ -69,6 +77,17 @@ async fn create_from(
     cap: csi::VolumeCapability,
     source: Option<csi::VolumeContentSource>,
 ) -> Volume {
+    create_with(ctl, name, cap, source, secrets(&KEK)).await
+}
+
+/// [`create_from`] with the provisioner secret `secrets`.
+async fn create_with(
+    ctl: &mut ControllerClient<Channel>,
+    name: &str,
+    cap: csi::VolumeCapability,
+    source: Option<csi::VolumeContentSource>,
+    secrets: HashMap<String, String>,
+) -> Volume {
     let v = ctl
         .create_volume(csi::CreateVolumeRequest {
             name: name.into(),
@@ -82,7 +101,7 @@ async fn create_from(
                 ("encrypted".into(), "true".into()),
                 ("kmsID".into(), "secret".into()),
             ]),
-            secrets: secrets(&KEK),
+            secrets,
             ..Default::default()
         })
         .await
@@ -115,6 +134,10 @@ struct Staged<'a> {
 
 impl Staged<'_> {
     fn stage_req(&self, kek: &[u8]) -> csi::NodeStageVolumeRequest {
+        self.stage_req_with(secrets(kek))
+    }
+
+    fn stage_req_with(&self, secrets: HashMap<String, String>) -> csi::NodeStageVolumeRequest {
         csi::NodeStageVolumeRequest {
             volume_id: self.v.id.clone(),
             publish_context: HashMap::from([
@@ -123,7 +146,7 @@ impl Staged<'_> {
             ]),
             staging_target_path: self.staging.display().to_string(),
             volume_capability: Some(self.cap.clone()),
-            secrets: secrets(kek),
+            secrets,
             volume_context: self.v.context.clone(),
         }
     }
@@ -429,7 +452,27 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
         .into_inner()
         .snapshot
         .expect("a snapshot");
-    let restored_vol = create_from(
+    // The KEK rotated, and the old one retired: the snapshot's record carries its source's
+    // key rewrapped under the new KEK, and the restore and its stage take the new KEK alone.
+    let mut keys_ctl = moor_proto::keys::v1::controller_keys_client::ControllerKeysClient::new(
+        moor_runtime::client::connect(&sb.root.join("controller.sock"))
+            .await
+            .expect("the controller's socket"),
+    );
+    let rotated = keys_ctl
+        .rotate_key_encryption_key(moor_proto::keys::v1::RotateKeyEncryptionKeyRequest {
+            kms_id: String::new(),
+            old_secrets: secrets(&KEK),
+            new_secrets: new_secrets(),
+        })
+        .await
+        .expect("RotateKeyEncryptionKey")
+        .into_inner();
+    assert!(
+        rotated.rewrapped.contains(&snap.snapshot_id) && rotated.other_keks.is_empty(),
+        "{rotated:?}"
+    );
+    let restored_vol = create_with(
         &mut ctl,
         "pvc-encrypted-restore",
         ext4(),
@@ -440,6 +483,7 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
                 },
             )),
         }),
+        new_secrets(),
     )
     .await;
     assert_ne!(
@@ -453,9 +497,9 @@ async fn life(sb: &Sandbox, vm: &Vm, log: &Path) {
         target: sb.target("pod-b", "pv-restored"),
         cap: ext4(),
     };
-    node.node_stage_volume(restored.stage_req(&KEK))
+    node.node_stage_volume(restored.stage_req_with(new_secrets()))
         .await
-        .expect("stage the restored volume");
+        .expect("stage the restored volume with the new KEK alone");
     node.node_publish_volume(publish(
         &restored.v.id,
         &restored.staging,
@@ -639,25 +683,17 @@ async fn published_keys(
     v: &Volume,
     cap: &csi::VolumeCapability,
 ) -> HashMap<String, String> {
-    let ctx = ctl
-        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+    let ctx = moor_lab::ceph::published_context(
+        ctl,
+        csi::ControllerPublishVolumeRequest {
             volume_id: v.id.clone(),
             node_id: "node-c".into(),
             volume_capability: Some(cap.clone()),
             volume_context: v.context.clone(),
             ..Default::default()
-        })
-        .await
-        .expect("ControllerPublishVolume")
-        .into_inner()
-        .publish_context;
-    ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-        volume_id: v.id.clone(),
-        node_id: "node-c".into(),
-        ..Default::default()
-    })
-    .await
-    .expect("ControllerUnpublishVolume");
+        },
+    )
+    .await;
     ctx.into_iter()
         .filter(|(k, _)| k.starts_with("encryptedDEK"))
         .collect()

@@ -996,7 +996,122 @@ fn an_encrypted_volume_on_the_kernel_client() {
         assert_eq!(formats, 1, "one luksFormat: {}", lab.log(0));
         unmount(&lab, &mut node, &v, 0).await;
         assert!(crypt_mappings().is_empty(), "{:?}", crypt_mappings());
+
+        // A snapshot of it; the KEK rotated (every image's keys and every snapshot's record,
+        // through moor's ControllerKeys) and the old one retired: the snapshot restores with
+        // the new KEK alone, and the restore stages on dm-crypt with it alone, the data there.
+        let pid = std::process::id();
+        let snap = ctl
+            .create_snapshot(csi::CreateSnapshotRequest {
+                source_volume_id: v.id.clone(),
+                name: format!("vmenc-snap-{pid}"),
+                secrets: w.secrets(),
+                parameters: HashMap::new(),
+            })
+            .await
+            .expect("a snapshot of the encrypted volume")
+            .into_inner()
+            .snapshot
+            .expect("a snapshot");
+        let controller = w
+            .controller
+            .as_ref()
+            .expect("the controller")
+            .socket
+            .clone();
+        let mut keys = moor_proto::keys::v1::controller_keys_client::ControllerKeysClient::new(
+            moor_privileged::client::connect(&controller)
+                .await
+                .expect("the controller's socket"),
+        );
+        let new_kek = moor_runtime::keys::secret_entries("lab-kek-2", &[0x44; 32]);
+        let report = keys
+            .rotate_key_encryption_key(moor_proto::keys::v1::RotateKeyEncryptionKeyRequest {
+                kms_id: String::new(),
+                old_secrets: moor_runtime::keys::secret_entries("lab-kek", &[0x42; 32])
+                    .into_iter()
+                    .collect(),
+                new_secrets: new_kek.clone().into_iter().collect(),
+            })
+            .await
+            .expect("RotateKeyEncryptionKey over the RBD backend")
+            .into_inner();
+        assert!(
+            report.rewrapped.contains(&v.id) && report.rewrapped.contains(&snap.snapshot_id),
+            "{report:?}"
+        );
+        let rewrapped = w
+            .ceph
+            .rbd(&["image-meta", "get", &v.image, "moor.csi.io/encryptedDEK"])
+            .expect("rbd image-meta get");
+        assert!(rewrapped.trim().starts_with("v1:lab-kek-2:"), "{rewrapped}");
+        let mut new_secrets = w.secrets();
+        new_secrets.extend(new_kek);
+        let mut parameters = w.parameters();
+        parameters.insert("encrypted".into(), "true".into());
+        parameters.insert("kmsID".into(), "secret".into());
+        let made = ctl
+            .create_volume(csi::CreateVolumeRequest {
+                name: format!("vmenc-restore-{pid}"),
+                capacity_range: Some(csi::CapacityRange {
+                    required_bytes: (128 * MIB) as i64,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![ext4()],
+                parameters,
+                secrets: new_secrets.clone(),
+                volume_content_source: Some(csi::VolumeContentSource {
+                    r#type: Some(csi::volume_content_source::Type::Snapshot(
+                        csi::volume_content_source::SnapshotSource {
+                            snapshot_id: snap.snapshot_id.clone(),
+                        },
+                    )),
+                }),
+                ..Default::default()
+            })
+            .await
+            .expect("a restore with the new KEK alone")
+            .into_inner()
+            .volume
+            .expect("a volume");
+        let mut r = Volume {
+            id: made.volume_id,
+            image: String::new(),
+            context: made.volume_context,
+            cap: ext4(),
+        };
+        let r_ctx = attach(w, &mut ctl, &mut r, 0)
+            .await
+            .expect("publish the restore");
+        let mut req = stage_req(w, &r, &r_ctx, 0);
+        req.secrets = new_secrets.clone();
+        node.node_stage_volume(req)
+            .await
+            .expect("stage the restore with the new KEK alone");
+        node.node_publish_volume(moor_lab::ceph::publish(
+            &r.id,
+            &w.staging(0, &r.id),
+            &target(w, &r, 0),
+            r.cap.clone(),
+        ))
+        .await
+        .expect("publish the restore");
+        assert_eq!(
+            pod_read(&lab, &r, 0),
+            ENCRYPTED_PATTERN,
+            "the snapshot's data"
+        );
+        unmount(&lab, &mut node, &r, 0).await;
+        detach(w, &mut ctl, &r, 0).await;
+        delete(w, &mut ctl, &r).await;
+
         detach(w, &mut ctl, &v, 0).await;
         delete(w, &mut ctl, &v).await;
+        ctl.delete_snapshot(csi::DeleteSnapshotRequest {
+            snapshot_id: snap.snapshot_id.clone(),
+            secrets: w.secrets(),
+        })
+        .await
+        .expect("DeleteSnapshot");
     });
 }

@@ -95,6 +95,12 @@ impl Image {
         self.raw.id().map_err(|f| self.err(f))
     }
 
+    /// The image's metadata value of `key`; None when it is not set.
+    pub fn metadata(&self, key: &str) -> Result<Option<String>> {
+        let c_key = crate::metadata::c_text("image metadata key", key)?;
+        self.raw.metadata_get(&c_key).map_err(|f| self.err(f))
+    }
+
     /// Sets the image's metadata `key` to `value`, or removes it (None). librbd takes a
     /// `conf_<option>` key as the image's own setting of that option for every client that
     /// opens it after (librbd, rbd-fuse, rbd-nbd; not the kernel client).

@@ -254,6 +254,28 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             .collect())
     }
 
+    fn write_snapshot_key(&self, snapshot_id: &str, before: &str, after: &str) -> Result<()> {
+        let id = self.snapshot_here(snapshot_id)?;
+        let _claim = self.inflight.claim(&[&snapshot_key(&id)], &[])?;
+        let mut rec = self
+            .state()
+            .snapshots
+            .get(id.as_str())
+            .cloned()
+            .ok_or_else(|| Error::SnapshotNotFound(trunc(snapshot_id).to_string()))?;
+        if crate::encryption::rotation::swap_snapshot_key(
+            &mut rec.encryption,
+            snapshot_id,
+            before,
+            after,
+        )? {
+            self.store.put_snapshot(&rec)?;
+            self.state().snapshots.insert(rec.id.clone(), rec);
+            info!(snapshot = %id, "its wrapped data key recorded");
+        }
+        Ok(())
+    }
+
     fn delete_volume(&self, volume_id: &str) -> Result<()> {
         let Some(id) = self.to_delete("volume", volume_id, self.find_volume(volume_id))? else {
             return Ok(());

@@ -14,13 +14,20 @@
 //! it), and every stage is given both (the publish_context), so a volume staged at any
 //! instant opens, on any node. A KEK rotation ([`rewrap`]) wraps both again under a new KEK,
 //! touching no header: each wrapped key names the KEK that wrapped it (`v1:<kek id>:...`), so
-//! a KEK rotation cut short resumes at the next record.
+//! a KEK rotation cut short resumes at the next record; it wraps again the key each snapshot
+//! record carries too, so that a restore opens once the old KEK is retired.
+//!
+//! Where the record lives is the backend's, through the [`Backend`] trait (the embedded
+//! backend's record file; an RBD volume's image metadata, `rbd::keys`); what it holds and the
+//! order of its steps are decided here, once, for both.
 
 use moor_runtime::keys::source::KeySource;
 use moor_runtime::keys::{KeyError, WrappedDek};
 use serde::{Deserialize, Serialize};
 
-use crate::backend::Backend;
+use moor_runtime::contract::ENCRYPTED_DEK_KEY;
+
+use crate::backend::{Backend, PageRequest, Parameters, SnapshotFilter};
 use crate::error::{Error, Result, trunc};
 
 /// The wrapped data keys of an encrypted volume's record (not secret: each is wrapped).
@@ -174,19 +181,96 @@ pub fn promote_on<B: Backend + ?Sized>(b: &B, volume: &str, new: &str) -> Result
 /// What a KEK rotation over every record did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct KekRotation {
-    /// The volumes whose records it wrote, their keys now under the new KEK.
+    /// The volumes and snapshots whose records it wrote, their keys now under the new KEK.
     pub rewrapped: Vec<String>,
-    /// The volumes already under the new KEK (a rotation run again, or resumed).
+    /// The volumes and snapshots already under the new KEK (a rotation run again, or resumed).
     pub unchanged: Vec<String>,
-    /// The volumes under neither KEK, left alone: their KEK ids.
+    /// The volumes and snapshots under neither KEK, left alone: their KEK ids.
     pub other_keks: Vec<(String, Vec<String>)>,
 }
 
-/// A KEK rotation over every encrypted volume of `b`: each record whose keys `old` or `new`
-/// wrap is rewrapped under `new` ([`rewrap`]) and written, one record at a time, so a
-/// rotation cut short (a crash, an error) is resumed by running it again: the records done
-/// are under `new` and are left as they are. A record under another KEK is left alone and
-/// reported. The first error stops it (the records before it are done).
+impl KekRotation {
+    /// One record's step: `before` (the keys of the volume or snapshot `id`, wrapped for the
+    /// volume `bound`) rewrapped under `new` ([`rewrap`]) and written by `write` when they
+    /// changed; a record under another KEK left alone.
+    fn step(
+        &mut self,
+        id: String,
+        bound: &str,
+        before: &RecordKeys,
+        (old, new): (&KeySource, &KeySource),
+        write: impl FnOnce(&RecordKeys) -> Result<()>,
+    ) -> Result<()> {
+        let ids = before.kek_ids()?;
+        if ids.iter().any(|i| i != old.kek_id() && i != new.kek_id()) {
+            self.other_keks.push((id, ids));
+            return Ok(());
+        }
+        let (after, changed) = rewrap(before, bound, old, new)?;
+        if changed {
+            write(&after)?;
+            self.rewrapped.push(id);
+        } else {
+            self.unchanged.push(id);
+        }
+        Ok(())
+    }
+}
+
+/// A snapshot record's step of a KEK rotation, for [`Backend::write_snapshot_key`]: its
+/// `encryption` given the wrapped key `after` if it carries `before` (whether that changed
+/// it: `after` already there is no change); ABORTED, nothing changed, when it carries
+/// another (a call changed it since it was read), FAILED_PRECONDITION for a snapshot in the
+/// clear.
+pub fn swap_snapshot_key(
+    encryption: &mut Parameters,
+    snapshot: &str,
+    before: &str,
+    after: &str,
+) -> Result<bool> {
+    match encryption.get(ENCRYPTED_DEK_KEY).map(String::as_str) {
+        None => Err(Error::FailedPrecondition(format!(
+            "snapshot {:?}: not of an encrypted volume, it has no data key",
+            trunc(snapshot)
+        ))),
+        Some(k) if k == after => Ok(false),
+        Some(k) if k == before => {
+            encryption.insert(ENCRYPTED_DEK_KEY.to_owned(), after.to_owned());
+            Ok(true)
+        }
+        Some(_) => Err(Error::OperationPending(format!(
+            "snapshot {:?}: its data key changed since it was read; run the rotation again",
+            trunc(snapshot)
+        ))),
+    }
+}
+
+/// Every snapshot of `b` that carries an encrypted volume's wrapped data key: its id, the
+/// volume the key is wrapped for (its source) and the key.
+fn encrypted_snapshots<B: Backend + ?Sized>(b: &B) -> Result<Vec<(String, String, String)>> {
+    let mut out = Vec::new();
+    let mut page = PageRequest::default();
+    loop {
+        let listed = b.list_snapshots(&SnapshotFilter::default(), &page)?;
+        out.extend(listed.entries.into_iter().filter_map(|s| {
+            let wrapped = s.encryption.get(ENCRYPTED_DEK_KEY)?.clone();
+            Some((s.id, s.source_volume_id, wrapped))
+        }));
+        match listed.next_token {
+            Some(t) => page.starting_token = Some(t),
+            None => return Ok(out),
+        }
+    }
+}
+
+/// A KEK rotation over every encrypted volume of `b`, then every snapshot of one: each
+/// record whose keys `old` or `new` wrap is rewrapped under `new` ([`rewrap`]) and written,
+/// one record at a time, so a rotation cut short (a crash, an error) is resumed by running
+/// it again: the records done are under `new` and are left as they are. A snapshot's key,
+/// wrapped for its source volume, is rewrapped for that volume, so that a restore after the
+/// old KEK is retired still opens (the snapshot outlives its source's record). A record
+/// under another KEK is left alone and reported. The first error stops it (the records
+/// before it are done).
 pub fn rotate_kek_on<B: Backend + ?Sized>(
     b: &B,
     old: &KeySource,
@@ -195,18 +279,15 @@ pub fn rotate_kek_on<B: Backend + ?Sized>(
     let mut done = KekRotation::default();
     for volume in b.encrypted_volume_ids()? {
         let before = b.volume_keys(&volume)?;
-        let ids = before.kek_ids()?;
-        if ids.iter().any(|i| i != old.kek_id() && i != new.kek_id()) {
-            done.other_keks.push((volume, ids));
-            continue;
-        }
-        let (after, changed) = rewrap(&before, &volume, old, new)?;
-        if changed {
-            b.write_volume_keys(&volume, &before, &after)?;
-            done.rewrapped.push(volume);
-        } else {
-            done.unchanged.push(volume);
-        }
+        done.step(volume.clone(), &volume, &before, (old, new), |after| {
+            b.write_volume_keys(&volume, &before, after)
+        })?;
+    }
+    for (snapshot, source, wrapped) in encrypted_snapshots(b)? {
+        let before = RecordKeys::of_context(&wrapped);
+        done.step(snapshot.clone(), &source, &before, (old, new), |after| {
+            b.write_snapshot_key(&snapshot, &wrapped, &after.current)
+        })?;
     }
     Ok(done)
 }

@@ -436,17 +436,88 @@ fn the_key_calls_check_their_requests_and_name_no_key() {
 }
 
 #[test]
-fn a_kek_rotation_over_a_backend_that_does_not_rotate_keys_writes_nothing() {
+fn a_kek_rotation_rewraps_snapshots_so_a_restore_opens_after_the_old_kek_is_retired() {
+    let w = world("rot-kek-snap");
+    let id = encrypted_volume(&w, "pvc-1");
+    let dek = unwrap(&w.kek, &w.b.volume_keys(&id).expect("keys").current, &id);
+    let snap =
+        w.b.create_snapshot(&NewSnapshot {
+            name: "s1".into(),
+            source_volume_id: id.clone(),
+            parameters: Parameters::new(),
+        })
+        .expect("snapshot");
+    // The snapshot outlives its source: its record alone carries the key a restore opens with.
+    w.b.delete_volume(&id).expect("delete source");
+    let new = source("kek-2", 2);
+    let report = rotate_kek_on(&w.b, &w.kek, &new).expect("rotate");
+    assert_eq!(report.rewrapped, std::slice::from_ref(&snap.id));
+    assert!(report.unchanged.is_empty() && report.other_keks.is_empty());
+    let carried = w.b.get_snapshot(&snap.id).expect("get").encryption;
+    let wrapped = WrappedDek::decode(&carried[ENCRYPTED_DEK_KEY]).expect("decode");
+    assert_eq!(wrapped.kek_id(), "kek-2", "the key names its new KEK");
+    // The old KEK retired: a restore (CreateVolume's `source_dek`) opens with the new KEK
+    // alone, to the same data key (the snapshot's LUKS header is the source's).
+    let restored = super::super::source_dek(&carried, &snap.source_volume_id, &new)
+        .expect("the new KEK unwraps the snapshot's key");
+    assert_eq!(restored.expose(), dek.expose());
+    let e = super::super::source_dek(&carried, &snap.source_volume_id, &w.kek)
+        .expect_err("the old KEK no longer does");
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    // Run again: nothing written twice.
+    let again = rotate_kek_on(&w.b, &w.kek, &new).expect("again");
+    assert!(again.rewrapped.is_empty() && again.unchanged == std::slice::from_ref(&snap.id));
+    // A snapshot record whose key changed since it was read: ABORTED, nothing written.
+    // The key to write already there (a step run again): nothing to do.
+    w.b.write_snapshot_key(&snap.id, "v1:kek-1:stale", &carried[ENCRYPTED_DEK_KEY])
+        .expect("already written");
+    let e =
+        w.b.write_snapshot_key(&snap.id, "v1:kek-1:stale", "v1:kek-9:other")
+            .expect_err("stale");
+    assert!(matches!(e, Error::OperationPending(_)), "{e:?}");
+    assert_eq!(w.b.get_snapshot(&snap.id).expect("get").encryption, carried);
+}
+
+#[test]
+fn a_kek_rotation_over_both_backends_reaches_the_embedded_records() {
     let w = world("rot-kek-rbd");
     let id = encrypted_volume(&w, "pvc-1");
-    let before = w.b.volume_keys(&id).expect("keys");
     let rbd = crate::rbd::RbdBackend::new(crate::rbd::Config::new(
         crate::rbd::clusters::Clusters::empty(),
     ));
     let both = crate::select::Backends::new(Some(Box::new(w.b)), Some(Box::new(rbd)));
-    // The RBD backend makes encrypted volumes but keeps no rotated keys: refused before any
-    // record is written, so no record is left under the old KEK behind a report of "done".
-    let e = rotate_kek_on(&both, &w.kek, &source("kek-2", 2)).expect_err("rbd");
-    assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
-    assert_eq!(both.volume_keys(&id).expect("keys"), before);
+    // The RBD backend keeps its keys too (its images' metadata; tested on Ceph in
+    // lab/tests/rbd_rotation.rs): with no cluster it has none, and the rotation is done.
+    let report = rotate_kek_on(&both, &w.kek, &source("kek-2", 2)).expect("rotate");
+    assert_eq!(report.rewrapped, std::slice::from_ref(&id));
+    assert_eq!(
+        both.volume_keys(&id).expect("keys").kek_ids().expect("ids"),
+        ["kek-2"]
+    );
+}
+
+#[test]
+fn a_kek_rotation_refuses_before_writing_when_an_rbd_cluster_cannot_be_read() {
+    let w = world("rot-kek-unseen");
+    let id = encrypted_volume(&w, "pvc-1");
+    let before = w.b.volume_keys(&id).expect("keys");
+    // A cluster of the list without the controller's own credentials, and no connection to
+    // it: its volumes cannot be seen, so the rotation is refused before any record is
+    // written (reporting done would let the operator retire a KEK its records still need).
+    let clusters = crate::rbd::clusters::Clusters::from_json(
+        r#"[{"clusterID": "unseen", "monitors": ["192.0.2.1:6789"]}]"#,
+    )
+    .expect("clusters");
+    let rbd = crate::rbd::RbdBackend::new(crate::rbd::Config::new(clusters));
+    let both = crate::select::Backends::new(Some(Box::new(w.b)), Some(Box::new(rbd)));
+    let e = rotate_kek_on(&both, &w.kek, &source("kek-2", 2)).expect_err("unseen cluster");
+    assert!(
+        matches!(&e, Error::FailedPrecondition(m) if m.contains("unseen")),
+        "{e:?}"
+    );
+    assert_eq!(
+        both.volume_keys(&id).expect("keys"),
+        before,
+        "nothing written"
+    );
 }

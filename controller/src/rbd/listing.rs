@@ -40,7 +40,7 @@ impl RbdBackend {
     }
 
     /// The RBD pools of a cluster (pools with the `rbd` application).
-    fn rbd_pools(&self, s: &Session) -> Result<Vec<String>> {
+    pub(super) fn rbd_pools(&self, s: &Session) -> Result<Vec<String>> {
         let out = s
             .cluster()
             .mon_command(&serde_json::json!({"prefix": "osd pool ls", "detail": "detail"}))

@@ -12,6 +12,8 @@
 //!   clones after the CO deleted them, removed with the last clone;
 //! * `groups`: volume group snapshots (every member's lock held while they are cut);
 //!   `metadata`: allocated and changed blocks of snapshots, from librbd's diff iteration;
+//! * `keys`: an encrypted volume's wrapped data keys in its image's metadata, for a key
+//!   rotation;
 //! * `publish` and `fence`: which node may map an image, and fencing a node that still holds
 //!   it when it is taken away.
 //!
@@ -24,6 +26,7 @@ pub mod credentials;
 mod fence;
 mod groups;
 pub mod ids;
+mod keys;
 mod listing;
 mod metadata;
 pub mod parameters;
@@ -49,6 +52,7 @@ use crate::backend::{
     PublishContext, PublishRequest, Qos, SizePolicy, Snapshot, SnapshotFilter, Volume,
     VolumeStatus,
 };
+use crate::encryption::rotation::RecordKeys;
 use crate::error::{Error, Result};
 use crate::inflight::InFlight;
 
@@ -270,6 +274,27 @@ impl Backend for RbdBackend {
 
     fn record_wrapped_dek(&self, volume_id: &str, wrapped: &str) -> Result<Volume> {
         self.record_wrapped_dek_impl(volume_id, wrapped)
+    }
+
+    fn volume_keys(&self, volume_id: &str) -> Result<RecordKeys> {
+        self.volume_keys_impl(volume_id)
+    }
+
+    fn write_volume_keys(
+        &self,
+        volume_id: &str,
+        before: &RecordKeys,
+        after: &RecordKeys,
+    ) -> Result<()> {
+        self.write_volume_keys_impl(volume_id, before, after)
+    }
+
+    fn encrypted_volume_ids(&self) -> Result<Vec<String>> {
+        self.encrypted_volume_ids_impl()
+    }
+
+    fn write_snapshot_key(&self, snapshot_id: &str, before: &str, after: &str) -> Result<()> {
+        self.write_snapshot_key_impl(snapshot_id, before, after)
     }
 
     fn delete_volume(&self, volume_id: &str) -> Result<()> {

@@ -21,6 +21,7 @@ use super::records::{FENCINGS_KEPT, Publication, Registry};
 use super::volumes::volume_key;
 use super::{RbdBackend, Session};
 use crate::backend::{AccessMode, PublishContext, PublishRequest, Qos};
+use crate::encryption::rotation::RecordKeys;
 use crate::error::{Error, Result, trunc};
 
 use moor_runtime::contract::QOS_LIMITS_KEY;
@@ -31,13 +32,16 @@ pub use moor_runtime::contract::{
 };
 
 /// What the node is told: the image, the monitors, how to map it (read-only; with the
-/// exclusive lock held, when the volume's StorageClass asks and the map is read-write).
+/// exclusive lock held, when the volume's StorageClass asks and the map is read-write), and an
+/// encrypted volume's wrapped data keys as its image's metadata holds them now (`keys`:
+/// `encryptedDEK`, and `encryptedDEKPending` during a rotation), which the node tries before
+/// the volume context's.
 fn publish_context(
     s: &Session,
     id: &VolumeId,
     qos: &Qos,
-    readonly: bool,
-    exclusive: bool,
+    (readonly, exclusive): (bool, bool),
+    keys: Option<RecordKeys>,
 ) -> PublishContext {
     let mut ctx = PublishContext::from([
         (QOS_LIMITS_KEY.to_string(), qos.to_context()),
@@ -52,6 +56,7 @@ fn publish_context(
     if exclusive && !readonly {
         ctx.insert(EXCLUSIVE_KEY.to_string(), "true".to_string());
     }
+    super::keys::publish_keys(&mut ctx, keys);
     ctx
 }
 
@@ -82,6 +87,7 @@ impl RbdBackend {
         let readonly = req.readonly || req.capability.mode.is_reader_only();
         let exclusive = rec.parameters.contains_key(parameters::EXCLUSIVE_LOCK_KEY);
         let mode = req.capability.mode.name();
+        let keys = self.publish_keys_of(&s, &pool, &id, &rec)?;
         if let Some(p) = rec.publications.iter().find(|p| p.node_id == req.node_id) {
             if p.readonly != readonly || p.mode != mode {
                 return Err(Error::PublishedIncompatible {
@@ -90,7 +96,13 @@ impl RbdBackend {
                     reason: format!("it is published {} with {}", access(p.readonly), p.mode),
                 });
             }
-            return Ok(publish_context(&s, &id, &rec.qos, readonly, exclusive));
+            return Ok(publish_context(
+                &s,
+                &id,
+                &rec.qos,
+                (readonly, exclusive),
+                keys,
+            ));
         }
         let shared = req.capability.mode == AccessMode::MultiNodeReaderOnly;
         let reader_only = AccessMode::MultiNodeReaderOnly.name();
@@ -109,7 +121,13 @@ impl RbdBackend {
         });
         Registry::new(&pool).put_volume(&id.suffix, &rec)?;
         info!(volume = %id, node = %req.node_id, readonly, mode, "published");
-        Ok(publish_context(&s, &id, &rec.qos, readonly, exclusive))
+        Ok(publish_context(
+            &s,
+            &id,
+            &rec.qos,
+            (readonly, exclusive),
+            keys,
+        ))
     }
 
     pub(super) fn unpublish_impl(&self, raw: &str, node_id: Option<&str>) -> Result<()> {

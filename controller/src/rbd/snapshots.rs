@@ -176,7 +176,15 @@ impl RbdBackend {
                     created_nanos,
                     group_suffix: None,
                     copy_image: None,
-                    encryption: crate::encryption::of_volume(&vrec.parameters, &vrec.context),
+                    // The key its image's metadata holds now (a rotation changes it; the
+                    // context cannot); refused while a rotation is pending.
+                    encryption: crate::encryption::with_record_key(
+                        crate::encryption::of_volume(&vrec.parameters, &vrec.context),
+                        super::keys::image_keys(&image, &vrec)
+                            .map_err(|e| self.fail(&s, format!("metadata of {image_name}"), e))?
+                            .as_ref(),
+                        &req.source_volume_id,
+                    )?,
                 };
                 reg.put_snapshot(&suffix, &rec)?;
                 rec

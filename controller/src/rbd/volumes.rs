@@ -4,6 +4,7 @@ use moor_rbd::{Ensured, ImageOptions, Pool, Shrink};
 use tracing::info;
 
 use super::ids::{CLONE_SOURCE_PREFIX, ClusterRef, Location, SnapshotId, VolumeId, random_suffix};
+use super::keys::DEK_PENDING_METADATA_KEY;
 use super::parameters::{self, DATA_POOL_KEY, IMAGE_NAME_KEY, features_of};
 use super::reap::Disposal;
 use super::records::{FORMAT_VERSION, Registry, SnapshotState, VolumeRecord, VolumeState};
@@ -404,7 +405,7 @@ impl RbdBackend {
     /// Keeps an encrypted volume's wrapped data key: in its image's metadata
     /// ([`DEK_METADATA_KEY`]) first, then in its record and volume context; once (a volume
     /// whose record has one keeps it). A clone's metadata, copied from its parent's, is
-    /// overwritten.
+    /// overwritten, and its parent's pending key (a rotation's, `super::keys`) removed.
     pub(super) fn record_wrapped_dek_impl(&self, raw: &str, wrapped: &str) -> Result<Volume> {
         let not_found = || Error::VolumeNotFound(trunc(raw).to_string());
         let id = VolumeId::parse(raw).ok_or_else(not_found)?;
@@ -418,6 +419,16 @@ impl RbdBackend {
             image
                 .set_metadata(DEK_METADATA_KEY, Some(wrapped))
                 .map_err(|e| self.fail(&s, format!("set {DEK_METADATA_KEY} of {image_name}"), e))?;
+            // A clone's metadata is its parent's: a pending key there is the parent's.
+            image
+                .set_metadata(DEK_PENDING_METADATA_KEY, None)
+                .map_err(|e| {
+                    self.fail(
+                        &s,
+                        format!("remove {DEK_PENDING_METADATA_KEY} of {image_name}"),
+                        e,
+                    )
+                })?;
             rec.context
                 .insert(ENCRYPTED_DEK_KEY.to_owned(), wrapped.to_owned());
             Registry::new(&pool).put_volume(&id.suffix, &rec)?;

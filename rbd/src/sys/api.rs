@@ -124,6 +124,7 @@ api! {
         fn rbd_resize2(RbdImageT, u64, bool, ProgressFn, *mut c_void) -> c_int;
         fn rbd_metadata_set(RbdImageT, *const c_char, *const c_char) -> c_int;
         fn rbd_metadata_remove(RbdImageT, *const c_char) -> c_int;
+        fn rbd_metadata_get(RbdImageT, *const c_char, *mut c_char, *mut usize) -> c_int;
         fn rbd_flatten(RbdImageT) -> c_int;
         fn rbd_get_parent(RbdImageT, *mut RbdLinkedImageSpec, *mut RbdSnapSpec) -> c_int;
         fn rbd_linked_image_spec_cleanup(*mut RbdLinkedImageSpec);

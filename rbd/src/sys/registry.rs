@@ -40,6 +40,48 @@ fn check_count(call: &'static str, ret: isize) -> Result<usize> {
     }
 }
 
+/// A metadata value got by `get` (`rbd_pool_metadata_get` or `rbd_metadata_get`: a key's
+/// value into a buffer of `*size` bytes, `-ERANGE` and the size it needs when too small):
+/// None when the key is not set.
+fn metadata_get(
+    call: &'static str,
+    mut get: impl FnMut(*mut c_char, *mut usize) -> c_int,
+) -> Result<Option<String>> {
+    let mut len = 512usize;
+    for _ in 0..LIST_ATTEMPTS {
+        let mut buffer = vec![0 as c_char; len];
+        let mut size = len;
+        let ret = get(buffer.as_mut_ptr(), &mut size);
+        if ret == -libc::ENOENT {
+            return Ok(None);
+        }
+        if ret == -libc::ERANGE {
+            len = size.max(len * 2);
+            continue;
+        }
+        check(call, ret)?;
+        return Ok(split_nul(&buffer, size.min(len))
+            .into_iter()
+            .next()
+            .or(Some(String::new())));
+    }
+    Err(Failure {
+        call,
+        errno: libc::ERANGE,
+    })
+}
+
+impl RbdImage {
+    /// `rbd_metadata_get`: the image's metadata value of `key`, or None when it is not set.
+    pub(crate) fn metadata_get(&self, key: &CStr) -> Result<Option<String>> {
+        metadata_get("rbd_metadata_get", |buffer, size| {
+            // SAFETY: an open image, a NUL-terminated key, a writable buffer of `*size` bytes
+            // and the size's address.
+            unsafe { (self.api().rbd_metadata_get)(self.handle, key.as_ptr(), buffer, size) }
+        })
+    }
+}
+
 /// An image lock's lockers, as `rbd_list_lockers` reports them.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) struct RawLockers {
@@ -67,36 +109,10 @@ impl Rados {
 impl Ioctx {
     /// `rbd_pool_metadata_get`: the value, or None when the key is not set.
     pub(crate) fn pool_metadata_get(&self, key: &CStr) -> Result<Option<String>> {
-        let mut len = 512usize;
-        for _ in 0..LIST_ATTEMPTS {
-            let mut buffer = vec![0 as c_char; len];
-            let mut size = len;
-            // SAFETY: a live I/O context, a NUL-terminated key, a writable buffer of `size`
+        metadata_get("rbd_pool_metadata_get", |buffer, size| {
+            // SAFETY: a live I/O context, a NUL-terminated key, a writable buffer of `*size`
             // bytes and the size's address.
-            let ret = unsafe {
-                (self.api().rbd_pool_metadata_get)(
-                    self.handle,
-                    key.as_ptr(),
-                    buffer.as_mut_ptr(),
-                    &mut size,
-                )
-            };
-            if ret == -libc::ENOENT {
-                return Ok(None);
-            }
-            if ret == -libc::ERANGE {
-                len = size.max(len * 2);
-                continue;
-            }
-            check("rbd_pool_metadata_get", ret)?;
-            return Ok(split_nul(&buffer, size.min(len))
-                .into_iter()
-                .next()
-                .or(Some(String::new())));
-        }
-        Err(Failure {
-            call: "rbd_pool_metadata_get",
-            errno: libc::ERANGE,
+            unsafe { (self.api().rbd_pool_metadata_get)(self.handle, key.as_ptr(), buffer, size) }
         })
     }
 
