@@ -14,7 +14,7 @@ use tonic::{Request, Response, Status};
 use super::ControllerService;
 use crate::backend::Backend;
 use crate::encryption::rotation::{self, RecordKeys};
-use crate::encryption::{self, KMS_ID_KEY, PBKDF_KEY};
+use crate::encryption::{self, KEY_ROTATION_SCHEDULE_KEY, KMS_ID_KEY, PBKDF_KEY};
 use crate::error::{Error, Result, trunc};
 
 fn required<'a>(field: &'static str, value: &'a str) -> Result<&'a str> {
@@ -43,7 +43,27 @@ fn answer<B: Backend + ?Sized>(b: &B, volume: &str, k: RecordKeys) -> Result<key
         current_wrapped_dek: k.current,
         pending_wrapped_dek: k.pending.unwrap_or_default(),
         luks_pbkdf: parameters.get(PBKDF_KEY).cloned().unwrap_or_default(),
+        rotation_schedule: parameters
+            .get(KEY_ROTATION_SCHEDULE_KEY)
+            .cloned()
+            .unwrap_or_default(),
+        rotations: k.rotations,
+        current_since_unix: k.current_since.unwrap_or_default(),
     })
+}
+
+/// GetVolumeKeyRotation on `b`: the record's keys and the volume's schedule; a volume with a
+/// schedule and no `current_since` yet has it written (now), so its schedule's clock starts
+/// once, durably.
+pub fn get<B: Backend + ?Sized>(
+    b: &B,
+    req: &keys::GetVolumeKeyRotationRequest,
+) -> Result<keys::VolumeKeys> {
+    let volume = required("volume_id", &req.volume_id)?;
+    let parameters = b.get_volume(volume)?.volume.parameters;
+    let scheduled = parameters.contains_key(KEY_ROTATION_SCHEDULE_KEY);
+    let k = rotation::keys_for_schedule(b, volume, scheduled)?;
+    answer(b, volume, k)
 }
 
 /// BeginVolumeKeyRotation on `b`: the volume must be encrypted under the `secret` source
@@ -72,7 +92,7 @@ pub fn begin<B: Backend + ?Sized>(
         )));
     }
     let kek = source("secrets", kms, &req.secrets)?;
-    let k = rotation::begin_on(b, volume, &kek)?;
+    let k = rotation::begin_on(b, volume, &kek, req.if_rotations)?;
     answer(b, volume, k)
 }
 
@@ -145,6 +165,16 @@ impl<B: Backend> keys::controller_keys_server::ControllerKeys for ControllerServ
             finish(b, &req)
         })
         .await
+    }
+
+    async fn get_volume_key_rotation(
+        &self,
+        request: Request<keys::GetVolumeKeyRotationRequest>,
+    ) -> std::result::Result<Response<keys::VolumeKeys>, Status> {
+        let req = request.into_inner();
+        let subject = req.volume_id.clone();
+        self.call("GetVolumeKeyRotation", &subject, move |b| get(b, &req))
+            .await
     }
 
     async fn rotate_key_encryption_key(

@@ -102,6 +102,7 @@ async fn rotate_through(
             keys::BeginVolumeKeyRotationRequest {
                 volume_id: a.volume.clone(),
                 secrets: secrets.clone(),
+                if_rotations: None,
             },
             t,
         ))
