@@ -40,6 +40,11 @@ pub struct RecordKeys {
     /// record that has seen neither.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub current_since: Option<u64>,
+    /// A rotation schedule set on the volume's PersistentVolume or PersistentVolumeClaim
+    /// (`moor.csi.io/key-rotation-schedule`, copied here by `kube::apply_rotation_schedules`),
+    /// over its class's `keyRotationSchedule`; `None`: the class's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<String>,
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if takes a reference
@@ -64,6 +69,7 @@ impl RecordKeys {
             pending: None,
             rotations: 0,
             current_since: None,
+            schedule: None,
         }
     }
 
@@ -134,6 +140,7 @@ pub fn promote(keys: &RecordKeys, new: &str, volume: &str, now: u64) -> Result<R
             pending: None,
             rotations: keys.rotations.saturating_add(1),
             current_since: Some(now),
+            schedule: keys.schedule.clone(),
         });
     }
     if keys.current == new && keys.pending.is_none() {
@@ -226,14 +233,29 @@ pub fn schedule_started(keys: &RecordKeys, now: u64) -> RecordKeys {
     }
 }
 
-/// The keys of `volume` for its rotation scheduler: [`schedule_started`] written, durably,
-/// when `scheduled` (the volume has a schedule) and the record has no time yet.
+/// The keys of `volume` for its rotation scheduler, and its schedule (the record's override,
+/// else `class_schedule`): [`schedule_started`] written, durably, when it has a schedule and
+/// the record has no time yet.
 pub fn keys_for_schedule<B: Backend + ?Sized>(
     b: &B,
     volume: &str,
-    scheduled: bool,
+    class_schedule: Option<&str>,
+) -> Result<(RecordKeys, Option<String>)> {
+    let keys = keys_with_clock(b, volume, class_schedule)?;
+    let schedule = keys
+        .schedule
+        .clone()
+        .or_else(|| class_schedule.map(str::to_owned));
+    Ok((keys, schedule))
+}
+
+fn keys_with_clock<B: Backend + ?Sized>(
+    b: &B,
+    volume: &str,
+    class_schedule: Option<&str>,
 ) -> Result<RecordKeys> {
     let before = b.volume_keys(volume)?;
+    let scheduled = before.schedule.is_some() || class_schedule.is_some();
     if !scheduled || before.current_since.is_some() {
         return Ok(before);
     }
@@ -287,6 +309,31 @@ pub fn rotate_kek_on<B: Backend + ?Sized>(
         }
     }
     Ok(done)
+}
+
+/// Sets the annotation's schedule of `volume` (`None`: none, its class's applies), durably;
+/// whether the record changed. A schedule that is not a period: INVALID_ARGUMENT, nothing
+/// written.
+pub fn set_schedule_on<B: Backend + ?Sized>(
+    b: &B,
+    volume: &str,
+    schedule: Option<&str>,
+) -> Result<bool> {
+    if let Some(s) = schedule {
+        moor_runtime::keys::schedule::period(s).map_err(|why| {
+            Error::invalid("schedule", format!("{:?}: {why}", crate::error::trunc(s)))
+        })?;
+    }
+    let before = b.volume_keys(volume)?;
+    if before.schedule.as_deref() == schedule {
+        return Ok(false);
+    }
+    let after = RecordKeys {
+        schedule: schedule.map(str::to_owned),
+        ..before.clone()
+    };
+    b.write_volume_keys(volume, &before, &after)?;
+    Ok(true)
 }
 
 #[cfg(test)]

@@ -467,13 +467,19 @@ fn a_scheduled_rotation_starts_its_clock_once_and_is_never_begun_twice() {
     use crate::encryption::rotation::keys_for_schedule;
     let w = world("rot-sched");
     let id = encrypted_volume(&w, "pvc-1");
-    let unscheduled = keys_for_schedule(&w.b, &id, false).expect("keys");
-    assert_eq!(unscheduled.current_since, None, "no schedule, no clock");
-    let started = keys_for_schedule(&w.b, &id, true).expect("keys");
+    let (unscheduled, none) = keys_for_schedule(&w.b, &id, None).expect("keys");
+    assert_eq!(
+        (unscheduled.current_since, none),
+        (None, None),
+        "no schedule, no clock"
+    );
+    let (started, _) = keys_for_schedule(&w.b, &id, Some("@daily")).expect("keys");
     let since = started.current_since.expect("the clock started");
     assert_eq!(w.b.volume_keys(&id).expect("k"), started, "written");
     assert_eq!(
-        keys_for_schedule(&w.b, &id, true).expect("again"),
+        keys_for_schedule(&w.b, &id, Some("@daily"))
+            .expect("again")
+            .0,
         started,
         "started once"
     );
@@ -492,4 +498,40 @@ fn a_scheduled_rotation_starts_its_clock_once_and_is_never_begun_twice() {
     // Read afresh, the next one begins.
     let next = begin_on(&w.b, &id, &w.kek, Some(1)).expect("next");
     assert!(next.pending.is_some());
+}
+
+/// A PV's or PVC's annotation (copied into the record) is the volume's schedule over its
+/// class's, starts its clock like a class's, survives a rotation, and goes when it is removed;
+/// one that is not a period is refused, nothing written.
+#[test]
+fn an_annotation_schedule_overrides_the_class_and_starts_the_clock() {
+    use crate::encryption::rotation::{keys_for_schedule, set_schedule_on};
+    let w = world("rot-annotation");
+    let id = encrypted_volume(&w, "pvc-1");
+    assert!(set_schedule_on(&w.b, &id, Some("12h")).expect("set"));
+    assert!(
+        !set_schedule_on(&w.b, &id, Some("12h")).expect("again"),
+        "unchanged"
+    );
+    let (keys, schedule) = keys_for_schedule(&w.b, &id, Some("@weekly")).expect("keys");
+    assert_eq!(
+        schedule.as_deref(),
+        Some("12h"),
+        "the annotation's, over the class's"
+    );
+    let (_, schedule) = keys_for_schedule(&w.b, &id, None).expect("keys");
+    assert_eq!(schedule.as_deref(), Some("12h"), "a class without one");
+    assert!(keys.current_since.is_some(), "its clock started");
+    let begun = begin_on(&w.b, &id, &w.kek, Some(0)).expect("begin");
+    let done = promote_on(&w.b, &id, &begun.pending.expect("pending")).expect("promote");
+    assert_eq!(
+        done.schedule.as_deref(),
+        Some("12h"),
+        "kept through a rotation"
+    );
+    let e = set_schedule_on(&w.b, &id, Some("weekly")).expect_err("not a period");
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    assert!(set_schedule_on(&w.b, &id, None).expect("removed"));
+    let (_, schedule) = keys_for_schedule(&w.b, &id, Some("@weekly")).expect("keys");
+    assert_eq!(schedule.as_deref(), Some("@weekly"), "the class's again");
 }

@@ -40,29 +40,32 @@ fn answer<B: Backend + ?Sized>(b: &B, volume: &str, k: RecordKeys) -> Result<key
     let parameters = b.get_volume(volume)?.volume.parameters;
     Ok(keys::VolumeKeys {
         volume_id: volume.to_owned(),
+        luks_pbkdf: parameters.get(PBKDF_KEY).cloned().unwrap_or_default(),
+        rotation_schedule: k
+            .schedule
+            .clone()
+            .or_else(|| parameters.get(KEY_ROTATION_SCHEDULE_KEY).cloned())
+            .unwrap_or_default(),
         current_wrapped_dek: k.current,
         pending_wrapped_dek: k.pending.unwrap_or_default(),
-        luks_pbkdf: parameters.get(PBKDF_KEY).cloned().unwrap_or_default(),
-        rotation_schedule: parameters
-            .get(KEY_ROTATION_SCHEDULE_KEY)
-            .cloned()
-            .unwrap_or_default(),
         rotations: k.rotations,
         current_since_unix: k.current_since.unwrap_or_default(),
     })
 }
 
-/// GetVolumeKeyRotation on `b`: the record's keys and the volume's schedule; a volume with a
-/// schedule and no `current_since` yet has it written (now), so its schedule's clock starts
-/// once, durably.
+/// GetVolumeKeyRotation on `b`: the record's keys and the volume's schedule (its
+/// annotation's, else its class's); a volume with a schedule and no `current_since` yet has it
+/// written (now), so its schedule's clock starts once, durably.
 pub fn get<B: Backend + ?Sized>(
     b: &B,
     req: &keys::GetVolumeKeyRotationRequest,
 ) -> Result<keys::VolumeKeys> {
     let volume = required("volume_id", &req.volume_id)?;
     let parameters = b.get_volume(volume)?.volume.parameters;
-    let scheduled = parameters.contains_key(KEY_ROTATION_SCHEDULE_KEY);
-    let k = rotation::keys_for_schedule(b, volume, scheduled)?;
+    let class = parameters
+        .get(KEY_ROTATION_SCHEDULE_KEY)
+        .map(String::as_str);
+    let (k, _) = rotation::keys_for_schedule(b, volume, class)?;
     answer(b, volume, k)
 }
 
