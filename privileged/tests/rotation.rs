@@ -746,9 +746,31 @@ fn a_scheduled_rotation_runs_when_due_resumes_after_a_restart_and_spares_the_res
     rt.block_on(node.stop());
     // Restarted: the schedule goes on from the record, nothing journaled here is needed.
     let before_restart = get(&often).rotations;
-    let mut node = rt.block_on(Daemon::start(&node_sock, &node_args));
+    let log = sb.root.join("node-restarted.log");
+    let mut logged_args = node_args.clone();
+    logged_args.extend(["--http-endpoint".to_owned(), "127.0.0.1:0".to_owned()]);
+    let mut node = Daemon::spawn_logged("moor-node", &node_sock, &logged_args, &log);
+    rt.block_on(node.wait_answering());
     wait_rotations(&mut get, &often, before_restart + 2);
+    // Counted, the next due time said, and no key in the log (the KEK's text, the keys'
+    // wrapped texts are not secret).
+    let addr = moor_privileged::client::http_address(&log, &mut node);
+    let metrics = moor_privileged::client::http_get(&addr, "/metrics").expect("/metrics");
+    let value = |prefix: &str| {
+        metrics
+            .body
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in {}", metrics.body))
+    };
+    assert!(value("moor_key_rotations_total{result=\"done\"}") >= 2);
+    assert!(value("moor_key_rotation_next_due_seconds ") > 0);
     rt.block_on(node.stop());
+    let text = std::fs::read_to_string(&log).expect("the node's log");
+    assert!(text.contains("data key rotated by its schedule"), "{text}");
+    assert!(!text.contains(&secrets_kek()), "the KEK in the log");
     // Stopped between passes, the record's key alone in slot 0; stopped within one (a rotation
     // begun), the header opens with the record's current or pending key (the node's order).
     let k = get(&often);
