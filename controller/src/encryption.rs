@@ -224,11 +224,11 @@ pub fn split(raw: &Parameters) -> Result<(Option<Encryption>, Parameters)> {
     };
     let rotation_schedule = match raw.get(KEY_ROTATION_SCHEDULE_KEY) {
         None => None,
-        Some(v) if kms_id != moor_runtime::keys::source::KMS_SECRET => {
+        Some(v) if kms_id == moor_runtime::keys::source::KMS_TPM2 => {
             return Err(bad(
                 KEY_ROTATION_SCHEDULE_KEY,
                 v,
-                "a data key rotation is built for kmsID=\"secret\" only",
+                "a data key rotation is built for kmsID=\"secret\" and \"kmip\" only",
             ));
         }
         Some(v) => {

@@ -13,9 +13,9 @@
 //! the promotion) nor doubles one (a pending rotation is resumed with its pending key, and
 //! `Begin` is guarded by the count the pass read: a rotation finished since begins nothing).
 //!
-//! The key-encryption key comes from a directory holding the `secret` source's fields, one
-//! file each (`kek`, `kekID`: a Kubernetes Secret mounted as a volume), read at each
-//! rotation, never logged; a log line names the volume, the steps and the counts only.
+//! The key-encryption key's source comes from a directory holding its fields, one file each
+//! (the `secret` source's `kek`, `kekID`, or a KMIP server's `KMIP_ENDPOINT` and the rest: a
+//! Kubernetes Secret mounted as a volume), read at each rotation, never logged; a log line names the volume, the steps and the counts only.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -24,7 +24,8 @@ use std::time::Duration;
 
 use moor_proto::keys::v1 as keys;
 use moor_proto::keys::v1::controller_keys_client::ControllerKeysClient;
-use moor_runtime::keys::{WrappedDek, kek_from_secret};
+use moor_runtime::keys::WrappedDek;
+use moor_runtime::keys::source::{KMS_KMIP, KMS_SECRET, KeySource};
 use tonic::transport::{Channel, Endpoint};
 use tracing::{info, warn};
 
@@ -103,7 +104,7 @@ impl<O: Os + 'static> KeySchedule<O> {
         })
     }
 
-    /// The encrypted volumes open on this node whose key source is `secret`, by id: what
+    /// The encrypted volumes open on this node whose key source is `secret` or `kmip`, by id: what
     /// [`Engine::rotate_dek`] takes (a mapping opened, not one being formatted), on a device
     /// still there.
     pub fn candidates(&self) -> Vec<String> {
@@ -116,10 +117,8 @@ impl<O: Os + 'static> KeySchedule<O> {
                 r.crypt.as_ref().is_some_and(|c| {
                     !c.fresh
                         && c.phase == Phase::Done
-                        && c.kms_id
-                            .as_deref()
-                            .unwrap_or(moor_runtime::keys::source::KMS_SECRET)
-                            == moor_runtime::keys::source::KMS_SECRET
+                        && [KMS_SECRET, KMS_KMIP]
+                            .contains(&c.kms_id.as_deref().unwrap_or(KMS_SECRET))
                         && c.device.exists()
                 })
             })
@@ -179,7 +178,7 @@ impl<O: Os + 'static> KeySchedule<O> {
         let decode = |field: &str, text: &str| {
             WrappedDek::decode(text).map_err(|e| format!("the record's {field}: {e}"))
         };
-        let kek = kek_from_secret(|k| secrets.get(k).map(String::as_str))
+        let kek = KeySource::for_rotation(|k| secrets.get(k).map(String::as_str))
             .map_err(|e| format!("the secrets {}: {e}", self.secrets_dir.display()))?;
         let req = RotateDek {
             volume_id: volume.to_owned(),

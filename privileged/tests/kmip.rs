@@ -248,6 +248,14 @@ impl Server {
         ])
     }
 
+    /// [`Self::secrets`], as a request's secrets hold them.
+    fn owned_secrets(&self, client: &str, kek_id: &str) -> HashMap<String, String> {
+        self.secrets(client, kek_id)
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect()
+    }
+
     fn config(&self, client: &str, kek_id: &str) -> KmipConfig {
         let s = self.secrets(client, kek_id);
         KmipConfig::from_secrets(|k| s.get(k).map(String::as_str)).expect("config")
@@ -317,11 +325,7 @@ fn a_kmip_volume_grows_with_the_key_its_stage_opened_with() {
     let Some((mut server, kek_id)) = server_with_kek() else {
         return;
     };
-    let secrets: HashMap<String, String> = server
-        .secrets("client", &kek_id)
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect();
+    let secrets = server.owned_secrets("client", &kek_id);
     let dek = Dek::generate().expect("dek");
     let wrapped = server
         .config("client", &kek_id)
@@ -359,4 +363,80 @@ fn a_kmip_volume_grows_with_the_key_its_stage_opened_with() {
     let e = validate::expand_key("vol-1", &record, &secrets, &tpm).expect_err("gone");
     assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
     assert!(e.to_string().contains("nothing was resized"), "{e}");
+}
+
+/// A `kmip` volume's data key rotated (docs/encryption.md, "Rotation"): the new data key
+/// wrapped by the KMIP server (as the controller's `BeginVolumeKeyRotation` wraps it, with the
+/// volume's own source), the node's request checked as `NodeKeys/RotateVolumeKey` checks it
+/// (the KMIP secrets pick the KMIP source), and the slot steps run by the engine in the same
+/// crash-safe order, the server unwrapping both keys, on a LUKS2 header the real cryptsetup
+/// made: after it the new key alone opens it and the journal names it. With the server gone,
+/// a further rotation is UNAVAILABLE and touches nothing.
+#[test]
+fn a_kmip_volume_data_key_is_rotated_with_keys_the_server_wraps() {
+    use moor_node::engine::{Engine, EngineConfig};
+    use moor_node::journal::{CryptRecord, Durability, Journal, VolumeRecord};
+    use moor_proto::keys::v1::RotateVolumeKeyRequest;
+    let Some((mut server, kek_id)) = server_with_kek() else {
+        return;
+    };
+    let secrets = server.owned_secrets("client", &kek_id);
+    let config = server.config("client", &kek_id);
+    let keys: Vec<Dek> = (0..3).map(|_| Dek::generate().expect("dek")).collect();
+    let wrapped: Vec<String> = keys
+        .iter()
+        .map(|k| config.wrap(k, "vol-1").expect("wrap").encode())
+        .collect();
+    let header = server.dir.join("rotated.img");
+    luks::luks_format(&header, keys[0].expose());
+    let (state, kubelet) = (server.dir.join("state"), server.dir.join("kubelet"));
+    std::fs::create_dir_all(&kubelet).expect("kubelet dir");
+    let (journal, _) = Journal::open(&state, false).expect("journal");
+    let mut record = VolumeRecord::new("vol-1");
+    record.crypt = Some(CryptRecord {
+        device: header.clone(),
+        ..luks::crypt_record("vol-1", Some("kmip"), &wrapped[0])
+    });
+    journal.put(&record, Durability::Power).expect("record");
+    let os = std::sync::Arc::new(moor_node::sys::linux::Linux::new(&kubelet).expect("os"));
+    let cfg = EngineConfig {
+        kubelet_dir: kubelet,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(os, std::sync::Arc::new(journal), cfg);
+    let request = |old: &str, new: &str| {
+        moor_node::keys_service::rotate(&RotateVolumeKeyRequest {
+            volume_id: "vol-1".into(),
+            old_wrapped_dek: old.to_owned(),
+            new_wrapped_dek: new.to_owned(),
+            luks_pbkdf: "pbkdf2".into(),
+            secrets: secrets.clone(),
+        })
+        .expect("a KMIP rotation's request")
+    };
+    let report = engine
+        .rotate_dek(&request(&wrapped[0], &wrapped[1]))
+        .expect("rotated");
+    assert_eq!(report.kek_id, kek_id);
+    assert_eq!(report.ran.len(), 6, "{:?}", report.ran);
+    assert!(
+        luks::opens(&header, keys[1].expose()),
+        "the new key opens it"
+    );
+    assert!(
+        !luks::opens(&header, keys[0].expose()),
+        "the old key no longer"
+    );
+    let named = engine.journal().get("vol-1").and_then(|r| r.crypt);
+    assert_eq!(
+        named.and_then(|c| c.wrapped_dek).as_deref(),
+        Some(wrapped[1].as_str())
+    );
+    // The server gone: nothing can be unwrapped, nothing is touched.
+    let next = request(&wrapped[1], &wrapped[2]);
+    server.stop();
+    let e = engine.rotate_dek(&next).expect_err("server gone");
+    assert!(e.to_string().contains("nothing was rotated"), "{e}");
+    assert!(luks::opens(&header, keys[1].expose()), "still the new key");
+    assert!(!luks::opens(&header, keys[2].expose()));
 }

@@ -133,7 +133,9 @@ fn world(name: &str) -> World {
         volume_id: VOL.to_owned(),
         old_wrapped,
         new_wrapped: new.wrap(&kek, VOL).expect("wrap"),
-        kek,
+        kek: Arc::new(moor_runtime::keys::source::KeySource::Secret(
+            Kek::new("kek-1", &[9; 32]).expect("kek"),
+        )),
         pbkdf: "pbkdf2".to_owned(),
     };
     World {

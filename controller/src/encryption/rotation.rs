@@ -254,20 +254,21 @@ fn keys_with_clock<B: Backend + ?Sized>(
     volume: &str,
     class_schedule: Option<&str>,
 ) -> Result<RecordKeys> {
-    let before = b.volume_keys(volume)?;
-    let scheduled = before.schedule.is_some() || class_schedule.is_some();
-    if !scheduled || before.current_since.is_some() {
-        return Ok(before);
-    }
-    let after = schedule_started(&before, unix_now());
-    match b.write_volume_keys(volume, &before, &after) {
-        Ok(()) => Ok(after),
-        // Another call (the node's scheduler and an operator's look at once) wrote the record
-        // first: its time stands, once it is there.
-        Err(e) => match b.volume_keys(volume)? {
-            now if now.current_since.is_some() => Ok(now),
-            _ => Err(e),
-        },
+    // Another call may write the record between the read and the write (a scheduler's Begin,
+    // an operator's look): the write then fails, and is tried again on the record as it is.
+    let mut attempts = 3;
+    loop {
+        let before = b.volume_keys(volume)?;
+        let scheduled = before.schedule.is_some() || class_schedule.is_some();
+        if !scheduled || before.current_since.is_some() {
+            return Ok(before);
+        }
+        let after = schedule_started(&before, unix_now());
+        match b.write_volume_keys(volume, &before, &after) {
+            Ok(()) => return Ok(after),
+            Err(e) if attempts == 1 => return Err(e),
+            Err(_) => attempts -= 1,
+        }
     }
 }
 

@@ -219,7 +219,7 @@ fn a_secret_class_may_schedule_its_rotation_and_only_it() {
         Some("@weekly")
     );
     assert_eq!(split(&named).expect("split").0, Some(e));
-    for (kms, period) in [("secret", "weekly"), ("secret", "0d"), ("kmip", "@daily")] {
+    for (kms, period) in [("secret", "weekly"), ("secret", "0d"), ("tpm2", "@daily")] {
         let why = refused(&[
             ("encrypted", "true"),
             ("kmsID", kms),

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use moor_proto::keys::v1 as keys;
-use moor_runtime::keys::source::{KMS_SECRET, KeySource};
+use moor_runtime::keys::source::{KMS_KMIP, KMS_SECRET, KeySource};
 use tonic::{Request, Response, Status};
 
 use super::ControllerService;
@@ -97,9 +97,9 @@ pub fn begin<B: Backend + ?Sized>(
         .get(KMS_ID_KEY)
         .map(String::as_str)
         .unwrap_or_default();
-    if kms != KMS_SECRET {
+    if kms != KMS_SECRET && kms != KMS_KMIP {
         return Err(Error::FailedPrecondition(format!(
-            "volume {:?}: a data key rotation is built for the {KMS_SECRET:?} key source, \
+            "volume {:?}: a data key rotation is built for the {KMS_SECRET:?} and {KMS_KMIP:?} key sources, \
              not {kms:?}",
             trunc(volume)
         )));
