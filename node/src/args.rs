@@ -99,8 +99,9 @@ pub struct Args {
     /// joins its view. Default: none (a CO attaches and grows volumes).
     #[arg(long, value_name = "ENDPOINT")]
     pub local_controller: Option<String>,
-    /// A directory holding the `secret` key source's fields, one file each (`kek`, `kekID`: a
-    /// Kubernetes Secret mounted as a volume): with it, the encrypted volumes staged here whose
+    /// A directory holding the key source's fields, one file each (`kek`, `kekID`, or a KMIP
+    /// client's `KMIP_ENDPOINT` and the rest: a Kubernetes Secret mounted as a volume): with
+    /// it, the encrypted volumes staged here whose
     /// class says `keyRotationSchedule` have their data key rotated when due, through the
     /// controller at `--key-rotation-controller` (docs/encryption.md, "Scheduled rotation").
     /// Default: none (rotation only by `moorctl rotate-key`).
