@@ -440,3 +440,95 @@ fn a_kmip_volume_data_key_is_rotated_with_keys_the_server_wraps() {
     assert!(luks::opens(&header, keys[1].expose()), "still the new key");
     assert!(!luks::opens(&header, keys[2].expose()));
 }
+
+/// The controller's half of a `kmip` volume's data key rotation, through a real
+/// moor-controller: CreateVolume wraps the first key through the server, Begin has the server
+/// wrap a new one (the record's pending key, a key the server unwraps for this volume to
+/// another data key), Finish promotes it; Begin with a Secret's KEK instead is refused,
+/// nothing written.
+#[test]
+fn a_kmip_volume_rotation_is_begun_and_finished_by_the_controller() {
+    use moor_privileged::client::{Daemon, connect};
+    use moor_proto::csi::v1 as csi;
+    use moor_proto::keys::v1 as keys;
+    let Some((mut server, kek_id)) = server_with_kek() else {
+        return;
+    };
+    let secrets = server.owned_secrets("client", &kek_id);
+    let config = server.config("client", &kek_id);
+    let rt = moor_privileged::runtime();
+    let (sock, data) = (server.dir.join("controller.sock"), server.dir.join("ctl"));
+    let data = data.display().to_string();
+    let mut controller = rt.block_on(Daemon::start_program(
+        "moor-controller",
+        &sock,
+        &["--node-id", "n1", "--data-dir", &data],
+    ));
+    let (mut ctl, mut ck) = rt.block_on(async {
+        (
+            csi::controller_client::ControllerClient::new(connect(&sock).await.expect("socket")),
+            keys::controller_keys_client::ControllerKeysClient::new(
+                connect(&sock).await.expect("socket"),
+            ),
+        )
+    });
+    let volume = rt
+        .block_on(
+            ctl.create_volume(moor_privileged::requests::encrypted_create_req(
+                "pvc-kmip",
+                16 << 20,
+                "kmip",
+                &[],
+                &secrets,
+            )),
+        )
+        .expect("CreateVolume")
+        .into_inner()
+        .volume
+        .expect("volume");
+    let id = volume.volume_id;
+    let unwrap = |text: &str| {
+        let w = moor_runtime::keys::WrappedDek::decode(text).expect("decode");
+        assert_eq!(w.kek_id(), kek_id, "wrapped by the server's KEK");
+        config.unwrap(&w, &id).expect("the server unwraps it")
+    };
+    let not_kmip: HashMap<String, String> = moor_runtime::keys::secret_entries("k", &[1; 32])
+        .into_iter()
+        .collect();
+    let begin = |ck: &mut keys::controller_keys_client::ControllerKeysClient<_>, s| {
+        rt.block_on(
+            ck.begin_volume_key_rotation(keys::BeginVolumeKeyRotationRequest {
+                volume_id: id.clone(),
+                secrets: s,
+                if_rotations: None,
+            }),
+        )
+    };
+    let e = begin(&mut ck, not_kmip).expect_err("a Secret's KEK");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let begun = begin(&mut ck, secrets.clone())
+        .expect("BeginVolumeKeyRotation")
+        .into_inner();
+    assert_eq!(
+        begun.current_wrapped_dek,
+        volume.volume_context["encryptedDEK"]
+    );
+    let (old, new) = (
+        unwrap(&begun.current_wrapped_dek),
+        unwrap(&begun.pending_wrapped_dek),
+    );
+    assert_ne!(old.expose(), new.expose(), "a new data key");
+    let done = rt
+        .block_on(
+            ck.finish_volume_key_rotation(keys::FinishVolumeKeyRotationRequest {
+                volume_id: id.clone(),
+                new_wrapped_dek: begun.pending_wrapped_dek.clone(),
+            }),
+        )
+        .expect("FinishVolumeKeyRotation")
+        .into_inner();
+    assert_eq!(done.current_wrapped_dek, begun.pending_wrapped_dek);
+    assert_eq!(done.rotations, 1);
+    rt.block_on(controller.stop());
+    server.stop();
+}

@@ -656,26 +656,20 @@ fn a_scheduled_rotation_runs_when_due_resumes_after_a_restart_and_spares_the_res
         ("weekly", Some("@weekly")),
         ("never", None),
     ] {
-        let mut parameters: std::collections::HashMap<String, String> =
-            [("encrypted", "true"), ("kmsID", "secret")]
-                .into_iter()
-                .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                .collect();
-        if let Some(s) = schedule {
-            parameters.insert("keyRotationSchedule".into(), s.into());
-        }
+        let more: Vec<(&str, &str)> = schedule
+            .map(|s| ("keyRotationSchedule", s))
+            .into_iter()
+            .collect();
         let volume = rt
-            .block_on(ctl.create_volume(csi::CreateVolumeRequest {
-                name: format!("pvc-{name}"),
-                capacity_range: Some(csi::CapacityRange {
-                    required_bytes: 32 << 20,
-                    limit_bytes: 0,
-                }),
-                volume_capabilities: vec![cap.clone()],
-                parameters,
-                secrets: secrets.clone(),
-                ..Default::default()
-            }))
+            .block_on(
+                ctl.create_volume(moor_privileged::requests::encrypted_create_req(
+                    &format!("pvc-{name}"),
+                    32 << 20,
+                    "secret",
+                    &more,
+                    &secrets,
+                )),
+            )
             .expect("CreateVolume")
             .into_inner()
             .volume
@@ -855,20 +849,12 @@ fn controller_n1(
     moor_privileged::client::Daemon,
     moor_proto::csi::v1::VolumeCapability,
 ) {
-    use moor_proto::csi::v1 as csi;
     let ctl_data = sb.data.join("controller").display().to_string();
     let controller = rt.block_on(moor_privileged::client::Daemon::start_program(
         "moor-controller",
         &sb.root.join("controller.sock"),
         &["--node-id", "n1", "--data-dir", &ctl_data],
     ));
-    let cap = csi::VolumeCapability {
-        access_mode: Some(csi::volume_capability::AccessMode {
-            mode: csi::volume_capability::access_mode::Mode::SingleNodeWriter as i32,
-        }),
-        access_type: Some(csi::volume_capability::AccessType::Block(
-            csi::volume_capability::BlockVolume {},
-        )),
-    };
+    let cap = moor_privileged::requests::block_cap();
     (controller, cap)
 }
