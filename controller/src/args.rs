@@ -67,6 +67,13 @@ pub struct Args {
     /// `list` and `patch` on both kinds of content.
     #[arg(long, requires = "node_local")]
     pub mark_snapshot_contents: bool,
+    /// In a pod: copy the `moor.csi.io/key-rotation-schedule` annotation of this driver's
+    /// PersistentVolumes and of their claims into their encrypted volumes' records, where the
+    /// node's scheduled rotation reads it over the class's `keyRotationSchedule`
+    /// (docs/encryption.md, "Scheduled rotation"). Needs `list` on PersistentVolumes and
+    /// PersistentVolumeClaims.
+    #[arg(long)]
+    pub key_rotation_annotations: bool,
     /// Do not serve the embedded backend (no volumes on this host's loop devices).
     #[arg(long)]
     pub no_embedded: bool,

@@ -16,6 +16,8 @@ pub mod rotation;
 
 /// `"true"` makes the volume LUKS2 on the node; `"false"` (the default) does not.
 pub use moor_runtime::contract::ENCRYPTED_KEY;
+/// How often a volume's data key is rotated by schedule.
+pub use moor_runtime::contract::KEY_ROTATION_SCHEDULE_KEY;
 /// The key source of an encrypted volume's key-encryption key.
 pub use moor_runtime::contract::KMS_ID_KEY;
 /// The LUKS cipher.
@@ -30,7 +32,7 @@ pub use moor_runtime::contract::LUKS_SECTOR_SIZE_KEY as SECTOR_SIZE_KEY;
 pub use moor_runtime::contract::TPM2_PCRS_KEY;
 
 /// The parameters that say how a volume is encrypted.
-const ENCRYPTION_KEYS: [&str; 7] = [
+const ENCRYPTION_KEYS: [&str; 8] = [
     ENCRYPTED_KEY,
     KMS_ID_KEY,
     CIPHER_KEY,
@@ -38,6 +40,7 @@ const ENCRYPTION_KEYS: [&str; 7] = [
     SECTOR_SIZE_KEY,
     PBKDF_KEY,
     TPM2_PCRS_KEY,
+    KEY_ROTATION_SCHEDULE_KEY,
 ];
 
 /// The key sources this driver knows (`moor_runtime::keys::source`): the Kubernetes Secret
@@ -99,6 +102,8 @@ pub struct Encryption {
     pub pbkdf: &'static str,
     /// The PCRs a `tpm2` volume's node half is sealed to (`tpm2PCRs`, in its one form).
     pub tpm2_pcrs: Option<String>,
+    /// How often its data key is rotated by schedule (`keyRotationSchedule`); `None`: never.
+    pub rotation_schedule: Option<String>,
 }
 
 impl Encryption {
@@ -116,6 +121,11 @@ impl Encryption {
         ]
         .into_iter()
         .chain(self.tpm2_pcrs.clone().map(|p| (TPM2_PCRS_KEY, p)))
+        .chain(
+            self.rotation_schedule
+                .clone()
+                .map(|p| (KEY_ROTATION_SCHEDULE_KEY, p)),
+        )
         .map(|(k, v)| (k.to_owned(), v))
         .collect()
     }
@@ -150,9 +160,10 @@ fn one_of<T: Copy + std::fmt::Display + PartialEq>(
 /// parameter that is wrong: an `encrypted` other than `"true"` or `"false"`, no `kmsID` or an
 /// unknown one, a cipher, key size, sector size or PBKDF moor does not take, a key size the
 /// cipher does not take, a `tpm2PCRs` that is not a PCR selection or is given with another
-/// `kmsID` than `tpm2`, any of them on a volume that is not encrypted.
+/// `kmsID` than `tpm2`, a `keyRotationSchedule` that is not a period or is given with another
+/// `kmsID` than `secret`, any of them on a volume that is not encrypted.
 pub fn split(raw: &Parameters) -> Result<(Option<Encryption>, Parameters)> {
-    const KEYS: [&str; 7] = ENCRYPTION_KEYS;
+    const KEYS: [&str; 8] = ENCRYPTION_KEYS;
     let rest: Parameters = raw
         .iter()
         .filter(|(k, _)| !KEYS.contains(&k.as_str()))
@@ -211,6 +222,21 @@ pub fn split(raw: &Parameters) -> Result<(Option<Encryption>, Parameters)> {
             )
         })?),
     };
+    let rotation_schedule = match raw.get(KEY_ROTATION_SCHEDULE_KEY) {
+        None => None,
+        Some(v) if kms_id == moor_runtime::keys::source::KMS_TPM2 => {
+            return Err(bad(
+                KEY_ROTATION_SCHEDULE_KEY,
+                v,
+                "a data key rotation is built for kmsID=\"secret\" and \"kmip\" only",
+            ));
+        }
+        Some(v) => {
+            moor_runtime::keys::schedule::period(v)
+                .map_err(|why| bad(KEY_ROTATION_SCHEDULE_KEY, v, why))?;
+            Some(v.clone())
+        }
+    };
     Ok((
         Some(Encryption {
             kms_id: kms_id.clone(),
@@ -219,6 +245,7 @@ pub fn split(raw: &Parameters) -> Result<(Option<Encryption>, Parameters)> {
             sector_size,
             pbkdf,
             tpm2_pcrs,
+            rotation_schedule,
         }),
         rest,
     ))

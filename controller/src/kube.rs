@@ -361,16 +361,35 @@ pub async fn mark_contents(
     interval: Duration,
     stop: impl std::future::Future<Output = ()>,
 ) {
+    rounds(
+        interval,
+        "snapshot contents not marked with their node; retrying",
+        stop,
+        || mark_once(&api, &driver, &node),
+    )
+    .await;
+}
+
+/// `round` every `interval` until `stop` resolves; a failure logged as `failed`, once per
+/// change, not every round (an API server down for an hour is one line).
+async fn rounds<F, R>(
+    interval: Duration,
+    failed: &'static str,
+    stop: impl std::future::Future<Output = ()>,
+    mut round: F,
+) where
+    F: FnMut() -> R,
+    R: std::future::Future<Output = Result<(), KubeError>>,
+{
     let rounds = async {
         let mut last_error = String::new();
         loop {
-            let error = match mark_once(&api, &driver, &node).await {
+            let error = match round().await {
                 Ok(()) => String::new(),
                 Err(e) => e.to_string(),
             };
-            // Once per change, not every round: an API server down for an hour is one line.
             if error != last_error && !error.is_empty() {
-                warn!(error = %error, "snapshot contents not marked with their node; retrying");
+                warn!(error = %error, "{failed}");
             }
             last_error = error;
             tokio::time::sleep(interval).await;
@@ -425,3 +444,101 @@ async fn mark_once(api: &InCluster, driver: &str, node: &str) -> Result<(), Kube
 
 #[cfg(test)]
 mod tests;
+
+/// The annotation on a PersistentVolume or a PersistentVolumeClaim that sets its volume's data
+/// key rotation schedule over its class's `keyRotationSchedule` (the same periods;
+/// docs/encryption.md, "Scheduled rotation"); the claim's wins over the volume's, as a user
+/// sets it on the claim.
+pub const KEY_ROTATION_SCHEDULE_ANNOTATION: &str = "moor.csi.io/key-rotation-schedule";
+
+/// Every volume of `driver` among `pvs` (a PersistentVolume list) by its handle, with the
+/// schedule its annotations say: its claim's (found in `pvcs`, a claim list, by the volume's
+/// `claimRef`), else its own, else `None`.
+pub fn rotation_schedules(
+    pvs: &Value,
+    pvcs: &Value,
+    driver: &str,
+) -> std::collections::BTreeMap<String, Option<String>> {
+    let annotation = |o: &Value| {
+        o["metadata"]["annotations"][KEY_ROTATION_SCHEDULE_ANNOTATION]
+            .as_str()
+            .map(str::to_owned)
+    };
+    let claims: HashMap<(&str, &str), &Value> = pvcs["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| {
+            let m = &c["metadata"];
+            Some(((m["namespace"].as_str()?, m["name"].as_str()?), c))
+        })
+        .collect();
+    pvs["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|pv| pv["spec"]["csi"]["driver"].as_str() == Some(driver))
+        .filter_map(|pv| {
+            let handle = pv["spec"]["csi"]["volumeHandle"].as_str()?;
+            let claim_ref = &pv["spec"]["claimRef"];
+            let claim = claim_ref["namespace"]
+                .as_str()
+                .zip(claim_ref["name"].as_str())
+                .and_then(|k| claims.get(&k));
+            let schedule = claim.and_then(|c| annotation(c)).or_else(|| annotation(pv));
+            Some((handle.to_owned(), schedule))
+        })
+        .collect()
+}
+
+/// Copies the [`KEY_ROTATION_SCHEDULE_ANNOTATION`] of every PersistentVolume of `driver`
+/// (or of its claim) into its encrypted volume's record in `backend`, every `interval`, until
+/// `stop` resolves: the node's scheduler then asks the record. A volume that is not this
+/// controller's, or not encrypted, is left alone; a schedule that is not a period is logged
+/// and not copied. Needs `list` on PersistentVolumes and PersistentVolumeClaims.
+pub async fn apply_rotation_schedules<B: crate::backend::Backend + ?Sized + 'static>(
+    api: InCluster,
+    backend: Arc<B>,
+    driver: String,
+    interval: Duration,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    rounds(
+        interval,
+        "rotation schedule annotations not read; retrying",
+        stop,
+        || schedules_once(&api, &backend, &driver),
+    )
+    .await;
+}
+
+async fn schedules_once<B: crate::backend::Backend + ?Sized + 'static>(
+    api: &InCluster,
+    backend: &Arc<B>,
+    driver: &str,
+) -> Result<(), KubeError> {
+    let pvs = api.call("GET", "/api/v1/persistentvolumes", None).await?;
+    let pvcs = api
+        .call("GET", "/api/v1/persistentvolumeclaims", None)
+        .await?;
+    let wanted = rotation_schedules(&pvs, &pvcs, driver);
+    let backend = Arc::clone(backend);
+    let _ = tokio::task::spawn_blocking(move || {
+        for (volume, schedule) in wanted {
+            if backend.volume_keys(&volume).is_err() {
+                continue;
+            }
+            match crate::encryption::rotation::set_schedule_on(
+                backend.as_ref(),
+                &volume,
+                schedule.as_deref(),
+            ) {
+                Ok(true) => info!(volume, ?schedule, "rotation schedule annotation recorded"),
+                Ok(false) => {}
+                Err(e) => warn!(volume, error = %e, "rotation schedule annotation not recorded"),
+            }
+        }
+    })
+    .await;
+    Ok(())
+}

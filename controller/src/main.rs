@@ -129,6 +129,13 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         ),
         false => None,
     };
+    let schedules_api = match args.key_rotation_annotations {
+        true => Some(
+            moor_controller::kube::InCluster::from_env()
+                .map_err(|e| format!("--key-rotation-annotations: {e}"))?,
+        ),
+        false => None,
+    };
     let overcommit = match args.thin_overcommit {
         Some(r) => Overcommit::ratio(r).map_err(|e| format!("--thin-overcommit {e}"))?,
         None => Overcommit::UNLIMITED,
@@ -212,6 +219,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .add_optional_service(node_info);
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     let mut stop_rx2 = stop_tx.subscribe();
+    let mut stop_rx3 = stop_tx.subscribe();
     let grpc = async {
         let r = server::serve(
             router,
@@ -249,7 +257,21 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             .await;
         }
     };
-    let (grpc, (), ()) = tokio::join!(grpc, web, marker);
+    let schedules = async {
+        if let Some(api) = schedules_api {
+            moor_controller::kube::apply_rotation_schedules(
+                api,
+                Arc::clone(&backend),
+                args.driver_name.clone(),
+                MARK_INTERVAL,
+                async {
+                    let _ = stop_rx3.wait_for(|s| *s).await;
+                },
+            )
+            .await;
+        }
+    };
+    let (grpc, (), (), ()) = tokio::join!(grpc, web, marker, schedules);
     grpc?;
     info!("moor-controller stopped cleanly");
     drop(instance);

@@ -202,6 +202,7 @@ fn a_data_key_rotation_keeps_its_record_in_the_image_metadata_through_controller
         let begin = keys::BeginVolumeKeyRotationRequest {
             volume_id: id.clone(),
             secrets: kek_secrets(&kek_id, 1),
+            if_rotations: None,
         };
         let begun = k
             .begin_volume_key_rotation(begin.clone())
@@ -357,6 +358,7 @@ fn a_kek_rotation_rewraps_images_and_snapshots_and_a_restore_opens_after_the_old
             .begin_volume_key_rotation(keys::BeginVolumeKeyRotationRequest {
                 volume_id: b.volume_id.clone(),
                 secrets: kek_secrets(&old_id, 1),
+                if_rotations: None,
             })
             .await
             .expect("BeginVolumeKeyRotation B")

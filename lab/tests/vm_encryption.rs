@@ -732,6 +732,7 @@ async fn rotation_through_the_controller(sb: &Sandbox, vm: &Vm, log: &Path) {
         .begin_volume_key_rotation(BeginVolumeKeyRotationRequest {
             volume_id: vol.id.clone(),
             secrets: secrets(&KEK),
+            if_rotations: None,
         })
         .await
         .expect("BeginVolumeKeyRotation")

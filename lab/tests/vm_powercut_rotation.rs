@@ -307,6 +307,7 @@ impl World<'_> {
             .begin_volume_key_rotation(BeginVolumeKeyRotationRequest {
                 volume_id: self.volume.volume_id.clone(),
                 secrets: secrets(),
+                if_rotations: None,
             })
             .await
             .expect("BeginVolumeKeyRotation")

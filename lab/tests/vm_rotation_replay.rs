@@ -697,6 +697,7 @@ async fn record(
         .begin_volume_key_rotation(BeginVolumeKeyRotationRequest {
             volume_id: v.volume_id.clone(),
             secrets: secrets(),
+            if_rotations: None,
         })
         .await
         .expect("BeginVolumeKeyRotation")

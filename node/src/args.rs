@@ -99,6 +99,21 @@ pub struct Args {
     /// joins its view. Default: none (a CO attaches and grows volumes).
     #[arg(long, value_name = "ENDPOINT")]
     pub local_controller: Option<String>,
+    /// A directory holding the key source's fields, one file each (`kek`, `kekID`, or a KMIP
+    /// client's `KMIP_ENDPOINT` and the rest: a Kubernetes Secret mounted as a volume): with
+    /// it, the encrypted volumes staged here whose
+    /// class says `keyRotationSchedule` have their data key rotated when due, through the
+    /// controller at `--key-rotation-controller` (docs/encryption.md, "Scheduled rotation").
+    /// Default: none (rotation only by `moorctl rotate-key`).
+    #[arg(long, value_name = "DIR")]
+    pub key_rotation_secrets: Option<PathBuf>,
+    /// The controller a scheduled rotation asks (`unix:///path`): its records hold the keys and
+    /// the schedules. Default: `--local-controller`'s.
+    #[arg(long, value_name = "ENDPOINT")]
+    pub key_rotation_controller: Option<String>,
+    /// How often, in seconds, the encrypted volumes staged here are checked for a rotation due.
+    #[arg(long, default_value_t = 300)]
+    pub key_rotation_interval: u64,
     /// Deadline for mapping an RBD image, in seconds.
     #[arg(long, default_value_t = 60)]
     pub rbd_map_timeout: u64,

@@ -6,7 +6,8 @@
 use std::sync::Arc;
 
 use moor_proto::keys::v1 as keys;
-use moor_runtime::keys::{WrappedDek, kek_from_secret};
+use moor_runtime::keys::WrappedDek;
+use moor_runtime::keys::source::KeySource;
 use tonic::{Request, Response, Status};
 
 use crate::engine::{Engine, RotateDek};
@@ -35,7 +36,7 @@ pub fn rotate(req: &keys::RotateVolumeKeyRequest) -> Result<RotateDek> {
     let wrapped = |field: &'static str, text: &str| {
         WrappedDek::decode(text).map_err(|e| Error::invalid(field, e.to_string()))
     };
-    let kek = kek_from_secret(|k| req.secrets.get(k).map(String::as_str))
+    let kek = KeySource::for_rotation(|k| req.secrets.get(k).map(String::as_str))
         .map_err(|e| Error::invalid("secrets", e.to_string()))?;
     Ok(RotateDek {
         volume_id: req.volume_id.clone(),

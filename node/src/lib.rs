@@ -27,6 +27,7 @@ pub mod error;
 pub mod filesystem;
 pub mod fsgroup;
 pub mod journal;
+pub mod key_schedule;
 pub mod keys_service;
 pub mod local_controller;
 pub mod metrics;

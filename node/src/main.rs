@@ -177,6 +177,31 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
     let periodic = (args.reconcile_interval > 0).then(|| {
         Arc::clone(&reconciler).spawn_periodic(Duration::from_secs(args.reconcile_interval))
     });
+    let key_schedule = match &args.key_rotation_secrets {
+        Some(dir) => {
+            let endpoint = args
+                .key_rotation_controller
+                .as_ref()
+                .or(args.local_controller.as_ref())
+                .ok_or("--key-rotation-secrets needs --key-rotation-controller (or --local-controller)")?;
+            let schedule = moor_node::key_schedule::KeySchedule::new(
+                Arc::clone(&engine),
+                endpoint,
+                dir.clone(),
+                LOCAL_CONTROLLER_TIMEOUT,
+            )?;
+            info!(
+                controller = endpoint,
+                every_secs = args.key_rotation_interval,
+                "scheduled data key rotation: on"
+            );
+            Some(
+                Arc::new(schedule)
+                    .spawn_periodic(Duration::from_secs(args.key_rotation_interval.max(1))),
+            )
+        }
+        None => None,
+    };
     let identity = IdentityService::new(info.clone(), Arc::clone(&os));
     let node = match &args.local_controller {
         Some(endpoint) => {
@@ -315,7 +340,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
     if let Some(refusal) = failed_rx.borrow().clone() {
         return Err(format!("kubelet refused the registration: {}", refusal.why).into());
     }
-    if let Some(task) = periodic {
+    for task in periodic.into_iter().chain(key_schedule) {
         task.abort();
     }
     grpc?;

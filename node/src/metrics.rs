@@ -37,6 +37,8 @@ pub struct Registry {
     reconcile_actions: Family<AtomicU64>,
     fsck_checks: Family<AtomicU64>,
     qos_outcomes: Family<AtomicU64>,
+    key_rotations: Family<AtomicU64>,
+    key_rotation_next_due: AtomicU64,
 }
 
 impl Registry {
@@ -78,7 +80,25 @@ impl Registry {
                 "Publications by what became of the volume's QoS limits in the pod's cgroup (unlimited: none to apply, applied, or why not: no_pod, no_cgroupfs, no_io_controller, no_pod_cgroup, not_written, not_held).",
                 &["outcome"],
             ),
+            key_rotations: Family::new(
+                "moor_key_rotations_total",
+                "Data key rotations run by a volume's keyRotationSchedule on this node, by result (done, failed: retried at the next pass).",
+                &["result"],
+            ),
+            key_rotation_next_due: AtomicU64::new(0),
         }
+    }
+
+    /// Counts one scheduled data key rotation by its result.
+    pub fn key_rotation(&self, result: &str) {
+        self.key_rotations.inc(&[result]);
+    }
+
+    /// The time the next scheduled data key rotation of a volume open here is due, in seconds
+    /// since the Unix epoch (0: none is scheduled).
+    pub fn set_key_rotation_next_due(&self, unix: u64) {
+        self.key_rotation_next_due
+            .store(unix, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Counts one filesystem check and its outcome.
@@ -105,6 +125,14 @@ impl Registry {
         self.reconcile_actions.render(out);
         self.fsck_checks.render(out);
         self.qos_outcomes.render(out);
+        self.key_rotations.render(out);
+        render_gauge(
+            out,
+            "moor_key_rotation_next_due_seconds",
+            "When the next scheduled data key rotation of a volume open on this node is due, in seconds since the Unix epoch, as the last pass found (0: none scheduled).",
+            self.key_rotation_next_due
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
         render_gauge(
             out,
             "moor_volumes_staged",

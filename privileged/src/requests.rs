@@ -54,3 +54,41 @@ pub fn unstage_req(vol: &str, staging: &Path) -> csi::NodeUnstageVolumeRequest {
         staging_target_path: staging.display().to_string(),
     }
 }
+
+/// A single-node-writer block volume capability, as the key rotation tests attach with.
+pub fn block_cap() -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(csi::volume_capability::AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(csi::volume_capability::AccessType::Block(
+            csi::volume_capability::BlockVolume {},
+        )),
+    }
+}
+
+/// CreateVolume of `name`, `bytes` large, a [`block_cap`] volume encrypted with the key source
+/// `kms` and the `more` parameters, `secrets` its provisioner secret.
+pub fn encrypted_create_req(
+    name: &str,
+    bytes: i64,
+    kms: &str,
+    more: &[(&str, &str)],
+    secrets: &HashMap<String, String>,
+) -> csi::CreateVolumeRequest {
+    csi::CreateVolumeRequest {
+        name: name.to_owned(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: bytes,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![block_cap()],
+        parameters: [("encrypted", "true"), ("kmsID", kms)]
+            .iter()
+            .chain(more)
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
+        secrets: secrets.clone(),
+        ..Default::default()
+    }
+}

@@ -248,6 +248,14 @@ impl Server {
         ])
     }
 
+    /// [`Self::secrets`], as a request's secrets hold them.
+    fn owned_secrets(&self, client: &str, kek_id: &str) -> HashMap<String, String> {
+        self.secrets(client, kek_id)
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect()
+    }
+
     fn config(&self, client: &str, kek_id: &str) -> KmipConfig {
         let s = self.secrets(client, kek_id);
         KmipConfig::from_secrets(|k| s.get(k).map(String::as_str)).expect("config")
@@ -317,11 +325,7 @@ fn a_kmip_volume_grows_with_the_key_its_stage_opened_with() {
     let Some((mut server, kek_id)) = server_with_kek() else {
         return;
     };
-    let secrets: HashMap<String, String> = server
-        .secrets("client", &kek_id)
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect();
+    let secrets = server.owned_secrets("client", &kek_id);
     let dek = Dek::generate().expect("dek");
     let wrapped = server
         .config("client", &kek_id)
@@ -359,4 +363,172 @@ fn a_kmip_volume_grows_with_the_key_its_stage_opened_with() {
     let e = validate::expand_key("vol-1", &record, &secrets, &tpm).expect_err("gone");
     assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
     assert!(e.to_string().contains("nothing was resized"), "{e}");
+}
+
+/// A `kmip` volume's data key rotated (docs/encryption.md, "Rotation"): the new data key
+/// wrapped by the KMIP server (as the controller's `BeginVolumeKeyRotation` wraps it, with the
+/// volume's own source), the node's request checked as `NodeKeys/RotateVolumeKey` checks it
+/// (the KMIP secrets pick the KMIP source), and the slot steps run by the engine in the same
+/// crash-safe order, the server unwrapping both keys, on a LUKS2 header the real cryptsetup
+/// made: after it the new key alone opens it and the journal names it. With the server gone,
+/// a further rotation is UNAVAILABLE and touches nothing.
+#[test]
+fn a_kmip_volume_data_key_is_rotated_with_keys_the_server_wraps() {
+    use moor_node::engine::{Engine, EngineConfig};
+    use moor_node::journal::{CryptRecord, Durability, Journal, VolumeRecord};
+    use moor_proto::keys::v1::RotateVolumeKeyRequest;
+    let Some((mut server, kek_id)) = server_with_kek() else {
+        return;
+    };
+    let secrets = server.owned_secrets("client", &kek_id);
+    let config = server.config("client", &kek_id);
+    let keys: Vec<Dek> = (0..3).map(|_| Dek::generate().expect("dek")).collect();
+    let wrapped: Vec<String> = keys
+        .iter()
+        .map(|k| config.wrap(k, "vol-1").expect("wrap").encode())
+        .collect();
+    let header = server.dir.join("rotated.img");
+    luks::luks_format(&header, keys[0].expose());
+    let (state, kubelet) = (server.dir.join("state"), server.dir.join("kubelet"));
+    std::fs::create_dir_all(&kubelet).expect("kubelet dir");
+    let (journal, _) = Journal::open(&state, false).expect("journal");
+    let mut record = VolumeRecord::new("vol-1");
+    record.crypt = Some(CryptRecord {
+        device: header.clone(),
+        ..luks::crypt_record("vol-1", Some("kmip"), &wrapped[0])
+    });
+    journal.put(&record, Durability::Power).expect("record");
+    let os = std::sync::Arc::new(moor_node::sys::linux::Linux::new(&kubelet).expect("os"));
+    let cfg = EngineConfig {
+        kubelet_dir: kubelet,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(os, std::sync::Arc::new(journal), cfg);
+    let request = |old: &str, new: &str| {
+        moor_node::keys_service::rotate(&RotateVolumeKeyRequest {
+            volume_id: "vol-1".into(),
+            old_wrapped_dek: old.to_owned(),
+            new_wrapped_dek: new.to_owned(),
+            luks_pbkdf: "pbkdf2".into(),
+            secrets: secrets.clone(),
+        })
+        .expect("a KMIP rotation's request")
+    };
+    let report = engine
+        .rotate_dek(&request(&wrapped[0], &wrapped[1]))
+        .expect("rotated");
+    assert_eq!(report.kek_id, kek_id);
+    assert_eq!(report.ran.len(), 6, "{:?}", report.ran);
+    assert!(
+        luks::opens(&header, keys[1].expose()),
+        "the new key opens it"
+    );
+    assert!(
+        !luks::opens(&header, keys[0].expose()),
+        "the old key no longer"
+    );
+    let named = engine.journal().get("vol-1").and_then(|r| r.crypt);
+    assert_eq!(
+        named.and_then(|c| c.wrapped_dek).as_deref(),
+        Some(wrapped[1].as_str())
+    );
+    // The server gone: nothing can be unwrapped, nothing is touched.
+    let next = request(&wrapped[1], &wrapped[2]);
+    server.stop();
+    let e = engine.rotate_dek(&next).expect_err("server gone");
+    assert!(e.to_string().contains("nothing was rotated"), "{e}");
+    assert!(luks::opens(&header, keys[1].expose()), "still the new key");
+    assert!(!luks::opens(&header, keys[2].expose()));
+}
+
+/// The controller's half of a `kmip` volume's data key rotation, through a real
+/// moor-controller: CreateVolume wraps the first key through the server, Begin has the server
+/// wrap a new one (the record's pending key, a key the server unwraps for this volume to
+/// another data key), Finish promotes it; Begin with a Secret's KEK instead is refused,
+/// nothing written.
+#[test]
+fn a_kmip_volume_rotation_is_begun_and_finished_by_the_controller() {
+    use moor_privileged::client::{Daemon, connect};
+    use moor_proto::csi::v1 as csi;
+    use moor_proto::keys::v1 as keys;
+    let Some((mut server, kek_id)) = server_with_kek() else {
+        return;
+    };
+    let secrets = server.owned_secrets("client", &kek_id);
+    let config = server.config("client", &kek_id);
+    let rt = moor_privileged::runtime();
+    let (sock, data) = (server.dir.join("controller.sock"), server.dir.join("ctl"));
+    let data = data.display().to_string();
+    let mut controller = rt.block_on(Daemon::start_program(
+        "moor-controller",
+        &sock,
+        &["--node-id", "n1", "--data-dir", &data],
+    ));
+    let (mut ctl, mut ck) = rt.block_on(async {
+        (
+            csi::controller_client::ControllerClient::new(connect(&sock).await.expect("socket")),
+            keys::controller_keys_client::ControllerKeysClient::new(
+                connect(&sock).await.expect("socket"),
+            ),
+        )
+    });
+    let volume = rt
+        .block_on(
+            ctl.create_volume(moor_privileged::requests::encrypted_create_req(
+                "pvc-kmip",
+                16 << 20,
+                "kmip",
+                &[],
+                &secrets,
+            )),
+        )
+        .expect("CreateVolume")
+        .into_inner()
+        .volume
+        .expect("volume");
+    let id = volume.volume_id;
+    let unwrap = |text: &str| {
+        let w = moor_runtime::keys::WrappedDek::decode(text).expect("decode");
+        assert_eq!(w.kek_id(), kek_id, "wrapped by the server's KEK");
+        config.unwrap(&w, &id).expect("the server unwraps it")
+    };
+    let not_kmip: HashMap<String, String> = moor_runtime::keys::secret_entries("k", &[1; 32])
+        .into_iter()
+        .collect();
+    let begin = |ck: &mut keys::controller_keys_client::ControllerKeysClient<_>, s| {
+        rt.block_on(
+            ck.begin_volume_key_rotation(keys::BeginVolumeKeyRotationRequest {
+                volume_id: id.clone(),
+                secrets: s,
+                if_rotations: None,
+            }),
+        )
+    };
+    let e = begin(&mut ck, not_kmip).expect_err("a Secret's KEK");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let begun = begin(&mut ck, secrets.clone())
+        .expect("BeginVolumeKeyRotation")
+        .into_inner();
+    assert_eq!(
+        begun.current_wrapped_dek,
+        volume.volume_context["encryptedDEK"]
+    );
+    let (old, new) = (
+        unwrap(&begun.current_wrapped_dek),
+        unwrap(&begun.pending_wrapped_dek),
+    );
+    assert_ne!(old.expose(), new.expose(), "a new data key");
+    let done = rt
+        .block_on(
+            ck.finish_volume_key_rotation(keys::FinishVolumeKeyRotationRequest {
+                volume_id: id.clone(),
+                new_wrapped_dek: begun.pending_wrapped_dek.clone(),
+            }),
+        )
+        .expect("FinishVolumeKeyRotation")
+        .into_inner();
+    assert_eq!(done.current_wrapped_dek, begun.pending_wrapped_dek);
+    assert_eq!(done.rotations, 1);
+    rt.block_on(controller.stop());
+    server.stop();
 }

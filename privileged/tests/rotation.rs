@@ -133,7 +133,9 @@ fn world(name: &str) -> World {
         volume_id: VOL.to_owned(),
         old_wrapped,
         new_wrapped: new.wrap(&kek, VOL).expect("wrap"),
-        kek,
+        kek: Arc::new(moor_runtime::keys::source::KeySource::Secret(
+            Kek::new("kek-1", &[9; 32]).expect("kek"),
+        )),
         pbkdf: "pbkdf2".to_owned(),
     };
     World {
@@ -441,22 +443,9 @@ fn a_volume_rotated_through_the_controller_is_published_with_the_key_its_header_
     let sb = Sandbox::new("rotate-controller");
     let _sweep = moor_privileged::LoopSweep(sb.root.clone());
     let rt = moor_privileged::runtime();
-    let ctl_data = sb.data.join("controller").display().to_string();
+    let (mut controller, cap) = controller_n1(&sb, &rt);
     let (ctl_sock, node_sock) = (sb.root.join("controller.sock"), sb.root.join("node.sock"));
-    let mut controller = rt.block_on(Daemon::start_program(
-        "moor-controller",
-        &ctl_sock,
-        &["--node-id", "n1", "--data-dir", &ctl_data],
-    ));
     let kek1 = Kek::new("kek-1", &[9; 32]).expect("kek");
-    let cap = csi::VolumeCapability {
-        access_mode: Some(csi::volume_capability::AccessMode {
-            mode: csi::volume_capability::access_mode::Mode::SingleNodeWriter as i32,
-        }),
-        access_type: Some(csi::volume_capability::AccessType::Block(
-            csi::volume_capability::BlockVolume {},
-        )),
-    };
     let mut ctl =
         rt.block_on(async { ControllerClient::new(connect(&ctl_sock).await.expect("socket")) });
     let volume = rt
@@ -553,6 +542,7 @@ fn a_volume_rotated_through_the_controller_is_published_with_the_key_its_header_
                 secrets: moor_runtime::keys::secret_entries("kek-1", &[9; 32])
                     .into_iter()
                     .collect(),
+                if_rotations: None,
             }),
         )
         .expect("BeginVolumeKeyRotation")
@@ -624,4 +614,247 @@ fn a_volume_rotated_through_the_controller_is_published_with_the_key_its_header_
     let resumed = moorctl_json(&kek_args);
     assert_eq!(resumed["unchanged"], serde_json::json!([id]), "{resumed}");
     rt.block_on(controller.stop());
+}
+
+/// Scheduled rotation (docs/encryption.md, "Scheduled rotation"), through a real
+/// moor-controller and a real moor-node started with `--key-rotation-secrets`: three
+/// encrypted volumes attached to the node, their LUKS headers made with their records' keys
+/// and their mappings open in the node's journal (by hand, as above: no device-mapper here).
+/// `often` (`keyRotationSchedule: 1s`) is rotated at every pass; `weekly` (`@weekly`) has a
+/// rotation begun at the controller before the node starts, as a scheduler killed after
+/// its first step leaves it, and the node finishes it with that very key, once; `never` (no
+/// schedule) is never rotated. Then the node restarts and `often` goes on rotating, `weekly`
+/// is not rotated again, and every header opens with its record's current key alone.
+#[test]
+fn a_scheduled_rotation_runs_when_due_resumes_after_a_restart_and_spares_the_rest() {
+    use csi::controller_client::ControllerClient;
+    use moor_privileged::client::{Daemon, connect};
+    use moor_proto::csi::v1 as csi;
+    use moor_proto::keys::v1 as keys;
+    let sb = Sandbox::new("rotate-schedule");
+    let _sweep = moor_privileged::LoopSweep(sb.root.clone());
+    let rt = moor_privileged::runtime();
+    let (mut controller, cap) = controller_n1(&sb, &rt);
+    let (ctl_sock, node_sock) = (sb.root.join("controller.sock"), sb.root.join("node.sock"));
+    let kek = Kek::new("kek-1", &[9; 32]).expect("kek");
+    let secrets: std::collections::HashMap<String, String> =
+        moor_runtime::keys::secret_entries("kek-1", &[9; 32])
+            .into_iter()
+            .collect();
+    let mut ctl =
+        rt.block_on(async { ControllerClient::new(connect(&ctl_sock).await.expect("socket")) });
+    let mut ck = rt.block_on(async {
+        keys::controller_keys_client::ControllerKeysClient::new(
+            connect(&ctl_sock).await.expect("socket"),
+        )
+    });
+    let decode = |t: &str| moor_runtime::keys::WrappedDek::decode(t).expect("decode");
+    // Each volume made, attached at n1, made LUKS with its record's key, open in the journal.
+    let mut made = Vec::new();
+    for (name, schedule) in [
+        ("often", Some("1s")),
+        ("weekly", Some("@weekly")),
+        ("never", None),
+    ] {
+        let more: Vec<(&str, &str)> = schedule
+            .map(|s| ("keyRotationSchedule", s))
+            .into_iter()
+            .collect();
+        let volume = rt
+            .block_on(
+                ctl.create_volume(moor_privileged::requests::encrypted_create_req(
+                    &format!("pvc-{name}"),
+                    32 << 20,
+                    "secret",
+                    &more,
+                    &secrets,
+                )),
+            )
+            .expect("CreateVolume")
+            .into_inner()
+            .volume
+            .expect("volume");
+        let id = volume.volume_id.clone();
+        let published = rt
+            .block_on(
+                ctl.controller_publish_volume(csi::ControllerPublishVolumeRequest {
+                    volume_id: id.clone(),
+                    node_id: "n1".into(),
+                    volume_capability: Some(cap.clone()),
+                    volume_context: volume.volume_context.clone(),
+                    ..Default::default()
+                }),
+            )
+            .expect("ControllerPublishVolume")
+            .into_inner()
+            .publish_context;
+        let context_key = volume.volume_context["encryptedDEK"].clone();
+        let old = kek.unwrap(&decode(&context_key), &id).expect("unwrap");
+        let dev = std::path::PathBuf::from(&published["devicePath"]);
+        luks_format(&dev, &old);
+        drop(mapping_open(&sb.state, &id, &dev, &context_key, true));
+        made.push((id, dev, context_key));
+    }
+    let [
+        (often, often_dev, _),
+        (weekly, weekly_dev, _),
+        (never, never_dev, never_key),
+    ] = <[_; 3]>::try_from(made).expect("three");
+    // `weekly`: a rotation begun at the controller, cut short before the node's steps.
+    let begun = rt
+        .block_on(
+            ck.begin_volume_key_rotation(keys::BeginVolumeKeyRotationRequest {
+                volume_id: weekly.clone(),
+                secrets: secrets.clone(),
+                if_rotations: None,
+            }),
+        )
+        .expect("BeginVolumeKeyRotation")
+        .into_inner();
+    let secrets_dir = sb.root.join("kek-secret");
+    std::fs::create_dir(&secrets_dir).expect("secrets dir");
+    for (k, v) in &secrets {
+        std::fs::write(secrets_dir.join(k), format!("{v}\n")).expect("secret file");
+    }
+    let ctl_ep = format!("unix://{}", ctl_sock.display());
+    let node_args = sb.node_args(
+        "n1",
+        &[
+            "--key-rotation-secrets",
+            &secrets_dir.display().to_string(),
+            "--key-rotation-controller",
+            &ctl_ep,
+            "--key-rotation-interval",
+            "1",
+        ],
+    );
+    let mut get = |id: &str| {
+        rt.block_on(
+            ck.get_volume_key_rotation(keys::GetVolumeKeyRotationRequest {
+                volume_id: id.to_owned(),
+            }),
+        )
+        .expect("GetVolumeKeyRotation")
+        .into_inner()
+    };
+    let mut node = rt.block_on(Daemon::start(&node_sock, &node_args));
+    wait_rotations(&mut get, &often, 2);
+    rt.block_on(node.stop());
+    // Restarted: the schedule goes on from the record, nothing journaled here is needed.
+    let before_restart = get(&often).rotations;
+    let log = sb.root.join("node-restarted.log");
+    let mut logged_args = node_args.clone();
+    logged_args.extend(["--http-endpoint".to_owned(), "127.0.0.1:0".to_owned()]);
+    let mut node = Daemon::spawn_logged("moor-node", &node_sock, &logged_args, &log);
+    rt.block_on(node.wait_answering());
+    wait_rotations(&mut get, &often, before_restart + 2);
+    // Counted, the next due time said, and no key in the log (the KEK's text, the keys'
+    // wrapped texts are not secret).
+    let addr = moor_privileged::client::http_address(&log, &mut node);
+    let metrics = moor_privileged::client::http_get(&addr, "/metrics").expect("/metrics");
+    let value = |prefix: &str| {
+        metrics
+            .body
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in {}", metrics.body))
+    };
+    assert!(value("moor_key_rotations_total{result=\"done\"}") >= 2);
+    assert!(value("moor_key_rotation_next_due_seconds ") > 0);
+    rt.block_on(node.stop());
+    let text = std::fs::read_to_string(&log).expect("the node's log");
+    assert!(text.contains("data key rotated by its schedule"), "{text}");
+    assert!(!text.contains(&secrets_kek()), "the KEK in the log");
+    // Stopped between passes, the record's key alone in slot 0; stopped within one (a rotation
+    // begun), the header opens with the record's current or pending key (the node's order).
+    let k = get(&often);
+    let current = kek
+        .unwrap(&decode(&k.current_wrapped_dek), &often)
+        .expect("unwrap");
+    if k.pending_wrapped_dek.is_empty() {
+        assert!(
+            opens(&often_dev, 0, &current),
+            "often: the record's key opens slot 0"
+        );
+        assert!(
+            !(1..4).any(|s| opens(&often_dev, s, &current)),
+            "often: its key alone, in slot 0"
+        );
+    } else {
+        let pending = kek
+            .unwrap(&decode(&k.pending_wrapped_dek), &often)
+            .expect("unwrap");
+        assert!(
+            !slots(&often_dev, &current, &pending).is_empty(),
+            "often: opens"
+        );
+    }
+    assert!(k.current_since_unix > 0);
+    // `weekly`: its cut-short rotation finished with the key begun, and only that one (two
+    // passes at least ran after it: `often` rotated twice since).
+    let w = get(&weekly);
+    assert_eq!(w.rotations, 1, "weekly: resumed once, not rotated again");
+    assert_eq!(w.current_wrapped_dek, begun.pending_wrapped_dek);
+    assert!(w.pending_wrapped_dek.is_empty());
+    let new = kek
+        .unwrap(&decode(&w.current_wrapped_dek), &weekly)
+        .expect("unwrap");
+    let old = kek
+        .unwrap(&decode(&begun.current_wrapped_dek), &weekly)
+        .expect("unwrap");
+    assert_eq!(slots(&weekly_dev, &old, &new), [(0, "new")]);
+    // `never`: untouched, and its record's clock never started.
+    let n = get(&never);
+    assert_eq!(n.rotation_schedule, "");
+    assert_eq!((n.rotations, n.current_since_unix), (0, 0));
+    assert_eq!(n.current_wrapped_dek, never_key);
+    let key = kek.unwrap(&decode(&never_key), &never).expect("unwrap");
+    assert!(
+        opens(&never_dev, 0, &key),
+        "never: its first key still opens it"
+    );
+    rt.block_on(controller.stop());
+}
+
+/// Waits until `volume`'s record (read by `get`) has finished `n` rotations; its keys then.
+fn wait_rotations(
+    get: &mut impl FnMut(&str) -> moor_proto::keys::v1::VolumeKeys,
+    volume: &str,
+    n: u64,
+) -> moor_proto::keys::v1::VolumeKeys {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    loop {
+        let k = get(volume);
+        if k.rotations >= n {
+            return k;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "volume {volume}: waited 300 s for {n} scheduled rotations of its data key, the \
+             controller's record has {}",
+            k.rotations
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+/// A real moor-controller serving node `n1` from `sb` (its socket `controller.sock`), and the
+/// capability the volumes are attached with (a block volume, written to by no one).
+fn controller_n1(
+    sb: &Sandbox,
+    rt: &tokio::runtime::Runtime,
+) -> (
+    moor_privileged::client::Daemon,
+    moor_proto::csi::v1::VolumeCapability,
+) {
+    let ctl_data = sb.data.join("controller").display().to_string();
+    let controller = rt.block_on(moor_privileged::client::Daemon::start_program(
+        "moor-controller",
+        &sb.root.join("controller.sock"),
+        &["--node-id", "n1", "--data-dir", &ctl_data],
+    ));
+    let cap = moor_privileged::requests::block_cap();
+    (controller, cap)
 }

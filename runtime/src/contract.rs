@@ -194,6 +194,12 @@ pub const PUBLISHED_DEK_FIELD: &str = "publish_context.encryptedDEK";
 pub const ENCRYPTED_DEK_PENDING_KEY: &str = "encryptedDEKPending";
 /// How an error names the [`ENCRYPTED_DEK_PENDING_KEY`] field of a NodeStageVolume.
 pub const ENCRYPTED_DEK_PENDING_FIELD: &str = "publish_context.encryptedDEKPending";
+/// StorageClass parameter of an encrypted volume: how often its data key is rotated, by the
+/// node where it is staged (`moor-node --key-rotation-secrets`; docs/encryption.md,
+/// "Scheduled rotation"): `@hourly`, `@daily`, `@weekly`, `@monthly` (30 days) or a period
+/// `<n>s`, `<n>m`, `<n>h`, `<n>d` ([`crate::keys::schedule::period`]). Absent: never by
+/// schedule.
+pub const KEY_ROTATION_SCHEDULE_KEY: &str = "keyRotationSchedule";
 /// StorageClass parameter and volume_context key: the key source of an encrypted volume's
 /// key-encryption key (`secret`: the CSI secrets of the call).
 pub const KMS_ID_KEY: &str = "kmsID";

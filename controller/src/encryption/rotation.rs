@@ -38,6 +38,33 @@ pub struct RecordKeys {
     /// The key a rotation in progress moves the slot to; `None` when none is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending: Option<String>,
+    /// How many rotations the record has finished (a scheduled rotation's guard: see
+    /// [`begin`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rotations: u64,
+    /// When `current` became the volume's key, in seconds since the Unix epoch: the last
+    /// promotion, or the start of its rotation schedule ([`schedule_started`]); `None` for a
+    /// record that has seen neither.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_since: Option<u64>,
+    /// A rotation schedule set on the volume's PersistentVolume or PersistentVolumeClaim
+    /// (`moor.csi.io/key-rotation-schedule`, copied here by `kube::apply_rotation_schedules`),
+    /// over its class's `keyRotationSchedule`; `None`: the class's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<String>,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if takes a reference
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// Now, in seconds since the Unix epoch.
+#[must_use]
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 impl RecordKeys {
@@ -47,6 +74,9 @@ impl RecordKeys {
         Self {
             current: wrapped.to_owned(),
             pending: None,
+            rotations: 0,
+            current_since: None,
+            schedule: None,
         }
     }
 
@@ -81,29 +111,44 @@ fn refused(volume: &str, what: &str) -> impl FnOnce(KeyError) -> Error {
 /// wrapped by `kek`, unless a rotation is pending already (then they are returned as they
 /// are, after `kek` is proven to unwrap both: the node may have written the pending key into
 /// a slot). `kek` must unwrap the current key: the node's rotation opens the old slot with it.
-pub fn begin(keys: &RecordKeys, kek: &KeySource, volume: &str) -> Result<RecordKeys> {
+/// With `if_rotations` (a scheduled rotation's guard), a record that has finished another
+/// number of rotations and has none pending is returned as it is: a rotation ran since the
+/// scheduler read it, and one due is not run twice.
+pub fn begin(
+    keys: &RecordKeys,
+    kek: &KeySource,
+    volume: &str,
+    if_rotations: Option<u64>,
+) -> Result<RecordKeys> {
     for text in keys.all() {
         kek.unwrap(&decode(text)?, volume).map_err(refused(
             volume,
             "the secrets' key does not unwrap its data key",
         ))?;
     }
-    if keys.pending.is_some() {
+    if keys.pending.is_some() || if_rotations.is_some_and(|n| n != keys.rotations) {
         return Ok(keys.clone());
     }
     Ok(RecordKeys {
-        current: keys.current.clone(),
         pending: Some(super::new_wrapped_dek(kek, volume)?),
+        ..keys.clone()
     })
 }
 
 /// Step 3: `new`, the pending key the node has rotated the volume's slot to and verified,
 /// made the current one. Already current (a promotion run again): unchanged. Any other key:
 /// FAILED_PRECONDITION, the record untouched (a pending key is promoted only once the node
-/// has proven it, and only the one the record holds).
-pub fn promote(keys: &RecordKeys, new: &str, volume: &str) -> Result<RecordKeys> {
+/// has proven it, and only the one the record holds). A promotion counts a rotation and
+/// makes `now` (seconds since the Unix epoch) the time the key became current.
+pub fn promote(keys: &RecordKeys, new: &str, volume: &str, now: u64) -> Result<RecordKeys> {
     if keys.pending.as_deref() == Some(new) {
-        return Ok(RecordKeys::of_context(new));
+        return Ok(RecordKeys {
+            current: new.to_owned(),
+            pending: None,
+            rotations: keys.rotations.saturating_add(1),
+            current_since: Some(now),
+            schedule: keys.schedule.clone(),
+        });
     }
     if keys.current == new && keys.pending.is_none() {
         return Ok(keys.clone());
@@ -156,16 +201,23 @@ pub fn rewrap(
     let after = RecordKeys {
         current: one(&keys.current)?,
         pending: keys.pending.as_ref().map(one).transpose()?,
+        ..keys.clone()
     };
     let changed = after != *keys;
     Ok((after, changed))
 }
 
 /// Step 1 over a backend: the volume's record read, a pending key made (or the pending one
-/// kept) and written, durably, before this answers: the keys to give the node.
-pub fn begin_on<B: Backend + ?Sized>(b: &B, volume: &str, kek: &KeySource) -> Result<RecordKeys> {
+/// kept) and written, durably, before this answers: the keys to give the node. `if_rotations`:
+/// [`begin`]'s guard.
+pub fn begin_on<B: Backend + ?Sized>(
+    b: &B,
+    volume: &str,
+    kek: &KeySource,
+    if_rotations: Option<u64>,
+) -> Result<RecordKeys> {
     let before = b.volume_keys(volume)?;
-    let after = begin(&before, kek, volume)?;
+    let after = begin(&before, kek, volume, if_rotations)?;
     b.write_volume_keys(volume, &before, &after)?;
     Ok(after)
 }
@@ -173,9 +225,58 @@ pub fn begin_on<B: Backend + ?Sized>(b: &B, volume: &str, kek: &KeySource) -> Re
 /// Step 3 over a backend: `new` promoted in the volume's record, durably.
 pub fn promote_on<B: Backend + ?Sized>(b: &B, volume: &str, new: &str) -> Result<RecordKeys> {
     let before = b.volume_keys(volume)?;
-    let after = promote(&before, new, volume)?;
+    let after = promote(&before, new, volume, unix_now())?;
     b.write_volume_keys(volume, &before, &after)?;
     Ok(after)
+}
+
+/// The keys of a volume whose rotation schedule starts: `keys` with `now` as the time its
+/// current key became current, when the record has none yet (unchanged otherwise).
+#[must_use]
+pub fn schedule_started(keys: &RecordKeys, now: u64) -> RecordKeys {
+    RecordKeys {
+        current_since: keys.current_since.or(Some(now)),
+        ..keys.clone()
+    }
+}
+
+/// The keys of `volume` for its rotation scheduler, and its schedule (the record's override,
+/// else `class_schedule`): [`schedule_started`] written, durably, when it has a schedule and
+/// the record has no time yet.
+pub fn keys_for_schedule<B: Backend + ?Sized>(
+    b: &B,
+    volume: &str,
+    class_schedule: Option<&str>,
+) -> Result<(RecordKeys, Option<String>)> {
+    let keys = keys_with_clock(b, volume, class_schedule)?;
+    let schedule = keys
+        .schedule
+        .clone()
+        .or_else(|| class_schedule.map(str::to_owned));
+    Ok((keys, schedule))
+}
+
+fn keys_with_clock<B: Backend + ?Sized>(
+    b: &B,
+    volume: &str,
+    class_schedule: Option<&str>,
+) -> Result<RecordKeys> {
+    // Another call may write the record between the read and the write (a scheduler's Begin,
+    // an operator's look): the write then fails, and is tried again on the record as it is.
+    let mut attempts = 3;
+    loop {
+        let before = b.volume_keys(volume)?;
+        let scheduled = before.schedule.is_some() || class_schedule.is_some();
+        if !scheduled || before.current_since.is_some() {
+            return Ok(before);
+        }
+        let after = schedule_started(&before, unix_now());
+        match b.write_volume_keys(volume, &before, &after) {
+            Ok(()) => return Ok(after),
+            Err(e) if attempts == 1 => return Err(e),
+            Err(_) => attempts -= 1,
+        }
+    }
 }
 
 /// What a KEK rotation over every record did.
@@ -290,6 +391,31 @@ pub fn rotate_kek_on<B: Backend + ?Sized>(
         })?;
     }
     Ok(done)
+}
+
+/// Sets the annotation's schedule of `volume` (`None`: none, its class's applies), durably;
+/// whether the record changed. A schedule that is not a period: INVALID_ARGUMENT, nothing
+/// written.
+pub fn set_schedule_on<B: Backend + ?Sized>(
+    b: &B,
+    volume: &str,
+    schedule: Option<&str>,
+) -> Result<bool> {
+    if let Some(s) = schedule {
+        moor_runtime::keys::schedule::period(s).map_err(|why| {
+            Error::invalid("schedule", format!("{:?}: {why}", crate::error::trunc(s)))
+        })?;
+    }
+    let before = b.volume_keys(volume)?;
+    if before.schedule.as_deref() == schedule {
+        return Ok(false);
+    }
+    let after = RecordKeys {
+        schedule: schedule.map(str::to_owned),
+        ..before.clone()
+    };
+    b.write_volume_keys(volume, &before, &after)?;
+    Ok(true)
 }
 
 #[cfg(test)]

@@ -149,7 +149,7 @@ fn a_dek_rotation_writes_the_pending_key_before_the_node_and_promotes_it_after()
     opens(&w, &id, &ctx, Header::Old, &old);
 
     // Step 1: the pending key, written before the node is asked.
-    let begun = begin_on(&w.b, &id, &w.kek).expect("begin");
+    let begun = begin_on(&w.b, &id, &w.kek, None).expect("begin");
     let pending = begun.pending.clone().expect("a pending key");
     assert_eq!(begun.current, first.current);
     assert_eq!(w.b.volume_keys(&id).expect("keys"), begun, "written");
@@ -162,11 +162,14 @@ fn a_dek_rotation_writes_the_pending_key_before_the_node_and_promotes_it_after()
     }
     // Begun again (the operator's tool retried after a crash): the same pending key, which
     // the node may already have written into a slot.
-    assert_eq!(begin_on(&w.b, &id, &w.kek).expect("again"), begun);
+    assert_eq!(begin_on(&w.b, &id, &w.kek, None).expect("again"), begun);
 
     // Step 3, after the node verified the new slot: the pending key is current.
     let done = promote_on(&w.b, &id, &pending).expect("promote");
-    assert_eq!(done, RecordKeys::of_context(&pending));
+    assert_eq!(
+        (done.current.as_str(), done.pending.as_ref(), done.rotations),
+        (pending.as_str(), None, 1)
+    );
     let ctx = published(&w, &id);
     assert_eq!(ctx.get(ENCRYPTED_DEK_KEY), Some(&pending));
     assert_eq!(ctx.get(ENCRYPTED_DEK_PENDING_KEY), None);
@@ -199,19 +202,21 @@ fn the_records_survive_a_controller_restart_at_each_step() {
     let kek = source("kek-1", 1);
     let b = open();
     let id = made_encrypted(&b, &kek, "pvc-r");
-    let begun = begin_on(&b, &id, &kek).expect("begin");
+    let begun = begin_on(&b, &id, &kek, None).expect("begin");
     drop(b);
     // A crash after step 1: the pending key is in the record read at the next start.
     let b = open();
     assert_eq!(b.volume_keys(&id).expect("keys"), begun);
     let pending = begun.pending.expect("pending");
-    promote_on(&b, &id, &pending).expect("promote");
+    let promoted = promote_on(&b, &id, &pending).expect("promote");
     drop(b);
     // A crash after step 3: promoted.
     let b = open();
+    let keys = b.volume_keys(&id).expect("keys");
+    assert_eq!(keys, promoted);
     assert_eq!(
-        b.volume_keys(&id).expect("keys"),
-        RecordKeys::of_context(&pending)
+        (keys.current, keys.pending, keys.rotations),
+        (pending, None, 1)
     );
 }
 
@@ -224,7 +229,7 @@ fn a_key_the_record_does_not_hold_is_never_promoted_and_a_wrong_kek_begins_nothi
     // No rotation pending: nothing to promote.
     let e = promote_on(&w.b, &id, &stranger).expect_err("nothing pending");
     assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
-    let begun = begin_on(&w.b, &id, &w.kek).expect("begin");
+    let begun = begin_on(&w.b, &id, &w.kek, None).expect("begin");
     // Pending, but another key.
     let e = promote_on(&w.b, &id, &stranger).expect_err("another key");
     assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
@@ -233,7 +238,7 @@ fn a_key_the_record_does_not_hold_is_never_promoted_and_a_wrong_kek_begins_nothi
     let w2 = world("rot-refuse-2");
     let id2 = encrypted_volume(&w2, "pvc-2");
     let impostor = source("kek-1", 2);
-    let e = begin_on(&w2.b, &id2, &impostor).expect_err("wrong kek");
+    let e = begin_on(&w2.b, &id2, &impostor, None).expect_err("wrong kek");
     assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
     assert_eq!(
         w2.b.volume_keys(&id2).expect("keys").pending,
@@ -256,7 +261,7 @@ fn a_key_the_record_does_not_hold_is_never_promoted_and_a_wrong_kek_begins_nothi
 fn a_copy_carries_the_record_s_current_key_and_waits_for_a_pending_rotation() {
     let w = world("rot-copy");
     let id = encrypted_volume(&w, "pvc-1");
-    let begun = begin_on(&w.b, &id, &w.kek).expect("begin");
+    let begun = begin_on(&w.b, &id, &w.kek, None).expect("begin");
     let snap = |name: &str| {
         w.b.create_snapshot(&NewSnapshot {
             name: name.into(),
@@ -280,7 +285,7 @@ fn a_kek_rotation_rewraps_current_and_pending_keys_and_resumes_after_a_crash_hal
         .map(|i| encrypted_volume(&w, &format!("pvc-{i}")))
         .collect();
     // One volume is half-way through a DEK rotation: its pending key is rewrapped too.
-    let begun = begin_on(&w.b, &ids[1], &w.kek).expect("begin");
+    let begun = begin_on(&w.b, &ids[1], &w.kek, None).expect("begin");
     let deks = |kek: &KeySource| -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
         ids.iter()
             .map(|id| {
@@ -370,6 +375,7 @@ fn the_key_calls_check_their_requests_and_name_no_key() {
         &keys::BeginVolumeKeyRotationRequest {
             volume_id: id.clone(),
             secrets: secrets.clone(),
+            if_rotations: None,
         },
     )
     .expect("begin");
@@ -390,6 +396,7 @@ fn the_key_calls_check_their_requests_and_name_no_key() {
         &keys::BeginVolumeKeyRotationRequest {
             volume_id: clear.id,
             secrets: secrets.clone(),
+            if_rotations: None,
         },
     )
     .expect_err("clear");
@@ -520,4 +527,82 @@ fn a_kek_rotation_refuses_before_writing_when_an_rbd_cluster_cannot_be_read() {
         before,
         "nothing written"
     );
+}
+
+/// A scheduled rotation (docs/encryption.md, "Scheduled rotation"): its clock starts once, at
+/// the scheduler's first look, durably; each promotion counts and restarts it; a Begin
+/// guarded by a count that moved on (a rotation ran since the scheduler read the record)
+/// begins nothing, so a due rotation is never run twice; a pending one is still answered.
+#[test]
+fn a_scheduled_rotation_starts_its_clock_once_and_is_never_begun_twice() {
+    use crate::encryption::rotation::keys_for_schedule;
+    let w = world("rot-sched");
+    let id = encrypted_volume(&w, "pvc-1");
+    let (unscheduled, none) = keys_for_schedule(&w.b, &id, None).expect("keys");
+    assert_eq!(
+        (unscheduled.current_since, none),
+        (None, None),
+        "no schedule, no clock"
+    );
+    let (started, _) = keys_for_schedule(&w.b, &id, Some("@daily")).expect("keys");
+    let since = started.current_since.expect("the clock started");
+    assert_eq!(w.b.volume_keys(&id).expect("k"), started, "written");
+    assert_eq!(
+        keys_for_schedule(&w.b, &id, Some("@daily"))
+            .expect("again")
+            .0,
+        started,
+        "started once"
+    );
+    assert_eq!(started.rotations, 0);
+    let begun = begin_on(&w.b, &id, &w.kek, Some(0)).expect("begin");
+    let pending = begun.pending.clone().expect("pending");
+    // Begun again with a stale count: the pending rotation is still answered.
+    assert_eq!(begin_on(&w.b, &id, &w.kek, Some(7)).expect("again"), begun);
+    let done = promote_on(&w.b, &id, &pending).expect("promote");
+    assert_eq!(done.rotations, 1);
+    assert_eq!(done.current, pending);
+    assert!(done.current_since.expect("since") >= since);
+    // The scheduler read 0 before the promotion: its Begin begins nothing now.
+    let stale = begin_on(&w.b, &id, &w.kek, Some(0)).expect("stale");
+    assert_eq!(stale, done, "nothing begun");
+    // Read afresh, the next one begins.
+    let next = begin_on(&w.b, &id, &w.kek, Some(1)).expect("next");
+    assert!(next.pending.is_some());
+}
+
+/// A PV's or PVC's annotation (copied into the record) is the volume's schedule over its
+/// class's, starts its clock like a class's, survives a rotation, and goes when it is removed;
+/// one that is not a period is refused, nothing written.
+#[test]
+fn an_annotation_schedule_overrides_the_class_and_starts_the_clock() {
+    use crate::encryption::rotation::{keys_for_schedule, set_schedule_on};
+    let w = world("rot-annotation");
+    let id = encrypted_volume(&w, "pvc-1");
+    assert!(set_schedule_on(&w.b, &id, Some("12h")).expect("set"));
+    assert!(
+        !set_schedule_on(&w.b, &id, Some("12h")).expect("again"),
+        "unchanged"
+    );
+    let (keys, schedule) = keys_for_schedule(&w.b, &id, Some("@weekly")).expect("keys");
+    assert_eq!(
+        schedule.as_deref(),
+        Some("12h"),
+        "the annotation's, over the class's"
+    );
+    let (_, schedule) = keys_for_schedule(&w.b, &id, None).expect("keys");
+    assert_eq!(schedule.as_deref(), Some("12h"), "a class without one");
+    assert!(keys.current_since.is_some(), "its clock started");
+    let begun = begin_on(&w.b, &id, &w.kek, Some(0)).expect("begin");
+    let done = promote_on(&w.b, &id, &begun.pending.expect("pending")).expect("promote");
+    assert_eq!(
+        done.schedule.as_deref(),
+        Some("12h"),
+        "kept through a rotation"
+    );
+    let e = set_schedule_on(&w.b, &id, Some("weekly")).expect_err("not a period");
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    assert!(set_schedule_on(&w.b, &id, None).expect("removed"));
+    let (_, schedule) = keys_for_schedule(&w.b, &id, Some("@weekly")).expect("keys");
+    assert_eq!(schedule.as_deref(), Some("@weekly"), "the class's again");
 }

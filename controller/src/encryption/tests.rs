@@ -46,6 +46,7 @@ fn an_encrypted_volume_takes_the_safe_defaults() {
             sector_size: 4096,
             pbkdf: "pbkdf2",
             tpm2_pcrs: None,
+            rotation_schedule: None,
         }
     );
     assert_eq!(rest, params(&[("fsType", "ext4")]));
@@ -198,5 +199,37 @@ fn a_tpm2_class_may_seal_to_pcrs_and_only_it() {
         assert!(why.starts_with("tpm2PCRs="), "{kms} {pcrs}: {why}");
     }
     let why = refused(&[("tpm2PCRs", "sha256:7")]);
+    assert!(why.contains("only for a volume with encrypted"), "{why}");
+}
+
+#[test]
+fn a_secret_class_may_schedule_its_rotation_and_only_it() {
+    let (e, _) = split(&params(&[
+        ("encrypted", "true"),
+        ("kmsID", "secret"),
+        ("keyRotationSchedule", "@weekly"),
+    ]))
+    .expect("split");
+    let e = e.expect("encrypted");
+    assert_eq!(e.rotation_schedule.as_deref(), Some("@weekly"));
+    // It reaches the volume's parameters (which the controller's key calls read).
+    let named = e.parameters();
+    assert_eq!(
+        named.get("keyRotationSchedule").map(String::as_str),
+        Some("@weekly")
+    );
+    assert_eq!(split(&named).expect("split").0, Some(e));
+    for (kms, period) in [("secret", "weekly"), ("secret", "0d"), ("tpm2", "@daily")] {
+        let why = refused(&[
+            ("encrypted", "true"),
+            ("kmsID", kms),
+            ("keyRotationSchedule", period),
+        ]);
+        assert!(
+            why.starts_with("keyRotationSchedule="),
+            "{kms} {period}: {why}"
+        );
+    }
+    let why = refused(&[("keyRotationSchedule", "@daily")]);
     assert!(why.contains("only for a volume with encrypted"), "{why}");
 }

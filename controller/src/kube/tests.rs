@@ -140,3 +140,36 @@ fn a_group_of_a_nodes_class_is_that_nodes_whatever_its_members() {
         ["g"]
     );
 }
+
+#[test]
+fn a_claims_rotation_schedule_wins_over_its_volumes() {
+    let pv = |handle: &str, driver: &str, claim: &str, schedule: Option<&str>| {
+        json!({
+            "metadata": { "name": format!("pv-{handle}"), "annotations":
+                schedule.map(|s| json!({ KEY_ROTATION_SCHEDULE_ANNOTATION: s })) },
+            "spec": { "csi": { "driver": driver, "volumeHandle": handle },
+                      "claimRef": { "namespace": "apps", "name": claim } },
+        })
+    };
+    let pvc = |name: &str, schedule: &str| {
+        json!({ "metadata": { "namespace": "apps", "name": name, "annotations":
+            { KEY_ROTATION_SCHEDULE_ANNOTATION: schedule } } })
+    };
+    let pvs = json!({ "items": [
+        pv("vol-1", D, "db", Some("@weekly")),
+        pv("vol-2", D, "cache", Some("@daily")),
+        pv("vol-3", D, "logs", None),
+        pv("vol-4", "other.csi.io", "db", Some("1h")),
+    ]});
+    let pvcs = json!({ "items": [pvc("db", "12h"), pvc("elsewhere", "1d")] });
+    let got = rotation_schedules(&pvs, &pvcs, D);
+    let want: std::collections::BTreeMap<String, Option<String>> = [
+        ("vol-1", Some("12h")),
+        ("vol-2", Some("@daily")),
+        ("vol-3", None),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.map(str::to_owned)))
+    .collect();
+    assert_eq!(got, want);
+}

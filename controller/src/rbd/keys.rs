@@ -6,6 +6,8 @@
 //! ```text
 //! moor.csi.io/encryptedDEK          the current key (written at CreateVolume, before the record)
 //! moor.csi.io/encryptedDEKPending   the key a rotation in progress moves the slot to
+//! moor.csi.io/keyRotation           the rotation count, when the current key became current
+//!                                   and the PV's or PVC's schedule (JSON, one write)
 //! ```
 //!
 //! Each key is one metadata write, atomic alone; a change of both is two, ordered so that a
@@ -40,6 +42,34 @@ use moor_runtime::contract::{ENCRYPTED_DEK_KEY, ENCRYPTED_DEK_PENDING_KEY};
 /// slot to.
 pub const DEK_PENDING_METADATA_KEY: &str = "moor.csi.io/encryptedDEKPending";
 
+/// The image metadata key of what a scheduled rotation counts on: the rotations finished,
+/// when the current key became current, the schedule set on the PV or PVC ([`RotationState`]).
+pub const ROTATION_METADATA_KEY: &str = "moor.csi.io/keyRotation";
+
+/// [`RecordKeys`]' fields besides the keys, kept together in one metadata value so that they
+/// change in one write. Written after the keys: a crash between leaves the keys changed and
+/// the count not, which at worst lets a scheduled rotation run once more than its period asks
+/// (a rotation is safe at any instant), never skips one.
+#[derive(Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct RotationState {
+    #[serde(default)]
+    rotations: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    current_since: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    schedule: Option<String>,
+}
+
+impl RotationState {
+    fn of(keys: &RecordKeys) -> Self {
+        RotationState {
+            rotations: keys.rotations,
+            current_since: keys.current_since,
+            schedule: keys.schedule.clone(),
+        }
+    }
+}
+
 /// The keys `image`'s metadata holds for the volume whose record is `rec`: its current key
 /// (the record's context's when the metadata has none, as for an image written before the
 /// metadata was), its pending one unless it is the current one (a promotion cut between its
@@ -57,7 +87,19 @@ pub(super) fn image_keys(
     let pending = image
         .metadata(DEK_PENDING_METADATA_KEY)?
         .filter(|p| *p != current);
-    Ok(Some(RecordKeys { current, pending }))
+    // A value moor did not write (changed by hand) reads as none: the schedule's clock starts
+    // again, which delays a rotation by at most one period and skips none.
+    let state: RotationState = image
+        .metadata(ROTATION_METADATA_KEY)?
+        .and_then(|v| serde_json::from_str(&v).ok())
+        .unwrap_or_default();
+    Ok(Some(RecordKeys {
+        current,
+        pending,
+        rotations: state.rotations,
+        current_since: state.current_since,
+        schedule: state.schedule,
+    }))
 }
 
 /// `keys` into a publish_context, as the embedded backend gives them.
@@ -139,6 +181,12 @@ impl RbdBackend {
         }
         if after.pending != before.pending {
             set(DEK_PENDING_METADATA_KEY, after.pending.as_deref())?;
+        }
+        let state = RotationState::of(after);
+        if state != RotationState::of(before) {
+            let value = serde_json::to_string(&state)
+                .map_err(|e| Error::Internal(format!("volume {id}: its rotation state: {e}")))?;
+            set(ROTATION_METADATA_KEY, Some(&value))?;
         }
         if after != before {
             info!(volume = %id, pending = after.pending.is_some(), "its data keys recorded");

@@ -8,13 +8,13 @@
 use std::collections::HashMap;
 
 use moor_proto::keys::v1 as keys;
-use moor_runtime::keys::source::{KMS_SECRET, KeySource};
+use moor_runtime::keys::source::{KMS_KMIP, KMS_SECRET, KeySource};
 use tonic::{Request, Response, Status};
 
 use super::ControllerService;
 use crate::backend::Backend;
 use crate::encryption::rotation::{self, RecordKeys};
-use crate::encryption::{self, KMS_ID_KEY, PBKDF_KEY};
+use crate::encryption::{self, KEY_ROTATION_SCHEDULE_KEY, KMS_ID_KEY, PBKDF_KEY};
 use crate::error::{Error, Result, trunc};
 
 fn required<'a>(field: &'static str, value: &'a str) -> Result<&'a str> {
@@ -40,10 +40,43 @@ fn answer<B: Backend + ?Sized>(b: &B, volume: &str, k: RecordKeys) -> Result<key
     let parameters = b.get_volume(volume)?.volume.parameters;
     Ok(keys::VolumeKeys {
         volume_id: volume.to_owned(),
+        luks_pbkdf: parameters.get(PBKDF_KEY).cloned().unwrap_or_default(),
+        rotation_schedule: k
+            .schedule
+            .clone()
+            .or_else(|| parameters.get(KEY_ROTATION_SCHEDULE_KEY).cloned())
+            .unwrap_or_default(),
         current_wrapped_dek: k.current,
         pending_wrapped_dek: k.pending.unwrap_or_default(),
-        luks_pbkdf: parameters.get(PBKDF_KEY).cloned().unwrap_or_default(),
+        rotations: k.rotations,
+        current_since_unix: k.current_since.unwrap_or_default(),
     })
+}
+
+/// GetVolumeKeyRotation on `b`: the record's keys and the volume's schedule (its
+/// annotation's, else its class's); a volume with a schedule and no `current_since` yet has it
+/// written (now), so its schedule's clock starts once, durably.
+pub fn get<B: Backend + ?Sized>(
+    b: &B,
+    req: &keys::GetVolumeKeyRotationRequest,
+) -> Result<keys::VolumeKeys> {
+    let volume = required("volume_id", &req.volume_id)?;
+    let parameters = b.get_volume(volume)?.volume.parameters;
+    let class = parameters
+        .get(KEY_ROTATION_SCHEDULE_KEY)
+        .map(String::as_str);
+    let (k, _) = match rotation::keys_for_schedule(b, volume, class) {
+        // A backend that keeps no rotated keys (RBD) and a volume without a schedule: nothing
+        // to rotate, nothing to say.
+        Err(Error::FailedPrecondition(_)) if class.is_none() => {
+            return Ok(keys::VolumeKeys {
+                volume_id: volume.to_owned(),
+                ..Default::default()
+            });
+        }
+        r => r?,
+    };
+    answer(b, volume, k)
 }
 
 /// BeginVolumeKeyRotation on `b`: the volume must be encrypted under the `secret` source
@@ -64,15 +97,15 @@ pub fn begin<B: Backend + ?Sized>(
         .get(KMS_ID_KEY)
         .map(String::as_str)
         .unwrap_or_default();
-    if kms != KMS_SECRET {
+    if kms != KMS_SECRET && kms != KMS_KMIP {
         return Err(Error::FailedPrecondition(format!(
-            "volume {:?}: a data key rotation is built for the {KMS_SECRET:?} key source, \
+            "volume {:?}: a data key rotation is built for the {KMS_SECRET:?} and {KMS_KMIP:?} key sources, \
              not {kms:?}",
             trunc(volume)
         )));
     }
     let kek = source("secrets", kms, &req.secrets)?;
-    let k = rotation::begin_on(b, volume, &kek)?;
+    let k = rotation::begin_on(b, volume, &kek, req.if_rotations)?;
     answer(b, volume, k)
 }
 
@@ -145,6 +178,16 @@ impl<B: Backend> keys::controller_keys_server::ControllerKeys for ControllerServ
             finish(b, &req)
         })
         .await
+    }
+
+    async fn get_volume_key_rotation(
+        &self,
+        request: Request<keys::GetVolumeKeyRotationRequest>,
+    ) -> std::result::Result<Response<keys::VolumeKeys>, Status> {
+        let req = request.into_inner();
+        let subject = req.volume_id.clone();
+        self.call("GetVolumeKeyRotation", &subject, move |b| get(b, &req))
+            .await
     }
 
     async fn rotate_key_encryption_key(

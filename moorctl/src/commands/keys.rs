@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use moor_proto::keys::v1 as keys;
 use moor_proto::keys::v1::controller_keys_client::ControllerKeysClient;
-use moor_runtime::keys::{Dek, WrappedDek, kek_from_secret};
+use moor_runtime::keys::{Dek, WrappedDek};
 use serde_json::json;
 
 use super::{Clients, req};
@@ -32,8 +32,9 @@ pub async fn rotate_key(
     t: Duration,
 ) -> Result<Report, CliError> {
     let secrets = c.secrets.to_map();
-    let kek = kek_from_secret(|k| secrets.get(k).map(String::as_str))
-        .map_err(|e| CliError::Local(format!("--secrets: {e}")))?;
+    let kek =
+        moor_runtime::keys::source::KeySource::for_rotation(|k| secrets.get(k).map(String::as_str))
+            .map_err(|e| CliError::Local(format!("--secrets: {e}")))?;
     if let Some(controller) = &a.controller {
         return rotate_through(c, a, controller, t).await;
     }
@@ -45,7 +46,7 @@ pub async fn rotate_key(
         }
         None => {
             let made = Dek::generate()
-                .and_then(|d| d.wrap(&kek, &a.volume))
+                .and_then(|d| kek.wrap(&d, &a.volume))
                 .map_err(|e| CliError::Local(e.to_string()))?;
             eprintln!(
                 "the new data key of volume {}, wrapped (keep it: run again with --new-dek \
@@ -102,6 +103,7 @@ async fn rotate_through(
             keys::BeginVolumeKeyRotationRequest {
                 volume_id: a.volume.clone(),
                 secrets: secrets.clone(),
+                if_rotations: None,
             },
             t,
         ))

@@ -122,8 +122,9 @@ pub struct ExpandKey {
 pub struct RotateDek {
     /// Volume id.
     pub volume_id: String,
-    /// The key-encryption key that unwraps both keys (its `Debug` shows only its id).
-    pub kek: std::sync::Arc<moor_runtime::keys::Kek>,
+    /// The key-encryption key's source that unwraps both keys (a Secret's KEK or a KMIP
+    /// server; its `Debug` shows no key).
+    pub kek: std::sync::Arc<moor_runtime::keys::source::KeySource>,
     /// The volume's data key now, wrapped: what the controller's record holds.
     pub old_wrapped: moor_runtime::keys::WrappedDek,
     /// The data key replacing it, wrapped: written into the controller's record as the

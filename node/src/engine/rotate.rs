@@ -124,7 +124,7 @@ impl<O: Os> Engine<O> {
                      a rotation leaves them: a wrong old key, or slots moor did not write; \
                      nothing was changed",
                     device.display(),
-                    req.kek.id()
+                    req.kek.kek_id()
                 )));
             }
         };
@@ -174,13 +174,13 @@ impl<O: Os> Engine<O> {
         crash_points::point("rotate.done");
         info!(
             volume,
-            kek = req.kek.id(),
+            kek = req.kek.kek_id(),
             steps = ran.len(),
             "the volume's data key is rotated"
         );
         Ok(RotateReport {
             ran,
-            kek_id: req.kek.id().to_owned(),
+            kek_id: req.kek.kek_id().to_owned(),
         })
     }
 

@@ -24,6 +24,13 @@ fn kek(byte: u8) -> Arc<Kek> {
     Arc::new(Kek::new("kek-1", &[byte; 32]).expect("kek"))
 }
 
+/// The key source of [`kek`]`(byte)`, as a rotation's request holds it.
+fn source(byte: u8) -> Arc<moor_runtime::keys::source::KeySource> {
+    Arc::new(moor_runtime::keys::source::KeySource::Secret(
+        Kek::new("kek-1", &[byte; 32]).expect("kek"),
+    ))
+}
+
 /// A staged encrypted volume, its old keys, a new data key and the request that rotates to it.
 struct Rotation {
     h: Harness,
@@ -42,7 +49,7 @@ async fn staged() -> Rotation {
         volume_id: VOL.to_owned(),
         old_wrapped: WrappedDek::decode(&old.wrapped).expect("old"),
         new_wrapped: new.wrap(&kek, VOL).expect("wrap"),
-        kek,
+        kek: source(7),
         pbkdf: "pbkdf2".to_owned(),
     };
     Rotation { h, old, new, req }
@@ -271,7 +278,7 @@ async fn a_wrong_old_key_or_kek_is_refused_and_touches_nothing() {
     assert_eq!(crypt_record(&r.h).wrapped_dek, Some(r.old.wrapped.clone()));
     // A KEK under the same id with other bytes unwraps neither key.
     let impostor = RotateDek {
-        kek: self::kek(8),
+        kek: source(8),
         ..r.req.clone()
     };
     let e = r.h.engine.rotate_dek(&impostor).expect_err("a wrong KEK");

@@ -379,6 +379,7 @@ pub fn secret_entries(id: &str, bytes: &[u8]) -> [(String, String); 2] {
 }
 
 pub mod kmip;
+pub mod schedule;
 pub mod source;
 pub mod tpm2;
 

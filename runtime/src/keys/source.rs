@@ -43,6 +43,18 @@ impl KeySource {
         }
     }
 
+    /// The source a data key rotation's secrets configure (`moorctl rotate-key`, the node's
+    /// scheduled rotation): a KMIP server when they name one (`KMIP_ENDPOINT`), else the
+    /// Secret's KEK (`kek`, `kekID`).
+    pub fn for_rotation<'a>(get: impl Fn(&str) -> Option<&'a str>) -> Result<Self> {
+        let kms = if get(KMIP_ENDPOINT_KEY).is_some() {
+            KMS_KMIP
+        } else {
+            KMS_SECRET
+        };
+        Self::from_secrets(kms, get)
+    }
+
     /// Whether wrapping and unwrapping ask a server over the network (and so block: an async
     /// caller runs them on a blocking thread).
     #[must_use]
