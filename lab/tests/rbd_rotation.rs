@@ -268,6 +268,17 @@ fn a_data_key_rotation_keeps_its_record_in_the_image_metadata_through_controller
             .await
             .expect("FinishVolumeKeyRotation again");
         assert_eq!(meta(&w, &image, CURRENT_META).as_ref(), Some(&pending));
+        // The scheduler's guard and clock live in the image too, through the restart: one
+        // rotation counted (not two: Finish run again changed nothing), its time recorded.
+        let state = k
+            .get_volume_key_rotation(keys::GetVolumeKeyRotationRequest {
+                volume_id: id.clone(),
+            })
+            .await
+            .expect("GetVolumeKeyRotation")
+            .into_inner();
+        assert_eq!(state.rotations, 1, "{state:?}");
+        assert_ne!(state.current_since_unix, 0, "{state:?}");
 
         // A promotion cut between its two writes (the current key written, the pending one
         // not yet removed) reads as done: the node gets one key, a new rotation begins anew.
