@@ -61,12 +61,11 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(if quick() { 10 } else { 100 });
     let hostpath = HostPath::install(&cluster, &program);
-    let reference = run(&cluster, "hostpath", HOSTPATH_CLASS, n);
+    let (reference, ()) = run(&cluster, "hostpath", HOSTPATH_CLASS, n, || ());
     report("hostpath", n, &reference);
     drop(hostpath);
     let before = moor_call_seconds();
-    let moor = run(&cluster, "moor", MOOR_CLASS, n);
-    let after = moor_call_seconds();
+    let (moor, after) = run(&cluster, "moor", MOOR_CLASS, n, moor_call_seconds);
     report("moor", n, &moor);
     let mut calls = 0.0;
     for (method, s) in &after {
@@ -100,9 +99,16 @@ fn report(who: &str, n: usize, times: &[Duration]) {
 }
 
 /// N claims of `class` and N pods using them, applied at once in a namespace of their own;
-/// each pod's time from the apply to the first poll that saw it Running. Everything is gone
-/// (pods, claims, their volumes) when it returns.
-fn run(c: &Cluster, who: &str, class: &str, n: usize) -> Vec<Duration> {
+/// each pod's time from the apply to the first poll that saw it Running, and what `at_running`
+/// found once all were (before the teardown). Everything is gone (pods, claims, their
+/// volumes) when it returns.
+fn run<T>(
+    c: &Cluster,
+    who: &str,
+    class: &str,
+    n: usize,
+    at_running: impl FnOnce() -> T,
+) -> (Vec<Duration>, T) {
     let ns = c.namespace(&format!("bench-pods-{who}"));
     let mut yaml = String::new();
     for i in 0..n {
@@ -136,9 +142,10 @@ fn run(c: &Cluster, who: &str, class: &str, n: usize) -> Vec<Duration> {
         },
         || c.describe(&ns.name, "pods"),
     );
+    let found = at_running();
     let times = running.into_values().collect();
     clear(c, &ns, class);
-    times
+    (times, found)
 }
 
 /// Deletes the namespace's pods and claims and waits until the class has no volume left.
@@ -159,7 +166,8 @@ fn clear(c: &Cluster, ns: &Namespace<'_>, class: &str) {
         &format!("every volume of the class {class} deleted"),
         DEADLINE,
         || {
-            let pvs = c.get(None, "pv")?;
+            // kubectl prints nothing at all when there is no volume.
+            let pvs = c.get(None, "pv").unwrap_or_default();
             let left = pvs["items"]
                 .as_array()
                 .into_iter()
@@ -312,6 +320,8 @@ subjects: [{{kind: ServiceAccount, name: default, namespace: {ns}}}]
 /// busybox image, whose `mount` it execs), csi-provisioner as moor's runs on each node (but
 /// capacity), and the registrar.
 fn hostpath_pod(program: &Path, busybox: &str) -> String {
+    // A hostPath is absolute and without `..`.
+    let program = std::fs::canonicalize(program).unwrap_or_else(|_| program.to_path_buf());
     let program = program.display();
     let socket_dir = format!("/var/lib/kubelet/plugins/{HOSTPATH_DRIVER}");
     format!(
