@@ -151,7 +151,17 @@ fn run<T>(
         || c.describe(&ns.name, "pods"),
     );
     let found = at_running();
-    let times = running.into_values().collect();
+    let times: Vec<Duration> = running.into_values().collect();
+    // A straggler (the last pod past twice the median): what the cluster said meanwhile, kept
+    // in the output before the namespace and its events go.
+    let mut sorted = times.clone();
+    sorted.sort_unstable();
+    if sorted.last() > sorted.get(nearest_rank(n, 0.5)).map(|m| *m * 2).as_ref() {
+        println!(
+            "{who}: a straggler; the namespace's events:\n{}",
+            c.ok(&["-n", &ns.name, "get", "events", "--sort-by=.lastTimestamp"])
+        );
+    }
     clear(c, &ns, class);
     (times, found)
 }
