@@ -1,5 +1,5 @@
 //! The rows of the measured benches (`storm`, `restart`, `tails`, `io`, `vm_rbd_storm`,
-//! `vm_crypt`), made
+//! `vm_crypt`, `cluster_pods`), made
 //! from their sizes: the results `moor_bench::storm` writes, under the ids the benches give
 //! them.
 
@@ -8,13 +8,14 @@ use std::sync::OnceLock;
 use super::{Kind, Ratio, Row, Target};
 
 /// The benches that are measured runs, not criterion's: they take no filter.
-pub const BENCHES: [&str; 6] = [
+pub const BENCHES: [&str; 7] = [
     "storm",
     "restart",
     "tails",
     "io",
     "vm_rbd_storm",
     "vm_crypt",
+    "cluster_pods",
 ];
 
 /// A string that lives as long as the program (the rows are made once).
@@ -401,6 +402,64 @@ fn map_storm_rows(out: &mut Vec<Row>) {
     }
 }
 
+/// A hundred pods on a real Kubernetes (issue 41, point 4): N claims and N pods at once on one
+/// node, moor's local volumes against kubernetes-csi's hostpathplugin in the same run.
+fn pod_rows(out: &mut Vec<Row>) {
+    for n in [10u32, 100] {
+        let id = |who: &str, what: &str| format!("cluster_pods/{who}-{n}/{what}");
+        let r = |label: String, id: String, reference: Option<String>, target: Target| {
+            row(
+                "P",
+                label,
+                id,
+                reference,
+                Kind::Time,
+                target,
+                "cluster_pods",
+            )
+        };
+        let what = format!("{n} claims and {n} pods created at once on one node");
+        out.push(r(
+            format!("{what}, hostpathplugin: creation to every pod Running"),
+            id("hostpath", "total"),
+            None,
+            Target::Unset,
+        ));
+        out.push(r(
+            format!("{what}, moor's local volumes: creation to every pod Running, against hostpathplugin's (no slower)"),
+            id("moor", "total"),
+            Some(id("hostpath", "total")),
+            Target::AtMost(1.0),
+        ));
+        for q in ["p50", "p99"] {
+            out.push(r(
+                format!("{n} pods, hostpathplugin: a pod's {q}"),
+                id("hostpath", q),
+                None,
+                Target::Unset,
+            ));
+            out.push(r(
+                format!("{n} pods, moor: a pod's {q}, against hostpathplugin's"),
+                id("moor", q),
+                Some(id("hostpath", q)),
+                Target::Unset,
+            ));
+        }
+        out.push(r(
+            format!("{n} pods, moor: the sum of the pods' times to Running"),
+            id("moor", "pods-sum"),
+            None,
+            Target::Unset,
+        ));
+        out.push(r(
+            format!("{n} pods, moor: every call moor-node and moor-controller answered meanwhile (their /metrics), against the pods' times (≤ 5%)"),
+            id("moor", "calls"),
+            Some(id("moor", "pods-sum")),
+            Target::AtMost(0.05),
+        ));
+    }
+}
+
 /// The cost of encryption in the VM lab (issue 40, point 5): an encrypted volume against the
 /// same unencrypted one, paired rounds in one guest; throughput as time per GiB, so that the
 /// ratio is the slowdown.
@@ -476,6 +535,7 @@ pub fn rows() -> &'static [Row] {
         tails_rows(&mut out);
         map_storm_rows(&mut out);
         crypt_rows(&mut out);
+        pod_rows(&mut out);
         out
     })
 }
