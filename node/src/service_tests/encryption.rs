@@ -453,12 +453,7 @@ async fn a_failed_mount_closes_the_mapping_and_a_failed_close_at_unstage_resumes
 
 #[tokio::test]
 async fn a_fresh_luks_volume_whose_mkfs_was_cut_short_is_formatted_and_only_it() {
-    let h = harness();
-    let k = keys(7);
-    h.os.fail_tool("mkfs.ext4", 1);
-    stage_encrypted(&h, ext4(), &k)
-        .await
-        .expect_err("mkfs failed");
+    let (h, k) = first_stage_failing("mkfs.ext4", 1).await;
     // The mapping the failed stage opened is closed; the mkfs record of it dropped.
     assert!(h.os.luks_mappings().is_empty());
     let record = h.engine.journal().get("vol-1").expect("record");
@@ -782,12 +777,7 @@ async fn a_luks_header_without_a_key_slot_is_refused_failed_precondition_never_f
 /// header's UUID): made again, then opened and formatted.
 #[tokio::test]
 async fn moors_own_luks_format_cut_before_its_key_slot_is_made_again() {
-    let h = harness();
-    let k = keys(7);
-    h.os.fail_tool("cryptsetup", 137);
-    stage_encrypted(&h, ext4(), &k)
-        .await
-        .expect_err("luksFormat crashed");
+    let (h, k) = first_stage_failing("cryptsetup", 137).await;
     let uuid = h
         .engine
         .journal()
@@ -880,4 +870,16 @@ async fn a_failed_stage_leaves_a_mapping_it_found_open() {
         .await
         .expect_err("mount failed");
     assert_eq!(h.os.luks_mappings().len(), 1, "the mapping stays");
+}
+
+/// A harness whose first stage of the encrypted `vol-1` failed: `program`'s next run exited
+/// `code`. Its keys.
+async fn first_stage_failing(program: &str, code: i32) -> (Harness, Keys) {
+    let h = harness();
+    let k = keys(7);
+    h.os.fail_tool(program, code);
+    stage_encrypted(&h, ext4(), &k)
+        .await
+        .expect_err("the injected failure");
+    (h, k)
 }
