@@ -310,19 +310,20 @@ impl<O: Os> Engine<O> {
             if at.saturating_add(binary as u64) > size {
                 break;
             }
-            let mut block = vec![0; binary];
-            let n = self.os.read_device(device, at, &mut block)?;
-            let Some(len) = superblock::luks2_header_size(block.get(..n).unwrap_or_default(), at)
-            else {
+            // Aligned: read from the device itself, past its page cache (as the probe reads).
+            let mut block = sys::AlignedBuf::zeroed(binary);
+            let n = self.os.read_device(device, at, block.as_mut_slice())?;
+            let read = block.as_slice().get(..n).unwrap_or_default();
+            let Some(len) = superblock::luks2_header_size(read, at) else {
                 continue;
             };
             if at.saturating_add(len as u64) > size {
                 continue;
             }
-            let mut header = vec![0; len];
-            let n = self.os.read_device(device, at, &mut header)?;
+            let mut header = sys::AlignedBuf::zeroed(len);
+            let n = self.os.read_device(device, at, header.as_mut_slice())?;
             slots.extend(superblock::luks2_key_slots(
-                header.get(..n).unwrap_or_default(),
+                header.as_slice().get(..n).unwrap_or_default(),
             ));
         }
         Ok(!slots.is_empty() && slots.iter().all(|&n| n == 0))
