@@ -20,7 +20,7 @@ use super::{Encryption, Engine, ExpandKey, Stage};
 use crate::crash_points;
 use crate::error::{Error, Result};
 use crate::journal::{Boot, CryptRecord, Durability, Phase, VolumeRecord};
-use crate::superblock::Content;
+use crate::superblock::{self, Content};
 use crate::sys::{self, HeldDevice, Os, ToolError, ToolRun};
 
 /// cryptsetup's program name.
@@ -125,6 +125,9 @@ pub(super) struct Opened {
     pub(super) dev: HeldDevice,
     /// moor formatted the LUKS volume and has not made its filesystem yet.
     pub(super) fresh: bool,
+    /// This call opened the mapping (it was not found open): a stage that fails after it
+    /// closes it again ([`Engine::close_after_failed_stage`]).
+    pub(super) here: bool,
 }
 
 impl<O: Os> Engine<O> {
@@ -180,6 +183,7 @@ impl<O: Os> Engine<O> {
                 path: held.node.clone(),
                 dev: held,
                 fresh,
+                here: false,
             });
         }
         let content = self.probe_device(&dev.handle, dev.size)?;
@@ -189,7 +193,27 @@ impl<O: Os> Engine<O> {
             Content::Unknown { .. } if recorded_fresh.is_some() => {
                 Some(self.luks_format(record, req, enc, (path, dev), recorded_fresh)?)
             }
-            Content::Luks { uuid, .. } => recorded_fresh.filter(|r| uuid.as_ref() == Some(r)),
+            Content::Luks { uuid, .. } => {
+                let own = recorded_fresh.filter(|r| uuid.as_ref() == Some(r));
+                if !self.luks_without_key_slot(&dev.handle, dev.size)? {
+                    own
+                } else if own.is_some() {
+                    // moor's own luksFormat, cut before its key slot was written: made again.
+                    Some(self.luks_format(record, req, enc, (path, dev), own)?)
+                } else {
+                    return Err(Error::FailedPrecondition(format!(
+                        "volume {:?}: the LUKS2 header on device {} has no key slot: a \
+                         luksFormat cut short before its first key slot was written (nothing \
+                         was ever stored on the volume), and no key can open it; it is not \
+                         formatted again, since it is not blank. Delete and re-create the \
+                         volume, or, after checking that the device is this volume's and holds \
+                         nothing, wipe its header (wipefs -a) and stage again; nothing was \
+                         touched",
+                        req.volume_id,
+                        path.display()
+                    )));
+                }
+            }
             other => {
                 return Err(Error::FailedPrecondition(format!(
                     "volume {:?} is encrypted, but device {} holds {} in the clear: a volume \
@@ -250,9 +274,16 @@ impl<O: Os> Engine<O> {
             }
         };
         crash_points::point("stage.opened");
-        let held = self.os.hold_device(&mapper).map_err(Error::Sys)?;
-        self.record_crypt(record, (&name, enc), (path, dev), fresh_uuid, Phase::Done)?;
-        self.record_opened_by(record, opened_by)?;
+        let finish = || -> Result<HeldDevice> {
+            let held = self.os.hold_device(&mapper).map_err(Error::Sys)?;
+            self.record_crypt(record, (&name, enc), (path, dev), fresh_uuid, Phase::Done)?;
+            self.record_opened_by(record, opened_by)?;
+            Ok(held)
+        };
+        let held = match finish() {
+            Ok(held) => held,
+            Err(e) => return Err(self.close_after_failed_stage(&req.volume_id, e)),
+        };
         info!(
             volume = req.volume_id,
             mapping = name,
@@ -263,7 +294,75 @@ impl<O: Os> Engine<O> {
             path: held.node.clone(),
             dev: held,
             fresh,
+            here: true,
         })
+    }
+
+    /// Whether the LUKS2 header on `device` (of `size` bytes) has no key slot: every copy of
+    /// it that reads whole (the primary, a secondary) lists none in its JSON area, and at
+    /// least one does. `cryptsetup luksFormat` writes the header before its first key slot: a
+    /// luksFormat cut there leaves a header no key can ever open. `false` for a LUKS1 header
+    /// or copies that do not read whole (cryptsetup's open then says what it finds).
+    fn luks_without_key_slot(&self, device: &Path, size: u64) -> Result<bool> {
+        let mut slots = Vec::new();
+        let binary = superblock::LUKS2_BINARY_HEADER;
+        for at in superblock::luks2_header_offsets() {
+            if at.saturating_add(binary as u64) > size {
+                break;
+            }
+            // Aligned: read from the device itself, past its page cache (as the probe reads).
+            let mut block = sys::AlignedBuf::zeroed(binary);
+            let n = self.os.read_device(device, at, block.as_mut_slice())?;
+            let read = block.as_slice().get(..n).unwrap_or_default();
+            let Some(len) = superblock::luks2_header_size(read, at) else {
+                continue;
+            };
+            if at.saturating_add(len as u64) > size {
+                continue;
+            }
+            let mut header = sys::AlignedBuf::zeroed(len);
+            let n = self.os.read_device(device, at, header.as_mut_slice())?;
+            slots.extend(superblock::luks2_key_slots(
+                header.as_slice().get(..n).unwrap_or_default(),
+            ));
+        }
+        Ok(!slots.is_empty() && slots.iter().all(|&n| n == 0))
+    }
+
+    /// After a stage that opened the volume's mapping in this call failed (the opened device
+    /// holds unknown data, or mkfs, the mount or a later step failed): the mapping closed
+    /// again, journaled as an unstage's close is ([`close_mapping`](Self::close_mapping)),
+    /// since kubelet sends no NodeUnstageVolume after a final error. The first error, with
+    /// the close's when it fails too. Left open, for the retry or reconciliation, when the
+    /// journal still holds a stage (a mount that could not be undone); a fresh LUKS volume's
+    /// mkfs cut short has its `Formatting` record of the mapping dropped first (the next open
+    /// numbers the mapping anew; its fresh record makes the next stage format it).
+    pub(super) fn close_after_failed_stage(&self, volume_id: &str, e: Error) -> Error {
+        let mut record = self.record(volume_id);
+        let fresh = record.crypt.as_ref().is_some_and(|c| c.fresh);
+        let formatting = record
+            .stage
+            .as_ref()
+            .is_some_and(|s| s.phase == Phase::Formatting);
+        if fresh && formatting {
+            record.stage = None;
+            if let Err(j) = self.journal.put(&record, Durability::Power) {
+                return e.with_cleanup_failure(volume_id, "dropping the mkfs record", &j);
+            }
+        }
+        if record.stage.is_some() {
+            return e;
+        }
+        match self.close_mapping(&mut record) {
+            Ok(()) => {
+                info!(
+                    volume = volume_id,
+                    "the stage failed: the mapping it opened is closed again"
+                );
+                e
+            }
+            Err(c) => e.with_cleanup_failure(volume_id, "closing the mapping it opened", &c),
+        }
     }
 
     /// `cryptsetup luksFormat` of the held device, with the intent durable first (a fresh

@@ -137,13 +137,31 @@ impl<O: Os> Engine<O> {
         self.check_stage_record(&record, req)?;
         let (path, dev) = self.resolve_device(req)?;
         // An encrypted volume: the rest of the stage uses its open mapping.
-        let (path, dev, fresh_luks) = match &req.encryption {
+        let (path, dev, fresh_luks, opened_here) = match &req.encryption {
             Some(enc) => {
                 let opened = self.open_encrypted(&mut record, req, enc, (&path, &dev))?;
-                (opened.path, opened.dev, opened.fresh)
+                (opened.path, opened.dev, opened.fresh, opened.here)
             }
-            None => (path, dev, false),
+            None => (path, dev, false, false),
         };
+        let staged = self.stage_on(&mut record, req, (path, dev, fresh_luks), report);
+        match staged {
+            // Nothing half-done: a mapping this call opened is closed again (the device it
+            // held is released by then).
+            Err(e) if opened_here => Err(self.close_after_failed_stage(&req.volume_id, e)),
+            other => other,
+        }
+    }
+
+    /// The steps of [`stage_held`](Self::stage_held) on the volume's device, or its open
+    /// mapping, held: released when they return.
+    fn stage_on(
+        &self,
+        record: &mut VolumeRecord,
+        req: &Stage,
+        (path, dev, fresh_luks): (PathBuf, HeldDevice, bool),
+        report: &mut StageReport,
+    ) -> Result<()> {
         let st = Staging {
             req,
             path,
@@ -152,29 +170,29 @@ impl<O: Os> Engine<O> {
             boot: self.boot().stamp(),
             fresh_luks,
         };
-        let interrupted = self.check_recorded_device(&record, &st)?;
-        if self.prepare_staging_dir(&record, &st)? {
-            return self.restage(&mut record, &st, report);
+        let interrupted = self.check_recorded_device(record, &st)?;
+        if self.prepare_staging_dir(record, &st)? {
+            return self.restage(record, &st, report);
         }
         let Access::Mount { fs, options, .. } = &req.cap.access else {
             // Block: the device is verified; nothing is mounted at stage.
-            self.confirm_stage(&mut record, &st, None)?;
+            self.confirm_stage(record, &st, None)?;
             return Ok(());
         };
 
         let mut ext_head = None;
         let mut content = self.probe_device_keeping(&st.dev.handle, st.dev.size, &mut ext_head)?;
         // The recorded UUID stays only while the device shows it.
-        let mut fs_uuid = recorded_uuid(&record, &content);
+        let mut fs_uuid = recorded_uuid(record, &content);
         if st.must_format(&content, interrupted)? {
             let force = interrupted || st.fresh_luks;
-            let (uuid, took) = self.format(&mut record, &st, *fs, force)?;
+            let (uuid, took) = self.format(record, &st, *fs, force)?;
             report.mkfs = Some(took);
             report.formatted = true;
             fs_uuid = Some(uuid);
             content = self.probe_device(&st.dev.handle, st.dev.size)?;
         }
-        self.check_found(&record, &content, *fs, &st.path)?;
+        self.check_found(record, &content, *fs, &st.path)?;
         if !report.formatted && !st.attrs.read_only {
             self.check_fs(&req.volume_id, *fs, &st.dev, ext_head.as_deref(), report)?;
         }
@@ -193,9 +211,9 @@ impl<O: Os> Engine<O> {
         } else {
             Durability::Process
         };
-        self.journal.put(&record, durability)?;
-        report.mount = Some(self.mount_staged(&mut record, &st, *fs, options)?);
-        report.grown = self.finish_stage(&mut record, &st, &content, fs_uuid)?;
+        self.journal.put(record, durability)?;
+        report.mount = Some(self.mount_staged(record, &st, *fs, options)?);
+        report.grown = self.finish_stage(record, &st, &content, fs_uuid)?;
         Ok(())
     }
 

@@ -411,23 +411,28 @@ async fn a_volume_in_the_clear_is_never_encrypted_in_place() {
 }
 
 #[tokio::test]
-async fn a_crash_between_open_and_mount_and_between_unmount_and_close_resume() {
+async fn a_failed_mount_closes_the_mapping_and_a_failed_close_at_unstage_resumes() {
     let h = harness();
     let k = keys(7);
-    // The mount fails after the open: the mapping stays, recorded; the retry uses it.
+    // The mount fails after the open: the stage leaves nothing half-done (kubelet sends no
+    // NodeUnstageVolume after a final error): the mapping it opened is closed, its record
+    // gone; the retry opens it again and mounts the filesystem made before.
     h.os.fail_next("mount_fs", libc::EIO);
     stage_encrypted(&h, ext4(), &k)
         .await
         .expect_err("mount failed");
-    assert_eq!(h.os.luks_mappings().len(), 1);
-    let crypt = h.engine.journal().get("vol-1").and_then(|r| r.crypt);
-    assert_eq!(crypt.map(|c| c.phase), Some(journal::Phase::Done));
+    assert!(
+        h.os.luks_mappings().is_empty(),
+        "{:?}",
+        h.os.luks_mappings()
+    );
+    assert!(h.engine.journal().get("vol-1").is_none());
     h.os.clear_calls();
     stage_encrypted(&h, ext4(), &k).await.expect("retry");
     assert_eq!(
         tools(&h),
-        [format!("e2fsck {MAPPER}")],
-        "opened once, formatted once"
+        ["cryptsetup open".to_owned(), format!("e2fsck {MAPPER}")],
+        "opened again, formatted once"
     );
     assert_eq!(h.os.mount_depth(STAGING), 1);
     // The close fails after the unmount (busy): the unstage fails, its retry closes.
@@ -448,22 +453,23 @@ async fn a_crash_between_open_and_mount_and_between_unmount_and_close_resume() {
 
 #[tokio::test]
 async fn a_fresh_luks_volume_whose_mkfs_was_cut_short_is_formatted_and_only_it() {
-    let h = harness();
-    let k = keys(7);
-    h.os.fail_tool("mkfs.ext4", 1);
-    stage_encrypted(&h, ext4(), &k)
-        .await
-        .expect_err("mkfs failed");
-    // What the mapping of a fresh LUKS volume holds: noise (zeros decrypt to it).
-    h.os.write_device(MAPPER, 1_000_000, &[0xAB; 16]);
-    let crypt = h.engine.journal().get("vol-1").and_then(|r| r.crypt);
+    let (h, k) = first_stage_failing("mkfs.ext4", 1).await;
+    // The mapping the failed stage opened is closed; the mkfs record of it dropped.
+    assert!(h.os.luks_mappings().is_empty());
+    let record = h.engine.journal().get("vol-1").expect("record");
+    assert!(record.stage.is_none(), "{:?}", record.stage);
     assert!(
-        crypt.is_some_and(|c| c.fresh),
+        record.crypt.is_some_and(|c| c.fresh),
         "the fresh LUKS volume is recorded"
     );
+    // What the mapping of a fresh LUKS volume holds: noise (zeros decrypt to it).
+    write_through_mapping(&h, &k, 1_000_000, &[0xAB; 16]);
     h.os.clear_calls();
     stage_encrypted(&h, ext4(), &k).await.expect("retry");
-    assert_eq!(tools(&h), [format!("mkfs.ext4 {MAPPER}")]);
+    assert_eq!(
+        tools(&h),
+        ["cryptsetup open".to_owned(), format!("mkfs.ext4 {MAPPER}")]
+    );
     let record = h.engine.journal().get("vol-1").expect("record");
     assert!(!record.crypt.expect("crypt").fresh);
     // Once made, unknown data in the mapping is never formatted.
@@ -685,4 +691,195 @@ async fn an_encrypted_rbd_volume_opens_on_its_mapped_image_and_closes_before_the
     assert!(h.os.luks_mappings().is_empty());
     assert_eq!(unmapped(&r), 1);
     assert!(h.engine.journal().get("vol-1").is_none(), "nothing left");
+}
+
+/// Writes `bytes` at `offset` of what the LUKS volume on the harness's device holds, through a
+/// mapping opened and closed by hand (as another tool would).
+fn write_through_mapping(h: &Harness, k: &Keys, offset: u64, bytes: &[u8]) {
+    use crate::sys::ToolRun;
+    let run = |args: &[&str]| ToolRun {
+        program: "cryptsetup".to_owned(),
+        args: args.iter().map(|&a| a.to_owned()).collect(),
+        deadline: std::time::Duration::from_secs(60),
+    };
+    h.os.run_tool_with_key(
+        &run(&["open", "--type", "luks2", "--key-file=-", DEV, "by-hand"]),
+        k.dek.expose(),
+    )
+    .expect("open by hand");
+    h.os.write_device("/dev/mapper/by-hand", offset, bytes);
+    h.os.run_tool(&run(&["close", "by-hand"]))
+        .expect("close by hand");
+}
+
+/// Nothing the stage opened is left: no mapping, no mount, no record of the volume (or only
+/// a fresh LUKS volume's, closed, when `fresh`).
+fn nothing_left(h: &Harness, fresh: bool) {
+    assert!(
+        h.os.luks_mappings().is_empty(),
+        "{:?}",
+        h.os.luks_mappings()
+    );
+    assert_eq!(h.os.mount_depth(STAGING), 0);
+    let record = h.engine.journal().get("vol-1");
+    if fresh {
+        let record = record.expect("the fresh LUKS volume's record");
+        assert!(record.stage.is_none(), "{:?}", record.stage);
+        let crypt = record.crypt.expect("crypt");
+        assert!(crypt.fresh);
+        assert_eq!(crypt.phase, journal::Phase::InProgress, "closed");
+    } else {
+        assert!(record.is_none(), "{record:?}");
+    }
+}
+
+/// A LUKS2 header with no key slot (a first stage's luksFormat cut before its key slot, with
+/// the node's journal lost): FAILED_PRECONDITION saying so and what to do, nothing opened,
+/// and never formatted (the blank proof sees the header), encrypted or not, on every retry.
+#[tokio::test]
+async fn a_luks_header_without_a_key_slot_is_refused_failed_precondition_never_formatted() {
+    let h = harness();
+    let k = keys(7);
+    h.os.luks_format_without_key_slot(DEV, "6d6f6f72-0000-4000-8000-000000000040");
+    for _ in 0..2 {
+        let s = stage_encrypted(&h, ext4(), &k).await.expect_err("refused");
+        assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+        for words in [
+            "no key slot",
+            "cut short",
+            "re-create the volume",
+            "not blank",
+        ] {
+            assert!(s.message().contains(words), "{words}: {}", s.message());
+        }
+        no_secret_in(s.message(), &k);
+        assert!(tools(&h).is_empty(), "{:?}", tools(&h));
+        nothing_left(&h, false);
+    }
+    // The blank proof refuses it.
+    let size = h.os.block_device(Path::new(DEV)).expect("device").size;
+    let content = h.engine.probe_device(Path::new(DEV), size).expect("probe");
+    assert!(
+        matches!(content, crate::superblock::Content::Luks { .. }),
+        "{content:?}"
+    );
+    let s = h
+        .svc
+        .node_stage_volume(Request::new(stage_req(ext4())))
+        .await
+        .expect_err("not blank");
+    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+    assert!(tools(&h).is_empty(), "nothing formatted: {:?}", tools(&h));
+    assert!(h.os.luks_slots(DEV).is_empty());
+}
+
+/// moor's own luksFormat cut before its key slot (its journal's fresh record names the
+/// header's UUID): made again, then opened and formatted.
+#[tokio::test]
+async fn moors_own_luks_format_cut_before_its_key_slot_is_made_again() {
+    let (h, k) = first_stage_failing("cryptsetup", 137).await;
+    let uuid = h
+        .engine
+        .journal()
+        .get("vol-1")
+        .and_then(|r| r.crypt)
+        .and_then(|c| c.luks_uuid)
+        .expect("the fresh record's UUID");
+    h.os.luks_format_without_key_slot(DEV, &uuid);
+    h.os.clear_calls();
+    stage_encrypted(&h, ext4(), &k).await.expect("resumed");
+    assert_eq!(
+        tools(&h),
+        [
+            "cryptsetup luksFormat",
+            "cryptsetup open",
+            &format!("mkfs.ext4 {MAPPER}"),
+        ]
+    );
+    assert!(h.os.luks_opens_with(DEV, k.dek.expose()));
+}
+
+/// A stage that opened the mapping and failed afterwards closes it, whatever step failed,
+/// and journals the close; its retry fails the same way and leaks nothing either.
+#[tokio::test]
+async fn a_stage_failing_after_its_open_closes_the_mapping_at_every_step() {
+    // The first stage: luksFormat, open, then a step fails.
+    // A fresh LUKS volume's record stays (closed) while its filesystem is not made.
+    for (step, fresh) in [("mkfs", true), ("mount", false)] {
+        let h = harness();
+        let k = keys(7);
+        for _ in 0..2 {
+            if step == "mkfs" {
+                h.os.fail_tool("mkfs.ext4", 1);
+            } else {
+                h.os.fail_next("mount_fs", libc::EIO);
+            }
+            stage_encrypted(&h, ext4(), &k).await.expect_err(step);
+            nothing_left(&h, fresh);
+        }
+        stage_encrypted(&h, ext4(), &k)
+            .await
+            .expect("then it stages");
+        assert_eq!(h.os.mount_depth(STAGING), 1, "{step}");
+    }
+    // A later stage (the filesystem made): the check fails, or the mapping holds unknown data
+    // (a complete LUKS header over a data area mkfs never finished).
+    for step in ["e2fsck", "unknown data"] {
+        let h = harness();
+        let k = keys(7);
+        stage_encrypted(&h, ext4(), &k).await.expect("stage");
+        h.svc
+            .node_unstage_volume(Request::new(unstage_req()))
+            .await
+            .expect("unstage");
+        if step == "unknown data" {
+            write_through_mapping(&h, &k, 0, &[0x5A; 8192]);
+            for (offset, bytes) in superblock("ext4") {
+                write_through_mapping(&h, &k, offset, &vec![0x5A; bytes.len()]);
+            }
+        }
+        for _ in 0..2 {
+            if step == "e2fsck" {
+                h.os.fail_tool("e2fsck", 4);
+            }
+            h.os.clear_calls();
+            let s = stage_encrypted(&h, ext4(), &k).await.expect_err(step);
+            if step == "unknown data" {
+                assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+                assert!(s.message().contains("unknown data at offset 0"), "{s:?}");
+                assert!(
+                    !tools(&h).iter().any(|t| t.starts_with("mkfs")),
+                    "never formatted: {:?}",
+                    tools(&h)
+                );
+            }
+            nothing_left(&h, false);
+        }
+    }
+}
+
+/// A failed stage that found the mapping open (an earlier stage's, in use) leaves it.
+#[tokio::test]
+async fn a_failed_stage_leaves_a_mapping_it_found_open() {
+    let h = harness();
+    let k = keys(7);
+    stage_encrypted(&h, ext4(), &k).await.expect("stage");
+    h.os.fail_next("mount_fs", libc::EIO);
+    h.os.unmount(Path::new(STAGING), false).expect("unmount");
+    stage_encrypted(&h, ext4(), &k)
+        .await
+        .expect_err("mount failed");
+    assert_eq!(h.os.luks_mappings().len(), 1, "the mapping stays");
+}
+
+/// A harness whose first stage of the encrypted `vol-1` failed: `program`'s next run exited
+/// `code`. Its keys.
+async fn first_stage_failing(program: &str, code: i32) -> (Harness, Keys) {
+    let h = harness();
+    let k = keys(7);
+    h.os.fail_tool(program, code);
+    stage_encrypted(&h, ext4(), &k)
+        .await
+        .expect_err("the injected failure");
+    (h, k)
 }

@@ -487,6 +487,50 @@ pub const FAR_OFFSETS: [u64; 3] = [0x10_0000, 0x20_0000, 0x40_0000];
 /// holds a secondary header's magic and version and can be read with O_DIRECT.
 pub const FAR_LEN: usize = 4096;
 
+/// Where a LUKS2 header copy may start: the primary header at 0, a secondary one at the
+/// primary's `hdr_size` (one of [`LUKS2_SECONDARY_OFFSETS`]).
+#[must_use]
+pub fn luks2_header_offsets() -> Vec<u64> {
+    std::iter::once(0)
+        .chain(LUKS2_SECONDARY_OFFSETS.iter().map(|&o| len_u64_of(o)))
+        .collect()
+}
+
+/// How many bytes a LUKS2 header copy's binary header takes: its JSON area follows.
+pub const LUKS2_BINARY_HEADER: usize = 4096;
+
+/// The size (`hdr_size`: the binary header and its JSON area) of the LUKS2 header copy whose
+/// first [`LUKS2_BINARY_HEADER`] bytes are `block`, read at device offset `at`: a primary
+/// header (its magic, at 0) or a secondary one (its magic, at its own `hdr_size`), of version
+/// 2 and a size the format allows. `None` for anything else.
+#[must_use]
+pub fn luks2_header_size(block: &[u8], at: u64) -> Option<usize> {
+    let magic = if at == 0 {
+        LUKS_MAGIC
+    } else {
+        LUKS2_SECONDARY_MAGIC
+    };
+    if !has_magic(block, 0, magic) || be16(block, 6)? != 2 {
+        return None;
+    }
+    let size = usize::try_from(be64(block, 8)?).ok()?;
+    let allowed = LUKS2_SECONDARY_OFFSETS.contains(&size);
+    (allowed && (at == 0 || at == len_u64_of(size))).then_some(size)
+}
+
+/// How many key slots the LUKS2 header copy `header` (its `hdr_size` bytes, from
+/// [`luks2_header_size`]) has: the members of the `keyslots` object of its JSON area.
+/// `None` when the JSON area does not parse or has no such object (a copy torn or being
+/// written: what cryptsetup would not use either). A copy with 0 is a header no key can
+/// open: `cryptsetup luksFormat` writes the header before its first key slot.
+#[must_use]
+pub fn luks2_key_slots(header: &[u8]) -> Option<usize> {
+    let area = header.get(LUKS2_BINARY_HEADER..)?;
+    let json = area.split(|&b| b == 0).next().unwrap_or_default();
+    let value: serde_json::Value = serde_json::from_slice(json).ok()?;
+    value.get("keyslots")?.as_object().map(serde_json::Map::len)
+}
+
 /// Where a LUKS header (LUKS1, and either LUKS2 header alike) holds its UUID: 40 bytes of
 /// NUL-padded text.
 const LUKS_UUID: usize = 168;

@@ -185,6 +185,26 @@ impl FakeOs {
             .is_some_and(|l| l.opens(key))
     }
 
+    /// Makes `device` a LUKS2 volume whose header has no key slot yet, of UUID `uuid`: what
+    /// `cryptsetup luksFormat` leaves when it is cut before its first key slot.
+    pub fn luks_format_without_key_slot(&self, device: impl AsRef<Path>, uuid: &str) {
+        let device = device.as_ref().to_path_buf();
+        let mut st = self.lock();
+        let Some(d) = st.devices.get_mut(&device) else {
+            return;
+        };
+        d.data.clear();
+        d.data
+            .insert(0, fake_luks2_header(Some(uuid), std::iter::empty()));
+        st.luks.insert(
+            device,
+            FakeLuks {
+                slots: BTreeMap::new(),
+                data: BTreeMap::new(),
+            },
+        );
+    }
+
     /// The key slots of the LUKS volume on `device` and the key each opens with.
     pub fn luks_slots(&self, device: impl AsRef<Path>) -> BTreeMap<u32, Vec<u8>> {
         self.lock()
@@ -1014,6 +1034,46 @@ fn tool_failed(run: &ToolRun, code: i32, stderr: &str) -> ToolError {
     }
 }
 
+/// The fake's LUKS2 primary header (16 KiB, `hdr_size`): magic, version, size, the UUID
+/// `uuid`, and a JSON area whose `keyslots` lists `slots`.
+fn fake_luks2_header<'a>(uuid: Option<&str>, slots: impl Iterator<Item = &'a u32>) -> Vec<u8> {
+    let mut header = vec![0u8; 16 << 10];
+    header[..6].copy_from_slice(b"LUKS\xba\xbe");
+    header[7] = 2;
+    header[8..16].copy_from_slice(&(16u64 << 10).to_be_bytes());
+    if let Some(uuid) = uuid {
+        let n = uuid.len().min(39);
+        header[168..168 + n].copy_from_slice(&uuid.as_bytes()[..n]);
+    }
+    let slots: Vec<String> = slots
+        .map(|s| format!("\"{s}\":{{\"type\":\"luks2\"}}"))
+        .collect();
+    let json = format!(
+        "{{\"keyslots\":{{{}}},\"tokens\":{{}},\"segments\":{{}},\"digests\":{{}},\
+         \"config\":{{}}}}",
+        slots.join(",")
+    );
+    header[4096..4096 + json.len()].copy_from_slice(json.as_bytes());
+    header
+}
+
+/// The fake LUKS2 header on `device` rewritten to list its volume's key slots now.
+fn rewrite_fake_luks2_slots(st: &mut State, device: &Path) {
+    let Some(luks) = st.luks.get(device) else {
+        return;
+    };
+    let Some(d) = st.devices.get_mut(device) else {
+        return;
+    };
+    let uuid = d
+        .data
+        .get(&0)
+        .and_then(|h| h.get(168..208))
+        .map(|u| String::from_utf8_lossy(u).trim_end_matches('\0').to_owned());
+    d.data
+        .insert(0, fake_luks2_header(uuid.as_deref(), luks.slots.keys()));
+}
+
 /// Where a mapping named `name` appears.
 fn mapper_path(name: &str) -> PathBuf {
     Path::new("/dev/mapper").join(name)
@@ -1044,19 +1104,16 @@ fn cryptsetup(st: &mut State, run: &ToolRun, key: Option<&[u8]>) -> Result<(), T
             let Some(d) = st.devices.get_mut(&device) else {
                 return Err(tool_failed(run, 4, "no such device"));
             };
-            let mut header = vec![0u8; 168 + 40];
-            header[..6].copy_from_slice(b"LUKS\xba\xbe");
-            header[7] = 2;
-            if let Some(uuid) = arg_after("--uuid") {
-                let n = uuid.len().min(39);
-                header[168..168 + n].copy_from_slice(&uuid.as_bytes()[..n]);
-            }
+            let slots = BTreeMap::from([(0, key.to_vec())]);
             d.data.clear();
-            d.data.insert(0, header);
+            d.data.insert(
+                0,
+                fake_luks2_header(arg_after("--uuid").as_deref(), slots.keys()),
+            );
             st.luks.insert(
                 device,
                 FakeLuks {
-                    slots: BTreeMap::from([(0, key.to_vec())]),
+                    slots,
                     data: BTreeMap::new(),
                 },
             );
@@ -1124,6 +1181,7 @@ fn cryptsetup(st: &mut State, run: &ToolRun, key: Option<&[u8]>) -> Result<(), T
                 ));
             }
             luks.slots.insert(slot, new.to_vec());
+            rewrite_fake_luks2_slots(st, &device);
             Ok(())
         }
         Some("luksKillSlot") => {
@@ -1156,6 +1214,7 @@ fn cryptsetup(st: &mut State, run: &ToolRun, key: Option<&[u8]>) -> Result<(), T
                 ));
             }
             luks.slots.remove(&slot);
+            rewrite_fake_luks2_slots(st, &device);
             Ok(())
         }
         Some("open") => {
@@ -1163,6 +1222,9 @@ fn cryptsetup(st: &mut State, run: &ToolRun, key: Option<&[u8]>) -> Result<(), T
             let Some(luks) = st.luks.get(&device) else {
                 return Err(tool_failed(run, 1, "not a valid LUKS device"));
             };
+            if luks.slots.is_empty() {
+                return Err(tool_failed(run, 1, "No usable keyslot is available."));
+            }
             if !key_on_stdin || !key.is_some_and(|k| luks.opens(k)) {
                 return Err(tool_failed(
                     run,

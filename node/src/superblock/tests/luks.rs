@@ -123,3 +123,57 @@ fn real_luks2_at_every_metadata_size_also_with_its_primary_header_wiped() {
         );
     }
 }
+
+/// The key slots of each LUKS2 header copy on `path`: the primary's and the secondary's, as
+/// the stage reads them.
+fn key_slots_of_copies(path: &Path) -> Vec<Option<usize>> {
+    let mut file = File::open(path).expect("open image");
+    luks2_header_offsets()
+        .into_iter()
+        .filter_map(|at| {
+            let mut block = vec![0; LUKS2_BINARY_HEADER];
+            file.seek(SeekFrom::Start(at)).expect("seek");
+            file.read_exact(&mut block).expect("read header block");
+            let len = luks2_header_size(&block, at)?;
+            let mut header = vec![0; len];
+            file.seek(SeekFrom::Start(at)).expect("seek");
+            file.read_exact(&mut header).expect("read header");
+            Some(luks2_key_slots(&header))
+        })
+        .collect()
+}
+
+#[test]
+fn real_luks2_header_key_slots_are_read_from_both_copies_also_when_there_are_none() {
+    let args = ["--type", "luks2", "--pbkdf", "pbkdf2"];
+    let Some(image) = luks_format("luks2-slots", &args) else {
+        return;
+    };
+    assert_eq!(key_slots_of_copies(&image.0), [Some(1), Some(1)]);
+    // Its last key slot killed: what a luksFormat cut before its key slot leaves.
+    let out = Command::new(tool("cryptsetup").expect("cryptsetup"))
+        .args(["luksKillSlot", "--batch-mode"])
+        .arg(&image.0)
+        .arg("0")
+        .output()
+        .expect("run cryptsetup");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(key_slots_of_copies(&image.0), [Some(0), Some(0)]);
+    // A JSON area torn: unknown, never "no key slot".
+    let mut torn = vec![0; 0x4000];
+    File::open(&image.0)
+        .expect("open")
+        .read_exact(&mut torn)
+        .expect("read");
+    torn[LUKS2_BINARY_HEADER + 20] = b'\xff';
+    assert_eq!(luks2_key_slots(&torn), None);
+    // A LUKS1 header has no LUKS2 copies.
+    let Some(luks1) = luks_format("luks1-slots", &["--type", "luks1"]) else {
+        return;
+    };
+    assert!(key_slots_of_copies(&luks1.0).is_empty());
+}
