@@ -23,7 +23,8 @@
 //!   endpoint binds loopback and the probe targets 127.0.0.1;
 //! - the node plugin: kubelet dir mounted at its own path with Bidirectional propagation, the
 //!   socket in `<kubelet dir>/plugins/<driver>/`, state kept on the host, exactly one way of
-//!   registering with kubelet, the right registration path;
+//!   registering with kubelet, the right registration path; `--key-rotation-secrets` a
+//!   Secret's volume mounted read-only, with a controller to ask;
 //! - the controller: one replica, Recreate, pinned to a node (a Deployment) or `--node-local`
 //!   beside moor-node `--local-controller` (a DaemonSet); data dir, /dev and the kubelet's
 //!   mounts (HostToContainer) from the host;
@@ -46,7 +47,7 @@ use crate::kustomize::{Resource, meta};
 
 use self::pods::{DriverFact, workload};
 use self::rbac::rbac;
-pub use self::rbac::{CONTROLLER_NEEDS, LEASES, MARK_NEEDS, NODE_NEEDS, Need};
+pub use self::rbac::{CONTROLLER_NEEDS, KEY_ROTATION_NEEDS, LEASES, MARK_NEEDS, NODE_NEEDS, Need};
 pub use self::sidecars::{REGISTRAR, REGISTRAR_DEFAULT_DIR, SIDECARS, Sidecar};
 
 /// Kinds the checks know, and whether they are namespaced.

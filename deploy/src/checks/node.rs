@@ -1,5 +1,5 @@
 //! The node plugin's pod: the kubelet dir, the socket, the state dir, the host's /dev, /sys and
-//! cgroups, and exactly one way of registering with the kubelet.
+//! cgroups, exactly one way of registering with the kubelet, and the key rotation's Secret.
 
 use serde_json::Value;
 
@@ -61,6 +61,7 @@ pub(super) fn node_pod(
              QoS limits go in its pod's cgroup there"
         ));
     }
+    key_rotation(pod, c, flag, p);
     let registry = format!("{kubelet}/plugins_registry");
     let registrars: Vec<&Value> = pod
         .containers
@@ -110,5 +111,47 @@ pub(super) fn node_pod(
              exclude each other"
                 .into(),
         ),
+    }
+}
+
+/// `--key-rotation-secrets`: the key source's fields from a Secret, mounted read-only at the
+/// dir (optional or not: moor-node reads it at each rotation, not at its start), and a
+/// controller to ask (`--key-rotation-controller`, else `--local-controller`'s), without which
+/// moor-node refuses to start.
+fn key_rotation(
+    pod: &Pod<'_>,
+    c: &Value,
+    flag: &dyn Fn(&str) -> Option<String>,
+    p: &mut Vec<String>,
+) {
+    let Some(dir) = flag("key-rotation-secrets") else {
+        return;
+    };
+    match pod.mount(c, &dir) {
+        Some((v, m)) => {
+            if v.pointer("/secret/secretName")
+                .and_then(Value::as_str)
+                .is_none()
+            {
+                p.push(format!(
+                    "--key-rotation-secrets={dir} must be a Secret's volume: it holds the KEK"
+                ));
+            }
+            if m.get("readOnly") != Some(&Value::Bool(true)) {
+                p.push(format!(
+                    "--key-rotation-secrets={dir}: mount the Secret readOnly: true"
+                ));
+            }
+        }
+        None => p.push(format!(
+            "--key-rotation-secrets={dir} is not mounted: every rotation would fail its pass"
+        )),
+    }
+    if flag("key-rotation-controller").is_none() && flag("local-controller").is_none() {
+        p.push(
+            "--key-rotation-secrets needs --key-rotation-controller or --local-controller: \
+             moor-node refuses to start without a controller to ask"
+                .into(),
+        );
     }
 }

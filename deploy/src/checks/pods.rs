@@ -9,7 +9,7 @@ use serde_json::Value;
 use super::controller::{controller_pod, node_local_controller_pod};
 use super::node::node_pod;
 use super::probes::probes;
-use super::rbac::{CONTROLLER_NEEDS, LEASES, MARK_NEEDS, NODE_NEEDS, Need};
+use super::rbac::{CONTROLLER_NEEDS, KEY_ROTATION_NEEDS, LEASES, MARK_NEEDS, NODE_NEEDS, Need};
 use super::sidecars::{PROVISIONER, REGISTRAR, Sidecar, extra_needs, sidecar, sidecar_of};
 use super::{
     Context, arg_value, array, env_field, env_names, has_switch, image_repo, moor_binary, of_kind,
@@ -125,6 +125,9 @@ pub(super) fn workload(
             });
             if bin == "moor-controller" && has_switch(&args, "mark-snapshot-contents") {
                 sa_needs.extend_from_slice(MARK_NEEDS);
+            }
+            if bin == "moor-controller" && has_switch(&args, "key-rotation-annotations") {
+                sa_needs.extend_from_slice(KEY_ROTATION_NEEDS);
             }
         } else if let Some(s) = sidecar_of(c) {
             sidecar(c, s, &args, &mut cp);

@@ -74,6 +74,14 @@ pub const MARK_NEEDS: &[Need] = &[
     ),
 ];
 
+/// What moor-controller `--key-rotation-annotations` needs: the driver's PersistentVolumes and
+/// their claims listed, for their rotation schedule annotations (controller/src/kube.rs,
+/// `schedules_once`: a GET of each collection, nothing else).
+pub const KEY_ROTATION_NEEDS: &[Need] = &[
+    need("", "persistentvolumes", &["list"]),
+    need("", "persistentvolumeclaims", &["list"]),
+];
+
 /// A permission triple granted or needed, with its scope (`None`: cluster-wide).
 type Grant = (Option<String>, String, String, String);
 

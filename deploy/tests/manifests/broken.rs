@@ -309,7 +309,17 @@ fn checks_catch_broken_manifests() {
 
 /// Breaks the every-node overlay one way and expects the checks to say so.
 fn expect_distributed_problem(what: &str, change: impl FnOnce(&mut Vec<Resource>), want: &str) {
-    let mut res = render(&deploy_dir().join("overlays/distributed"));
+    expect_overlay_problem("distributed", what, change, want);
+}
+
+/// Breaks `overlay` (which passes as it is) one way and expects the checks to say so.
+fn expect_overlay_problem(
+    overlay: &str,
+    what: &str,
+    change: impl FnOnce(&mut Vec<Resource>),
+    want: &str,
+) {
+    let mut res = render(&deploy_dir().join("overlays").join(overlay));
     assert!(
         checks::check_all(&res, ctx()).is_empty(),
         "the overlay itself passes"
@@ -403,13 +413,7 @@ fn checks_catch_broken_every_node_manifests() {
     );
     expect_distributed_problem(
         "a controller blind to the kubelet's mounts",
-        |r| {
-            let c = local_container(r, "moor-controller");
-            c["volumeMounts"]
-                .as_array_mut()
-                .unwrap()
-                .retain(|m| m["name"] != "kubelet-dir");
-        },
+        |r| drop_mount(local_container(r, "moor-controller"), "kubelet-dir"),
         "moor-controller must see the kubelet's mounts",
     );
     expect_distributed_problem(
@@ -430,5 +434,108 @@ fn checks_catch_broken_every_node_manifests() {
                 json!("--http-endpoint=127.0.0.1:9808");
         },
         "both take port 9808 of the host's network",
+    );
+}
+
+/// Breaks the key rotation overlay one way and expects the checks to say so.
+fn expect_rotation_problem(what: &str, change: impl FnOnce(&mut Vec<Resource>), want: &str) {
+    expect_overlay_problem("key-rotation", what, change, want);
+}
+
+fn drop_mount(c: &mut Value, volume: &str) {
+    c["volumeMounts"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|m| m["name"] != volume);
+}
+
+/// The element of a list named `name` (a volume, a mount).
+fn named<'a>(list: &'a mut Value, name: &str) -> &'a mut Value {
+    list.as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|x| x["name"] == name)
+        .unwrap_or_else(|| panic!("no {name}"))
+}
+
+/// moor-local without its sidecars: what the moor daemons alone need.
+fn only_moor_containers(r: &mut [Resource]) {
+    let ds = find_mut(r, "DaemonSet", "moor-local");
+    ds["spec"]["template"]["spec"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|c| c["name"] == "moor-node" || c["name"] == "moor-controller");
+}
+
+#[test]
+fn checks_catch_broken_key_rotation_manifests() {
+    expect_rotation_problem(
+        "the secrets dir not mounted",
+        |r| drop_mount(local_container(r, "moor-node"), "key-rotation"),
+        "--key-rotation-secrets=/etc/moor/key-rotation is not mounted",
+    );
+    expect_rotation_problem(
+        "the KEK writable",
+        |r| {
+            let mounts = &mut local_container(r, "moor-node")["volumeMounts"];
+            let m = named(mounts, "key-rotation");
+            m.as_object_mut().unwrap().remove("readOnly");
+        },
+        "mount the Secret readOnly: true",
+    );
+    expect_rotation_problem(
+        "the KEK from the host, not a Secret",
+        |r| {
+            let ds = find_mut(r, "DaemonSet", "moor-local");
+            *named(
+                &mut ds["spec"]["template"]["spec"]["volumes"],
+                "key-rotation",
+            ) = json!({"name": "key-rotation", "hostPath": {"path": "/etc/moor/key-rotation"}});
+        },
+        "must be a Secret's volume",
+    );
+    expect_rotation_problem(
+        "no controller to ask",
+        |r| {
+            let c = local_container(r, "moor-node");
+            c["args"]
+                .as_array_mut()
+                .unwrap()
+                .retain(|a| !a.as_str().unwrap().starts_with("--local-controller="));
+        },
+        "--key-rotation-secrets needs --key-rotation-controller or --local-controller",
+    );
+    // The controller's own need, not hidden by the sidecars' (which also list PVs and PVCs):
+    // with the sidecars gone and no rule on PVs or PVCs left, the annotations' list is missing.
+    expect_rotation_problem(
+        "annotations the controller may not list",
+        |r| {
+            only_moor_containers(r);
+            for role in ["moor-local", "moor-key-rotation"] {
+                find_mut(r, "ClusterRole", role)["rules"]
+                    .as_array_mut()
+                    .unwrap()
+                    .retain(|rule| {
+                        !rule["resources"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .any(|x| x == "persistentvolumes" || x == "persistentvolumeclaims")
+                    });
+            }
+        },
+        "ServiceAccount moor-system/moor-local lacks list on persistentvolumes",
+    );
+    expect_rotation_problem(
+        "the annotations' rule without the flag that needs it",
+        |r| {
+            only_moor_containers(r);
+            drop_arg(
+                local_container(r, "moor-controller"),
+                "--key-rotation-annotations",
+            );
+        },
+        "ServiceAccount moor-system/moor-local is granted list on /persistentvolumeclaims \
+         cluster-wide, which none of its containers needs",
     );
 }

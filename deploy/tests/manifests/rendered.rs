@@ -14,6 +14,7 @@ fn base_and_every_overlay_render_validate_and_check() {
             "base",
             "builtin-registration",
             "distributed",
+            "key-rotation",
             "kubernetes-1.34",
             "registrar",
             "selinux",
@@ -410,4 +411,63 @@ fn the_every_node_overlay_adds_the_local_driver_and_changes_nothing_else() {
             "--feature-gates=CSIVolumeGroupSnapshot=true"
         ])
     );
+}
+
+#[test]
+fn the_key_rotation_overlay_is_the_every_node_one_with_rotation_on() {
+    let distributed = render(&deploy_dir().join("overlays/distributed"));
+    let rotation = render(&deploy_dir().join("overlays/key-rotation"));
+    // Today's binaries run it (no coming flag).
+    let (today, _) = moor_deploy::context(false).unwrap();
+    let p = problems(&rotation, &today);
+    assert!(p.is_empty(), "{}", p.join("\n"));
+    let mut want = distributed;
+    let ds = find_mut(&mut want, "DaemonSet", "moor-local");
+    ds["spec"]["template"]["spec"]["volumes"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({
+            "name": "key-rotation",
+            "secret": {"secretName": "moor-key-rotation", "optional": true, "defaultMode": 0o400}
+        }));
+    let node = container_mut(ds, "moor-node");
+    node["args"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!("--key-rotation-secrets=/etc/moor/key-rotation"));
+    node["volumeMounts"].as_array_mut().unwrap().push(json!({
+        "name": "key-rotation",
+        "mountPath": "/etc/moor/key-rotation",
+        "readOnly": true
+    }));
+    container_mut(ds, "moor-controller")["args"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!("--key-rotation-annotations"));
+    let rules = json!([{
+        "apiGroups": [""],
+        "resources": ["persistentvolumes", "persistentvolumeclaims"],
+        "verbs": ["list"]
+    }]);
+    assert_eq!(
+        find(&rotation, "ClusterRole", "moor-key-rotation")["rules"],
+        rules
+    );
+    let binding = find(&rotation, "ClusterRoleBinding", "moor-key-rotation");
+    assert_eq!(
+        binding["subjects"],
+        json!([{"kind": "ServiceAccount", "name": "moor-local", "namespace": "moor-system"}])
+    );
+    assert_eq!(binding["roleRef"]["name"], "moor-key-rotation");
+    let docs = |r: &[Resource]| {
+        let mut d: Vec<Value> = r
+            .iter()
+            .filter(|r| meta(&r.doc, "name") != Some("moor-key-rotation"))
+            .map(|r| r.doc.clone())
+            .collect();
+        d.sort_by_key(ToString::to_string);
+        d
+    };
+    assert_eq!(docs(&rotation), docs(&want));
+    assert_eq!(rotation.len(), want.len() + 2);
 }
