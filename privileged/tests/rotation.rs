@@ -728,14 +728,28 @@ fn a_scheduled_rotation_runs_when_due_resumes_after_a_restart_and_spares_the_res
             "1",
         ],
     );
+    // The node's scheduler calls the controller on the same volumes meanwhile; a call that
+    // meets one of its calls in flight is ABORTED (the controller's per-volume guard), and a
+    // client retries it, as the scheduler does.
     let mut get = |id: &str| {
-        rt.block_on(
-            ck.get_volume_key_rotation(keys::GetVolumeKeyRotationRequest {
-                volume_id: id.to_owned(),
-            }),
-        )
-        .expect("GetVolumeKeyRotation")
-        .into_inner()
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            match rt.block_on(
+                ck.get_volume_key_rotation(keys::GetVolumeKeyRotationRequest {
+                    volume_id: id.to_owned(),
+                }),
+            ) {
+                Ok(r) => break r.into_inner(),
+                Err(e)
+                    if e.code() == tonic::Code::Aborted && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                Err(e) => {
+                    panic!("GetVolumeKeyRotation of {id} (retried while ABORTED for 60 s): {e:?}")
+                }
+            }
+        }
     };
     let mut node = rt.block_on(Daemon::start(&node_sock, &node_args));
     wait_rotations(&mut get, &often, 2);
