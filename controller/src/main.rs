@@ -95,6 +95,7 @@ const MARK_INTERVAL: Duration = Duration::from_secs(2);
 fn main() -> ExitCode {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
+    daemon::forbid_core_dumps();
     daemon::run("moor-controller", run(args))
 }
 

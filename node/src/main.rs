@@ -59,6 +59,7 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
 fn main() -> ExitCode {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
+    daemon::forbid_core_dumps();
     let workers = daemon::default_workers();
     daemon::run_on_workers("moor-node", workers, run(args))
 }

@@ -446,3 +446,45 @@ fn a_second_instance_that_waits_too_long_exits_naming_the_holder() {
     drop(rt);
     assert!(controller.terminate().success());
 }
+
+/// Both daemons hold keys at times (a data key between its unwrap and its zeroing): each turns
+/// its core dumps off at start (PR_SET_DUMPABLE 0, read back), and says so, before it serves.
+#[test]
+fn moor_node_and_moor_controller_turn_core_dumps_off_before_they_serve() {
+    let sb = Sandbox::new("no-core-dumps");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let said = "core dumps off (PR_SET_DUMPABLE 0)";
+
+    let node_log = sb.root.join("node.log");
+    let node_sock = sb.root.join("node.sock");
+    let mut node = Daemon::spawn_logged(
+        "moor-node",
+        &node_sock,
+        &sb.node_args("node-a", &[]),
+        &node_log,
+    );
+    rt.block_on(node.wait_answering());
+    let text = std::fs::read_to_string(&node_log).expect("the node's log");
+    assert!(
+        text.contains(said),
+        "{said:?} not in moor-node's log: {text}"
+    );
+
+    let data = sb.data.join("controller").display().to_string();
+    let ctl_log = sb.root.join("controller.log");
+    let ctl_sock = sb.root.join("controller.sock");
+    let args: Vec<String> = ["--node-id", "node-c", "--data-dir", data.as_str()]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    let mut controller = Daemon::spawn_logged("moor-controller", &ctl_sock, &args, &ctl_log);
+    rt.block_on(controller.wait_answering());
+    let text = std::fs::read_to_string(&ctl_log).expect("the controller's log");
+    assert!(
+        text.contains(said),
+        "{said:?} not in moor-controller's log: {text}"
+    );
+    drop(rt);
+    assert!(node.terminate().success());
+    assert!(controller.terminate().success());
+}

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use tracing::error;
+use tracing::{error, info, warn};
 
 /// Log output format.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -72,6 +72,17 @@ where
             error!(error = %e, "{name} stopped");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// No core dump of this daemon, which may hold keys ([`crate::sys::core_dumps`]): called
+/// once at start, after the logging, before anything is served. Said in the log either way.
+pub fn forbid_core_dumps() {
+    match crate::sys::core_dumps::forbid() {
+        Ok(()) => info!(
+            "core dumps off (PR_SET_DUMPABLE 0): no image of this process's memory, where keys pass, is written"
+        ),
+        Err(e) => warn!(error = %e, "core dumps could not be turned off (PR_SET_DUMPABLE)"),
     }
 }
 
