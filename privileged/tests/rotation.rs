@@ -137,6 +137,7 @@ fn world(name: &str) -> World {
             Kek::new("kek-1", &[9; 32]).expect("kek"),
         )),
         pbkdf: "pbkdf2".to_owned(),
+        tpm: moor_node::engine::NodeTpm::from_env(),
     };
     World {
         _sb: sb,
