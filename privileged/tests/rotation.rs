@@ -21,28 +21,9 @@ use moor_runtime::keys::{Dek, Kek};
 
 const VOL: &str = "vol-rot";
 
-/// `cryptsetup args...` with `input` on its stdin; its exit code.
-fn cryptsetup(args: &[&str], input: &[u8]) -> i32 {
-    moor_privileged::luks::run_cryptsetup(args, input)
-        .1
-        .unwrap_or(-1)
-}
-
 /// Whether `slot` of the header on `dev` opens with `key`.
 fn opens(dev: &Path, slot: u32, key: &Dek) -> bool {
-    let d = dev.display().to_string();
-    let s = slot.to_string();
-    cryptsetup(
-        &[
-            "open",
-            "--test-passphrase",
-            "--key-slot",
-            &s,
-            "--key-file=-",
-            &d,
-        ],
-        key.expose(),
-    ) == 0
+    moor_privileged::luks::slot_opens(dev, slot, key.expose())
 }
 
 /// Which of slots 0 to 3 open with which key.
@@ -62,45 +43,12 @@ fn slots(dev: &Path, old: &Dek, new: &Dek) -> Vec<(u32, &'static str)> {
 
 /// `luksAddKey` of `new` into `slot` opened by `opening`, by hand.
 fn add(dev: &Path, slot: u32, opening: &Dek, new: &Dek) {
-    let (d, s) = (dev.display().to_string(), slot.to_string());
-    let both = moor_runtime::keys::key_pair(opening, new);
-    let code = cryptsetup(
-        &[
-            "luksAddKey",
-            "--new-key-slot",
-            &s,
-            "--key-file=-",
-            "--keyfile-size",
-            "32",
-            "--new-keyfile-size",
-            "32",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            &d,
-            "/dev/stdin",
-        ],
-        &both,
-    );
-    assert_eq!(code, 0, "luksAddKey into slot {slot}");
+    moor_privileged::luks::add_key(dev, slot, opening.expose(), new.expose());
 }
 
 /// `luksKillSlot` of `slot`, proven by `remaining`, by hand.
 fn kill(dev: &Path, slot: u32, remaining: &Dek) {
-    let (d, s) = (dev.display().to_string(), slot.to_string());
-    let code = cryptsetup(
-        &[
-            "luksKillSlot",
-            "--key-file=-",
-            "--keyfile-size",
-            "32",
-            &d,
-            &s,
-        ],
-        remaining.expose(),
-    );
-    assert_eq!(code, 0, "luksKillSlot {slot}");
+    moor_privileged::luks::kill_slot(dev, slot, remaining.expose());
 }
 
 /// A LUKS2 volume on a fresh loop device, its slot 0 opened by a new key, as moor formats it;
@@ -151,23 +99,7 @@ fn world(name: &str) -> World {
 
 /// `dev` made LUKS2 by cryptsetup itself with `key` in slot 0.
 fn luks_format(dev: &Path, key: &Dek) {
-    let d = dev.display().to_string();
-    let code = cryptsetup(
-        &[
-            "luksFormat",
-            "--batch-mode",
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            "--key-file=-",
-            &d,
-        ],
-        key.expose(),
-    );
-    assert_eq!(code, 0, "luksFormat");
+    moor_privileged::luks::format_device(dev, key.expose());
 }
 
 /// The node journal in `state` with `volume`'s mapping open on `dev` by `wrapped`, as a stage
