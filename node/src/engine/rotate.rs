@@ -11,6 +11,10 @@
 //! 6. `KillSpare`: the spare slot emptied, cryptsetup proving first that the new key opens
 //!    another slot (the volume's).
 //!
+//! A `tpm2` volume's slots take passphrases, each data key combined with the node's TPM half
+//! ([`NodeHalf`]): the half is asked of the TPM once per call, before any step, and both keys
+//! combined with it; the journal never holds it.
+//!
 //! Both keys are journaled wrapped, to survive a power cut, before the first step, and the
 //! step before each. A rotation cut short (an error, a crash, a restart) resumes forward at
 //! the next call with the same keys: where it stands is read from the header itself (which
@@ -383,8 +387,8 @@ impl<O: Os> Engine<O> {
     /// key, and when no slot takes it, with the other keys the stage was given (the
     /// controller's pending key, the volume context's) and those the journal keeps of a
     /// rotation cut short or finished here, in that order, each unwrapped by the request's
-    /// key-encryption key: a volume staged at any instant of a rotation opens with whichever
-    /// key its header holds. The
+    /// key-encryption key (for `tpm2`, combined with the stage's node half): a volume staged
+    /// at any instant of a rotation opens with whichever key its header holds. The
     /// wrapped key that opened it when it was not the request's; the request's failure when
     /// none did.
     pub(super) fn open_with_journaled_keys(
