@@ -362,15 +362,6 @@ impl KeyCall {
     }
 }
 
-/// An encrypted volume's key: the first of the data keys `wrapped` that the key source `kms`
-/// names unwraps (its index returned), configured by `secrets`; for `tpm2`, combined with
-/// this node's TPM half (`tpm`).
-/// The one way both stage and expand get it, with the same codes. A secret without a field
-/// the source needs, or a malformed one: INVALID_ARGUMENT naming the secrets key (a required
-/// field of the request is missing). A key server or TPM that cannot be reached (or hangs
-/// past its deadline): UNAVAILABLE. A well-formed key that does not unwrap the volume's data
-/// key (another KEK, a wrapped key of another volume, a damaged one, a key server's refusal,
-/// a node without its TPM key): FAILED_PRECONDITION, naming the key's id, never a byte.
 /// What [`data_key`] got: which wrapped key unwrapped (its index), the passphrase, the source,
 /// and for `tpm2` the node half it was combined with (for the stage's other keys).
 struct DataKey {
@@ -380,6 +371,15 @@ struct DataKey {
     half: Option<NodeHalf>,
 }
 
+/// An encrypted volume's key: the first of the data keys `wrapped` that the key source `kms`
+/// names unwraps (its index returned), configured by `secrets`; for `tpm2`, combined with
+/// this node's TPM half (`tpm`).
+/// The one way both stage and expand get it, with the same codes. A secret without a field
+/// the source needs, or a malformed one: INVALID_ARGUMENT naming the secrets key (a required
+/// field of the request is missing). A key server or TPM that cannot be reached (or hangs
+/// past its deadline): UNAVAILABLE. A well-formed key that does not unwrap the volume's data
+/// key (another KEK, a wrapped key of another volume, a damaged one, a key server's refusal,
+/// a node without its TPM key): FAILED_PRECONDITION, naming the key's id, never a byte.
 fn data_key(
     (volume_id, kms, wrapped): (&str, &str, &[WrappedDek]),
     pcrs: Option<&str>,
