@@ -160,8 +160,8 @@ fn one_of<T: Copy + std::fmt::Display + PartialEq>(
 /// parameter that is wrong: an `encrypted` other than `"true"` or `"false"`, no `kmsID` or an
 /// unknown one, a cipher, key size, sector size or PBKDF moor does not take, a key size the
 /// cipher does not take, a `tpm2PCRs` that is not a PCR selection or is given with another
-/// `kmsID` than `tpm2`, a `keyRotationSchedule` that is not a period or is given with another
-/// `kmsID` than `secret`, any of them on a volume that is not encrypted.
+/// `kmsID` than `tpm2`, a `keyRotationSchedule` that is not a period, any of them on a volume
+/// that is not encrypted.
 pub fn split(raw: &Parameters) -> Result<(Option<Encryption>, Parameters)> {
     const KEYS: [&str; 8] = ENCRYPTION_KEYS;
     let rest: Parameters = raw
@@ -224,13 +224,6 @@ pub fn split(raw: &Parameters) -> Result<(Option<Encryption>, Parameters)> {
     };
     let rotation_schedule = match raw.get(KEY_ROTATION_SCHEDULE_KEY) {
         None => None,
-        Some(v) if kms_id == moor_runtime::keys::source::KMS_TPM2 => {
-            return Err(bad(
-                KEY_ROTATION_SCHEDULE_KEY,
-                v,
-                "a data key rotation is built for kmsID=\"secret\" and \"kmip\" only",
-            ));
-        }
         Some(v) => {
             moor_runtime::keys::schedule::period(v)
                 .map_err(|why| bad(KEY_ROTATION_SCHEDULE_KEY, v, why))?;

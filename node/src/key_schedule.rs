@@ -25,11 +25,11 @@ use std::time::Duration;
 use moor_proto::keys::v1 as keys;
 use moor_proto::keys::v1::controller_keys_client::ControllerKeysClient;
 use moor_runtime::keys::WrappedDek;
-use moor_runtime::keys::source::{KMS_KMIP, KMS_SECRET, KeySource};
+use moor_runtime::keys::source::KeySource;
 use tonic::transport::{Channel, Endpoint};
 use tracing::{info, warn};
 
-use crate::engine::{Engine, RotateDek};
+use crate::engine::{Engine, NodeTpm, RotateDek};
 use crate::journal::Phase;
 use crate::sys::Os;
 
@@ -51,6 +51,8 @@ pub struct KeySchedule<O: Os> {
     controller: PathBuf,
     secrets_dir: PathBuf,
     timeout: Duration,
+    /// This node's TPM, for a `tpm2` volume's node half.
+    tpm: NodeTpm,
 }
 
 /// Now, in seconds since the Unix epoch.
@@ -101,10 +103,19 @@ impl<O: Os + 'static> KeySchedule<O> {
             controller,
             secrets_dir,
             timeout,
+            tpm: NodeTpm::from_env(),
         })
     }
 
-    /// The encrypted volumes open on this node whose key source is `secret` or `kmip`, by id: what
+    /// A `tpm2` volume's node half asked of `tpm` (the node service's, so that their calls
+    /// take turns) rather than of the TPM moor-node finds.
+    #[must_use]
+    pub fn with_tpm(mut self, tpm: NodeTpm) -> Self {
+        self.tpm = tpm;
+        self
+    }
+
+    /// The encrypted volumes open on this node (every key source), by id: what
     /// [`Engine::rotate_dek`] takes (a mapping opened, not one being formatted), on a device
     /// still there.
     pub fn candidates(&self) -> Vec<String> {
@@ -114,13 +125,9 @@ impl<O: Os + 'static> KeySchedule<O> {
             .all()
             .into_iter()
             .filter(|r| {
-                r.crypt.as_ref().is_some_and(|c| {
-                    !c.fresh
-                        && c.phase == Phase::Done
-                        && [KMS_SECRET, KMS_KMIP]
-                            .contains(&c.kms_id.as_deref().unwrap_or(KMS_SECRET))
-                        && c.device.exists()
-                })
+                r.crypt
+                    .as_ref()
+                    .is_some_and(|c| !c.fresh && c.phase == Phase::Done && c.device.exists())
             })
             .map(|r| r.volume_id)
             .collect();
@@ -186,6 +193,7 @@ impl<O: Os + 'static> KeySchedule<O> {
             old_wrapped: decode("current key", &begun.current_wrapped_dek)?,
             new_wrapped: decode("pending key", &begun.pending_wrapped_dek)?,
             pbkdf: begun.luks_pbkdf.clone(),
+            tpm: self.tpm.clone(),
         };
         let engine = Arc::clone(&self.engine);
         let report = tokio::task::spawn_blocking(move || engine.rotate_dek(&req))

@@ -10,7 +10,7 @@ use moor_runtime::keys::WrappedDek;
 use moor_runtime::keys::source::KeySource;
 use tonic::{Request, Response, Status};
 
-use crate::engine::{Engine, RotateDek};
+use crate::engine::{Engine, NodeTpm, RotateDek};
 use crate::error::{Error, Result};
 use crate::service::{blocking, traced};
 use crate::sys::Os;
@@ -19,17 +19,20 @@ use crate::sys::Os;
 #[derive(Debug)]
 pub struct KeysService<O: Os> {
     engine: Arc<Engine<O>>,
+    /// This node's TPM, for a `tpm2` volume's node half (the node service's).
+    tpm: NodeTpm,
 }
 
 impl<O: Os> KeysService<O> {
-    /// Builds the service.
-    pub fn new(engine: Arc<Engine<O>>) -> Self {
-        Self { engine }
+    /// Builds the service, asking `tpm` for a `tpm2` volume's node half.
+    pub fn new(engine: Arc<Engine<O>>, tpm: NodeTpm) -> Self {
+        Self { engine, tpm }
     }
 }
 
-/// RotateVolumeKey, checked: a field missing or malformed is INVALID_ARGUMENT naming it.
-pub fn rotate(req: &keys::RotateVolumeKeyRequest) -> Result<RotateDek> {
+/// RotateVolumeKey, checked: a field missing or malformed is INVALID_ARGUMENT naming it. A
+/// `tpm2` volume's node half is asked of `tpm`.
+pub fn rotate(req: &keys::RotateVolumeKeyRequest, tpm: NodeTpm) -> Result<RotateDek> {
     if req.volume_id.is_empty() {
         return Err(Error::invalid("volume_id", "required"));
     }
@@ -44,6 +47,7 @@ pub fn rotate(req: &keys::RotateVolumeKeyRequest) -> Result<RotateDek> {
         old_wrapped: wrapped("old_wrapped_dek", &req.old_wrapped_dek)?,
         new_wrapped: wrapped("new_wrapped_dek", &req.new_wrapped_dek)?,
         pbkdf: req.luks_pbkdf.clone(),
+        tpm,
     })
 }
 
@@ -55,8 +59,9 @@ impl<O: Os + 'static> keys::node_keys_server::NodeKeys for KeysService<O> {
     ) -> std::result::Result<Response<keys::RotateVolumeKeyResponse>, Status> {
         let req = request.into_inner();
         let engine = Arc::clone(&self.engine);
+        let tpm = self.tpm.clone();
         traced("RotateVolumeKey", req.volume_id.clone(), async move {
-            let r = rotate(&req)?;
+            let r = rotate(&req, tpm)?;
             let report = blocking(move || engine.rotate_dek(&r)).await?;
             Ok(keys::RotateVolumeKeyResponse {
                 steps: report.ran.iter().map(|s| format!("{s:?}")).collect(),

@@ -178,6 +178,9 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
     let periodic = (args.reconcile_interval > 0).then(|| {
         Arc::clone(&reconciler).spawn_periodic(Duration::from_secs(args.reconcile_interval))
     });
+    // This node's TPM, one for the process: the stages', the expansions' and the rotations'
+    // calls take turns.
+    let tpm = moor_node::engine::NodeTpm::from_env();
     let key_schedule = match &args.key_rotation_secrets {
         Some(dir) => {
             let endpoint = args
@@ -190,7 +193,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
                 endpoint,
                 dir.clone(),
                 LOCAL_CONTROLLER_TIMEOUT,
-            )?;
+            )?
+            .with_tpm(tpm.clone());
             info!(
                 controller = endpoint,
                 every_secs = args.key_rotation_interval,
@@ -211,9 +215,11 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
                 controller = endpoint,
                 "node-local volumes: the controller on this node attaches them"
             );
-            NodeService::new(Arc::clone(&engine), info).with_local_controller(Arc::new(local))
+            NodeService::new(Arc::clone(&engine), info)
+                .with_tpm(Arc::clone(&tpm.0))
+                .with_local_controller(Arc::new(local))
         }
-        None => NodeService::new(Arc::clone(&engine), info),
+        None => NodeService::new(Arc::clone(&engine), info).with_tpm(Arc::clone(&tpm.0)),
     };
     let node = if args.health_capabilities {
         node.with_health_capabilities()
@@ -237,7 +243,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
         .add_service(Metered::new(NodeServer::new(node)))
         .add_service(Metered::new(
             moor_proto::keys::v1::node_keys_server::NodeKeysServer::new(
-                moor_node::keys_service::KeysService::new(Arc::clone(&engine)),
+                moor_node::keys_service::KeysService::new(Arc::clone(&engine), tpm),
             ),
         ));
 

@@ -13,11 +13,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use moor_proto::csi::v1 as csi;
-use moor_runtime::keys::tpm2::{Tpm, Tpm2Tools};
+use moor_runtime::keys::tpm2::Tpm;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
-use crate::engine::{Condition, Engine, Health, StageReport, StorageTrouble, VolumeStats};
+use crate::engine::{Condition, Engine, Health, NodeTpm, StageReport, StorageTrouble, VolumeStats};
 use crate::error::Error;
 use crate::local_controller::LocalController;
 use crate::sys::Os;
@@ -218,16 +218,6 @@ pub struct NodeService<O: Os> {
     tpm: NodeTpm,
 }
 
-/// The node's TPM, shared by the calls.
-#[derive(Clone)]
-struct NodeTpm(Arc<dyn Tpm>);
-
-impl std::fmt::Debug for NodeTpm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("NodeTpm")
-    }
-}
-
 impl<O: Os> NodeService<O> {
     /// Builds the service.
     pub fn new(engine: Arc<Engine<O>>, info: PluginInfo) -> Self {
@@ -236,16 +226,23 @@ impl<O: Os> NodeService<O> {
             info,
             local: None,
             health_capabilities: false,
-            tpm: NodeTpm(Arc::new(Tpm2Tools::from_env())),
+            tpm: NodeTpm::from_env(),
         }
     }
 
     /// The node half of `tpm2` volumes from `tpm` rather than the TPM moor-node finds
-    /// ([`Tpm2Tools::from_env`]).
+    /// ([`moor_runtime::keys::tpm2::Tpm2Tools::from_env`]).
     #[must_use]
     pub fn with_tpm(mut self, tpm: Arc<dyn Tpm>) -> Self {
         self.tpm = NodeTpm(tpm);
         self
+    }
+
+    /// This node's TPM as the service asks it: the other services that ask it (a data key
+    /// rotation's) share it, so that their calls take turns with the stages'.
+    #[must_use]
+    pub fn tpm(&self) -> NodeTpm {
+        self.tpm.clone()
     }
 
     /// Announces CSI 1.13's GET_VOLUME_HEALTH and GET_STORAGE_HEALTH in NodeGetCapabilities

@@ -20,7 +20,7 @@ use moor_runtime::contract::{
 };
 use moor_runtime::keys::kmip::KMIP_ENDPOINT_KEY;
 use moor_runtime::keys::source::{KMS_IDS, KMS_KMIP, KMS_SECRET, KMS_TPM2, KeySource};
-use moor_runtime::keys::tpm2::{self, Tpm, Tpm2Tools};
+use moor_runtime::keys::tpm2::{self, NodeHalf, Tpm, Tpm2Tools};
 use moor_runtime::keys::{KeyError, WrappedDek};
 use moor_runtime::limits::{self, trunc};
 
@@ -362,6 +362,15 @@ impl KeyCall {
     }
 }
 
+/// What [`data_key`] got: which wrapped key unwrapped (its index), the passphrase, the source,
+/// and for `tpm2` the node half it was combined with (for the stage's other keys).
+struct DataKey {
+    chosen: usize,
+    dek: moor_runtime::keys::Dek,
+    source: KeySource,
+    half: Option<NodeHalf>,
+}
+
 /// An encrypted volume's key: the first of the data keys `wrapped` that the key source `kms`
 /// names unwraps (its index returned), configured by `secrets`; for `tpm2`, combined with
 /// this node's TPM half (`tpm`).
@@ -377,7 +386,7 @@ fn data_key(
     secrets: &HashMap<String, String>,
     tpm: &dyn Tpm,
     call: KeyCall,
-) -> Result<(usize, moor_runtime::keys::Dek, KeySource)> {
+) -> Result<DataKey> {
     let source =
         KeySource::from_secrets(kms, |k| secrets.get(k).map(String::as_str)).map_err(|e| {
             Error::invalid(
@@ -414,20 +423,31 @@ fn data_key(
             KeyError::Damaged("no wrapped data key".into())
         })));
     };
+    let mut half = None;
     if kms == KMS_TPM2 {
         // The node's half: this node's TPM (its key made at the first stage), its key sealed
         // to the volume's PCRs when it names some.
-        let sealed = pcrs
-            .map(|p| tpm.sealed_to(p))
-            .transpose()
-            .map_err(refused)?;
-        let tpm = sealed.as_deref().unwrap_or(tpm);
         if matches!(call, KeyCall::Stage) {
-            tpm.ensure_key().map_err(refused)?;
+            let sealed = pcrs
+                .map(|p| tpm.sealed_to(p))
+                .transpose()
+                .map_err(refused)?;
+            sealed
+                .as_deref()
+                .unwrap_or(tpm)
+                .ensure_key()
+                .map_err(refused)?;
         }
-        dek = tpm2::combine(&dek, tpm, volume_id).map_err(refused)?;
+        let node = NodeHalf::of(tpm, pcrs, volume_id).map_err(refused)?;
+        dek = node.combine(&dek).map_err(refused)?;
+        half = Some(node);
     }
-    Ok((chosen, dek, source))
+    Ok(DataKey {
+        chosen,
+        dek,
+        source,
+        half,
+    })
 }
 
 /// An encrypted volume's data key, as [`data_key`] gets it with the stage secrets (the
@@ -438,7 +458,12 @@ fn encryption(
     secrets: &HashMap<String, String>,
     tpm: &dyn Tpm,
 ) -> Result<Encryption> {
-    let (chosen, dek, source) = data_key(
+    let DataKey {
+        chosen,
+        dek,
+        source,
+        half,
+    } = data_key(
         (volume_id, ctx.kms, &ctx.wrapped),
         ctx.tpm2_pcrs.as_deref(),
         secrets,
@@ -459,6 +484,7 @@ fn encryption(
         pbkdf: ctx.pbkdf.to_owned(),
         kms_id: ctx.kms.to_owned(),
         tpm2_pcrs: ctx.tpm2_pcrs,
+        node_half: half.map(std::sync::Arc::new),
     })
 }
 
@@ -489,7 +515,7 @@ pub fn expand_key(
             KMS_SECRET
         }
     });
-    let (_, dek, source) = data_key(
+    let DataKey { dek, source, .. } = data_key(
         (volume_id, kms, std::slice::from_ref(&wrapped)),
         crypt.tpm2_pcrs.as_deref(),
         secrets,

@@ -112,6 +112,11 @@ pub fn luks_format(file: &Path, key: &[u8]) {
     std::fs::File::create(file)
         .and_then(|f| f.set_len(20 << 20))
         .expect("the file");
+    format_device(file, key);
+}
+
+/// A LUKS2 header on `dev` (a file or a loop device), `key` in slot 0.
+pub fn format_device(dev: &Path, key: &[u8]) {
     let (ok, code) = cryptsetup(
         &[
             "luksFormat",
@@ -123,10 +128,63 @@ pub fn luks_format(file: &Path, key: &[u8]) {
             "--pbkdf-force-iterations",
             "1000",
         ],
-        file,
+        dev,
         key,
     );
     assert!(ok, "luksFormat failed ({code:?})");
+}
+
+/// Whether `slot` of the header on `dev` opens with `key` (`open --test-passphrase
+/// --key-slot`).
+pub fn slot_opens(dev: &Path, slot: u32, key: &[u8]) -> bool {
+    let s = slot.to_string();
+    cryptsetup(&["open", "--test-passphrase", "--key-slot", &s], dev, key).0
+}
+
+/// `luksAddKey` of `new` into `slot` of `dev`, opened by `opening`, by hand: both keys on
+/// one stdin, as moor's rotation gives them.
+pub fn add_key(dev: &Path, slot: u32, opening: &[u8], new: &[u8]) {
+    let d = dev.display().to_string();
+    let s = slot.to_string();
+    let both = [opening, new].concat();
+    let (ok, code) = run_cryptsetup(
+        &[
+            "luksAddKey",
+            "--new-key-slot",
+            &s,
+            "--key-file=-",
+            "--keyfile-size",
+            "32",
+            "--new-keyfile-size",
+            "32",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            &d,
+            "/dev/stdin",
+        ],
+        &both,
+    );
+    assert!(ok, "luksAddKey into slot {slot} ({code:?})");
+}
+
+/// `luksKillSlot` of `slot` of `dev`, proven by `remaining` (another slot's key), by hand.
+pub fn kill_slot(dev: &Path, slot: u32, remaining: &[u8]) {
+    let d = dev.display().to_string();
+    let s = slot.to_string();
+    let (ok, code) = run_cryptsetup(
+        &[
+            "luksKillSlot",
+            "--key-file=-",
+            "--keyfile-size",
+            "32",
+            &d,
+            &s,
+        ],
+        remaining,
+    );
+    assert!(ok, "luksKillSlot {slot} ({code:?})");
 }
 
 /// Whether a key slot of `file`'s LUKS header takes `key` (`cryptsetup open

@@ -405,13 +405,16 @@ fn a_kmip_volume_data_key_is_rotated_with_keys_the_server_wraps() {
     };
     let engine = Engine::new(os, std::sync::Arc::new(journal), cfg);
     let request = |old: &str, new: &str| {
-        moor_node::keys_service::rotate(&RotateVolumeKeyRequest {
-            volume_id: "vol-1".into(),
-            old_wrapped_dek: old.to_owned(),
-            new_wrapped_dek: new.to_owned(),
-            luks_pbkdf: "pbkdf2".into(),
-            secrets: secrets.clone(),
-        })
+        moor_node::keys_service::rotate(
+            &RotateVolumeKeyRequest {
+                volume_id: "vol-1".into(),
+                old_wrapped_dek: old.to_owned(),
+                new_wrapped_dek: new.to_owned(),
+                luks_pbkdf: "pbkdf2".into(),
+                secrets: secrets.clone(),
+            },
+            moor_node::engine::NodeTpm::from_env(),
+        )
         .expect("a KMIP rotation's request")
     };
     let report = engine

@@ -21,28 +21,9 @@ use moor_runtime::keys::{Dek, Kek};
 
 const VOL: &str = "vol-rot";
 
-/// `cryptsetup args...` with `input` on its stdin; its exit code.
-fn cryptsetup(args: &[&str], input: &[u8]) -> i32 {
-    moor_privileged::luks::run_cryptsetup(args, input)
-        .1
-        .unwrap_or(-1)
-}
-
 /// Whether `slot` of the header on `dev` opens with `key`.
 fn opens(dev: &Path, slot: u32, key: &Dek) -> bool {
-    let d = dev.display().to_string();
-    let s = slot.to_string();
-    cryptsetup(
-        &[
-            "open",
-            "--test-passphrase",
-            "--key-slot",
-            &s,
-            "--key-file=-",
-            &d,
-        ],
-        key.expose(),
-    ) == 0
+    moor_privileged::luks::slot_opens(dev, slot, key.expose())
 }
 
 /// Which of slots 0 to 3 open with which key.
@@ -62,45 +43,12 @@ fn slots(dev: &Path, old: &Dek, new: &Dek) -> Vec<(u32, &'static str)> {
 
 /// `luksAddKey` of `new` into `slot` opened by `opening`, by hand.
 fn add(dev: &Path, slot: u32, opening: &Dek, new: &Dek) {
-    let (d, s) = (dev.display().to_string(), slot.to_string());
-    let both = moor_runtime::keys::key_pair(opening, new);
-    let code = cryptsetup(
-        &[
-            "luksAddKey",
-            "--new-key-slot",
-            &s,
-            "--key-file=-",
-            "--keyfile-size",
-            "32",
-            "--new-keyfile-size",
-            "32",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            &d,
-            "/dev/stdin",
-        ],
-        &both,
-    );
-    assert_eq!(code, 0, "luksAddKey into slot {slot}");
+    moor_privileged::luks::add_key(dev, slot, opening.expose(), new.expose());
 }
 
 /// `luksKillSlot` of `slot`, proven by `remaining`, by hand.
 fn kill(dev: &Path, slot: u32, remaining: &Dek) {
-    let (d, s) = (dev.display().to_string(), slot.to_string());
-    let code = cryptsetup(
-        &[
-            "luksKillSlot",
-            "--key-file=-",
-            "--keyfile-size",
-            "32",
-            &d,
-            &s,
-        ],
-        remaining.expose(),
-    );
-    assert_eq!(code, 0, "luksKillSlot {slot}");
+    moor_privileged::luks::kill_slot(dev, slot, remaining.expose());
 }
 
 /// A LUKS2 volume on a fresh loop device, its slot 0 opened by a new key, as moor formats it;
@@ -137,6 +85,7 @@ fn world(name: &str) -> World {
             Kek::new("kek-1", &[9; 32]).expect("kek"),
         )),
         pbkdf: "pbkdf2".to_owned(),
+        tpm: moor_node::engine::NodeTpm::from_env(),
     };
     World {
         _sb: sb,
@@ -150,23 +99,7 @@ fn world(name: &str) -> World {
 
 /// `dev` made LUKS2 by cryptsetup itself with `key` in slot 0.
 fn luks_format(dev: &Path, key: &Dek) {
-    let d = dev.display().to_string();
-    let code = cryptsetup(
-        &[
-            "luksFormat",
-            "--batch-mode",
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            "--key-file=-",
-            &d,
-        ],
-        key.expose(),
-    );
-    assert_eq!(code, 0, "luksFormat");
+    moor_privileged::luks::format_device(dev, key.expose());
 }
 
 /// The node journal in `state` with `volume`'s mapping open on `dev` by `wrapped`, as a stage
@@ -448,46 +381,11 @@ fn a_volume_rotated_through_the_controller_is_published_with_the_key_its_header_
     let kek1 = Kek::new("kek-1", &[9; 32]).expect("kek");
     let mut ctl =
         rt.block_on(async { ControllerClient::new(connect(&ctl_sock).await.expect("socket")) });
-    let volume = rt
-        .block_on(
-            ctl.create_volume(csi::CreateVolumeRequest {
-                name: "pvc-rotated".into(),
-                capacity_range: Some(csi::CapacityRange {
-                    required_bytes: 64 << 20,
-                    limit_bytes: 0,
-                }),
-                volume_capabilities: vec![cap.clone()],
-                parameters: [("encrypted", "true"), ("kmsID", "secret")]
-                    .into_iter()
-                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                    .collect(),
-                secrets: moor_runtime::keys::secret_entries("kek-1", &[9; 32])
-                    .into_iter()
-                    .collect(),
-                ..Default::default()
-            }),
-        )
-        .expect("CreateVolume")
-        .into_inner()
-        .volume
-        .expect("volume");
+    let volume = create_encrypted(&rt, &mut ctl, "pvc-rotated", "secret", &cap);
     let id = volume.volume_id.clone();
     // ControllerPublishVolume at n1 (attached until `unpublish`): its publish_context.
-    let publish = |ctl: &mut ControllerClient<tonic::transport::Channel>| {
-        rt.block_on(
-            ctl.controller_publish_volume(csi::ControllerPublishVolumeRequest {
-                volume_id: id.clone(),
-                node_id: "n1".into(),
-                volume_capability: Some(cap.clone()),
-                volume_context: volume.volume_context.clone(),
-                ..Default::default()
-            }),
-        )
-        .expect("ControllerPublishVolume")
-        .into_inner()
-        .publish_context
-    };
-    let unpublish = |ctl: &mut ControllerClient<tonic::transport::Channel>| {
+    let publish = |ctl: &mut Ctl| publish_n1(&rt, ctl, &volume, &cap);
+    let unpublish = |ctl: &mut Ctl| {
         rt.block_on(
             ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
                 volume_id: id.clone(),
@@ -856,6 +754,64 @@ fn wait_rotations(
 
 /// A real moor-controller serving node `n1` from `sb` (its socket `controller.sock`), and the
 /// capability the volumes are attached with (a block volume, written to by no one).
+/// A client of the controller's CSI service.
+type Ctl = moor_proto::csi::v1::controller_client::ControllerClient<tonic::transport::Channel>;
+
+/// CreateVolume at the controller of a 64 MiB encrypted volume `name` of the key source
+/// `kms`, its cluster KEK kek-1's.
+fn create_encrypted(
+    rt: &tokio::runtime::Runtime,
+    ctl: &mut Ctl,
+    name: &str,
+    kms: &str,
+    cap: &moor_proto::csi::v1::VolumeCapability,
+) -> moor_proto::csi::v1::Volume {
+    use moor_proto::csi::v1 as csi;
+    rt.block_on(
+        ctl.create_volume(csi::CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 64 << 20,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap.clone()],
+            parameters: [("encrypted", "true"), ("kmsID", kms)]
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+            secrets: moor_runtime::keys::secret_entries("kek-1", &[9; 32])
+                .into_iter()
+                .collect(),
+            ..Default::default()
+        }),
+    )
+    .expect("CreateVolume")
+    .into_inner()
+    .volume
+    .expect("volume")
+}
+
+/// ControllerPublishVolume of `volume` at n1: its publish_context.
+fn publish_n1(
+    rt: &tokio::runtime::Runtime,
+    ctl: &mut Ctl,
+    volume: &moor_proto::csi::v1::Volume,
+    cap: &moor_proto::csi::v1::VolumeCapability,
+) -> std::collections::HashMap<String, String> {
+    rt.block_on(ctl.controller_publish_volume(
+        moor_proto::csi::v1::ControllerPublishVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            node_id: "n1".into(),
+            volume_capability: Some(cap.clone()),
+            volume_context: volume.volume_context.clone(),
+            ..Default::default()
+        },
+    ))
+    .expect("ControllerPublishVolume")
+    .into_inner()
+    .publish_context
+}
+
 fn controller_n1(
     sb: &Sandbox,
     rt: &tokio::runtime::Runtime,
@@ -871,4 +827,141 @@ fn controller_n1(
     ));
     let cap = moor_privileged::requests::block_cap();
     (controller, cap)
+}
+
+/// A TPM in the test: a keyed function of the message (any TPM's HMAC is as opaque to moor).
+struct TestTpm;
+
+impl moor_runtime::keys::tpm2::Tpm for TestTpm {
+    fn hmac(
+        &self,
+        message: &[u8],
+    ) -> moor_runtime::keys::Result<moor_runtime::keys::tpm2::Zeroizing<Vec<u8>>> {
+        let mut out = vec![0x5a_u8; 32];
+        for (i, b) in message.iter().enumerate() {
+            out[i % 32] = out[i % 32].wrapping_mul(31).wrapping_add(*b);
+        }
+        Ok(moor_runtime::keys::tpm2::Zeroizing::new(out))
+    }
+}
+
+/// The controller's half of a `tpm2` volume's data key rotation through a real
+/// moor-controller: CreateVolume with `kmsID: tpm2`, its LUKS header made with the record's
+/// key combined with the node's half; BeginVolumeKeyRotation (refused before tpm2 rotation
+/// was built) writes a pending key the cluster KEK unwraps; the node's slot steps (the engine,
+/// in the test: this host has no device-mapper for a moor-node's stage) take it combined with
+/// the same half; FinishVolumeKeyRotation promotes it, and the next publish gives the key
+/// whose combination alone opens the header.
+#[test]
+fn a_tpm2_volume_rotated_through_a_real_controller_is_published_with_its_new_key() {
+    use csi::controller_client::ControllerClient;
+    use moor_privileged::client::connect;
+    use moor_proto::csi::v1 as csi;
+    use moor_proto::keys::v1 as keys;
+    use moor_runtime::keys::tpm2::NodeHalf;
+    let sb = Sandbox::new("rotate-tpm2-controller");
+    let _sweep = moor_privileged::LoopSweep(sb.root.clone());
+    let rt = moor_privileged::runtime();
+    let (mut controller, cap) = controller_n1(&sb, &rt);
+    let ctl_sock = sb.root.join("controller.sock");
+    let kek1 = Kek::new("kek-1", &[9; 32]).expect("kek");
+    let secrets: std::collections::HashMap<String, String> =
+        moor_runtime::keys::secret_entries("kek-1", &[9; 32])
+            .into_iter()
+            .collect();
+    let mut ctl =
+        rt.block_on(async { ControllerClient::new(connect(&ctl_sock).await.expect("socket")) });
+    let volume = create_encrypted(&rt, &mut ctl, "pvc-tpm2-rotated", "tpm2", &cap);
+    let id = volume.volume_id.clone();
+    let publish = |ctl: &mut Ctl| publish_n1(&rt, ctl, &volume, &cap);
+    let decode = |t: &str| moor_runtime::keys::WrappedDek::decode(t).expect("decode");
+    let tpm: Arc<dyn moor_runtime::keys::tpm2::Tpm> = Arc::new(TestTpm);
+    let combined = |text: &str| {
+        let dek = kek1.unwrap(&decode(text), &id).expect("unwrap");
+        NodeHalf::of(&*tpm, None, &id)
+            .and_then(|h| h.combine(&dek))
+            .expect("combined")
+    };
+    let first = publish(&mut ctl);
+    let context_key = volume.volume_context["encryptedDEK"].clone();
+    let dev = std::path::PathBuf::from(&first["devicePath"]);
+    let old = combined(&context_key);
+    luks_format(&dev, &old);
+    let mut ck = rt.block_on(async {
+        keys::controller_keys_client::ControllerKeysClient::new(
+            connect(&ctl_sock).await.expect("socket"),
+        )
+    });
+    let begun = rt
+        .block_on(
+            ck.begin_volume_key_rotation(keys::BeginVolumeKeyRotationRequest {
+                volume_id: id.clone(),
+                secrets: secrets.clone(),
+                if_rotations: None,
+            }),
+        )
+        .expect("BeginVolumeKeyRotation of a tpm2 volume")
+        .into_inner();
+    assert_eq!(begun.current_wrapped_dek, context_key);
+    let new = combined(&begun.pending_wrapped_dek);
+    // The node's slot steps, on the mapping's record as its stage leaves it.
+    let journal = mapping_open(&sb.state, &id, &dev, &context_key, false);
+    let mut record = journal.get(&id).expect("record");
+    record.crypt.as_mut().expect("crypt").kms_id = Some("tpm2".into());
+    journal.put(&record, Durability::Power).expect("record");
+    let os = Arc::new(Linux::new(&sb.kubelet).expect("os"));
+    let cfg = EngineConfig {
+        kubelet_dir: sb.kubelet.clone(),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(os, Arc::new(journal), cfg);
+    engine
+        .rotate_dek(&RotateDek {
+            volume_id: id.clone(),
+            kek: Arc::new(moor_runtime::keys::source::KeySource::Secret(
+                Kek::new("kek-1", &[9; 32]).expect("kek"),
+            )),
+            old_wrapped: decode(&context_key),
+            new_wrapped: decode(&begun.pending_wrapped_dek),
+            pbkdf: "pbkdf2".to_owned(),
+            tpm: moor_node::engine::NodeTpm(Arc::clone(&tpm)),
+        })
+        .expect("the node's slot steps");
+    assert_eq!(slots(&dev, &old, &new), [(0, "new")]);
+    let done = rt
+        .block_on(
+            ck.finish_volume_key_rotation(keys::FinishVolumeKeyRotationRequest {
+                volume_id: id.clone(),
+                new_wrapped_dek: begun.pending_wrapped_dek.clone(),
+            }),
+        )
+        .expect("FinishVolumeKeyRotation")
+        .into_inner();
+    assert_eq!(done.current_wrapped_dek, begun.pending_wrapped_dek);
+    assert!(done.pending_wrapped_dek.is_empty());
+    rt.block_on(
+        ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+            volume_id: id.clone(),
+            node_id: "n1".into(),
+            ..Default::default()
+        }),
+    )
+    .expect("ControllerUnpublishVolume");
+    let again = publish(&mut ctl);
+    assert_eq!(again.get("encryptedDEK"), Some(&begun.pending_wrapped_dek));
+    let dev = std::path::PathBuf::from(&again["devicePath"]);
+    assert!(opens(&dev, 0, &combined(&begun.pending_wrapped_dek)));
+    assert!(
+        !(0..4).any(|s| opens(&dev, s, &old)),
+        "the old key opens nothing"
+    );
+    rt.block_on(
+        ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+            volume_id: id.clone(),
+            node_id: "n1".into(),
+            ..Default::default()
+        }),
+    )
+    .expect("ControllerUnpublishVolume");
+    rt.block_on(controller.stop());
 }

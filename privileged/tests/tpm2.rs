@@ -8,11 +8,15 @@
 //! made the LUKS header with, on its own TPM only, proven by the real cryptsetup on a header
 //! (`--test-passphrase`); a TPM that hangs (swtpm stopped) is UNAVAILABLE at the deadline.
 //!
+//! A `tpm2` volume's data key rotation (`Engine::rotate_dek`) on the real cryptsetup, a LUKS2
+//! header on a loop device: the slots take each data key combined with swtpm's half, under
+//! the volume's PCR policy, resumed from each state a crash leaves.
+//!
 //! What this does not show (the VM lab's part, `lab/tests/vm_tpm2.rs`): the mapping opened,
 //! resized and its filesystem grown, which needs dm-crypt (not in this host's kernel).
 //!
 //! Needs `swtpm` and tpm2-tools (Debian: `swtpm`, `tpm2-tools`); skipped, saying why,
-//! without them. Needs no root.
+//! without them. Only the rotation's test needs root (its loop device).
 
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
@@ -364,4 +368,249 @@ fn a_key_sealed_to_pcrs_refuses_once_they_change_and_gives_the_same_half_after_a
             .expose(),
         first.expose()
     );
+}
+
+/// The PCRs the rotation tests' node halves are sealed to.
+const ROTATION_PCRS: &str = "sha256:7";
+
+/// A `tpm2` volume `vol` of a rotation test: a swtpm whose key is sealed to
+/// [`ROTATION_PCRS`], the cluster KEK (`cluster-1`, bytes 0x42), the old and new data keys,
+/// wrapped, and the passphrases they make with the node's half.
+struct TpmVolume {
+    node: Swtpm,
+    tpm: std::sync::Arc<dyn moor_runtime::keys::tpm2::Tpm>,
+    new: Dek,
+    old_wrapped: moor_runtime::keys::WrappedDek,
+    new_wrapped: moor_runtime::keys::WrappedDek,
+    old_key: Dek,
+    new_key: Dek,
+}
+
+fn tpm_volume(name: &str, vol: &str) -> TpmVolume {
+    let node = Swtpm::start(name);
+    let tpm = node
+        .tools(&node.key_dir())
+        .with_pcrs(ROTATION_PCRS)
+        .expect("a selection");
+    tpm.ensure_key().expect("the node's key");
+    let tpm: std::sync::Arc<dyn moor_runtime::keys::tpm2::Tpm> = std::sync::Arc::new(tpm);
+    let kek = Kek::new("cluster-1", &[0x42; 32]).expect("kek");
+    let (old, new) = (Dek::generate().expect("old"), Dek::generate().expect("new"));
+    let combined = |dek: &Dek| {
+        moor_runtime::keys::tpm2::NodeHalf::of(&*tpm, Some(ROTATION_PCRS), vol)
+            .and_then(|h| h.combine(dek))
+            .expect("combined")
+    };
+    let (old_key, new_key) = (combined(&old), combined(&new));
+    TpmVolume {
+        old_wrapped: old.wrap(&kek, vol).expect("wrap"),
+        new_wrapped: new.wrap(&kek, vol).expect("wrap"),
+        node,
+        tpm,
+        new,
+        old_key,
+        new_key,
+    }
+}
+
+/// A `tpm2` volume's data key rotated through the engine (`Engine::rotate_dek`) on the real
+/// cryptsetup, a LUKS2 header on a loop device, its node half from swtpm sealed to PCR 7:
+/// after it only the new key combined with the node's half opens, the old combined key and
+/// the new cluster half alone are refused, the journal names the new key; from each state a
+/// crash leaves the header in (made by hand, the journal at the step after), the rotation
+/// resumes, the TPM asked again; with PCR 7 changed it is refused, nothing touched. Needs
+/// root (the loop device).
+#[test]
+fn a_tpm2_volume_s_data_key_rotates_on_real_cryptsetup_and_resumes_from_each_state() {
+    use std::sync::Arc;
+
+    use moor_node::engine::{Engine, EngineConfig, NodeTpm, RotateDek};
+    use moor_node::journal::{Durability, Journal, RotationRecord, RotationStep, VolumeRecord};
+    use moor_runtime::keys::source::KeySource;
+
+    if let Some(why) = missing_tools() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    const VOL: &str = "vol-tpm2-rot";
+    const PCRS: &str = ROTATION_PCRS;
+    let TpmVolume {
+        mut node,
+        tpm,
+        old_wrapped,
+        new_wrapped,
+        old_key,
+        new_key,
+        new,
+        ..
+    } = tpm_volume("rotate", VOL);
+    // The header's slots 0 to 3, each named by the passphrase it opens with.
+    let slots = |dev: &Path| -> Vec<(u32, &'static str)> {
+        (0..4)
+            .filter_map(|s| {
+                if luks::slot_opens(dev, s, old_key.expose()) {
+                    Some((s, "old"))
+                } else if luks::slot_opens(dev, s, new_key.expose()) {
+                    Some((s, "new"))
+                } else {
+                    None
+                }
+            })
+            .collect()
+    };
+    // The header as each step leaves it, by hand (the first `n`), and the step journaled next.
+    type Step = fn(&Path, &[u8], &[u8]);
+    let by_hand: [Step; 4] = [
+        |d, o, _| luks::add_key(d, 1, o, o),
+        |d, o, _| luks::kill_slot(d, 0, o),
+        |d, o, n| luks::add_key(d, 0, o, n),
+        |d, _, n| luks::kill_slot(d, 1, n),
+    ];
+    let states = [
+        (0, None),
+        (1, Some(RotationStep::KillOld)),
+        (2, Some(RotationStep::AddNew)),
+        (3, Some(RotationStep::Record)),
+        (4, Some(RotationStep::KillSpare)),
+    ];
+    for (n, step) in states {
+        let sb = moor_privileged::Sandbox::new("tpm2-rotate");
+        let dev = sb.loop_device("luks.img", 32 << 20);
+        luks::format_device(&dev, old_key.expose());
+        for hand in &by_hand[..n] {
+            hand(&dev, old_key.expose(), new_key.expose());
+        }
+        let (journal, _) = Journal::open(&sb.state, false).expect("journal");
+        let mut record = VolumeRecord::new(VOL);
+        let mut crypt = luks::crypt_record(VOL, Some("tpm2"), &old_wrapped.encode());
+        crypt.device.clone_from(&dev);
+        crypt.tpm2_pcrs = Some(PCRS.to_owned());
+        crypt.rotation = step.map(|step| RotationRecord {
+            old_wrapped: old_wrapped.encode(),
+            new_wrapped: new_wrapped.encode(),
+            step,
+        });
+        record.crypt = Some(crypt);
+        journal.put(&record, Durability::Power).expect("record");
+        let os = Arc::new(moor_node::sys::linux::Linux::new(&sb.kubelet).expect("os"));
+        let cfg = EngineConfig {
+            kubelet_dir: sb.kubelet.clone(),
+            ..EngineConfig::default()
+        };
+        let engine = Engine::new(os, Arc::new(journal), cfg);
+        let req = RotateDek {
+            volume_id: VOL.to_owned(),
+            kek: Arc::new(KeySource::Secret(
+                Kek::new("cluster-1", &[0x42; 32]).expect("kek"),
+            )),
+            old_wrapped: old_wrapped.clone(),
+            new_wrapped: new_wrapped.clone(),
+            pbkdf: "pbkdf2".to_owned(),
+            tpm: NodeTpm(Arc::clone(&tpm)),
+        };
+        if n == 0 {
+            // PCR 7 changed (another boot): refused before any step, the header untouched.
+            node.extend_pcr(7);
+            let e = engine.rotate_dek(&req).expect_err("PCR 7 changed");
+            assert_eq!(code(&e), tonic::Code::FailedPrecondition, "{e}");
+            assert!(e.to_string().contains("policy check failed"), "{e}");
+            assert_eq!(slots(&dev), [(0, "old")]);
+            node.restart();
+        }
+        let report = engine
+            .rotate_dek(&req)
+            .unwrap_or_else(|e| panic!("from state {n}: {e}"));
+        eprintln!("tpm2 rotation from state {n}: ran {:?}", report.ran);
+        assert_eq!(slots(&dev), [(0, "new")], "from state {n}");
+        assert!(
+            !luks::slot_opens(&dev, 0, new.expose()),
+            "the cluster half alone opens nothing"
+        );
+        let c = engine
+            .journal()
+            .get(VOL)
+            .and_then(|r| r.crypt)
+            .expect("record");
+        assert_eq!(c.wrapped_dek, Some(new_wrapped.encode()), "from state {n}");
+        assert_eq!(c.rotation, None);
+    }
+}
+
+/// A `tpm2` volume's data key rotated by a running moor-node (`moor.keys.v1.NodeKeys/
+/// RotateVolumeKey` on its socket), its node half from swtpm as moor-node finds its TPM
+/// (`TPM2TOOLS_TCTI`, `MOOR_TPM2_DIR`), sealed to PCR 7 as the mapping's record says: the
+/// header on a loop device ends with the new combined key alone. Needs root and the binaries
+/// (`cargo build --bins`).
+#[test]
+fn a_running_moor_node_rotates_a_tpm2_volume_s_key_with_its_tpm() {
+    use moor_node::journal::{Durability, Journal, VolumeRecord};
+    use moor_privileged::client::{Daemon, connect};
+    use moor_proto::keys::v1 as keys;
+
+    if let Some(why) = missing_tools() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    const VOL: &str = "vol-tpm2-node";
+    const PCRS: &str = ROTATION_PCRS;
+    let v = tpm_volume("node-rotate", VOL);
+    let raw = [0x42; 32];
+    let (old_wrapped, new_wrapped) = (v.old_wrapped.encode(), v.new_wrapped.encode());
+    let (node, old_key, new_key, new) = (&v.node, &v.old_key, &v.new_key, &v.new);
+    let sb = moor_privileged::Sandbox::new("tpm2-node-rotate");
+    let _sweep = moor_privileged::LoopSweep(sb.root.clone());
+    let dev = sb.loop_device("luks.img", 32 << 20);
+    luks::format_device(&dev, old_key.expose());
+    {
+        // The mapping's record as a stage leaves it; `rotated`, so that the daemon's start
+        // pass keeps it (this host has no device-mapper to open the mapping).
+        let (journal, _) = Journal::open(&sb.state, false).expect("journal");
+        let mut record = VolumeRecord::new(VOL);
+        let mut crypt = luks::crypt_record(VOL, Some("tpm2"), &old_wrapped);
+        crypt.device.clone_from(&dev);
+        crypt.tpm2_pcrs = Some(PCRS.to_owned());
+        crypt.rotated = true;
+        record.crypt = Some(crypt);
+        journal.put(&record, Durability::Power).expect("record");
+    }
+    let rt = moor_privileged::runtime();
+    let node_sock = sb.root.join("node.sock");
+    let tcti = format!("swtpm:host=127.0.0.1,port={}", node.port);
+    let key_dir = node.key_dir().display().to_string();
+    let mut daemon = rt.block_on(Daemon::start_program_env(
+        "moor-node",
+        &node_sock,
+        &sb.node_args("n1", &[]),
+        &[("TPM2TOOLS_TCTI", &tcti), ("MOOR_TPM2_DIR", &key_dir)],
+    ));
+    let answer = rt.block_on(async {
+        let mut client =
+            keys::node_keys_client::NodeKeysClient::new(connect(&node_sock).await.expect("socket"));
+        client
+            .rotate_volume_key(keys::RotateVolumeKeyRequest {
+                volume_id: VOL.into(),
+                old_wrapped_dek: old_wrapped.clone(),
+                new_wrapped_dek: new_wrapped.clone(),
+                luks_pbkdf: "pbkdf2".into(),
+                secrets: secret_entries("cluster-1", &raw).into_iter().collect(),
+            })
+            .await
+    });
+    rt.block_on(daemon.stop());
+    let answer = answer
+        .expect("RotateVolumeKey of a tpm2 volume")
+        .into_inner();
+    assert_eq!(answer.steps.len(), 6, "{:?}", answer.steps);
+    for (what, key, takes) in [
+        ("the new combined key", new_key.expose(), true),
+        ("the old combined key", old_key.expose(), false),
+        ("the new cluster half alone", new.expose(), false),
+    ] {
+        assert_eq!(
+            (0..4).any(|s| luks::slot_opens(&dev, s, key)),
+            takes,
+            "{what}"
+        );
+    }
+    assert!(luks::slot_opens(&dev, 0, new_key.expose()));
 }

@@ -606,3 +606,50 @@ fn an_annotation_schedule_overrides_the_class_and_starts_the_clock() {
     let (_, schedule) = keys_for_schedule(&w.b, &id, Some("@weekly")).expect("keys");
     assert_eq!(schedule.as_deref(), Some("@weekly"), "the class's again");
 }
+
+#[test]
+fn begin_on_a_tpm2_volume_wraps_the_new_key_by_its_cluster_half_s_kek() {
+    use moor_proto::keys::v1 as keys;
+    let w = world("rot-tpm2");
+    let v =
+        w.b.create_volume(&NewVolume {
+            parameters: Parameters::from([
+                ("encrypted".to_owned(), "true".to_owned()),
+                ("kmsID".to_owned(), "tpm2".to_owned()),
+            ]),
+            ..new_encrypted("pvc-tpm2")
+        })
+        .expect("create");
+    let wrapped = super::super::new_wrapped_dek(&w.kek, &v.id).expect("wrap");
+    w.b.record_wrapped_dek(&v.id, &wrapped).expect("record");
+    let secrets: HashMap<String, String> = moor_runtime::keys::secret_entries("kek-1", &[1; 32])
+        .into_iter()
+        .collect();
+    let begun = crate::service::keys::begin(
+        &w.b,
+        &keys::BeginVolumeKeyRotationRequest {
+            volume_id: v.id.clone(),
+            secrets,
+            if_rotations: None,
+        },
+    )
+    .expect("a tpm2 volume's rotation begins");
+    // The pending key is the cluster half, wrapped by the Secret's KEK for this volume (the
+    // node combines it with its TPM's half), and another key than the current one.
+    let pending =
+        moor_runtime::keys::WrappedDek::decode(&begun.pending_wrapped_dek).expect("pending");
+    assert_eq!(pending.kek_id(), "kek-1");
+    let new = w.kek.unwrap(&pending, &v.id).expect("unwraps");
+    let old = w
+        .kek
+        .unwrap(
+            &moor_runtime::keys::WrappedDek::decode(&begun.current_wrapped_dek).expect("current"),
+            &v.id,
+        )
+        .expect("unwraps");
+    assert_ne!(new.expose(), old.expose());
+    assert_eq!(
+        w.b.volume_keys(&v.id).expect("keys").pending,
+        Some(begun.pending_wrapped_dek)
+    );
+}

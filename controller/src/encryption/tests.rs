@@ -219,7 +219,7 @@ fn a_secret_class_may_schedule_its_rotation_and_only_it() {
         Some("@weekly")
     );
     assert_eq!(split(&named).expect("split").0, Some(e));
-    for (kms, period) in [("secret", "weekly"), ("secret", "0d"), ("tpm2", "@daily")] {
+    for (kms, period) in [("secret", "weekly"), ("secret", "0d"), ("tpm2", "daily")] {
         let why = refused(&[
             ("encrypted", "true"),
             ("kmsID", kms),
@@ -232,4 +232,12 @@ fn a_secret_class_may_schedule_its_rotation_and_only_it() {
     }
     let why = refused(&[("keyRotationSchedule", "@daily")]);
     assert!(why.contains("only for a volume with encrypted"), "{why}");
+    // A tpm2 volume's data key rotates too (its slots take each key with the node's half).
+    let raw = params(&[
+        ("encrypted", "true"),
+        ("kmsID", "tpm2"),
+        ("keyRotationSchedule", "@daily"),
+    ]);
+    let e = split(&raw).expect("a tpm2 schedule").0.expect("encrypted");
+    assert_eq!(e.rotation_schedule.as_deref(), Some("@daily"));
 }

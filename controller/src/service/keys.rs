@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use moor_proto::keys::v1 as keys;
-use moor_runtime::keys::source::{KMS_KMIP, KMS_SECRET, KeySource};
+use moor_runtime::keys::source::{KMS_SECRET, KeySource};
 use tonic::{Request, Response, Status};
 
 use super::ControllerService;
@@ -79,8 +79,9 @@ pub fn get<B: Backend + ?Sized>(
     answer(b, volume, k)
 }
 
-/// BeginVolumeKeyRotation on `b`: the volume must be encrypted under the `secret` source
-/// (the node's slot rotation takes that source's KEK; FAILED_PRECONDITION for another).
+/// BeginVolumeKeyRotation on `b`: the new data key wrapped by the volume's key source as
+/// CreateVolume wraps one (for `tpm2`, its cluster half's: a Secret's KEK or a KMIP server);
+/// FAILED_PRECONDITION for a volume in the clear.
 pub fn begin<B: Backend + ?Sized>(
     b: &B,
     req: &keys::BeginVolumeKeyRotationRequest,
@@ -97,13 +98,6 @@ pub fn begin<B: Backend + ?Sized>(
         .get(KMS_ID_KEY)
         .map(String::as_str)
         .unwrap_or_default();
-    if kms != KMS_SECRET && kms != KMS_KMIP {
-        return Err(Error::FailedPrecondition(format!(
-            "volume {:?}: a data key rotation is built for the {KMS_SECRET:?} and {KMS_KMIP:?} key sources, \
-             not {kms:?}",
-            trunc(volume)
-        )));
-    }
     let kek = source("secrets", kms, &req.secrets)?;
     let k = rotation::begin_on(b, volume, &kek, req.if_rotations)?;
     answer(b, volume, k)

@@ -48,8 +48,8 @@ pub use mapped::{STALL_BYTES, stalled};
 pub use qos::{QOS_NOT_APPLIED, QosOutcome, is_pod_uid, pod_uid_of_target};
 pub use reboot::VolumeCounts;
 pub use request::{
-    Access, Capability, Encryption, Expand, ExpandKey, HealthQuery, Publish, RotateDek, Stage,
-    Stats, Unpublish, Unstage,
+    Access, Capability, Encryption, Expand, ExpandKey, HealthQuery, NodeTpm, Publish, RotateDek,
+    Stage, Stats, Unpublish, Unstage,
 };
 pub use rotate::{RotateReport, SLOT_SPARE, SLOT_VOLUME};
 pub use stage::{GROW_MIN, StageReport};

@@ -98,6 +98,9 @@ pub struct Encryption {
     /// The PCRs a `tpm2` volume's node half is sealed to (`tpm2PCRs`): the journal keeps them
     /// for NodeExpandVolume.
     pub tpm2_pcrs: Option<String>,
+    /// A `tpm2` volume's node half, which `key` was combined with: the stage's other keys
+    /// (a rotation's) are combined with it too. None for another source.
+    pub node_half: Option<std::sync::Arc<moor_runtime::keys::tpm2::NodeHalf>>,
 }
 
 /// An encrypted volume's key at NodeExpandVolume (`cryptsetup resize` needs it): got as its
@@ -132,6 +135,30 @@ pub struct RotateDek {
     pub new_wrapped: moor_runtime::keys::WrappedDek,
     /// The new key slot's `--pbkdf` (the volume's `luksPBKDF`), a plain word.
     pub pbkdf: String,
+    /// This node's TPM: a `tpm2` volume's passphrases are both keys combined with its node
+    /// half, asked once per call.
+    pub tpm: NodeTpm,
+}
+
+/// This node's TPM, shared by the calls that ask it (one conversation at a time); its
+/// `Debug` names nothing.
+#[derive(Clone)]
+pub struct NodeTpm(pub std::sync::Arc<dyn moor_runtime::keys::tpm2::Tpm>);
+
+impl NodeTpm {
+    /// The TPM moor-node finds ([`moor_runtime::keys::tpm2::Tpm2Tools::from_env`]).
+    #[must_use]
+    pub fn from_env() -> Self {
+        Self(std::sync::Arc::new(
+            moor_runtime::keys::tpm2::Tpm2Tools::from_env(),
+        ))
+    }
+}
+
+impl std::fmt::Debug for NodeTpm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NodeTpm")
+    }
 }
 
 /// NodeStageVolume, checked.

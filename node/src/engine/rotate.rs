@@ -11,6 +11,10 @@
 //! 6. `KillSpare`: the spare slot emptied, cryptsetup proving first that the new key opens
 //!    another slot (the volume's).
 //!
+//! A `tpm2` volume's slots take passphrases, each data key combined with the node's TPM half
+//! ([`NodeHalf`]): the half is asked of the TPM once per call, before any step, and both keys
+//! combined with it; the journal never holds it.
+//!
 //! Both keys are journaled wrapped, to survive a power cut, before the first step, and the
 //! step before each. A rotation cut short (an error, a crash, a restart) resumes forward at
 //! the next call with the same keys: where it stands is read from the header itself (which
@@ -21,7 +25,8 @@
 
 use std::path::Path;
 
-use moor_runtime::keys::{Dek, KEY_LEN, WrappedDek};
+use moor_runtime::keys::tpm2::{KMS_TPM2, NodeHalf};
+use moor_runtime::keys::{Dek, KEY_LEN, KeyError, WrappedDek};
 use tracing::info;
 
 use super::crypt::{CRYPTSETUP_DEADLINE, EXIT_WRONG_KEY, cryptsetup, pbkdf_args};
@@ -100,8 +105,21 @@ impl<O: Os> Engine<O> {
                 .unwrap(w, volume)
                 .map_err(|e| Error::FailedPrecondition(format!("{e}; nothing was rotated")))
         };
-        let old = unwrap(&req.old_wrapped)?;
-        let new = unwrap(&req.new_wrapped)?;
+        // A `tpm2` volume's slots take each key combined with this node's half: the TPM is
+        // asked once (under the volume's PCR policy) for both keys and every step of the call,
+        // again at a resumed call; the journal holds only the wrapped keys.
+        let half = self.node_half(volume, &crypt, req)?;
+        let passphrase = |w| {
+            let dek = unwrap(w)?;
+            match &half {
+                Some(h) => h
+                    .combine(&dek)
+                    .map_err(|e| Error::FailedPrecondition(format!("{e}; nothing was rotated"))),
+                None => Ok(dek),
+            }
+        };
+        let old = passphrase(&req.old_wrapped)?;
+        let new = passphrase(&req.new_wrapped)?;
         if old.expose() == new.expose() {
             return Err(Error::invalid(
                 "new_wrapped",
@@ -157,7 +175,9 @@ impl<O: Os> Engine<O> {
                     }
                     self.journal.put(&record, Durability::Power)?;
                 }
-                RotationStep::Verify => self.verify_recorded(volume, &device, req)?,
+                RotationStep::Verify => {
+                    self.verify_recorded(volume, &device, req, half.as_ref())?;
+                }
                 RotationStep::KillSpare => {
                     if self.test_key(&device, SLOT_SPARE, &old)? {
                         self.kill_slot(&device, SLOT_SPARE, &new)?;
@@ -269,8 +289,38 @@ impl<O: Os> Engine<O> {
             .map_err(|e| self.slot_error(e, device, slot))
     }
 
-    /// The journal's wrapped key read back, unwrapped and tried on the volume's slot alone.
-    fn verify_recorded(&self, volume: &str, device: &Path, req: &RotateDek) -> Result<()> {
+    /// A `tpm2` volume's node half from the request's TPM, its key sealed to the PCRs the
+    /// mapping's record keeps; None for another source. A TPM that does not answer is
+    /// UNAVAILABLE, one that refuses (another TPM, a PCR policy not met) FAILED_PRECONDITION:
+    /// either before any step.
+    fn node_half(
+        &self,
+        volume: &str,
+        crypt: &crate::journal::CryptRecord,
+        req: &RotateDek,
+    ) -> Result<Option<NodeHalf>> {
+        if crypt.kms_id.as_deref() != Some(KMS_TPM2) {
+            return Ok(None);
+        }
+        NodeHalf::of(&*req.tpm.0, crypt.tpm2_pcrs.as_deref(), volume)
+            .map(Some)
+            .map_err(|e| match e {
+                KeyError::Unavailable(m) => Error::Unavailable(format!("{m}; nothing was rotated")),
+                e => Error::FailedPrecondition(format!(
+                    "volume {volume:?}: this node's TPM half: {e}; nothing was rotated"
+                )),
+            })
+    }
+
+    /// The journal's wrapped key read back, unwrapped (for `tpm2`, combined with the node
+    /// `half`) and tried on the volume's slot alone.
+    fn verify_recorded(
+        &self,
+        volume: &str,
+        device: &Path,
+        req: &RotateDek,
+        half: Option<&NodeHalf>,
+    ) -> Result<()> {
         let recorded = self
             .record(volume)
             .crypt
@@ -282,9 +332,12 @@ impl<O: Os> Engine<O> {
             })?;
         let wrapped = moor_runtime::keys::WrappedDek::decode(&recorded)
             .map_err(|e| Error::FailedPrecondition(format!("volume {volume:?}: {e}")))?;
-        let key = req.kek.unwrap(&wrapped, volume).map_err(|e| {
-            Error::FailedPrecondition(format!("{e}, read back after it was recorded"))
-        })?;
+        let read_back =
+            |e| Error::FailedPrecondition(format!("{e}, read back after it was recorded"));
+        let mut key = req.kek.unwrap(&wrapped, volume).map_err(read_back)?;
+        if let Some(h) = half {
+            key = h.combine(&key).map_err(read_back)?;
+        }
         if self.test_key(device, SLOT_VOLUME, &key)? {
             Ok(())
         } else {
@@ -334,8 +387,8 @@ impl<O: Os> Engine<O> {
     /// key, and when no slot takes it, with the other keys the stage was given (the
     /// controller's pending key, the volume context's) and those the journal keeps of a
     /// rotation cut short or finished here, in that order, each unwrapped by the request's
-    /// key-encryption key: a volume staged at any instant of a rotation opens with whichever
-    /// key its header holds. The
+    /// key-encryption key (for `tpm2`, combined with the stage's node half): a volume staged
+    /// at any instant of a rotation opens with whichever key its header holds. The
     /// wrapped key that opened it when it was not the request's; the request's failure when
     /// none did.
     pub(super) fn open_with_journaled_keys(
@@ -379,7 +432,13 @@ impl<O: Os> Engine<O> {
                 continue;
             }
             tried.push(text.clone());
-            let Ok(key) = WrappedDek::decode(&text).and_then(|w| enc.kek.unwrap(&w, volume)) else {
+            let key = WrappedDek::decode(&text)
+                .and_then(|w| enc.kek.unwrap(&w, volume))
+                .and_then(|dek| match &enc.node_half {
+                    Some(h) => h.combine(&dek),
+                    None => Ok(dek),
+                });
+            let Ok(key) = key else {
                 continue;
             };
             match self.os.run_tool_with_key(open, key.expose()) {

@@ -16,13 +16,15 @@ use super::encryption::{
 use super::*;
 
 /// A TPM in memory: a keyed function of its own seed (any TPM's HMAC is as opaque to moor),
-/// or unreachable; it counts the keys it was asked to make.
-struct FakeTpm {
+/// or unreachable; it counts the keys it was asked to make and the HMACs it gave.
+pub(super) struct FakeTpm {
     seed: u8,
     reachable: bool,
     keys_made: AtomicUsize,
+    /// The HMACs it answered.
+    pub(super) hmacs: AtomicUsize,
     /// The PCRs no longer hold the values its sealed keys were made with.
-    pcrs_changed: AtomicBool,
+    pub(super) pcrs_changed: AtomicBool,
 }
 
 /// A [`FakeTpm`]'s key sealed to `pcrs`: a key of its own, refused once the PCRs change.
@@ -50,11 +52,12 @@ impl Tpm for Sealed<'_> {
 }
 
 impl FakeTpm {
-    fn new(seed: u8) -> Arc<Self> {
+    pub(super) fn new(seed: u8) -> Arc<Self> {
         Arc::new(Self {
             seed,
             reachable: true,
             keys_made: AtomicUsize::new(0),
+            hmacs: AtomicUsize::new(0),
             pcrs_changed: AtomicBool::new(false),
         })
     }
@@ -67,6 +70,7 @@ impl Tpm for FakeTpm {
                 "the node's TPM: no such device".into(),
             ));
         }
+        self.hmacs.fetch_add(1, Ordering::Relaxed);
         let mut out = vec![self.seed; 32];
         for (i, b) in message.iter().enumerate() {
             let o = &mut out[i % 32];
@@ -89,7 +93,7 @@ impl Tpm for FakeTpm {
 }
 
 /// The harness's service with `tpm` as the node's TPM.
-fn with_tpm(h: &mut Harness, tpm: Arc<dyn Tpm>) {
+pub(super) fn with_tpm(h: &mut Harness, tpm: Arc<dyn Tpm>) {
     h.svc = NodeService::new(Arc::clone(&h.engine), h.info.clone()).with_tpm(tpm);
 }
 
@@ -100,7 +104,7 @@ async fn staged_tpm2(h: &mut Harness, tpm: Arc<dyn Tpm>, k: &encryption::Keys) {
 }
 
 /// As [`staged_tpm2`], with more of the volume context.
-async fn staged_tpm2_with(
+pub(super) async fn staged_tpm2_with(
     h: &mut Harness,
     tpm: Arc<dyn Tpm>,
     k: &encryption::Keys,
@@ -178,6 +182,7 @@ async fn a_tpm2_volume_does_not_grow_on_another_tpm_or_without_one() {
             seed: 1,
             reachable: false,
             keys_made: AtomicUsize::new(0),
+            hmacs: AtomicUsize::new(0),
             pcrs_changed: AtomicBool::new(false),
         }),
     );

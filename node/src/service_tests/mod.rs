@@ -21,6 +21,7 @@ mod qos;
 pub(crate) mod rbd;
 mod reboot;
 mod rotation;
+mod rotation_tpm2;
 mod stage;
 mod stats;
 

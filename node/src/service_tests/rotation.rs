@@ -12,7 +12,7 @@ use moor_runtime::keys::{Dek, Kek, WrappedDek};
 
 use super::encryption::{Keys, keys, no_key_anywhere, stage_encrypted};
 use super::*;
-use crate::engine::{RotateDek, SLOT_SPARE, SLOT_VOLUME};
+use crate::engine::{NodeTpm, RotateDek, SLOT_SPARE, SLOT_VOLUME};
 use crate::error::Error;
 use crate::journal::{Durability, RotationStep};
 
@@ -51,6 +51,7 @@ async fn staged() -> Rotation {
         new_wrapped: new.wrap(&kek, VOL).expect("wrap"),
         kek: source(7),
         pbkdf: "pbkdf2".to_owned(),
+        tpm: NodeTpm::from_env(),
     };
     Rotation { h, old, new, req }
 }
@@ -78,13 +79,17 @@ fn slot_calls(h: &Harness) -> Vec<String> {
 
 /// The header's slots, each named by the key it opens with.
 fn slots(r: &Rotation) -> BTreeMap<u32, &'static str> {
-    r.h.os
-        .luks_slots(DEV)
+    named_slots(&r.h, r.old.dek.expose(), r.new.expose())
+}
+
+/// The header's slots, each named `old` or `new` by the passphrase it opens with (`other`).
+pub(super) fn named_slots(h: &Harness, old: &[u8], new: &[u8]) -> BTreeMap<u32, &'static str> {
+    h.os.luks_slots(DEV)
         .into_iter()
         .map(|(s, k)| {
-            let name = if k == r.old.dek.expose() {
+            let name = if k == old {
                 "old"
-            } else if k == r.new.expose() {
+            } else if k == new {
                 "new"
             } else {
                 "other"
@@ -95,7 +100,7 @@ fn slots(r: &Rotation) -> BTreeMap<u32, &'static str> {
 }
 
 /// The mapping's record in the journal.
-fn crypt_record(h: &Harness) -> journal::CryptRecord {
+pub(super) fn crypt_record(h: &Harness) -> journal::CryptRecord {
     h.engine
         .journal()
         .get(VOL)
@@ -388,7 +393,7 @@ async fn the_node_keys_call_checks_its_fields_and_rotates() {
     use moor_proto::keys::v1 as k;
     use moor_proto::keys::v1::node_keys_server::NodeKeys;
     let r = staged().await;
-    let svc = crate::keys_service::KeysService::new(Arc::clone(&r.h.engine));
+    let svc = crate::keys_service::KeysService::new(Arc::clone(&r.h.engine), NodeTpm::from_env());
     let good = k::RotateVolumeKeyRequest {
         volume_id: VOL.to_owned(),
         old_wrapped_dek: r.old.wrapped.clone(),

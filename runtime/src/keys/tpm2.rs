@@ -67,29 +67,62 @@ pub trait Tpm: Send + Sync {
     }
 }
 
-/// The passphrase of `volume`'s LUKS key slot under the `tpm2` source: HKDF-SHA256 of the
-/// cluster half (`cluster`, the unwrapped DEK) and the node half (the TPM's HMAC of the
-/// volume id), with the volume id as the HKDF info.
-pub fn combine(cluster: &Dek, tpm: &dyn Tpm, volume: &str) -> Result<Dek> {
-    let message = [SALT, volume.as_bytes()].join(&0u8);
-    let node_half = tpm.hmac(&message)?;
-    if node_half.len() != KEY_LEN {
-        return Err(KeyError::Refused(format!(
-            "the node's TPM gave an HMAC of {} bytes, not {KEY_LEN}",
-            node_half.len()
-        )));
+/// The node half of one volume's passphrase: the TPM's HMAC of its id, held for the
+/// combinations of one call (a rotation combines both its data keys with the one half, the
+/// TPM asked once). Zeroed when dropped; its `Debug` shows no byte.
+pub struct NodeHalf {
+    volume: String,
+    hmac: Zeroizing<Vec<u8>>,
+}
+
+impl fmt::Debug for NodeHalf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "NodeHalf({:?})", self.volume)
     }
-    let mut ikm = Zeroizing::new(Vec::with_capacity(2 * KEY_LEN));
-    ikm.extend_from_slice(cluster.expose());
-    ikm.extend_from_slice(&node_half);
-    let mut out = Secret::zeroed();
-    let info = [volume.as_bytes()];
-    hkdf::Salt::new(hkdf::HKDF_SHA256, SALT)
-        .extract(&ikm)
-        .expand(&info, OutLen)
-        .and_then(|okm| okm.fill(out.0.as_mut_slice()))
-        .map_err(|_| KeyError::Wrap(volume.to_owned()))?;
-    Ok(Dek(out))
+}
+
+impl NodeHalf {
+    /// `volume`'s node half from `tpm`: the TPM's HMAC of the volume id, under its key
+    /// sealed to `pcrs` when the volume names some (the PCR policy is checked by the TPM).
+    pub fn of(tpm: &dyn Tpm, pcrs: Option<&str>, volume: &str) -> Result<Self> {
+        let sealed = pcrs.map(|p| tpm.sealed_to(p)).transpose()?;
+        let tpm = sealed.as_deref().unwrap_or(tpm);
+        let message = [SALT, volume.as_bytes()].join(&0u8);
+        let hmac = tpm.hmac(&message)?;
+        if hmac.len() != KEY_LEN {
+            return Err(KeyError::Refused(format!(
+                "the node's TPM gave an HMAC of {} bytes, not {KEY_LEN}",
+                hmac.len()
+            )));
+        }
+        Ok(Self {
+            volume: volume.to_owned(),
+            hmac,
+        })
+    }
+
+    /// The passphrase of the volume's LUKS key slot under the `tpm2` source: HKDF-SHA256 of
+    /// the cluster half (`cluster`, the unwrapped DEK) and this node half, with the volume id
+    /// as the HKDF info.
+    pub fn combine(&self, cluster: &Dek) -> Result<Dek> {
+        let mut ikm = Zeroizing::new(Vec::with_capacity(2 * KEY_LEN));
+        ikm.extend_from_slice(cluster.expose());
+        ikm.extend_from_slice(&self.hmac);
+        let mut out = Secret::zeroed();
+        let info = [self.volume.as_bytes()];
+        hkdf::Salt::new(hkdf::HKDF_SHA256, SALT)
+            .extract(&ikm)
+            .expand(&info, OutLen)
+            .and_then(|okm| okm.fill(out.0.as_mut_slice()))
+            .map_err(|_| KeyError::Wrap(self.volume.clone()))?;
+        Ok(Dek(out))
+    }
+}
+
+/// The passphrase of `volume`'s LUKS key slot under the `tpm2` source: [`NodeHalf::combine`]
+/// of the cluster half (`cluster`, the unwrapped DEK) and the node half `tpm` gives.
+pub fn combine(cluster: &Dek, tpm: &dyn Tpm, volume: &str) -> Result<Dek> {
+    NodeHalf::of(tpm, None, volume)?.combine(cluster)
 }
 
 /// HKDF's output length: one key.
