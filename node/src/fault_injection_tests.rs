@@ -21,7 +21,7 @@ use crate::sys::discovery::{DeviceIdentity, DiscoveryError, EventSource, FoundDe
 use crate::sys::fake::FakeOs;
 use crate::sys::mount_table::MountEntry;
 use crate::sys::{
-    BindMount, BlockDevice, FsMount, FsUsage, GroupReport, HeldDevice, MountState, Os,
+    BindMount, BlockDevice, FsMount, FsUsage, GroupReport, Held, HeldDevice, MountState, Os,
     OwnershipError, SysError, SysResult, ToolError, ToolRun,
 };
 
@@ -104,6 +104,23 @@ impl Os for Faulty {
     fn bind(&self, b: &BindMount) -> SysResult<()> {
         self.tick("bind", &b.target)?;
         self.inner.bind(b)
+    }
+    fn mount_state_held(&self, path: &Path) -> SysResult<(MountState, Option<Held>)> {
+        self.tick("mount_state", path)?;
+        self.inner.mount_state_held(path)
+    }
+    fn make_dir_held(&self, path: &Path) -> SysResult<Held> {
+        self.tick("make_dir", path)?;
+        self.inner.make_dir_held(path)
+    }
+    fn bind_held(
+        &self,
+        b: &BindMount,
+        source: Option<&Held>,
+        parent: Option<&Held>,
+    ) -> SysResult<()> {
+        self.tick("bind", &b.target)?;
+        self.inner.bind_held(b, source, parent)
     }
     fn unmount(&self, target: &Path, detach: bool) -> SysResult<()> {
         self.tick("unmount", target)?;

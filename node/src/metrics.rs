@@ -23,8 +23,8 @@ use moor_runtime::metrics::{Family, Histogram, render_gauge};
 use crate::engine::VolumeCounts;
 
 use crate::sys::{
-    BindMount, BlockDevice, FsMount, FsUsage, HeldDevice, MountState, Os, SysResult, ToolError,
-    ToolRun,
+    BindMount, BlockDevice, FsMount, FsUsage, Held, HeldDevice, MountState, Os, SysResult,
+    ToolError, ToolRun,
 };
 
 /// Every metric of the node's own.
@@ -252,9 +252,26 @@ impl<O: Os> Os for MeteredOs<O> {
         r
     }
 
+    fn mount_state_held(&self, path: &Path) -> SysResult<(MountState, Option<Held>)> {
+        self.inner.mount_state_held(path)
+    }
+
+    fn make_dir_held(&self, path: &Path) -> SysResult<Held> {
+        self.inner.make_dir_held(path)
+    }
+
     fn bind(&self, b: &BindMount) -> SysResult<()> {
+        self.bind_held(b, None, None)
+    }
+
+    fn bind_held(
+        &self,
+        b: &BindMount,
+        source: Option<&Held>,
+        parent: Option<&Held>,
+    ) -> SysResult<()> {
         let start = Instant::now();
-        let r = self.inner.bind(b);
+        let r = self.inner.bind_held(b, source, parent);
         registry()
             .mount_duration
             .observe(&["bind", result_label(&r)], start.elapsed());

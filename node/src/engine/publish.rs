@@ -11,12 +11,15 @@ use crate::error::{Error, Result};
 use crate::fsgroup;
 use crate::journal::{AccessRecord, Durability, Phase, PublishRecord, StageRecord, VolumeRecord};
 use crate::selinux;
-use crate::sys::{BindMount, MountAttrs, MountPoint, MountState, Os};
+use crate::sys::{BindMount, Held, MountAttrs, MountPoint, MountState, Os};
 
 /// Where a publication's bind mount comes from: the staging mount, or for a block volume the
 /// device node.
 struct Source {
     path: PathBuf,
+    /// The staging mount as it was checked, held: what the bind clones (none for a device
+    /// node, which lies outside the kubelet dir and is opened by its path).
+    held: Option<Held>,
     /// The device number that recognises it on the target: the staging mount's, or the
     /// device's.
     dev: (u32, u32),
@@ -32,6 +35,14 @@ impl Source {
             mp.dev == self.dev && mp.is_dir
         }
     }
+}
+
+/// What publishing found on the target.
+enum Target {
+    /// The bind is there already.
+    Bound,
+    /// Ready for the bind; `parent`: the directory this call made it in, held.
+    Ready { parent: Option<Held> },
 }
 
 /// The volume's stage (`stage`: the record's, unless it is a memory from before a reboot),
@@ -160,17 +171,20 @@ impl<O: Os> Engine<O> {
         check_publications(&record, req, &wanted)?;
         // Before the bind: a limit the kernel refuses leaves nothing mounted.
         let qos = self.apply_qos(req, stage.rdev, !here)?;
-        if self.prepare_target(req, &source, wanted.attrs.read_only)? {
-            // A retry, or a crash after the bind: the same mount is there. The journal is
-            // written only if its record says otherwise (a crash before the confirmation, an
-            // adopted record): a retry that finds it all done (kubelet re-drives every
-            // publication when it restarts) changes nothing, on the node or on disk.
-            if forgot || record.publishes.get(&req.target) != Some(&wanted) {
-                record.publishes.insert(req.target.clone(), wanted);
-                self.journal.put(&record, Durability::Process)?;
+        let parent = match self.prepare_target(req, &source, wanted.attrs.read_only)? {
+            Target::Ready { parent } => parent,
+            Target::Bound => {
+                // A retry, or a crash after the bind: the same mount is there. The journal is
+                // written only if its record says otherwise (a crash before the confirmation, an
+                // adopted record): a retry that finds it all done (kubelet re-drives every
+                // publication when it restarts) changes nothing, on the node or on disk.
+                if forgot || record.publishes.get(&req.target) != Some(&wanted) {
+                    record.publishes.insert(req.target.clone(), wanted);
+                    self.journal.put(&record, Durability::Process)?;
+                }
+                return Ok(qos);
             }
-            return Ok(qos);
-        }
+        };
         if let Access::Mount {
             group: Some(gid), ..
         } = &req.cap.access
@@ -178,7 +192,7 @@ impl<O: Os> Engine<O> {
         {
             fsgroup::apply(self, &req.volume_id, &stage.path, *gid)?;
         }
-        self.bind_target(&mut record, req, source.path, wanted)?;
+        self.bind_target(&mut record, req, &source, parent.as_ref(), wanted)?;
         Ok(qos)
     }
 
@@ -195,17 +209,19 @@ impl<O: Os> Engine<O> {
             }
             return Ok(Source {
                 path: stage.device.clone(),
+                held: None,
                 dev: dev.rdev,
                 block: true,
             });
         }
-        match self.os.mount_state(&stage.path)? {
-            MountState::Mounted(mp) => Ok(Source {
+        match self.os.mount_state_held(&stage.path)? {
+            (MountState::Mounted(mp), held) => Ok(Source {
                 path: stage.path.clone(),
+                held,
                 dev: mp.dev,
                 block: false,
             }),
-            other => Err(Error::FailedPrecondition(format!(
+            (other, _) => Err(Error::FailedPrecondition(format!(
                 "volume {:?} is not mounted at its staging path {} ({other:?}); stage it again",
                 req.volume_id,
                 stage.path.display()
@@ -216,12 +232,12 @@ impl<O: Os> Engine<O> {
     /// Readies the target: a file for a block volume, a directory otherwise; a corrupted mount
     /// on it is detached. Whether the bind of `source` with the same read-only setting is
     /// there already; any other mount is refused.
-    fn prepare_target(&self, req: &Publish, source: &Source, read_only: bool) -> Result<bool> {
+    fn prepare_target(&self, req: &Publish, source: &Source, read_only: bool) -> Result<Target> {
         let block = source.block;
         match self.os.mount_state(&req.target)? {
             MountState::Mounted(mp) => {
                 if source.is_bound_at(&mp) && mp.read_only == read_only {
-                    return Ok(true);
+                    return Ok(Target::Bound);
                 }
                 return Err(Error::Incompatible {
                     volume: req.volume_id.clone(),
@@ -238,12 +254,14 @@ impl<O: Os> Engine<O> {
                 });
             }
             MountState::Corrupted { .. } => self.os.unmount(&req.target, true)?,
+            MountState::Absent if block => self.os.make_file(&req.target)?,
+            // The bind opens the target by its name in the parent resolved here: the dir this
+            // call made (see `Held`), not resolved again.
             MountState::Absent => {
-                if block {
-                    self.os.make_file(&req.target)?;
-                } else {
-                    self.os.make_dir(&req.target)?;
-                }
+                let parent = self.os.make_dir_held(&req.target)?;
+                return Ok(Target::Ready {
+                    parent: Some(parent),
+                });
             }
             MountState::NotMounted { is_dir } if is_dir == block => {
                 return Err(Error::FailedPrecondition(format!(
@@ -254,7 +272,7 @@ impl<O: Os> Engine<O> {
             }
             MountState::NotMounted { .. } => {}
         }
-        Ok(false)
+        Ok(Target::Ready { parent: None })
     }
 
     /// Binds `source` on the target, journaled before and after; a failed bind removes the
@@ -263,7 +281,8 @@ impl<O: Os> Engine<O> {
         &self,
         record: &mut VolumeRecord,
         req: &Publish,
-        source: PathBuf,
+        source: &Source,
+        parent: Option<&Held>,
         wanted: PublishRecord,
     ) -> Result<()> {
         record.publishes.insert(
@@ -275,11 +294,12 @@ impl<O: Os> Engine<O> {
         );
         self.journal.put(record, Durability::Process)?;
         crash_points::point("publish.binding");
-        if let Err(e) = self.os.bind(&BindMount {
-            source,
+        let bind = BindMount {
+            source: source.path.clone(),
             target: req.target.clone(),
             attrs: wanted.attrs,
-        }) {
+        };
+        if let Err(e) = self.os.bind_held(&bind, source.held.as_ref(), parent) {
             record.publishes.remove(&req.target);
             let mut first = Error::from(e);
             if let Err(r) = self.os.remove(&req.target) {

@@ -317,3 +317,51 @@ async fn a_failed_bind_whose_cleanups_fail_answers_the_bind_failure() {
         .expect("the retry");
     assert_eq!(h.os.mount_depth(TARGET), 1);
 }
+
+#[tokio::test]
+async fn a_publish_resolves_each_path_once_and_binds_what_it_checked() {
+    // A publish resolves the staging path (is it mounted, and is it this volume's), the
+    // target (is anything there) and the target's parent (to make it), each once: the bind
+    // clones the staging mount it checked and attaches it on the entry it made, both held
+    // open, not looked up again.
+    let h = harness();
+    staged(&h).await;
+    h.os.clear_calls();
+    h.svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect("publish");
+    let parent = Path::new(TARGET).parent().expect("a parent");
+    assert_eq!(
+        h.os.resolutions(),
+        [Path::new(STAGING), Path::new(TARGET), parent],
+        "one resolution a path"
+    );
+    assert_eq!(h.os.mount_depth(TARGET), 1);
+    // The unpublish: the target (is it mounted), its parent (unmount by name), the target
+    // again (a mount stacked under it?), and its parent (remove the dir).
+    h.os.clear_calls();
+    h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(TARGET)))
+        .await
+        .expect("unpublish");
+    assert_eq!(
+        h.os.resolutions(),
+        [Path::new(TARGET), parent, Path::new(TARGET), parent]
+    );
+    // A remount of the staging path between its check and the bind: what is bound is the
+    // mount checked, and it is gone, so nothing is; never the mount swapped in.
+    h.os.swap_mount_after_check(STAGING, (9, 9));
+    let e = h
+        .svc
+        .node_publish_volume(Request::new(publish_req(ext4(), false)))
+        .await
+        .expect_err("the checked mount is gone");
+    assert_eq!(h.os.mount_depth(TARGET), 0, "{e:?}");
+    assert!(!h.os.exists(TARGET), "the target made is removed: {e:?}");
+    assert!(
+        e.message().contains("open_tree") && e.message().contains(STAGING),
+        "{}",
+        e.message()
+    );
+}

@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use super::mount_table::MountEntry;
 use super::{
-    BackingFs, BackingStore, BindMount, BlockDevice, FsMount, FsUsage, GroupReport, HeldDevice,
-    MountPoint, MountState, Os, OwnershipError, SysError, SysResult, ToolError, ToolRun,
+    BackingFs, BackingStore, BindMount, BlockDevice, FsMount, FsUsage, GroupReport, Held,
+    HeldDevice, MountPoint, MountState, Os, OwnershipError, SysError, SysResult, ToolError,
+    ToolRun,
 };
 use crate::sys::discovery::{
     self, BackingFile, DeviceFacts, DeviceIdentity, DiscoveryError, EventSource, FoundDevice,
@@ -127,6 +128,12 @@ struct State {
     calls: Vec<Call>,
     /// The cgroup control files read, in order (reads are not [`Call`]s: they change nothing).
     cgroup_reads: Vec<PathBuf>,
+    /// The paths resolved from the kubelet dir, in order: each one an `openat2` on the real
+    /// OS (what a held object spares).
+    resolutions: Vec<PathBuf>,
+    /// A mount to replace right after it is next checked and held: (path, the new mount's
+    /// device).
+    swap_after_check: Option<(PathBuf, (u32, u32))>,
 }
 
 /// The fake OS. Cheap to build; every test makes its own.
@@ -388,6 +395,13 @@ impl FakeOs {
         self.lock().missing_programs.insert(program.to_string());
     }
 
+    /// Right after the mount at `path` is next checked and held ([`Os::mount_state_held`]),
+    /// unmounts it and mounts a filesystem of device `dev` there instead, behind the
+    /// engine's back: a remount between a check and the call that acts on what it checked.
+    pub fn swap_mount_after_check(&self, path: impl AsRef<Path>, dev: (u32, u32)) {
+        self.lock().swap_after_check = Some((path.as_ref().to_path_buf(), dev));
+    }
+
     /// Unmounts behind the engine's back.
     pub fn force_unmount(&self, target: impl AsRef<Path>) {
         let mut st = self.lock();
@@ -411,6 +425,14 @@ impl FakeOs {
         let mut st = self.lock();
         st.calls.clear();
         st.cgroup_reads.clear();
+        st.resolutions.clear();
+    }
+
+    /// The paths resolved so far (since [`FakeOs::clear_calls`]), as the real OS resolves
+    /// them: a path looked at or mounted on, a bind's source, and the parent of a path made,
+    /// removed or unmounted; none for what a [`Held`] holds.
+    pub fn resolutions(&self) -> Vec<PathBuf> {
+        self.lock().resolutions.clone()
     }
 
     /// The cgroup control files read so far (since [`FakeOs::clear_calls`]).
@@ -484,21 +506,10 @@ impl FakeOs {
         Ok(())
     }
 
-    fn take_failure(st: &mut State, op: &'static str, path: &Path) -> SysResult<()> {
-        match st.failures.remove(op) {
-            Some(errno) => Err(err(op, path, errno)),
-            None => Ok(()),
-        }
-    }
-}
-
-fn parent_exists(st: &State, path: &Path) -> bool {
-    path.parent().is_some_and(|p| st.dirs.contains(p))
-}
-
-impl Os for FakeOs {
-    fn mount_state(&self, path: &Path) -> SysResult<MountState> {
-        let st = self.lock();
+    /// What is at `path`, resolved (and recorded as such).
+    fn state_at(&self, path: &Path) -> SysResult<MountState> {
+        let mut st = self.lock();
+        st.resolutions.push(path.to_path_buf());
         if let Some(errno) = st.corrupted.get(path) {
             return Ok(MountState::Corrupted { errno: *errno });
         }
@@ -520,59 +531,98 @@ impl Os for FakeOs {
         }
     }
 
-    fn mount_table(&self) -> SysResult<Vec<MountEntry>> {
-        let st = self.lock();
-        let mut table: Vec<MountEntry> = st
-            .mounts
-            .iter()
-            .flat_map(|(point, stack)| {
-                stack.iter().map(|m| MountEntry {
-                    id: m.id,
-                    parent: 1,
-                    dev: m.dev,
-                    root: PathBuf::from("/"),
-                    mount_point: point.clone(),
-                    fs_type: if m.rdev.is_some() { "devtmpfs" } else { "fake" }.into(),
-                    source: m.source.display().to_string(),
-                })
-            })
-            .collect();
-        table.sort_by_key(|m| m.id);
-        Ok(table)
+    fn take_failure(st: &mut State, op: &'static str, path: &Path) -> SysResult<()> {
+        match st.failures.remove(op) {
+            Some(errno) => Err(err(op, path, errno)),
+            None => Ok(()),
+        }
+    }
+}
+
+fn parent_exists(st: &State, path: &Path) -> bool {
+    path.parent().is_some_and(|p| st.dirs.contains(p))
+}
+
+/// Records the resolution of `path`'s parent.
+fn resolve_parent(st: &mut State, path: &Path) {
+    let parent = path.parent().unwrap_or(path).to_path_buf();
+    st.resolutions.push(parent);
+}
+
+impl Os for FakeOs {
+    fn mount_state(&self, path: &Path) -> SysResult<MountState> {
+        self.mount_state_held(path).map(|(state, _)| state)
     }
 
-    fn mount_fs(&self, m: &FsMount) -> SysResult<()> {
-        let mut st = self.lock();
-        st.calls.push(Call::MountFs(m.clone()));
-        Self::take_failure(&mut st, "mount_fs", &m.target)?;
-        let dev = st
-            .devices
-            .get(&m.device)
-            .ok_or_else(|| err("fsconfig source", &m.device, libc::ENOENT))?;
-        let rdev = dev.rdev;
-        if !st.dirs.contains(&m.target) {
-            return Err(err("open mount target", &m.target, libc::ENOENT));
-        }
-        st.next_mount_id += 1;
-        let id = st.next_mount_id;
-        let read_only = m.attrs.read_only || m.sb_read_only;
-        let mount = FakeMount {
-            id,
-            dev: rdev,
-            rdev: None,
-            read_only,
-            is_dir: true,
-            source: m.device.clone(),
+    fn mount_state_held(&self, path: &Path) -> SysResult<(MountState, Option<Held>)> {
+        let state = self.state_at(path)?;
+        let held = match state {
+            MountState::Mounted(mp) => Some(Held::new(path.to_path_buf(), Some(mp.mount_id), None)),
+            _ => None,
         };
-        st.mounts.entry(m.target.clone()).or_default().push(mount);
-        Ok(())
+        if held.is_some() {
+            let mut st = self.lock();
+            if let Some((_, dev)) = st.swap_after_check.take_if(|(p, _)| p == path) {
+                st.next_mount_id += 1;
+                let id = st.next_mount_id;
+                if let Some(stack) = st.mounts.get_mut(path) {
+                    stack.pop();
+                    stack.push(FakeMount {
+                        id,
+                        dev,
+                        rdev: None,
+                        read_only: false,
+                        is_dir: true,
+                        source: PathBuf::from("/dev/swapped-in"),
+                    });
+                }
+            }
+        }
+        Ok((state, held))
+    }
+
+    fn make_dir_held(&self, path: &Path) -> SysResult<Held> {
+        self.make_dir(path)?;
+        Ok(Held::new(
+            path.parent().unwrap_or(path).to_path_buf(),
+            None,
+            None,
+        ))
     }
 
     fn bind(&self, b: &BindMount) -> SysResult<()> {
+        self.bind_held(b, None, None)
+    }
+
+    fn bind_held(
+        &self,
+        b: &BindMount,
+        source: Option<&Held>,
+        parent: Option<&Held>,
+    ) -> SysResult<()> {
         let mut st = self.lock();
         st.calls.push(Call::Bind(b.clone()));
         Self::take_failure(&mut st, "bind", &b.target)?;
-        let (dev, rdev, is_dir) = if let Some(m) = st.mounts.get(&b.source).and_then(|s| s.last()) {
+        let held_mount = source.and_then(|h| h.mount_id);
+        if held_mount.is_none() {
+            st.resolutions.push(b.source.clone());
+        }
+        match parent {
+            Some(p) if b.target.parent() == Some(p.path.as_path()) => {}
+            Some(_) => return Err(err("open mount target", &b.target, libc::EINVAL)),
+            None => st.resolutions.push(b.target.clone()),
+        }
+        let (dev, rdev, is_dir) = if let Some(id) = held_mount {
+            // The held mount itself, wherever it is; gone (unmounted since): the kernel's
+            // EINVAL, never what the path names now.
+            let m = st
+                .mounts
+                .values()
+                .flatten()
+                .find(|m| m.id == id)
+                .ok_or_else(|| err("open_tree", &b.source, libc::EINVAL))?;
+            (m.dev, m.rdev, m.is_dir)
+        } else if let Some(m) = st.mounts.get(&b.source).and_then(|s| s.last()) {
             (m.dev, m.rdev, m.is_dir)
         } else if let Some(d) = st.devices.get(&b.source) {
             ((0, 5), Some(d.rdev), false)
@@ -602,9 +652,59 @@ impl Os for FakeOs {
         Ok(())
     }
 
+    fn mount_table(&self) -> SysResult<Vec<MountEntry>> {
+        let st = self.lock();
+        let mut table: Vec<MountEntry> = st
+            .mounts
+            .iter()
+            .flat_map(|(point, stack)| {
+                stack.iter().map(|m| MountEntry {
+                    id: m.id,
+                    parent: 1,
+                    dev: m.dev,
+                    root: PathBuf::from("/"),
+                    mount_point: point.clone(),
+                    fs_type: if m.rdev.is_some() { "devtmpfs" } else { "fake" }.into(),
+                    source: m.source.display().to_string(),
+                })
+            })
+            .collect();
+        table.sort_by_key(|m| m.id);
+        Ok(table)
+    }
+
+    fn mount_fs(&self, m: &FsMount) -> SysResult<()> {
+        let mut st = self.lock();
+        st.calls.push(Call::MountFs(m.clone()));
+        st.resolutions.push(m.target.clone());
+        Self::take_failure(&mut st, "mount_fs", &m.target)?;
+        let dev = st
+            .devices
+            .get(&m.device)
+            .ok_or_else(|| err("fsconfig source", &m.device, libc::ENOENT))?;
+        let rdev = dev.rdev;
+        if !st.dirs.contains(&m.target) {
+            return Err(err("open mount target", &m.target, libc::ENOENT));
+        }
+        st.next_mount_id += 1;
+        let id = st.next_mount_id;
+        let read_only = m.attrs.read_only || m.sb_read_only;
+        let mount = FakeMount {
+            id,
+            dev: rdev,
+            rdev: None,
+            read_only,
+            is_dir: true,
+            source: m.device.clone(),
+        };
+        st.mounts.entry(m.target.clone()).or_default().push(mount);
+        Ok(())
+    }
+
     fn unmount(&self, target: &Path, detach: bool) -> SysResult<()> {
         let mut st = self.lock();
         st.calls.push(Call::Unmount(target.to_path_buf(), detach));
+        resolve_parent(&mut st, target);
         Self::take_failure(&mut st, "unmount", target)?;
         if st.corrupted.remove(target).is_some() {
             if let Some(stack) = st.mounts.get_mut(target) {
@@ -626,6 +726,7 @@ impl Os for FakeOs {
     fn make_dir(&self, path: &Path) -> SysResult<()> {
         let mut st = self.lock();
         st.calls.push(Call::MakeDir(path.to_path_buf()));
+        resolve_parent(&mut st, path);
         Self::take_failure(&mut st, "mkdir", path)?;
         if st.files.contains(path) {
             return Err(err("mkdir", path, libc::ENOTDIR));
@@ -640,6 +741,7 @@ impl Os for FakeOs {
     fn make_file(&self, path: &Path) -> SysResult<()> {
         let mut st = self.lock();
         st.calls.push(Call::MakeFile(path.to_path_buf()));
+        resolve_parent(&mut st, path);
         Self::take_failure(&mut st, "mkfile", path)?;
         if st.dirs.contains(path) {
             return Err(err("create file", path, libc::EISDIR));
@@ -654,6 +756,7 @@ impl Os for FakeOs {
     fn remove(&self, path: &Path) -> SysResult<()> {
         let mut st = self.lock();
         st.calls.push(Call::Remove(path.to_path_buf()));
+        resolve_parent(&mut st, path);
         Self::take_failure(&mut st, "remove", path)?;
         if st.mounts.get(path).is_some_and(|s| !s.is_empty()) {
             return Err(err("remove", path, libc::EBUSY));

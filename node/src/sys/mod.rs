@@ -340,6 +340,36 @@ impl HeldDevice {
     }
 }
 
+/// A path below the kubelet dir resolved once (without symlinks, as every resolution is) and
+/// held, so that a later call acts on the object it named then, not on whatever the path names
+/// by then. [`Os::mount_state_held`] holds a mount root: [`Os::bind_held`] clones that very
+/// mount, and fails if it has been unmounted since (the kernel clones no mount outside the
+/// namespace's tree), so a mount put on the path after the check is never bound.
+/// [`Os::make_dir_held`] holds the new directory's parent: [`Os::bind_held`] opens the target
+/// by its one name in it (no symlink followed), the entry it made. Held only within one
+/// call: the descriptor pins the mount it names.
+#[derive(Debug)]
+pub struct Held {
+    /// The path it was resolved from.
+    pub path: PathBuf,
+    /// The fake's record of what was resolved: the mount id of a mount root.
+    pub mount_id: Option<u64>,
+    /// The descriptor (none in the fake).
+    fd: Option<std::os::fd::OwnedFd>,
+}
+
+impl Held {
+    /// `fd`, resolved from `path`; `mount_id` for a mount root.
+    pub fn new(path: PathBuf, mount_id: Option<u64>, fd: Option<std::os::fd::OwnedFd>) -> Self {
+        Self { path, mount_id, fd }
+    }
+
+    /// The descriptor, if this is the real OS's.
+    pub fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        std::os::fd::AsFd::as_fd(self.fd.as_ref()?).into()
+    }
+}
+
 /// The file behind a loop device, and the filesystem that holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BackingStore {
@@ -451,6 +481,20 @@ pub trait Os: Send + Sync + 'static {
     fn mount_fs(&self, m: &FsMount) -> SysResult<()>;
     /// Bind-mounts `source` on the existing `target`, with `attrs` applied atomically.
     fn bind(&self, b: &BindMount) -> SysResult<()>;
+    /// [`Os::mount_state`], holding the mount root it resolved (see [`Held`]) when the state
+    /// is [`MountState::Mounted`].
+    fn mount_state_held(&self, path: &Path) -> SysResult<(MountState, Option<Held>)>;
+    /// [`Os::make_dir`], holding the parent it resolved (see [`Held`]).
+    fn make_dir_held(&self, path: &Path) -> SysResult<Held>;
+    /// [`Os::bind`], without resolving again what is held: the mount `source` holds (else
+    /// `b.source`), on the entry named by `b.target`'s last component in the directory
+    /// `parent` holds (else `b.target`).
+    fn bind_held(
+        &self,
+        b: &BindMount,
+        source: Option<&Held>,
+        parent: Option<&Held>,
+    ) -> SysResult<()>;
     /// Unmounts the mount at `target`; `detach` makes it lazy (for corrupted mounts).
     fn unmount(&self, target: &Path, detach: bool) -> SysResult<()>;
     /// Creates a directory (parents must exist), mode 0750. Existing directory: Ok.

@@ -24,7 +24,7 @@ use super::mount_table::{self, MountEntry};
 use super::ownership::{self, GroupReport, OwnershipError};
 use super::raw::{self, MountAttr};
 use super::{
-    Atime, BackingFs, BackingStore, BindMount, BlockDevice, DIRECT_ALIGN, FsMount, FsUsage,
+    Atime, BackingFs, BackingStore, BindMount, BlockDevice, DIRECT_ALIGN, FsMount, FsUsage, Held,
     HeldDevice, MountAttrs, MountPoint, MountState, Os, SysError, SysResult, ToolError, ToolRun,
     is_corruption_errno,
 };
@@ -127,9 +127,52 @@ impl Linux {
         .map_err(|e| SysError::new("open_tree", path, e))
     }
 
+    /// Clones the mount to bind: the one `held` holds, else `source` resolved.
+    fn source_tree(&self, source: &Path, held: Option<&Held>) -> SysResult<OwnedFd> {
+        let Some(fd) = held.and_then(Held::fd) else {
+            return self.open_source(source);
+        };
+        // The held mount root itself: if it was unmounted since it was checked, the kernel
+        // refuses to clone it (EINVAL) rather than bind whatever the path names now.
+        rustix::mount::open_tree(
+            fd,
+            "",
+            OpenTreeFlags::OPEN_TREE_CLONE
+                | OpenTreeFlags::OPEN_TREE_CLOEXEC
+                | OpenTreeFlags::AT_EMPTY_PATH,
+        )
+        .map_err(|e| SysError::new("open_tree", source, e))
+    }
+
+    /// Opens the mount target: by its last component in the held `parent` (the directory
+    /// this call made it in), else resolved from the kubelet dir.
+    fn open_target(&self, target: &Path, parent: Option<&Held>) -> SysResult<OwnedFd> {
+        let step = "open mount target";
+        let Some((held, dir)) = parent.and_then(|h| Some((h, h.fd()?))) else {
+            return self.open_beneath(step, target, OFlags::PATH);
+        };
+        let name = target
+            .file_name()
+            .filter(|_| target.parent() == Some(held.path.as_path()))
+            .ok_or_else(|| SysError::new(step, target, Errno::INVAL))?;
+        rustix::fs::openat2(
+            dir,
+            name,
+            OFlags::PATH | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+        )
+        .map_err(|e| SysError::new(step, target, e))
+    }
+
     /// Attaches the detached mount `mnt` on `target`, by descriptor.
     fn attach(&self, mnt: &OwnedFd, target: &Path) -> SysResult<()> {
-        let target_fd = self.open_beneath("open mount target", target, OFlags::PATH)?;
+        self.attach_in(mnt, target, None)
+    }
+
+    /// [`Linux::attach`], the target opened as [`Linux::open_target`] does.
+    fn attach_in(&self, mnt: &OwnedFd, target: &Path, parent: Option<&Held>) -> SysResult<()> {
+        let target_fd = self.open_target(target, parent)?;
         rustix::mount::move_mount(
             mnt,
             "",
@@ -186,65 +229,76 @@ fn fs_context_messages(fs_fd: &OwnedFd) -> String {
     String::from_utf8_lossy(&out).trim().to_string()
 }
 
+/// What the object `fd` (resolved from `path`) is, as far as mounts go.
+fn state_of(fd: &OwnedFd, path: &Path) -> SysResult<MountState> {
+    let stx = match rustix::fs::statx(
+        fd,
+        "",
+        AtFlags::EMPTY_PATH | AtFlags::SYMLINK_NOFOLLOW,
+        StatxFlags::TYPE | StatxFlags::from_bits_retain(STATX_MNT_ID_UNIQUE),
+    ) {
+        Ok(stx) => stx,
+        Err(e) if is_corruption_errno(e.raw_os_error()) => {
+            return Ok(MountState::Corrupted {
+                errno: e.raw_os_error(),
+            });
+        }
+        Err(e) => return Err(SysError::new("statx", path, e)),
+    };
+    let file_type = FileType::from_raw_mode(stx.stx_mode.into());
+    let is_dir = file_type == FileType::Directory;
+    let mount_root = stx
+        .stx_attributes_mask
+        .contains(StatxAttributes::MOUNT_ROOT)
+        && stx.stx_attributes.contains(StatxAttributes::MOUNT_ROOT);
+    if !mount_root {
+        return Ok(MountState::NotMounted { is_dir });
+    }
+    let read_only = match rustix::fs::fstatvfs(fd) {
+        Ok(vfs) => vfs.f_flag.contains(StatVfsMountFlags::RDONLY),
+        Err(e) if is_corruption_errno(e.raw_os_error()) => {
+            return Ok(MountState::Corrupted {
+                errno: e.raw_os_error(),
+            });
+        }
+        Err(e) => return Err(SysError::new("statvfs", path, e)),
+    };
+    let rdev = (file_type == FileType::BlockDevice)
+        .then(|| dev_pair(stx.stx_rdev_major, stx.stx_rdev_minor));
+    Ok(MountState::Mounted(MountPoint {
+        mount_id: stx.stx_mnt_id,
+        dev: dev_pair(stx.stx_dev_major, stx.stx_dev_minor),
+        rdev,
+        is_dir,
+        read_only,
+    }))
+}
+
 fn dev_pair(major: u32, minor: u32) -> (u32, u32) {
     (major, minor)
 }
 
 impl Os for Linux {
     fn mount_state(&self, path: &Path) -> SysResult<MountState> {
+        self.mount_state_held(path).map(|(state, _)| state)
+    }
+
+    fn mount_state_held(&self, path: &Path) -> SysResult<(MountState, Option<Held>)> {
         let fd = match self.open_beneath("open", path, OFlags::PATH) {
             Ok(fd) => fd,
-            Err(e) if e.is_not_found() => return Ok(MountState::Absent),
+            Err(e) if e.is_not_found() => return Ok((MountState::Absent, None)),
             Err(e) => match e.errno() {
                 Some(errno) if is_corruption_errno(errno) => {
-                    return Ok(MountState::Corrupted { errno });
+                    return Ok((MountState::Corrupted { errno }, None));
                 }
                 _ => return Err(e),
             },
         };
-        let stx = match rustix::fs::statx(
-            &fd,
-            "",
-            AtFlags::EMPTY_PATH | AtFlags::SYMLINK_NOFOLLOW,
-            StatxFlags::TYPE | StatxFlags::from_bits_retain(STATX_MNT_ID_UNIQUE),
-        ) {
-            Ok(stx) => stx,
-            Err(e) if is_corruption_errno(e.raw_os_error()) => {
-                return Ok(MountState::Corrupted {
-                    errno: e.raw_os_error(),
-                });
-            }
-            Err(e) => return Err(SysError::new("statx", path, e)),
-        };
-        let file_type = FileType::from_raw_mode(stx.stx_mode.into());
-        let is_dir = file_type == FileType::Directory;
-        let mount_root = stx
-            .stx_attributes_mask
-            .contains(StatxAttributes::MOUNT_ROOT)
-            && stx.stx_attributes.contains(StatxAttributes::MOUNT_ROOT);
-        if !mount_root {
-            return Ok(MountState::NotMounted { is_dir });
-        }
-        let read_only = match rustix::fs::fstatvfs(&fd) {
-            Ok(vfs) => vfs.f_flag.contains(StatVfsMountFlags::RDONLY),
-            Err(e) if is_corruption_errno(e.raw_os_error()) => {
-                return Ok(MountState::Corrupted {
-                    errno: e.raw_os_error(),
-                });
-            }
-            Err(e) => return Err(SysError::new("statvfs", path, e)),
-        };
-        let rdev = (file_type == FileType::BlockDevice)
-            .then(|| dev_pair(stx.stx_rdev_major, stx.stx_rdev_minor));
-        Ok(MountState::Mounted(MountPoint {
-            mount_id: stx.stx_mnt_id,
-            dev: dev_pair(stx.stx_dev_major, stx.stx_dev_minor),
-            rdev,
-            is_dir,
-            read_only,
-        }))
+        let state = state_of(&fd, path)?;
+        let held = matches!(state, MountState::Mounted(_))
+            .then(|| Held::new(path.to_path_buf(), None, Some(fd)));
+        Ok((state, held))
     }
-
     fn mount_table(&self) -> SysResult<Vec<MountEntry>> {
         mount_table::read().map(|(t, _)| t).map_err(|e| {
             SysError::new(
@@ -281,7 +335,16 @@ impl Os for Linux {
     }
 
     fn bind(&self, b: &BindMount) -> SysResult<()> {
-        let tree = self.open_source(&b.source)?;
+        self.bind_held(b, None, None)
+    }
+
+    fn bind_held(
+        &self,
+        b: &BindMount,
+        source: Option<&Held>,
+        parent: Option<&Held>,
+    ) -> SysResult<()> {
+        let tree = self.source_tree(&b.source, source)?;
         let set = attr_bits(&b.attrs);
         if set != 0 {
             let attr = MountAttr {
@@ -296,7 +359,7 @@ impl Os for Linux {
             raw::mount_setattr_fd(&tree, &attr)
                 .map_err(|e| SysError::new("mount_setattr", &b.source, e))?;
         }
-        self.attach(&tree, &b.target)
+        self.attach_in(&tree, &b.target, parent)
     }
 
     fn unmount(&self, target: &Path, detach: bool) -> SysResult<()> {
@@ -320,8 +383,12 @@ impl Os for Linux {
     }
 
     fn make_dir(&self, path: &Path) -> SysResult<()> {
+        self.make_dir_held(path).map(drop)
+    }
+
+    fn make_dir_held(&self, path: &Path) -> SysResult<Held> {
         let (parent, name) = self.open_parent("open parent", path)?;
-        match rustix::fs::mkdirat(&parent, name, Mode::from_raw_mode(0o750)) {
+        let made = match rustix::fs::mkdirat(&parent, name, Mode::from_raw_mode(0o750)) {
             Ok(()) => Ok(()),
             Err(Errno::EXIST) => {
                 let st = rustix::fs::statat(&parent, name, AtFlags::SYMLINK_NOFOLLOW)
@@ -333,7 +400,10 @@ impl Os for Linux {
                 }
             }
             Err(e) => Err(SysError::new("mkdir", path, e)),
-        }
+        };
+        made?;
+        let dir = path.parent().unwrap_or(path).to_path_buf();
+        Ok(Held::new(dir, None, Some(parent)))
     }
 
     fn make_file(&self, path: &Path) -> SysResult<()> {
