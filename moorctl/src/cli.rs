@@ -114,6 +114,9 @@ pub enum Command {
     /// volume is staged with it (docs/encryption.md, "KEK rotation").
     #[command(after_help = EXIT_CODES)]
     RotateKek(RotateKekArgs),
+    /// An encrypted volume's keys, by hand, with no moor daemon (`key unwrap`).
+    #[command(subcommand)]
+    Key(KeyCommand),
     /// Checks every volume moor staged or published here against the mount table and device.
     ///
     /// Reads moor-node's journal (without changing it) and compares each staged or published
@@ -392,6 +395,38 @@ pub struct RotateKeyArgs {
     /// The new key slot's PBKDF: the volume's `luksPBKDF`.
     #[arg(long, default_value = "pbkdf2")]
     pub pbkdf: String,
+}
+
+/// `key ...`.
+#[derive(Debug, Subcommand)]
+pub enum KeyCommand {
+    /// Writes a volume's data key, unwrapped, to standard output, for a pipe only.
+    ///
+    /// The recovery without moor (docs/encryption.md, "Recovery when the key source is
+    /// gone"): the data key of `--volume`, unwrapped from `--wrapped-dek` by the key source
+    /// `--kms-id` that `--secrets` configures (the Secret's `kek` and `kekID`, or a KMIP
+    /// server's fields), written to standard output as exactly the bytes moor gives
+    /// cryptsetup: `moorctl key unwrap ... | cryptsetup open --key-file=- <device> <name>`.
+    /// No daemon is asked. Refused when standard output is a terminal (a key is never shown
+    /// on a screen) and for a `tpm2` volume (its passphrase also needs its node's TPM).
+    #[command(after_help = EXIT_CODES)]
+    Unwrap(KeyUnwrapArgs),
+}
+
+/// `key unwrap`.
+#[derive(Debug, Args)]
+pub struct KeyUnwrapArgs {
+    /// The volume id: the wrap is bound to it, so another volume's id unwraps nothing.
+    #[arg(long)]
+    pub volume: String,
+    /// The volume's wrapped data key (`v1:<kek id>:<base64>`): its `encryptedDEK`, from the
+    /// PV's volume attributes, the embedded record file or the RBD image's metadata
+    /// `moor.csi.io/encryptedDEK`. Not secret.
+    #[arg(long)]
+    pub wrapped_dek: String,
+    /// The volume's key source (its `kmsID`: `secret`, `kmip`; `tpm2` is refused).
+    #[arg(long)]
+    pub kms_id: String,
 }
 
 /// `rotate-kek`.

@@ -91,6 +91,14 @@ fn run(cli: &Cli, endpoint_given: bool) -> Result<(), CliError> {
             }
         }
         Command::Demo(a) => demo::run(a),
+        Command::Key(cli::KeyCommand::Unwrap(a)) => {
+            let secrets = match &cli.secrets {
+                Some(path) => Secrets::load(path)?,
+                None => Secrets::default(),
+            };
+            let stdout = std::io::stdout();
+            commands::key_unwrap(a, &secrets, std::os::fd::AsFd::as_fd(&stdout))
+        }
         command => {
             let rt = runtime()?;
             let report = rt.block_on(async {
@@ -122,9 +130,10 @@ fn run(cli: &Cli, endpoint_given: bool) -> Result<(), CliError> {
                     Command::Stats(a) => commands::stats(&mut c, a, timeout).await,
                     Command::RotateKey(a) => commands::rotate_key(&mut c, a, timeout).await,
                     Command::RotateKek(a) => commands::rotate_kek(&mut c, a, timeout).await,
-                    Command::Completion(_) | Command::Status(_) | Command::Demo(_) => {
-                        Err(CliError::Local("handled above".into()))
-                    }
+                    Command::Completion(_)
+                    | Command::Status(_)
+                    | Command::Demo(_)
+                    | Command::Key(_) => Err(CliError::Local("handled above".into())),
                 }
             })?;
             report.print(cli.output)?;

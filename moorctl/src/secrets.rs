@@ -33,7 +33,7 @@ impl Secrets {
         Self::parse(&text).map_err(fail)
     }
 
-    fn parse(text: &str) -> Result<Self, String> {
+    pub(crate) fn parse(text: &str) -> Result<Self, String> {
         if text.trim_start().starts_with('{') {
             // serde_json's errors name a line and column, never the text.
             return serde_json::from_str::<HashMap<String, String>>(text)

@@ -11,11 +11,20 @@
 //!
 //! `rotate-kek`: `ControllerKeys/RotateKeyEncryptionKey` on the controller, the old KEK from
 //! `--secrets` and the new one from `--new-secrets`.
+//!
+//! `key unwrap`: no daemon; a volume's data key unwrapped here, by the key source its
+//! `kmsID` names and `--secrets` configures, and written to standard output as the bytes the
+//! node gives cryptsetup on its standard input, for a pipe only (docs/encryption.md,
+//! "Recovery when the key source is gone").
 
+use std::fs::File;
+use std::io::{IsTerminal as _, Write as _};
+use std::os::fd::BorrowedFd;
 use std::time::Duration;
 
 use moor_proto::keys::v1 as keys;
 use moor_proto::keys::v1::controller_keys_client::ControllerKeysClient;
+use moor_runtime::keys::source::{KMS_TPM2, KeySource};
 use moor_runtime::keys::{Dek, WrappedDek};
 use serde_json::json;
 
@@ -203,4 +212,116 @@ pub async fn rotate_kek(
             "other_keks": answer.other_keks,
         }),
     ))
+}
+
+/// `key unwrap`: the data key of `a.volume` written to `out` (standard output), unwrapped
+/// from `a.wrapped_dek` by the key source `a.kms_id` that `secrets` configures. Refused,
+/// before any key is asked for, when `out` is a terminal and for a `tpm2` volume. The key
+/// goes to `out` unbuffered, and no error names a byte of it.
+pub fn key_unwrap(
+    a: &cli::KeyUnwrapArgs,
+    secrets: &Secrets,
+    out: BorrowedFd<'_>,
+) -> Result<(), CliError> {
+    if a.kms_id == KMS_TPM2 {
+        return Err(CliError::Usage(format!(
+            "volume {}: a tpm2 volume's passphrase is its data key combined with its node's \
+             TPM, which only that node's moor-node can do: stage it there",
+            a.volume
+        )));
+    }
+    if out.is_terminal() {
+        return Err(CliError::Usage(
+            "standard output is a terminal: a data key is never shown on a screen; pipe it \
+             to cryptsetup (moorctl key unwrap ... | cryptsetup open --key-file=- <device> \
+             <name>)"
+                .into(),
+        ));
+    }
+    let wrapped = WrappedDek::decode(&a.wrapped_dek)
+        .map_err(|e| CliError::Usage(format!("--wrapped-dek: {e}")))?;
+    let map = secrets.to_map();
+    let source = KeySource::from_secrets(&a.kms_id, |k| map.get(k).map(String::as_str))
+        .map_err(|e| CliError::Usage(format!("--secrets for --kms-id {}: {e}", a.kms_id)))?;
+    let dek = source.unwrap(&wrapped, &a.volume).map_err(|e| {
+        CliError::Local(format!(
+            "volume {}: the data key does not unwrap: {e}",
+            a.volume
+        ))
+    })?;
+    // A File of its own over the descriptor: unbuffered, so no copy of the key stays in a
+    // buffer of the process's standard output.
+    let mut file = File::from(out.try_clone_to_owned()?);
+    file.write_all(dek.expose())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read as _;
+    use std::os::fd::AsFd as _;
+
+    use moor_runtime::keys::secret_entries;
+
+    use super::*;
+
+    fn args(kms: &str, wrapped: &str) -> cli::KeyUnwrapArgs {
+        cli::KeyUnwrapArgs {
+            volume: "vol-1".into(),
+            wrapped_dek: wrapped.into(),
+            kms_id: kms.into(),
+        }
+    }
+
+    fn secrets(byte: u8) -> Secrets {
+        let lines: String = secret_entries("kek-1", &[byte; 32])
+            .iter()
+            .map(|(k, v)| format!("{k}={v}\n"))
+            .collect();
+        Secrets::parse(&lines).expect("secrets")
+    }
+
+    #[test]
+    fn the_key_goes_out_whole_and_a_wrong_kek_writes_nothing() {
+        let map = secrets(9).to_map();
+        let source =
+            KeySource::from_secrets("secret", |k| map.get(k).map(String::as_str)).expect("source");
+        let dek = Dek::generate().expect("dek");
+        let wrapped = source.wrap(&dek, "vol-1").expect("wrap").encode();
+        let mut out = tempfile();
+        key_unwrap(&args("secret", &wrapped), &secrets(9), out.as_fd()).expect("unwrap");
+        let mut got = Vec::new();
+        File::open(&out.1).unwrap().read_to_end(&mut got).unwrap();
+        assert_eq!(got, dek.expose());
+
+        out = tempfile();
+        let e = key_unwrap(&args("secret", &wrapped), &secrets(8), out.as_fd()).unwrap_err();
+        assert_eq!(e.exit_code(), 5, "{e}");
+        assert_eq!(std::fs::metadata(&out.1).unwrap().len(), 0);
+        let e = key_unwrap(&args("tpm2", &wrapped), &secrets(9), out.as_fd()).unwrap_err();
+        assert!(e.to_string().contains("TPM"), "{e}");
+        assert_eq!(std::fs::metadata(&out.1).unwrap().len(), 0);
+    }
+
+    /// A new empty file in the temp dir, open for writing, and its path.
+    fn tempfile() -> TempOut {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("moorctl-unwrap-{}-{n}", std::process::id()));
+        TempOut(File::create(&path).expect("temp file"), path)
+    }
+
+    struct TempOut(File, std::path::PathBuf);
+
+    impl TempOut {
+        fn as_fd(&self) -> BorrowedFd<'_> {
+            self.0.as_fd()
+        }
+    }
+
+    impl Drop for TempOut {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.1);
+        }
+    }
 }

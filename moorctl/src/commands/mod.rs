@@ -9,7 +9,7 @@ mod node;
 
 pub use self::controller::{publish, snapshot, unpublish, volume};
 pub use self::identity::{info, probe};
-pub use self::keys::{rotate_kek, rotate_key};
+pub use self::keys::{key_unwrap, rotate_kek, rotate_key};
 pub use self::node::{mount, stage, stats, unmount, unstage};
 
 use std::time::Duration;
