@@ -101,10 +101,6 @@ impl Os for Faulty {
         self.tick("mount_fs", &m.target)?;
         self.inner.mount_fs(m)
     }
-    fn bind(&self, b: &BindMount) -> SysResult<()> {
-        self.tick("bind", &b.target)?;
-        self.inner.bind(b)
-    }
     fn mount_state_held(&self, path: &Path) -> SysResult<(MountState, Option<Held>)> {
         self.tick("mount_state", path)?;
         self.inner.mount_state_held(path)

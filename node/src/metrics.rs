@@ -260,10 +260,6 @@ impl<O: Os> Os for MeteredOs<O> {
         self.inner.make_dir_held(path)
     }
 
-    fn bind(&self, b: &BindMount) -> SysResult<()> {
-        self.bind_held(b, None, None)
-    }
-
     fn bind_held(
         &self,
         b: &BindMount,

@@ -590,10 +590,6 @@ impl Os for FakeOs {
         ))
     }
 
-    fn bind(&self, b: &BindMount) -> SysResult<()> {
-        self.bind_held(b, None, None)
-    }
-
     fn bind_held(
         &self,
         b: &BindMount,

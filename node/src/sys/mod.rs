@@ -479,8 +479,11 @@ pub trait Os: Send + Sync + 'static {
     fn mount_table(&self) -> SysResult<Vec<mount_table::MountEntry>>;
     /// Mounts a block device's filesystem on an existing directory.
     fn mount_fs(&self, m: &FsMount) -> SysResult<()>;
-    /// Bind-mounts `source` on the existing `target`, with `attrs` applied atomically.
-    fn bind(&self, b: &BindMount) -> SysResult<()>;
+    /// Bind-mounts `source` on the existing `target`, with `attrs` applied atomically: an
+    /// [`Os::bind_held`] that holds nothing, the same for every implementation.
+    fn bind(&self, b: &BindMount) -> SysResult<()> {
+        self.bind_held(b, None, None)
+    }
     /// [`Os::mount_state`], holding the mount root it resolved (see [`Held`]) when the state
     /// is [`MountState::Mounted`].
     fn mount_state_held(&self, path: &Path) -> SysResult<(MountState, Option<Held>)>;

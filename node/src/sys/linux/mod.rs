@@ -334,10 +334,6 @@ impl Os for Linux {
         self.attach(&mnt, &m.target)
     }
 
-    fn bind(&self, b: &BindMount) -> SysResult<()> {
-        self.bind_held(b, None, None)
-    }
-
     fn bind_held(
         &self,
         b: &BindMount,
