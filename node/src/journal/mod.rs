@@ -10,6 +10,8 @@
 //! so a record of a mount only has to survive the death of the process, which the page cache
 //! gives as soon as `write(2)` returns. A record that guards data across reboots (a mkfs in
 //! progress) is `fdatasync`ed before the mkfs starts; `--journal-fsync` syncs every line.
+//! Durable lines written at once share their syncs (a group commit, [`Journal::put`]); after
+//! a failed sync the journal refuses every change until moor-node restarts.
 //! A compaction is fsynced (temp file, then the dir after the rename) only while such a record
 //! is live, or with `--journal-fsync`: otherwise a power loss can cost at most records of
 //! mounts the reboot has undone anyway, and the hot path does not wait for the disk.
@@ -23,7 +25,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
@@ -644,6 +646,27 @@ struct State {
     crc: u32,
     /// Lines in the log.
     lines: usize,
+    /// A `put` is syncing the log, without the lock: the others that need a sync wait for it
+    /// ([`Journal::sync_through`]).
+    syncing: bool,
+    /// `put`s between their append and the end of the sync they need (the one syncing
+    /// included): while any is, the log is not compacted, so the length each waits for stays
+    /// a length of this file.
+    sync_waiters: usize,
+    /// Why a sync of the log failed, if one did: every later `put` fails with it. After a
+    /// failed `fdatasync` the kernel may have dropped the pages it could not write and a later
+    /// sync can succeed without them, so nothing written before can be called durable again
+    /// until moor-node restarts and reads the log back.
+    broken: Option<String>,
+    /// Tests: the next sync fails with EIO.
+    #[cfg(test)]
+    fail_sync: bool,
+    /// Tests: the next sync waits, without the lock, for a message on this.
+    #[cfg(test)]
+    sync_gate: Option<std::sync::mpsc::Receiver<()>>,
+    /// Tests: syncs of the log `put` has run.
+    #[cfg(test)]
+    syncs: usize,
     /// Tests: how many more `put`s succeed before one fails (with EIO), once.
     #[cfg(test)]
     fail_after: Option<usize>,
@@ -661,6 +684,8 @@ pub struct Journal {
     dir: PathBuf,
     fsync_all: bool,
     state: Mutex<State>,
+    /// Signalled when a sync of the log ends ([`State::syncing`] cleared).
+    synced_cv: Condvar,
     /// Bytes of an append cut short that the log ended in when it was opened.
     torn_tail: usize,
 }
@@ -728,9 +753,19 @@ impl Journal {
                     synced: len,
                     crc,
                     lines,
+                    syncing: false,
+                    sync_waiters: 0,
+                    broken: None,
+                    #[cfg(test)]
+                    fail_sync: false,
+                    #[cfg(test)]
+                    sync_gate: None,
+                    #[cfg(test)]
+                    syncs: 0,
                     #[cfg(test)]
                     fail_after: None,
                 }),
+                synced_cv: Condvar::new(),
                 torn_tail: replayed.torn_tail,
             },
             problems,
@@ -762,6 +797,12 @@ impl Journal {
         self.lock().fail_after = Some(after);
     }
 
+    /// Tests: the next sync of the log fails with EIO (after the line is written).
+    #[cfg(test)]
+    pub(crate) fn fail_next_sync(&self) {
+        self.lock().fail_sync = true;
+    }
+
     /// How many bytes at the start of `journal.log` are known to be on disk: what a power cut
     /// cannot take (the lines after them may reach the disk, in order, or not). For the
     /// power-cut model of the tests.
@@ -770,10 +811,21 @@ impl Journal {
     }
 
     /// Records a volume's new state (an empty record forgets the volume), durably as asked,
-    /// then updates memory. On failure nothing changes, on disk or in memory.
+    /// then updates memory. On failure memory is unchanged, and so is the log unless the
+    /// failure was the sync after the line was written: then the line may be on disk, and the
+    /// journal refuses every later change ([`State::broken`]).
+    ///
+    /// Concurrent `put`s that must be durable share their syncs (a group commit): the line is
+    /// appended under the lock, the `fdatasync` runs without it, and one sync covers every line
+    /// written before it started, so a storm of first stages waits for a few syncs, not one
+    /// each in turn behind a lock. The caller holds the volume's guard, so no other `put` of
+    /// the same volume runs meanwhile.
     pub fn put(&self, record: &VolumeRecord, durability: Durability) -> Result<(), JournalError> {
         let line = encode(record);
         let mut st = self.lock();
+        if let Some(why) = &st.broken {
+            return Err(self.broken_error(why));
+        }
         #[cfg(test)]
         if let Some(n) = st.fail_after.take() {
             if n == 0 {
@@ -785,11 +837,7 @@ impl Journal {
             st.fail_after = Some(n - 1);
         }
         let sync = self.fsync_all || durability == Durability::Power;
-        let written = st
-            .log
-            .write_all(&line)
-            .and_then(|()| if sync { st.log.sync_data() } else { Ok(()) });
-        if let Err(source) = written {
+        if let Err(source) = st.log.write_all(&line) {
             // Cut a partial line off so the next append starts on a line of its own.
             let len = st.len;
             let _ = st.log.set_len(len);
@@ -802,17 +850,19 @@ impl Journal {
         st.crc = moor_runtime::crc32c::extend(st.crc, &line);
         st.lines += 1;
         if sync {
-            st.synced = st.len;
-            // The record is durable whether or not its mark is: a mark left behind only counts
-            // less of the log as durable, and one that fails says nothing.
-            let _ = write_mark(&self.dir, st.mark(), true);
+            let through = st.len;
+            st.sync_waiters += 1;
+            let (guard, synced) = self.sync_through(st, through);
+            st = guard;
+            st.sync_waiters -= 1;
+            synced?;
         }
         if record.is_empty() {
             st.records.remove(&record.volume_id);
         } else {
             st.records.insert(record.volume_id.clone(), record.clone());
         }
-        if st.lines > st.records.len() * 4 + COMPACT_SLACK {
+        if st.lines > st.records.len() * 4 + COMPACT_SLACK && st.sync_waiters == 0 {
             // A failed compaction leaves the old log, which is still whole: carry on with it.
             let durable = self.fsync_all || st.records.values().any(VolumeRecord::guards_data);
             if let Ok((log, len, lines, crc)) = write_compacted(&self.dir, &st.records, durable) {
@@ -836,6 +886,93 @@ impl Journal {
             }
         }
         Ok(())
+    }
+
+    /// Returns once the log is on disk through byte `through`: at once if a sync already took
+    /// it there; after the sync running now, if that one covers it; else this call syncs,
+    /// without the lock, everything written so far. The lock is given back either way.
+    fn sync_through<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        through: u64,
+    ) -> (MutexGuard<'a, State>, Result<(), JournalError>) {
+        loop {
+            if let Some(why) = &st.broken {
+                let e = self.broken_error(why);
+                return (st, Err(e));
+            }
+            if st.synced >= through {
+                return (st, Ok(()));
+            }
+            if !st.syncing {
+                break;
+            }
+            st = self
+                .synced_cv
+                .wait(st)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        st.syncing = true;
+        let (len, mark) = (
+            st.len,
+            SyncedMark {
+                len: st.len,
+                crc: !st.crc,
+            },
+        );
+        #[cfg(test)]
+        let (fail, gate) = {
+            st.syncs += 1;
+            (std::mem::take(&mut st.fail_sync), st.sync_gate.take())
+        };
+        #[cfg(not(test))]
+        let fail = false;
+        let log = st.log.try_clone();
+        drop(st);
+        #[cfg(test)]
+        if let Some(gate) = gate {
+            let _ = gate.recv();
+        }
+        let synced = log.and_then(|f| {
+            if fail {
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
+            f.sync_data()
+        });
+        // The records are durable whether or not their mark is: a mark left behind only
+        // counts less of the log as durable, and one that fails says nothing.
+        if synced.is_ok() {
+            let _ = write_mark(&self.dir, mark, true);
+        }
+        let mut st = self.lock();
+        st.syncing = false;
+        let outcome = match synced {
+            Ok(()) => {
+                st.synced = st.synced.max(len);
+                Ok(())
+            }
+            Err(source) => {
+                st.broken = Some(source.to_string());
+                Err(JournalError::Write {
+                    path: self.dir.join(LOG_FILE),
+                    source,
+                })
+            }
+        };
+        self.synced_cv.notify_all();
+        (st, outcome)
+    }
+
+    /// The error of a `put` after a sync of the log failed.
+    fn broken_error(&self, why: &str) -> JournalError {
+        JournalError::Write {
+            path: self.dir.join(LOG_FILE),
+            source: std::io::Error::other(format!(
+                "an earlier sync of the journal failed ({why}): nothing written since can be \
+                 called durable, so no change is recorded until moor-node restarts and reads \
+                 the journal back"
+            )),
+        }
     }
 }
 

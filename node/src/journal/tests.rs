@@ -664,3 +664,100 @@ fn a_torn_mark_leaves_every_damaged_line_damage() {
     assert_eq!(j.torn_tail(), 0);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Waits (up to a generous deadline) until `cond` holds of the journal's state.
+fn wait_for_state(j: &Journal, what: &str, cond: impl Fn(&State) -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    // try_lock: a put that held the lock through its sync would otherwise hang the test.
+    while !j.state.try_lock().is_ok_and(|st| cond(&st)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "waited 60 s for {what}"
+        );
+        std::thread::yield_now();
+    }
+}
+
+fn named(id: &str) -> VolumeRecord {
+    let mut r = sample();
+    r.volume_id = id.into();
+    r
+}
+
+#[test]
+fn durable_puts_at_once_share_their_syncs() {
+    let dir = temp_dir("group-commit");
+    let (j, _) = Journal::open(&dir, false).unwrap();
+    let j = std::sync::Arc::new(j);
+    let (release, gate) = std::sync::mpsc::channel();
+    j.lock().sync_gate = Some(gate);
+    let put = |id: &'static str| {
+        let j = std::sync::Arc::clone(&j);
+        std::thread::spawn(move || j.put(&named(id), Durability::Power))
+    };
+    // a syncs, held at the gate without the lock; b and c append meanwhile and wait.
+    let a = put("a");
+    wait_for_state(&j, "a's sync to start", |st| st.syncing);
+    let (b, c) = (put("b"), put("c"));
+    wait_for_state(&j, "b and c to be written and wait for a sync", |st| {
+        st.sync_waiters == 3
+    });
+    assert_eq!(
+        j.lock().lines,
+        3,
+        "b's and c's lines were appended during a's sync"
+    );
+    release.send(()).unwrap();
+    for h in [a, b, c] {
+        h.join().unwrap().unwrap();
+    }
+    {
+        let st = j.lock();
+        // a's sync covered a's line only (it started before the others); one more covered b
+        // and c both, whichever of them ran it.
+        assert_eq!(st.syncs, 2, "three durable puts at once, two syncs");
+        assert_eq!(st.synced, st.len, "every line durable");
+        assert_eq!(st.sync_waiters, 0);
+    }
+    let mut ids: Vec<_> = j.all().into_iter().map(|r| r.volume_id).collect();
+    ids.sort();
+    assert_eq!(ids, ["a", "b", "c"]);
+    // The mark proves the whole log durable.
+    let log = std::fs::read(dir.join(LOG_FILE)).unwrap();
+    assert_eq!(durable_part(&dir, &log), Some(log.len()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_failed_sync_fails_the_put_leaves_memory_and_refuses_every_later_change() {
+    let dir = temp_dir("failed-sync");
+    let (j, _) = Journal::open(&dir, false).unwrap();
+    j.put(&named("before"), Durability::Power).unwrap();
+    j.fail_next_sync();
+    let e = j.put(&named("cut"), Durability::Power).unwrap_err();
+    assert!(e.to_string().contains("Input/output error"), "{e}");
+    assert!(
+        j.get("cut").is_none(),
+        "a put whose sync failed is not in memory"
+    );
+    // After a failed fdatasync nothing can be called durable: no later change is recorded,
+    // durable or not, and each says why.
+    for d in [Durability::Process, Durability::Power] {
+        let e = j.put(&named("after"), d).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("an earlier sync of the journal failed"),
+            "{e}"
+        );
+    }
+    assert!(j.get("after").is_none());
+    assert!(j.get("before").is_some());
+    drop(j);
+    // Restarted, moor-node reads the log back: the line whose sync failed may be there (it
+    // was written); what was durable before is.
+    let (j, problems) = Journal::open(&dir, false).unwrap();
+    assert!(problems.is_empty(), "{problems:?}");
+    assert!(j.get("before").is_some());
+    j.put(&named("after"), Durability::Power).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
