@@ -3,10 +3,17 @@
 //! one node, each a first stage (map + probe + mkfs + mount):
 //!
 //! * moor: N NodeStageVolume calls at once to moor-node (`--rbd-attacher kernel`);
-//! * ceph-csi's way: N jobs at once in the guest, each `rbd map` (the `ceph-common` CLI),
-//!   `blkid -p` (mount-utils' probe), `mkfs.ext4` with ceph-csi's options and `mount`;
+//! * ceph-csi's way: N jobs at once in the guest, each what ceph-csi's node server execs for a
+//!   first stage (`internal/rbd/rbd_attach.go` and `nodeserver.go`): `rbd device list` (is the
+//!   image mapped already?), `rbd --id U -m MONS --keyfile=F map POOL/IMAGE --device-type krbd
+//!   --options noudev` (the `ceph-common` CLI), `blkid -p` (its `GetDiskFormat`), `mkfs.ext4
+//!   -m0 -Enodiscard,assume_storage_prezeroed=1` (its options where mke2fs has that one, as
+//!   the guest's does), then mount-utils' `FormatAndMount`: `blkid -p` again and `mount`;
 //! * the floor: the same jobs with the map done as moor does it, one write of the request to
-//!   `/sys/bus/rbd/add_single_major`, and no probe;
+//!   `/sys/bus/rbd/add_single_major`, no probe, and moor's mkfs options (moor cannot prove a
+//!   fresh image reads zeros, so it does not take `assume_storage_prezeroed`);
+//! * udev: whether the guest runs systemd-udevd, and one `rbd map` timed with the CLI's
+//!   default (it waits for udev to announce the device) and with `--options noudev`;
 //! * the kernel's map path alone: the N sysfs writes at once, and one after another.
 //!
 //! Each storm's total (first start to last end, on the guest's clock: moor's from its log,
@@ -34,8 +41,13 @@ use moor_privileged::runtime;
 const IMAGE_MIB: u64 = 64;
 /// How long a storm in the guest may take before the bench gives up on it.
 const STORM_DEADLINE: Duration = Duration::from_secs(3600);
-/// mkfs.ext4 as ceph-csi runs it (and moor: the same extended options).
-const MKFS: &str = "mkfs.ext4 -q -m0 -E nodiscard,lazy_itable_init=1,lazy_journal_init=1";
+/// mkfs.ext4 as ceph-csi runs it where mke2fs takes `assume_storage_prezeroed` (e2fsprogs
+/// 1.47, the guest's): `getMkfsArgs` in its `nodeserver.go`.
+const MKFS_CEPH_CSI: &str = "mkfs.ext4 -m0 -Enodiscard,assume_storage_prezeroed=1";
+/// mkfs.ext4 as moor runs it (`node/src/filesystem/ext.rs`, without its `-U`).
+const MKFS_MOOR: &str = "mkfs.ext4 -q -E lazy_itable_init=1,lazy_journal_init=1,nodiscard";
+/// How long one `rbd map` of the udev check may take.
+const UDEV_MAP_DEADLINE_S: u32 = 900;
 
 /// One volume's times in a storm, in ms on the guest's clock: its start, its end, and its steps.
 #[derive(Debug, Clone, Default)]
@@ -181,6 +193,7 @@ fn shell_storm(text: &str, n: usize) -> Storm {
         let mut i = 3;
         while i + 1 < f.len() {
             let name: &'static str = match f[i] {
+                "list" => "list",
                 "map" => "map",
                 "probe" => "probe",
                 "mkfs" => "mkfs",
@@ -216,10 +229,27 @@ fn main() {
     let tag = std::process::id();
     let out = lab.world.nodes[0].state.join("storm.out");
     let ceph = lab.world.ceph.clone();
+    // ceph-csi's command line: the user, the monitors and a file holding the key, no conf.
+    let keyfile = lab.world.nodes[0].state.join("storm.key");
+    std::fs::write(&keyfile, &ceph.key).expect("the key file");
     let rbd = format!(
-        "rbd -c {} --id {} --keyring {} -p {}",
-        ceph.conf, ceph.user, ceph.keyring, ceph.pool
+        "rbd --id {} -m {} --keyfile={}",
+        ceph.user,
+        ceph.mons,
+        keyfile.display()
     );
+    let map = |image: &str, options: &str| {
+        format!(
+            "{rbd} map {}/{image} --device-type krbd{options}",
+            ceph.pool
+        )
+    };
+    let unmap = |image: &str| {
+        format!(
+            "rbd unmap --device-type krbd --options noudev {}/{image}",
+            ceph.pool
+        )
+    };
     // The kernel's request, as moor writes it (the cluster's monitors speak msgr2 on 3300).
     let kernel = moor_node::attach::kernel::kernel_monitors(&ceph.mons).expect("monitors");
     let request = format!(
@@ -251,18 +281,26 @@ fn main() {
     };
     let mut storms: Vec<(&str, Storm)> = Vec::new();
 
+    // udev: does the guest run it, and what does the CLI's wait for it cost one map?
+    let udev = udev_check(&lab, &out, &ceph, tag, &map, &unmap);
+
     // ceph-csi's way.
     images("ref");
+    let probe = "blkid -p -s TYPE -s PTTYPE -o export $dev >/dev/null";
     let text = guest_storm(
         &lab,
         &out,
         &format!(
             "one() {{ d=/run/storm-ref/$1; mkdir -p $d; t0=$EPOCHREALTIME; \
-             dev=$({rbd} map ref-{tag}-$1) || {{ echo fail $1 map; return; }}; t1=$EPOCHREALTIME; \
-             blkid -p -s TYPE -s PTTYPE -o export $dev >/dev/null; t2=$EPOCHREALTIME; \
-             {MKFS} $dev || {{ echo fail $1 mkfs; return; }}; t3=$EPOCHREALTIME; \
-             mount -t ext4 $dev $d || {{ echo fail $1 mount; return; }}; t4=$EPOCHREALTIME; \
-             echo vol $1 $t0 map $t1 probe $t2 mkfs $t3 mount $t4; }}\n{}",
+             rbd device list --format=json --device-type krbd >/dev/null || {{ echo fail $1 list; return; }}; \
+             t1=$EPOCHREALTIME; \
+             dev=$({}) || {{ echo fail $1 map; return; }}; t2=$EPOCHREALTIME; \
+             {probe}; t3=$EPOCHREALTIME; \
+             {MKFS_CEPH_CSI} $dev >/dev/null 2>&1 || {{ echo fail $1 mkfs; return; }}; t4=$EPOCHREALTIME; \
+             {probe}; mount -t ext4 -o _netdev,defaults $dev $d || {{ echo fail $1 mount; return; }}; \
+             t5=$EPOCHREALTIME; \
+             echo vol $1 $t0 list $t1 map $t2 probe $t3 mkfs $t4 mount $t5; }}\n{}",
+            map(&format!("ref-{tag}-$1"), " --options noudev"),
             all(n, true)
         ),
     );
@@ -271,7 +309,8 @@ fn main() {
         &lab,
         &out,
         &format!(
-            "one() {{ umount /run/storm-ref/$1 && {rbd} unmap ref-{tag}-$1 || echo fail $1 teardown; }}\n{}",
+            "one() {{ umount /run/storm-ref/$1 && {} || echo fail $1 teardown; }}\n{}",
+            unmap(&format!("ref-{tag}-$1")),
             all(n, true)
         ),
     );
@@ -333,7 +372,7 @@ fn main() {
             "one() {{ d=/run/storm-floor/$1; mkdir -p $d; t0=$EPOCHREALTIME; \
              echo '{request} floor-{tag}-'$1 > /sys/bus/rbd/add_single_major || {{ echo fail $1 map; return; }}; \
              {find}; dev=/dev/rbd$id; t1=$EPOCHREALTIME; \
-             {MKFS} $dev || {{ echo fail $1 mkfs; return; }}; t2=$EPOCHREALTIME; \
+             {MKFS_MOOR} $dev || {{ echo fail $1 mkfs; return; }}; t2=$EPOCHREALTIME; \
              mount -t ext4 $dev $d || {{ echo fail $1 mount; return; }}; t3=$EPOCHREALTIME; \
              echo vol $1 $t0 map $t1 mkfs $t2 mount $t3; }}\n{}",
             all(n, true)
@@ -373,11 +412,63 @@ fn main() {
     remove("floor");
     lab.vms.clear();
 
-    report(n, &storms);
+    report(n, &storms, &udev);
+}
+
+/// What the udev check found: whether systemd-udevd runs in the guest, and one `rbd map`'s
+/// time (ms) with the CLI's default and with `--options noudev`.
+struct Udev {
+    running: String,
+    map_ms: f64,
+    noudev_ms: f64,
+}
+
+/// Maps one fresh image with the CLI's default (which waits for udev's events of the new
+/// device), then another with `--options noudev`, one at a time in the quiet guest.
+fn udev_check(
+    lab: &Lab,
+    out: &std::path::Path,
+    ceph: &moor_lab::ceph::Ceph,
+    tag: u32,
+    map: &dyn Fn(&str, &str) -> String,
+    unmap: &dyn Fn(&str) -> String,
+) -> Udev {
+    let running = lab.vms[0]
+        .sh("if pgrep -x systemd-udevd >/dev/null; then echo 'systemd-udevd running'; else echo 'no udev daemon'; fi")
+        .trim()
+        .to_string();
+    let mut ms = [0.0; 2];
+    for (i, options) in ["", " --options noudev"].into_iter().enumerate() {
+        let image = format!("udev-{tag}-{i}");
+        ceph.rbd(&["create", "--size", &format!("{IMAGE_MIB}M"), &image])
+            .unwrap_or_else(|e| panic!("rbd create: {e}"));
+        let text = guest_storm(
+            lab,
+            out,
+            &format!(
+                "t0=$EPOCHREALTIME; timeout {UDEV_MAP_DEADLINE_S} {} >/dev/null || echo fail map; \
+                 t1=$EPOCHREALTIME; {} || echo fail unmap; echo vol 0 $t0 map $t1",
+                map(&image, options),
+                unmap(&image)
+            ),
+        );
+        ms[i] = shell_storm(&text, 1).total();
+        let _ = ceph.rbd(&["rm", "--no-progress", &image]);
+    }
+    println!(
+        "udev in the guest: {running}; one rbd map: {:.0} ms waiting for udev, {:.0} ms with \
+         --options noudev",
+        ms[0], ms[1]
+    );
+    Udev {
+        running,
+        map_ms: ms[0],
+        noudev_ms: ms[1],
+    }
 }
 
 /// Prints the storms' table and writes their results.
-fn report(n: usize, storms: &[(&str, Storm)]) {
+fn report(n: usize, storms: &[(&str, Storm)], udev: &Udev) {
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "\nvm_rbd_storm: {n} fresh {IMAGE_MIB} MiB images staged at once in a TCG guest (one \
@@ -387,6 +478,12 @@ fn report(n: usize, storms: &[(&str, Storm)]) {
             .collect::<Vec<_>>()
             .join(" ")
     );
+    println!(
+        "udev: {}; one rbd map {:.0} ms, with noudev {:.0} ms\n",
+        udev.running, udev.map_ms, udev.noudev_ms
+    );
+    write_result("vm_rbd_storm/udev/map", udev.map_ms * 1e6);
+    write_result("vm_rbd_storm/udev/map-noudev", udev.noudev_ms * 1e6);
     println!("| storm | total | p50 | p99 | max | max / p50 | steps: median (max) |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     let reference = storms
@@ -401,7 +498,7 @@ fn report(n: usize, storms: &[(&str, Storm)]) {
             quantile(&per, 0.99),
             quantile(&per, 1.0),
         );
-        let steps: Vec<String> = ["map", "probe", "mkfs", "mount", "rest"]
+        let steps: Vec<String> = ["list", "map", "probe", "mkfs", "mount", "rest"]
             .iter()
             .filter_map(|s| {
                 let v = storm.step(s);

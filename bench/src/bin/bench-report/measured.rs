@@ -324,7 +324,7 @@ fn map_storm_rows(out: &mut Vec<Row>) {
             )
         };
         out.push(r(
-            format!("{storm}: ceph-csi's way (rbd map, blkid, mkfs.ext4, mount per volume), first start to last end"),
+            format!("{storm}: ceph-csi's way (rbd device list, rbd map --options noudev, blkid, mkfs.ext4 with assume_storage_prezeroed, blkid, mount per volume), first start to last end"),
             id("ref", "total"),
             None,
             Target::Unset,
@@ -336,7 +336,7 @@ fn map_storm_rows(out: &mut Vec<Row>) {
             Target::AtMost(0.2),
         ));
         out.push(r(
-            format!("{storm}: the floor, a sysfs write, mkfs.ext4 and mount per volume, against ceph-csi's way"),
+            format!("{storm}: the floor, a sysfs write, moor's mkfs.ext4 and mount per volume, against ceph-csi's way"),
             id("floor", "total"),
             Some(id("ref", "total")),
             Target::AtMost(0.2),
@@ -400,6 +400,25 @@ fn map_storm_rows(out: &mut Vec<Row>) {
             Target::Unset,
         ));
     }
+    out.push(row(
+        "M",
+        "udev in the guest: one `rbd map` with the CLI's default (waits for udev's events)".into(),
+        "vm_rbd_storm/udev/map".into(),
+        None,
+        Kind::Time,
+        Target::Unset,
+        "vm_rbd_storm",
+    ));
+    out.push(row(
+        "M",
+        "udev in the guest: one `rbd map --options noudev` (ceph-csi's), against the default"
+            .into(),
+        "vm_rbd_storm/udev/map-noudev".into(),
+        Some("vm_rbd_storm/udev/map".into()),
+        Kind::Time,
+        Target::Unset,
+        "vm_rbd_storm",
+    ));
 }
 
 /// A hundred pods on a real Kubernetes (issue 41, point 4): N claims and N pods at once on one
