@@ -118,12 +118,20 @@ impl Os for Faulty {
         self.tick("bind", &b.target)?;
         self.inner.bind_held(b, source, parent)
     }
-    fn unmount(&self, target: &Path, detach: bool) -> SysResult<()> {
+    fn hold_parent(&self, path: &Path) -> SysResult<Option<Held>> {
+        self.tick("hold_parent", path)?;
+        self.inner.hold_parent(path)
+    }
+    fn mount_state_in(&self, path: &Path, parent: &Held) -> SysResult<MountState> {
+        self.tick("mount_state", path)?;
+        self.inner.mount_state_in(path, parent)
+    }
+    fn unmount_held(&self, target: &Path, detach: bool, parent: Option<&Held>) -> SysResult<()> {
         self.tick("unmount", target)?;
         if detach {
             self.violation(format!("lazy detach of {}", target.display()));
         }
-        self.inner.unmount(target, detach)
+        self.inner.unmount_held(target, detach, parent)
     }
     fn make_dir(&self, path: &Path) -> SysResult<()> {
         self.tick("make_dir", path)?;
@@ -133,9 +141,9 @@ impl Os for Faulty {
         self.tick("make_file", path)?;
         self.inner.make_file(path)
     }
-    fn remove(&self, path: &Path) -> SysResult<()> {
+    fn remove_held(&self, path: &Path, parent: Option<&Held>) -> SysResult<()> {
         self.tick("remove", path)?;
-        self.inner.remove(path)
+        self.inner.remove_held(path, parent)
     }
     fn block_device(&self, path: &Path) -> SysResult<BlockDevice> {
         self.tick("block_device", path)?;

@@ -278,9 +278,17 @@ impl<O: Os> Os for MeteredOs<O> {
         r
     }
 
-    fn unmount(&self, target: &Path, detach: bool) -> SysResult<()> {
+    fn hold_parent(&self, path: &Path) -> SysResult<Option<Held>> {
+        self.inner.hold_parent(path)
+    }
+
+    fn mount_state_in(&self, path: &Path, parent: &Held) -> SysResult<MountState> {
+        self.inner.mount_state_in(path, parent)
+    }
+
+    fn unmount_held(&self, target: &Path, detach: bool, parent: Option<&Held>) -> SysResult<()> {
         let start = Instant::now();
-        let r = self.inner.unmount(target, detach);
+        let r = self.inner.unmount_held(target, detach, parent);
         registry()
             .unmount_duration
             .observe(&[result_label(&r)], start.elapsed());
@@ -298,8 +306,8 @@ impl<O: Os> Os for MeteredOs<O> {
         self.inner.make_file(path)
     }
 
-    fn remove(&self, path: &Path) -> SysResult<()> {
-        self.inner.remove(path)
+    fn remove_held(&self, path: &Path, parent: Option<&Held>) -> SysResult<()> {
+        self.inner.remove_held(path, parent)
     }
 
     fn block_device(&self, path: &Path) -> SysResult<BlockDevice> {

@@ -38,7 +38,7 @@ use crate::error::{Error, Result};
 use crate::journal::{Boot, Journal, VolumeRecord};
 use crate::superblock;
 use crate::sys::discovery::DEFAULT_DISCOVERY_DEADLINE;
-use crate::sys::{BufPool, MountPoint, MountState, Os};
+use crate::sys::{BufPool, Held, MountPoint, MountState, Os};
 use crate::volume_lock::VolumeLocks;
 
 pub use crypt::{CRYPTSETUP, mapping_name};
@@ -173,24 +173,55 @@ impl<O: Os> Engine<O> {
             .unwrap_or_else(|| VolumeRecord::new(volume_id))
     }
 
-    /// Unmounts everything stacked on `path` that `is_ours` accepts, and a corrupted mount.
-    pub(crate) fn unmount_all(
-        &self,
-        path: &Path,
-        is_ours: impl Fn(&MountPoint) -> bool,
-    ) -> Result<()> {
-        self.unmount_all_within(path, is_ours, None)
-    }
-
-    /// [`unmount_all`](Self::unmount_all), each unmount within `deadline` when one is given
-    /// (a filesystem on a network device, whose unmount writes back and waits for its
-    /// cluster: see [`unmount_within`](Self::unmount_within)).
+    /// Unmounts everything stacked on `path` that `is_ours` accepts, and a corrupted mount,
+    /// each unmount within `deadline` when one is given (a filesystem on a network device,
+    /// whose unmount writes back and waits for its cluster: see
+    /// [`unmount_within`](Self::unmount_within)).
     pub(crate) fn unmount_all_within(
         &self,
         path: &Path,
         is_ours: impl Fn(&MountPoint) -> bool,
         deadline: Option<Duration>,
     ) -> Result<()> {
+        let parent = self.os.hold_parent(path)?.map(Arc::new);
+        self.unmount_all_in(path, parent.as_ref(), is_ours, deadline)
+    }
+
+    /// [`unmount_all_within`](Self::unmount_all_within) of `path`'s last component in the
+    /// directory `parent` holds (see [`Held`]): each check and each unmount looks the name up
+    /// in that one directory, resolved once, so a directory renamed into the path between a
+    /// check and its unmount is not what is unmounted. No parent: nothing is at the path.
+    pub(crate) fn unmount_all_in(
+        &self,
+        path: &Path,
+        parent: Option<&Arc<Held>>,
+        is_ours: impl Fn(&MountPoint) -> bool,
+        deadline: Option<Duration>,
+    ) -> Result<()> {
+        self.refuse_pending_unmount(path)?;
+        let Some(parent) = parent else {
+            return Ok(());
+        };
+        for _ in 0..MAX_STACKED {
+            match self.os.mount_state_in(path, parent)? {
+                MountState::Mounted(mp) if is_ours(&mp) => match deadline {
+                    Some(d) => self.unmount_within(path, parent, d)?,
+                    None => self.unmount_busy_retry(path, parent)?,
+                },
+                MountState::Corrupted { .. } => self.os.unmount_held(path, true, Some(parent))?,
+                MountState::Mounted(_) | MountState::Absent | MountState::NotMounted { .. } => {
+                    return Ok(());
+                }
+            }
+        }
+        Err(Error::FailedPrecondition(format!(
+            "{} still has mounts after {MAX_STACKED} unmounts",
+            path.display()
+        )))
+    }
+
+    /// ABORTED while an earlier unmount of `path` that went past its deadline still runs.
+    fn refuse_pending_unmount(&self, path: &Path) -> Result<()> {
         if self
             .unmounting
             .lock()
@@ -203,29 +234,14 @@ impl<O: Os> Engine<O> {
                 path.display()
             )));
         }
-        for _ in 0..MAX_STACKED {
-            match self.os.mount_state(path)? {
-                MountState::Mounted(mp) if is_ours(&mp) => match deadline {
-                    Some(d) => self.unmount_within(path, d)?,
-                    None => self.unmount_busy_retry(path)?,
-                },
-                MountState::Corrupted { .. } => self.os.unmount(path, true)?,
-                MountState::Mounted(_) | MountState::Absent | MountState::NotMounted { .. } => {
-                    return Ok(());
-                }
-            }
-        }
-        Err(Error::FailedPrecondition(format!(
-            "{} still has mounts after {MAX_STACKED} unmounts",
-            path.display()
-        )))
+        Ok(())
     }
 
-    /// Unmounts `path`, retrying a short while on EBUSY: a tool this daemon just forked for
-    /// another volume briefly holds copies of its descriptors, which pin the mount until it
-    /// execs. A mount that stays busy (a process really uses it) fails with the error.
-    fn unmount_busy_retry(&self, path: &Path) -> Result<()> {
-        unmount_busy_retry(self.os.as_ref(), path).map_err(Error::from)
+    /// Unmounts `path` in `parent`, retrying a short while on EBUSY: a tool this daemon just
+    /// forked for another volume briefly holds copies of its descriptors, which pin the mount
+    /// until it execs. A mount that stays busy (a process really uses it) fails with the error.
+    fn unmount_busy_retry(&self, path: &Path, parent: &Held) -> Result<()> {
+        unmount_busy_retry(self.os.as_ref(), path, parent).map_err(Error::from)
     }
 
     /// Unmounts `path` (as [`unmount_busy_retry`](Self::unmount_busy_retry)) on a thread of
@@ -236,7 +252,7 @@ impl<O: Os> Engine<O> {
     /// goes on; until it ends, every unmount of the path is ABORTED (kubelet retries), and
     /// once it has, a retry finds the path unmounted and finishes. Nothing is forced: what
     /// the filesystem holds reaches the device when the cluster is back.
-    fn unmount_within(&self, path: &Path, deadline: Duration) -> Result<()> {
+    fn unmount_within(&self, path: &Path, parent: &Arc<Held>, deadline: Duration) -> Result<()> {
         let key = path.to_path_buf();
         if !self
             .unmounting
@@ -252,10 +268,11 @@ impl<O: Os> Engine<O> {
         let (tx, rx) = mpsc::channel();
         let os = Arc::clone(&self.os);
         let unmounting = Arc::clone(&self.unmounting);
+        let parent = Arc::clone(parent);
         let spawned = std::thread::Builder::new()
             .name("moor-unmount".into())
             .spawn(move || {
-                let outcome = unmount_busy_retry(os.as_ref(), &key);
+                let outcome = unmount_busy_retry(os.as_ref(), &key, &parent);
                 unmounting
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
@@ -303,11 +320,12 @@ impl<O: Os> Engine<O> {
     }
 }
 
-/// umount2 of `path`, retried a short while on EBUSY (see `Engine::unmount_busy_retry`).
-fn unmount_busy_retry<O: Os>(os: &O, path: &Path) -> crate::sys::SysResult<()> {
+/// umount2 of `path`'s last component in the directory `parent` holds, retried a short while
+/// on EBUSY (see `Engine::unmount_busy_retry`).
+fn unmount_busy_retry<O: Os>(os: &O, path: &Path, parent: &Held) -> crate::sys::SysResult<()> {
     let mut pause = Duration::from_millis(2);
     for attempt in 0.. {
-        match os.unmount(path, false) {
+        match os.unmount_held(path, false, Some(parent)) {
             Err(e) if e.errno() == Some(libc::EBUSY) && attempt < UNMOUNT_BUSY_RETRIES => {
                 std::thread::sleep(pause);
                 pause *= 2;

@@ -1,6 +1,7 @@
 //! NodePublishVolume and NodeUnpublishVolume.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use moor_proto::csi::v1::volume_capability::access_mode::Mode;
 use tracing::{info, warn};
@@ -338,9 +339,15 @@ impl<O: Os> Engine<O> {
             self.journal.put(&record, Durability::Process)?;
         }
         crash_points::point("unpublish.unmounting");
-        self.unmount_all(&req.target, |_| true)?;
+        // The target's parent, resolved once: every check, the unmounts and the removal look
+        // the target's name up in that one directory (see `Held`), so a directory renamed into
+        // the path meanwhile is neither unmounted nor removed. None: nothing is there.
+        let parent = self.os.hold_parent(&req.target)?.map(Arc::new);
+        self.unmount_all_in(&req.target, parent.as_ref(), |_| true, None)?;
         crash_points::point("unpublish.unmounted");
-        self.os.remove(&req.target)?;
+        if let Some(parent) = &parent {
+            self.os.remove_held(&req.target, Some(parent))?;
+        }
         crash_points::point("unpublish.removed");
         self.remove_qos(req, record.stage.as_ref().map(|s| s.rdev));
         if known {

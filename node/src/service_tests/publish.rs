@@ -1,6 +1,7 @@
 //! NodePublishVolume and NodeUnpublishVolume: binds, the access mode table, cleaning corrupted and stacked targets.
 
 use super::*;
+use crate::sys::{BindMount, MountAttrs};
 
 #[tokio::test]
 async fn publish_binds_the_staging_mount_and_repeats_are_ok() {
@@ -338,17 +339,16 @@ async fn a_publish_resolves_each_path_once_and_binds_what_it_checked() {
         "one resolution a path"
     );
     assert_eq!(h.os.mount_depth(TARGET), 1);
-    // The unpublish: the target (is it mounted), its parent (unmount by name), the target
-    // again (a mount stacked under it?), and its parent (remove the dir).
+    // The unpublish resolves the target's parent once: is the target mounted, its unmount,
+    // is a mount stacked under it, and its removal all look its name up in that directory.
     h.os.clear_calls();
     h.svc
         .node_unpublish_volume(Request::new(unpublish_req(TARGET)))
         .await
         .expect("unpublish");
-    assert_eq!(
-        h.os.resolutions(),
-        [Path::new(TARGET), parent, Path::new(TARGET), parent]
-    );
+    assert_eq!(h.os.resolutions(), [parent]);
+    assert_eq!(h.os.mount_depth(TARGET), 0);
+    assert!(!h.os.exists(TARGET));
     // A remount of the staging path between its check and the bind: what is bound is the
     // mount checked, and it is gone, so nothing is; never the mount swapped in.
     h.os.swap_mount_after_check(STAGING, (9, 9));
@@ -364,4 +364,48 @@ async fn a_publish_resolves_each_path_once_and_binds_what_it_checked() {
         "{}",
         e.message()
     );
+}
+
+#[tokio::test]
+async fn an_unpublish_acts_in_the_directory_it_checked_not_one_renamed_into_its_path() {
+    // The target's parent is resolved once and held: the checks, the unmount and the removal
+    // look the target's name up in that directory. Another pod's volume dir, with a mount of
+    // its own, renamed into the path right after the hold, is neither unmounted nor removed;
+    // the publication's own mount, moved away with its directory, is.
+    let h = harness();
+    published(&h).await;
+    let parent = Path::new(TARGET).parent().expect("a parent");
+    let parent = parent.to_str().expect("utf-8");
+    let moved = format!("{parent}-moved");
+    let other_dir = format!("{K}/pods/p2/volumes/kubernetes.io~csi/pv2");
+    let other = format!("{other_dir}/mount");
+    h.os.add_dir(&other);
+    h.os.add_dir("/srv/other");
+    h.os.bind(&BindMount {
+        source: "/srv/other".into(),
+        target: other.clone().into(),
+        attrs: MountAttrs::default(),
+    })
+    .expect("another pod's mount");
+    h.os.rename_after_hold(parent, &[(parent, &moved), (&other_dir, parent)]);
+    h.os.clear_calls();
+    h.svc
+        .node_unpublish_volume(Request::new(unpublish_req(TARGET)))
+        .await
+        .expect("unpublish");
+    assert_eq!(
+        h.os.mount_depth(TARGET),
+        1,
+        "the mount renamed into the path is not unmounted: {:?}",
+        h.os.calls()
+    );
+    assert!(h.os.exists(TARGET), "nor its dir removed");
+    let own = format!("{moved}/mount");
+    assert_eq!(
+        h.os.mount_depth(&own),
+        0,
+        "the publication's own mount is unmounted"
+    );
+    assert!(!h.os.exists(&own), "and its dir removed");
+    assert_eq!(h.os.resolutions(), [Path::new(parent)]);
 }

@@ -134,6 +134,12 @@ struct State {
     /// A mount to replace right after it is next checked and held: (path, the new mount's
     /// device).
     swap_after_check: Option<(PathBuf, (u32, u32))>,
+    /// The directories held as parents ([`Os::hold_parent`]), by the path each was held at:
+    /// where it is now (a rename moves it, as it moves a descriptor's directory).
+    held_dirs: HashMap<PathBuf, PathBuf>,
+    /// Renames made right after the directory at a path is next held as a parent: (that
+    /// path, each rename's (from, to) in turn).
+    renames_after_hold: Option<(PathBuf, Vec<(PathBuf, PathBuf)>)>,
 }
 
 /// The fake OS. Cheap to build; every test makes its own.
@@ -402,6 +408,18 @@ impl FakeOs {
         self.lock().swap_after_check = Some((path.as_ref().to_path_buf(), dev));
     }
 
+    /// Right after the directory `dir` is next held as a parent ([`Os::hold_parent`]),
+    /// renames each `(from, to)` in turn behind the engine's back, with everything below it
+    /// and mounted in it: a directory swapped in at a path between the check of what is there
+    /// and the call that acts on it.
+    pub fn rename_after_hold(&self, dir: impl AsRef<Path>, renames: &[(&str, &str)]) {
+        let renames = renames
+            .iter()
+            .map(|(from, to)| (PathBuf::from(from), PathBuf::from(to)))
+            .collect();
+        self.lock().renames_after_hold = Some((dir.as_ref().to_path_buf(), renames));
+    }
+
     /// Unmounts behind the engine's back.
     pub fn force_unmount(&self, target: impl AsRef<Path>) {
         let mut st = self.lock();
@@ -510,31 +528,85 @@ impl FakeOs {
     fn state_at(&self, path: &Path) -> SysResult<MountState> {
         let mut st = self.lock();
         st.resolutions.push(path.to_path_buf());
-        if let Some(errno) = st.corrupted.get(path) {
-            return Ok(MountState::Corrupted { errno: *errno });
-        }
-        if let Some(m) = st.mounts.get(path).and_then(|s| s.last()) {
-            return Ok(MountState::Mounted(MountPoint {
-                mount_id: m.id,
-                dev: m.dev,
-                rdev: m.rdev,
-                is_dir: m.is_dir,
-                read_only: m.read_only,
-            }));
-        }
-        if st.dirs.contains(path) {
-            Ok(MountState::NotMounted { is_dir: true })
-        } else if st.files.contains(path) {
-            Ok(MountState::NotMounted { is_dir: false })
-        } else {
-            Ok(MountState::Absent)
-        }
+        Ok(state_of(&st, path))
     }
 
     fn take_failure(st: &mut State, op: &'static str, path: &Path) -> SysResult<()> {
         match st.failures.remove(op) {
             Some(errno) => Err(err(op, path, errno)),
             None => Ok(()),
+        }
+    }
+}
+
+/// What is at `path`.
+fn state_of(st: &State, path: &Path) -> MountState {
+    if let Some(errno) = st.corrupted.get(path) {
+        return MountState::Corrupted { errno: *errno };
+    }
+    if let Some(m) = st.mounts.get(path).and_then(|s| s.last()) {
+        return MountState::Mounted(MountPoint {
+            mount_id: m.id,
+            dev: m.dev,
+            rdev: m.rdev,
+            is_dir: m.is_dir,
+            read_only: m.read_only,
+        });
+    }
+    if st.dirs.contains(path) {
+        MountState::NotMounted { is_dir: true }
+    } else if st.files.contains(path) {
+        MountState::NotMounted { is_dir: false }
+    } else {
+        MountState::Absent
+    }
+}
+
+/// Where `path`, looked up by its last component in the directory `parent` holds, is now:
+/// wherever that directory was moved since it was held. EINVAL when `path`'s parent is not
+/// the directory held.
+fn in_held(st: &State, step: &'static str, path: &Path, parent: &Held) -> SysResult<PathBuf> {
+    let name = path
+        .file_name()
+        .filter(|_| path.parent() == Some(parent.path.as_path()))
+        .ok_or_else(|| err(step, path, libc::EINVAL))?;
+    let dir = st.held_dirs.get(&parent.path).unwrap_or(&parent.path);
+    Ok(dir.join(name))
+}
+
+/// `path` after a rename of `from` to `to`, if it is at or below `from`.
+fn renamed(path: &Path, from: &Path, to: &Path) -> Option<PathBuf> {
+    let rest = path.strip_prefix(from).ok()?;
+    Some(if rest.as_os_str().is_empty() {
+        to.to_path_buf()
+    } else {
+        to.join(rest)
+    })
+}
+
+/// Renames `from` to `to`: every directory, file and mount at or below it moves along, and
+/// so does a held directory.
+fn rename(st: &mut State, from: &Path, to: &Path) {
+    let moved = |p: PathBuf| renamed(&p, from, to).unwrap_or(p);
+    st.dirs = std::mem::take(&mut st.dirs)
+        .into_iter()
+        .map(moved)
+        .collect();
+    st.files = std::mem::take(&mut st.files)
+        .into_iter()
+        .map(moved)
+        .collect();
+    st.mounts = std::mem::take(&mut st.mounts)
+        .into_iter()
+        .map(|(p, m)| (moved(p), m))
+        .collect();
+    st.corrupted = std::mem::take(&mut st.corrupted)
+        .into_iter()
+        .map(|(p, e)| (moved(p), e))
+        .collect();
+    for now in st.held_dirs.values_mut() {
+        if let Some(p) = renamed(now, from, to) {
+            *now = p;
         }
     }
 }
@@ -579,6 +651,31 @@ impl Os for FakeOs {
             }
         }
         Ok((state, held))
+    }
+
+    fn hold_parent(&self, path: &Path) -> SysResult<Option<Held>> {
+        let mut st = self.lock();
+        resolve_parent(&mut st, path);
+        let dir = path.parent().unwrap_or(path).to_path_buf();
+        if st.files.contains(&dir) {
+            return Err(err("open parent", path, libc::ENOTDIR));
+        }
+        if !st.dirs.contains(&dir) {
+            return Ok(None);
+        }
+        st.held_dirs.insert(dir.clone(), dir.clone());
+        if let Some((_, renames)) = st.renames_after_hold.take_if(|(d, _)| *d == dir) {
+            for (from, to) in renames {
+                rename(&mut st, &from, &to);
+            }
+        }
+        Ok(Some(Held::new(dir, None, None)))
+    }
+
+    fn mount_state_in(&self, path: &Path, parent: &Held) -> SysResult<MountState> {
+        let st = self.lock();
+        let at = in_held(&st, "open", path, parent)?;
+        Ok(state_of(&st, &at))
     }
 
     fn make_dir_held(&self, path: &Path) -> SysResult<Held> {
@@ -697,22 +794,29 @@ impl Os for FakeOs {
         Ok(())
     }
 
-    fn unmount(&self, target: &Path, detach: bool) -> SysResult<()> {
+    fn unmount_held(&self, target: &Path, detach: bool, parent: Option<&Held>) -> SysResult<()> {
         let mut st = self.lock();
-        st.calls.push(Call::Unmount(target.to_path_buf(), detach));
-        resolve_parent(&mut st, target);
+        // What is unmounted: the name in the held directory, wherever it is now.
+        let at = match parent {
+            Some(p) => in_held(&st, "open unmount target", target, p)?,
+            None => {
+                resolve_parent(&mut st, target);
+                target.to_path_buf()
+            }
+        };
+        st.calls.push(Call::Unmount(at.clone(), detach));
         Self::take_failure(&mut st, "unmount", target)?;
-        if st.corrupted.remove(target).is_some() {
-            if let Some(stack) = st.mounts.get_mut(target) {
+        if st.corrupted.remove(&at).is_some() {
+            if let Some(stack) = st.mounts.get_mut(&at) {
                 stack.pop();
             }
             return Ok(());
         }
-        if let Some(stack) = st.mounts.get_mut(target).filter(|s| !s.is_empty()) {
+        if let Some(stack) = st.mounts.get_mut(&at).filter(|s| !s.is_empty()) {
             stack.pop();
             return Ok(());
         }
-        if st.dirs.contains(target) || st.files.contains(target) {
+        if st.dirs.contains(&at) || st.files.contains(&at) {
             Err(err("umount2", target, libc::EINVAL))
         } else {
             Err(err("open unmount target", target, libc::ENOENT))
@@ -749,21 +853,28 @@ impl Os for FakeOs {
         Ok(())
     }
 
-    fn remove(&self, path: &Path) -> SysResult<()> {
+    fn remove_held(&self, path: &Path, parent: Option<&Held>) -> SysResult<()> {
         let mut st = self.lock();
-        st.calls.push(Call::Remove(path.to_path_buf()));
-        resolve_parent(&mut st, path);
+        // What is removed: the name in the held directory, wherever it is now.
+        let at = match parent {
+            Some(p) => in_held(&st, "open parent", path, p)?,
+            None => {
+                resolve_parent(&mut st, path);
+                path.to_path_buf()
+            }
+        };
+        st.calls.push(Call::Remove(at.clone()));
         Self::take_failure(&mut st, "remove", path)?;
-        if st.mounts.get(path).is_some_and(|s| !s.is_empty()) {
+        if st.mounts.get(&at).is_some_and(|s| !s.is_empty()) {
             return Err(err("remove", path, libc::EBUSY));
         }
-        if st.dirs.iter().any(|d| d.parent() == Some(path))
-            || st.files.iter().any(|f| f.parent() == Some(path))
+        if st.dirs.iter().any(|d| d.parent() == Some(&at))
+            || st.files.iter().any(|f| f.parent() == Some(&at))
         {
             return Err(err("remove", path, libc::ENOTEMPTY));
         }
-        st.dirs.remove(path);
-        st.files.remove(path);
+        st.dirs.remove(&at);
+        st.files.remove(&at);
         Ok(())
     }
 

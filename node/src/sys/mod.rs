@@ -346,8 +346,11 @@ impl HeldDevice {
 /// mount, and fails if it has been unmounted since (the kernel clones no mount outside the
 /// namespace's tree), so a mount put on the path after the check is never bound.
 /// [`Os::make_dir_held`] holds the new directory's parent: [`Os::bind_held`] opens the target
-/// by its one name in it (no symlink followed), the entry it made. Held only within one
-/// call: the descriptor pins the mount it names.
+/// by its one name in it (no symlink followed), the entry it made. [`Os::hold_parent`] holds
+/// a path's parent for an unmount: [`Os::mount_state_in`], [`Os::unmount_held`] and
+/// [`Os::remove_held`] each look the last component up in that very directory, so a directory
+/// renamed into the path after the check is never what is unmounted or removed. Held only
+/// within one call: the descriptor pins the mount it names.
 #[derive(Debug)]
 pub struct Held {
     /// The path it was resolved from.
@@ -498,14 +501,32 @@ pub trait Os: Send + Sync + 'static {
         source: Option<&Held>,
         parent: Option<&Held>,
     ) -> SysResult<()>;
-    /// Unmounts the mount at `target`; `detach` makes it lazy (for corrupted mounts).
-    fn unmount(&self, target: &Path, detach: bool) -> SysResult<()>;
+    /// Resolves the parent of `path` once and holds it (see [`Held`]), for the calls that
+    /// take `parent`; None when there is no such directory (nor anything at `path`).
+    fn hold_parent(&self, path: &Path) -> SysResult<Option<Held>>;
+    /// [`Os::mount_state`] of `path`'s last component in the directory `parent` holds, not
+    /// resolved again.
+    fn mount_state_in(&self, path: &Path, parent: &Held) -> SysResult<MountState>;
+    /// Unmounts the mount at `target`; `detach` makes it lazy (for corrupted mounts): an
+    /// [`Os::unmount_held`] that holds nothing, the same for every implementation.
+    fn unmount(&self, target: &Path, detach: bool) -> SysResult<()> {
+        self.unmount_held(target, detach, None)
+    }
+    /// [`Os::unmount`] of the last component of `target` in the directory `parent` holds
+    /// (else `target`'s parent, resolved).
+    fn unmount_held(&self, target: &Path, detach: bool, parent: Option<&Held>) -> SysResult<()>;
     /// Creates a directory (parents must exist), mode 0750. Existing directory: Ok.
     fn make_dir(&self, path: &Path) -> SysResult<()>;
     /// Creates an empty regular file, mode 0640. Existing file: Ok.
     fn make_file(&self, path: &Path) -> SysResult<()>;
-    /// Removes an empty directory or a file, without following symlinks. Absent: Ok.
-    fn remove(&self, path: &Path) -> SysResult<()>;
+    /// Removes an empty directory or a file, without following symlinks. Absent: Ok. An
+    /// [`Os::remove_held`] that holds nothing, the same for every implementation.
+    fn remove(&self, path: &Path) -> SysResult<()> {
+        self.remove_held(path, None)
+    }
+    /// [`Os::remove`] of the last component of `path` in the directory `parent` holds (else
+    /// `path`'s parent, resolved).
+    fn remove_held(&self, path: &Path, parent: Option<&Held>) -> SysResult<()>;
     /// Opens a block device and reports its number and size.
     fn block_device(&self, path: &Path) -> SysResult<BlockDevice>;
     /// Opens a block device and keeps it open (see [`HeldDevice`]).

@@ -148,21 +148,10 @@ impl Linux {
     /// this call made it in), else resolved from the kubelet dir.
     fn open_target(&self, target: &Path, parent: Option<&Held>) -> SysResult<OwnedFd> {
         let step = "open mount target";
-        let Some((held, dir)) = parent.and_then(|h| Some((h, h.fd()?))) else {
-            return self.open_beneath(step, target, OFlags::PATH);
-        };
-        let name = target
-            .file_name()
-            .filter(|_| target.parent() == Some(held.path.as_path()))
-            .ok_or_else(|| SysError::new(step, target, Errno::INVAL))?;
-        rustix::fs::openat2(
-            dir,
-            name,
-            OFlags::PATH | OFlags::CLOEXEC | OFlags::NOFOLLOW,
-            Mode::empty(),
-            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
-        )
-        .map_err(|e| SysError::new(step, target, e))
+        match held_dir(step, target, parent)? {
+            Some((dir, name)) => open_in(step, dir, name, target),
+            None => self.open_beneath(step, target, OFlags::PATH),
+        }
     }
 
     /// Attaches the detached mount `mnt` on `target`, by descriptor.
@@ -182,6 +171,62 @@ impl Linux {
         )
         .map_err(|e| SysError::new("move_mount", target, e))
     }
+}
+
+/// The descriptor `parent` holds and `path`'s last component, which is looked up in it; an
+/// error when `path`'s parent is not the directory held. None when nothing is held.
+fn held_dir<'h, 'p>(
+    step: &'static str,
+    path: &'p Path,
+    parent: Option<&'h Held>,
+) -> SysResult<Option<(std::os::fd::BorrowedFd<'h>, &'p OsStr)>> {
+    let Some((held, dir)) = parent.and_then(|h| Some((h, h.fd()?))) else {
+        return Ok(None);
+    };
+    let name = path
+        .file_name()
+        .filter(|_| path.parent() == Some(held.path.as_path()))
+        .ok_or_else(|| SysError::new(step, path, Errno::INVAL))?;
+    Ok(Some((dir, name)))
+}
+
+/// Opens `name` in the directory `dir` (O_PATH), following no symlink: `path` is what it names,
+/// for errors.
+fn open_in(
+    step: &'static str,
+    dir: std::os::fd::BorrowedFd<'_>,
+    name: &OsStr,
+    path: &Path,
+) -> SysResult<OwnedFd> {
+    rustix::fs::openat2(
+        dir,
+        name,
+        OFlags::PATH | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+        Mode::empty(),
+        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    )
+    .map_err(|e| SysError::new(step, path, e))
+}
+
+/// What an opened path is (see [`state_of`]), and its descriptor for a mount root: nothing
+/// when the open found nothing, a corrupted mount when it failed as one does.
+fn state_after_open(
+    opened: SysResult<OwnedFd>,
+    path: &Path,
+) -> SysResult<(MountState, Option<OwnedFd>)> {
+    let fd = match opened {
+        Ok(fd) => fd,
+        Err(e) if e.is_not_found() => return Ok((MountState::Absent, None)),
+        Err(e) => match e.errno() {
+            Some(errno) if is_corruption_errno(errno) => {
+                return Ok((MountState::Corrupted { errno }, None));
+            }
+            _ => return Err(e),
+        },
+    };
+    let state = state_of(&fd, path)?;
+    let fd = matches!(state, MountState::Mounted(_)).then_some(fd);
+    Ok((state, fd))
 }
 
 /// The new mount API's attribute bits for `attrs`.
@@ -284,20 +329,32 @@ impl Os for Linux {
     }
 
     fn mount_state_held(&self, path: &Path) -> SysResult<(MountState, Option<Held>)> {
-        let fd = match self.open_beneath("open", path, OFlags::PATH) {
-            Ok(fd) => fd,
-            Err(e) if e.is_not_found() => return Ok((MountState::Absent, None)),
-            Err(e) => match e.errno() {
-                Some(errno) if is_corruption_errno(errno) => {
-                    return Ok((MountState::Corrupted { errno }, None));
-                }
-                _ => return Err(e),
-            },
+        let opened = self.open_beneath("open", path, OFlags::PATH);
+        let (state, fd) = state_after_open(opened, path)?;
+        Ok((
+            state,
+            fd.map(|fd| Held::new(path.to_path_buf(), None, Some(fd))),
+        ))
+    }
+
+    fn hold_parent(&self, path: &Path) -> SysResult<Option<Held>> {
+        match self.open_parent("open parent", path) {
+            Ok((fd, _)) => {
+                let dir = path.parent().unwrap_or(path).to_path_buf();
+                Ok(Some(Held::new(dir, None, Some(fd))))
+            }
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn mount_state_in(&self, path: &Path, parent: &Held) -> SysResult<MountState> {
+        let opened = match held_dir("open", path, Some(parent))? {
+            Some((dir, name)) => open_in("open", dir, name, path),
+            None => self.open_beneath("open", path, OFlags::PATH),
         };
-        let state = state_of(&fd, path)?;
-        let held = matches!(state, MountState::Mounted(_))
-            .then(|| Held::new(path.to_path_buf(), None, Some(fd)));
-        Ok((state, held))
+        // The descriptor of a mount root is closed here: held, it would make the mount busy.
+        state_after_open(opened, path).map(|(state, _)| state)
     }
     fn mount_table(&self) -> SysResult<Vec<MountEntry>> {
         mount_table::read().map(|(t, _)| t).map_err(|e| {
@@ -358,17 +415,22 @@ impl Os for Linux {
         self.attach_in(&tree, &b.target, parent)
     }
 
-    fn unmount(&self, target: &Path, detach: bool) -> SysResult<()> {
-        // Resolve the parent without symlinks and unmount the last component through the
-        // parent descriptor's magic link with UMOUNT_NOFOLLOW: a symlink swapped in anywhere
-        // cannot redirect the unmount. (A descriptor of the target itself would pin the mount
-        // and make it busy.)
-        let (parent, name) = self.open_parent("open unmount target", target)?;
-        let mut proc_path = format!(
-            "/proc/self/fd/{}/",
-            std::os::fd::AsRawFd::as_raw_fd(&parent)
-        )
-        .into_bytes();
+    fn unmount_held(&self, target: &Path, detach: bool, parent: Option<&Held>) -> SysResult<()> {
+        // Resolve the parent without symlinks (or take the one held) and unmount the last
+        // component through the parent descriptor's magic link with UMOUNT_NOFOLLOW: a symlink
+        // swapped in anywhere cannot redirect the unmount. (A descriptor of the target itself
+        // would pin the mount and make it busy.)
+        let step = "open unmount target";
+        let resolved;
+        let (dir, name) = match held_dir(step, target, parent)? {
+            Some(held) => held,
+            None => {
+                let (fd, name) = self.open_parent(step, target)?;
+                resolved = fd;
+                (resolved.as_fd(), name)
+            }
+        };
+        let mut proc_path = format!("/proc/self/fd/{}/", dir.as_raw_fd()).into_bytes();
         proc_path.extend_from_slice(name.as_bytes());
         let mut flags = UnmountFlags::NOFOLLOW;
         if detach {
@@ -414,23 +476,27 @@ impl Os for Linux {
         .map_err(|e| SysError::new("create file", path, e))
     }
 
-    fn remove(&self, path: &Path) -> SysResult<()> {
-        let (parent, name) = match self.open_parent("open parent", path) {
-            Ok(p) => p,
-            Err(e) if e.is_not_found() => return Ok(()),
-            Err(e) => return Err(e),
+    fn remove_held(&self, path: &Path, parent: Option<&Held>) -> SysResult<()> {
+        let step = "open parent";
+        let resolved;
+        let (dir, name) = match held_dir(step, path, parent)? {
+            Some(held) => held,
+            None => match self.open_parent(step, path) {
+                Ok((fd, name)) => {
+                    resolved = fd;
+                    (resolved.as_fd(), name)
+                }
+                Err(e) if e.is_not_found() => return Ok(()),
+                Err(e) => return Err(e),
+            },
         };
-        let st = match rustix::fs::statat(&parent, name, AtFlags::SYMLINK_NOFOLLOW) {
-            Ok(st) => st,
-            Err(Errno::NOENT) => return Ok(()),
-            Err(e) => return Err(SysError::new("stat", path, e)),
+        // A directory (a mount's target) is the usual case; anything else (a block volume's
+        // file, a symlink, never followed) is not a directory to rmdir, and is unlinked.
+        let removed = match rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR) {
+            Err(Errno::NOTDIR) => rustix::fs::unlinkat(dir, name, AtFlags::empty()),
+            other => other,
         };
-        let flags = if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
-            AtFlags::REMOVEDIR
-        } else {
-            AtFlags::empty()
-        };
-        match rustix::fs::unlinkat(&parent, name, flags) {
+        match removed {
             Ok(()) | Err(Errno::NOENT) => Ok(()),
             Err(e) => Err(SysError::new("remove", path, e)),
         }

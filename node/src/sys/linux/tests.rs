@@ -119,3 +119,53 @@ fn missing_tool_is_a_spawn_error() {
         Err(ToolError::Spawn { .. })
     ));
 }
+
+#[test]
+fn a_held_parent_is_the_directory_checked_and_acted_in_after_a_rename() {
+    // The parent held is that directory, wherever it goes: a name checked and removed in it
+    // is its own, not the one of a directory renamed into its old path; no root needed.
+    struct Removed(PathBuf);
+    impl Drop for Removed {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let root = std::env::temp_dir().join(format!("moor-held-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let _cleanup = Removed(root.clone());
+    let dir = root.join("pv1");
+    let target = dir.join("mount");
+    std::fs::create_dir_all(&target).unwrap();
+    let os = Linux::new(&root).unwrap();
+    let parent = os
+        .hold_parent(&target)
+        .unwrap()
+        .expect("the parent is there");
+    std::fs::rename(&dir, root.join("pv1-moved")).unwrap();
+    std::fs::create_dir_all(dir.join("mount/other's")).unwrap();
+    let state = os.mount_state_in(&target, &parent).unwrap();
+    let removed = os.remove_held(&target, Some(&parent));
+    let other_kept = dir.join("mount/other's").is_dir();
+    let own_gone = !root.join("pv1-moved/mount").exists();
+    // A symlink at the name is removed itself, never followed.
+    std::os::unix::fs::symlink(&dir, root.join("pv1-moved/mount")).unwrap();
+    let link = os.mount_state_in(&target, &parent).unwrap();
+    let unlinked = os.remove_held(&target, Some(&parent));
+    let link_gone = std::fs::symlink_metadata(root.join("pv1-moved/mount")).is_err();
+    let link_target_kept = dir.join("mount/other's").is_dir();
+    // Nothing there, or no parent at all: nothing to remove.
+    let absent = os.remove_held(&target, Some(&parent));
+    let no_parent = os.hold_parent(&root.join("none/mount")).unwrap();
+    assert_eq!(state, MountState::NotMounted { is_dir: true });
+    removed.unwrap();
+    assert!(
+        other_kept,
+        "the directory renamed into the path is left alone"
+    );
+    assert!(own_gone, "the held directory's entry is removed");
+    assert_eq!(link, MountState::NotMounted { is_dir: false });
+    unlinked.unwrap();
+    assert!(link_gone && link_target_kept, "the symlink, not its target");
+    absent.unwrap();
+    assert!(no_parent.is_none());
+}
