@@ -5,19 +5,30 @@
 //! run: 4 KiB random reads and writes at queue depth 1 and 32, 1 MiB sequential reads and
 //! writes, and the writes again with an fsync after each. Every fio run uses O_DIRECT.
 //!
-//! Two loop devices: as moor's local controller binds one (`LoopAttacher`: buffered, the
-//! backing file's page cache under it, 512-byte blocks), and the same with the loop driver's
-//! direct I/O (`LO_FLAGS_DIRECT_IO`). The three runs of each job alternate, `ROUNDS` times;
-//! the median of each is written as time per I/O (ns; 1 s over fio's IOPS) under
-//! `io/<job>/{disk,loop,loop-dio}`, which `bench-report` sets against the disk's.
+//! The volumes' loop devices ([`BINDINGS`]): as moor's local controller binds one
+//! (`LoopAttacher`: buffered, the backing file's page cache under it, 512-byte blocks, a
+//! sparse file), measured twice: as it comes (`loop`: whatever of the file the host has
+//! cached) and cold (`loop-cold`: the backing file written back and dropped from the host's
+//! page cache before each run, so what is read comes from the disk); and with the loop
+//! driver's direct I/O (`LO_FLAGS_DIRECT_IO`), on a sparse and on a preallocated backing file
+//! (`fallocate`, with the device's discards off, as a thick volume is) and with 512-byte and
+//! 4 KiB logical blocks (`LOOP_CONFIGURE`'s block size), each alone and together. Every
+//! device's sysfs (`loop/dio`, `queue/logical_block_size`) is checked to be what its row
+//! says. In each round the disk and every volume run each job in turn, the backing file
+//! written back after each run (outside the timing, so that no run's writeback lands in the
+//! next one's); `ROUNDS` rounds, the median of each is written as time per I/O (ns; 1 s over
+//! fio's IOPS), with the least and the most of the rounds as its range, under
+//! `io/<job>/<binding>`, which `bench-report` sets against `io/<job>/disk`. The host's load
+//! average is printed with each job: the machine is shared.
 //!
 //! A measured run, not criterion's iterations; skipped, with a line saying so, without fio.
 //! `MOOR_BENCH_QUICK=1`: one round of one second per job.
 
-use std::path::Path;
+use std::num::NonZeroU64;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use moor_bench::storm::{selected, write_result};
+use moor_bench::storm::{selected, write_result_within};
 use moor_bench::{Node, publish_req, quick, stage_req, unpublish_req, unstage_req};
 use moor_privileged::kubelet_calls::Kubelet;
 
@@ -31,6 +42,43 @@ const JOBS: [(&str, &str, &str, u32, bool); 8] = [
     ("write-1m", "write", "1m", 1, false),
     ("randwrite-4k-qd1-fsync", "randwrite", "4k", 1, true),
     ("write-1m-fsync", "write", "1m", 1, true),
+];
+
+/// How a volume's loop device is bound: id (`io/<job>/<id>`), the loop driver's direct I/O,
+/// the logical block size, the backing file preallocated, and dropped from the host's page
+/// cache before each run (`cold`, a buffered device: `loop-cold` is the `loop` volume itself).
+struct Binding {
+    id: &'static str,
+    direct_io: bool,
+    block_size: u32,
+    preallocate: bool,
+    cold: bool,
+}
+
+const fn binding(
+    id: &'static str,
+    direct_io: bool,
+    block_size: u32,
+    preallocate: bool,
+    cold: bool,
+) -> Binding {
+    Binding {
+        id,
+        direct_io,
+        block_size,
+        preallocate,
+        cold,
+    }
+}
+
+/// The bindings measured against the disk, in the order each round runs them.
+const BINDINGS: [Binding; 6] = [
+    binding("loop-cold", false, 512, false, true),
+    binding("loop", false, 512, false, false),
+    binding("loop-dio", true, 512, false, false),
+    binding("loop-dio-4k", true, 4096, false, false),
+    binding("loop-dio-prealloc", true, 512, true, false),
+    binding("loop-dio-4k-prealloc", true, 4096, true, false),
 ];
 
 /// The file fio works in, and the volume's size.
@@ -64,9 +112,41 @@ fn fio(file: &Path, job: &(&str, &str, &str, u32, bool), seconds: u32) -> f64 {
     v["jobs"][0][side]["iops"].as_f64().expect("iops")
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median of `v` with its least and most.
+fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    (v[0], v[v.len() / 2], v[v.len() - 1])
+}
+
+/// A loop device's sysfs attribute (`loop/dio`, `queue/logical_block_size`, ...).
+fn sysfs(dev: &Path, attr: &str) -> String {
+    let name = dev.file_name().expect("device name").to_string_lossy();
+    let path = format!("/sys/block/{name}/{attr}");
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+        .trim()
+        .to_string()
+}
+
+/// Writes `file`'s dirty pages back to the disk and, when `drop` is asked, drops its pages
+/// from the host's page cache (a buffered loop device then reads the disk again).
+fn write_back(file: &Path, drop: bool) {
+    let f = std::fs::File::open(file).expect("open the backing file");
+    rustix::fs::fdatasync(&f).expect("fdatasync the backing file");
+    if drop {
+        rustix::fs::fadvise(&f, 0, None::<NonZeroU64>, rustix::fs::Advice::DontNeed)
+            .expect("fadvise DONTNEED");
+    }
+}
+
+/// The host's load average over the last minute.
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .next()
+        .unwrap_or("?")
+        .to_string()
 }
 
 fn main() {
@@ -82,48 +162,94 @@ fn main() {
     let k = Kubelet::new(node.socket());
     // The disk: a directory on the filesystem that holds the sandbox's backing files.
     let disk = node.sb.data.join("disk-file");
-    let mut volumes = Vec::new();
-    for (id, dio) in [("loop", false), ("loop-dio", true)] {
-        let dev = node.sb.loop_device(&format!("{id}.img"), VOLUME);
-        if dio {
-            let fd = std::fs::File::open(&dev).expect("open loop device");
-            moor_runtime::sys::loopdev::set_direct_io(&fd, true).expect("LOOP_SET_DIRECT_IO");
+    // (volume id, backing file, staging, target) of each device; `loop-cold` shares `loop`'s.
+    let mut volumes: Vec<(&str, PathBuf, PathBuf, PathBuf)> = Vec::new();
+    for b in BINDINGS.iter().filter(|b| !b.cold) {
+        let block = b.block_size.to_string();
+        let dio = if b.direct_io { "on" } else { "off" };
+        let dev = node.sb.loop_device_bound(
+            &format!("{}.img", b.id),
+            VOLUME,
+            b.preallocate,
+            &[&format!("--direct-io={dio}"), "--sector-size", &block],
+        );
+        if b.preallocate {
+            // As the local controller keeps a thick volume's file allocated (`keep_allocated`).
+            let name = dev.file_name().expect("device name").to_string_lossy();
+            std::fs::write(format!("/sys/block/{name}/queue/discard_max_bytes"), "0")
+                .expect("discards off");
         }
-        let (staging, target) = (node.sb.staging(id), node.sb.target("pod-io", id));
-        k.stage(&stage_req(id, &dev, &staging, "ext4"))
+        let (seen_dio, seen_block) = (
+            sysfs(&dev, "loop/dio"),
+            sysfs(&dev, "queue/logical_block_size"),
+        );
+        println!(
+            "io: {} on {}: loop/dio {seen_dio}, logical_block_size {seen_block}, discard_max_bytes {}",
+            b.id,
+            dev.display(),
+            sysfs(&dev, "queue/discard_max_bytes")
+        );
+        assert_eq!(
+            seen_dio,
+            if b.direct_io { "1" } else { "0" },
+            "{}: loop/dio",
+            b.id
+        );
+        assert_eq!(seen_block, block, "{}: logical block size", b.id);
+        let (staging, target) = (node.sb.staging(b.id), node.sb.target("pod-io", b.id));
+        k.stage(&stage_req(b.id, &dev, &staging, "ext4"))
             .expect("stage");
-        k.publish(&publish_req(id, &staging, &target))
+        k.publish(&publish_req(b.id, &staging, &target))
             .expect("publish");
-        volumes.push((id, staging, target));
+        volumes.push((
+            b.id,
+            node.sb.data.join(format!("{}.img", b.id)),
+            staging,
+            target,
+        ));
     }
+    let volume = |b: &Binding| {
+        let id = if b.cold { "loop" } else { b.id };
+        volumes
+            .iter()
+            .find(|v| v.0 == id)
+            .expect("the binding's volume")
+    };
     for job in &JOBS {
-        let mut times: Vec<Vec<f64>> = vec![Vec::new(); 3];
+        let load_before = load();
+        let mut disk_times = Vec::new();
+        let mut times: Vec<Vec<f64>> = vec![Vec::new(); BINDINGS.len()];
         for _ in 0..rounds {
-            let files = [
-                disk.clone(),
-                volumes[0].2.join("fio-file"),
-                volumes[1].2.join("fio-file"),
-            ];
-            for (i, file) in files.iter().enumerate() {
-                times[i].push(1e9 / fio(file, job, seconds));
+            disk_times.push(1e9 / fio(&disk, job, seconds));
+            write_back(&disk, false);
+            for (i, b) in BINDINGS.iter().enumerate() {
+                let (_, backing, _, target) = volume(b);
+                if b.cold {
+                    write_back(backing, true);
+                }
+                times[i].push(1e9 / fio(&target.join("fio-file"), job, seconds));
+                write_back(backing, false);
             }
         }
-        let [d, l, ld] = [0, 1, 2].map(|i| median(times[i].clone()));
+        let d = spread(disk_times);
+        let mut line = format!("io/{}: disk {:.1} µs", job.0, d.1 / 1e3);
+        write_result_within(&format!("io/{}/disk", job.0), d);
+        for (b, t) in BINDINGS.iter().zip(times) {
+            let t = spread(t);
+            line.push_str(&format!(
+                ", {} {:.1} µs ({:.0}%)",
+                b.id,
+                t.1 / 1e3,
+                100.0 * d.1 / t.1
+            ));
+            write_result_within(&format!("io/{}/{}", job.0, b.id), t);
+        }
         println!(
-            "io/{}: disk {:.1} µs, loop {:.1} µs ({:.0}% of the disk's IOPS), loop with direct \
-             I/O {:.1} µs ({:.0}%)",
-            job.0,
-            d / 1e3,
-            l / 1e3,
-            100.0 * d / l,
-            ld / 1e3,
-            100.0 * d / ld
+            "{line} (of the disk's IOPS; load {load_before} to {})",
+            load()
         );
-        write_result(&format!("io/{}/disk", job.0), d);
-        write_result(&format!("io/{}/loop", job.0), l);
-        write_result(&format!("io/{}/loop-dio", job.0), ld);
     }
-    for (id, staging, target) in &volumes {
+    for (id, _, staging, target) in &volumes {
         k.unpublish(&unpublish_req(id, target)).expect("unpublish");
         k.unstage(&unstage_req(id, staging)).expect("unstage");
     }

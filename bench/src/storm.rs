@@ -62,11 +62,18 @@ pub fn nearest_rank(n: usize, q: f64) -> usize {
 /// Writes `value` (nanoseconds, or any number a row reads) as the result `id` (`group/bench`),
 /// in criterion's form: `<criterion dir>/<id>/new/estimates.json` with it as the median.
 pub fn write_result(id: &str, value: f64) {
+    write_result_within(id, (value, value, value));
+}
+
+/// [`write_result`] of a median `(low, median, high)` with the range it moved in (the least
+/// and the most of a measured run's rounds), which `bench-report` reads as the median's
+/// interval: a ratio whose range holds 1 or its target is marked as noise.
+pub fn write_result_within(id: &str, (low, value, high): (f64, f64, f64)) {
     let dir = criterion_dir().join(id).join("new");
     std::fs::create_dir_all(&dir).expect("result dir");
     let json = format!(
-        "{{\"median\":{{\"confidence_interval\":{{\"confidence_level\":1.0,\"lower_bound\":{value},\
-         \"upper_bound\":{value}}},\"point_estimate\":{value},\"standard_error\":0.0}}}}\n"
+        "{{\"median\":{{\"confidence_interval\":{{\"confidence_level\":1.0,\"lower_bound\":{low},\
+         \"upper_bound\":{high}}},\"point_estimate\":{value},\"standard_error\":0.0}}}}\n"
     );
     std::fs::write(dir.join("estimates.json"), json).expect("write the result");
 }

@@ -132,12 +132,30 @@ impl Sandbox {
 
     /// A sparse backing file of `size` bytes attached as a loop device; returns the device.
     pub fn loop_device(&self, name: &str, size: u64) -> PathBuf {
+        self.loop_device_bound(name, size, false, &["--direct-io=off"])
+    }
+
+    /// A backing file of `size` bytes, sparse or (`preallocate`) allocated with fallocate as
+    /// a thick volume's is, attached as a loop device with losetup's `binding` options
+    /// (`--direct-io=on`, `--sector-size=4096`, ...); returns the device.
+    pub fn loop_device_bound(
+        &self,
+        name: &str,
+        size: u64,
+        preallocate: bool,
+        binding: &[&str],
+    ) -> PathBuf {
         let file = self.data.join(name);
         let f = std::fs::File::create(&file).expect("backing file");
         f.set_len(size).expect("sparse size");
+        if preallocate {
+            rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, size)
+                .expect("fallocate the backing file");
+        }
         drop(f);
         let out = Command::new("losetup")
-            .args(["--find", "--show", "--direct-io=off"])
+            .args(["--find", "--show"])
+            .args(binding)
             .arg(&file)
             .output()
             .expect("losetup");

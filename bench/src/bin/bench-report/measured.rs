@@ -214,11 +214,30 @@ fn io_rows(out: &mut Vec<Row>) {
         for (dev, what) in [
             (
                 "loop",
-                "a loop device as the local controller binds it (buffered)",
+                "a loop device as the local controller binds it (buffered; the host's page \
+                 cache as it comes)",
+            ),
+            (
+                "loop-cold",
+                "that loop device, its backing file dropped from the host's page cache before \
+                 each run",
             ),
             (
                 "loop-dio",
                 "the loop device with direct I/O (LO_FLAGS_DIRECT_IO)",
+            ),
+            (
+                "loop-dio-4k",
+                "a loop device with direct I/O and 4 KiB logical blocks",
+            ),
+            (
+                "loop-dio-prealloc",
+                "a loop device with direct I/O on a preallocated (thick) backing file",
+            ),
+            (
+                "loop-dio-4k-prealloc",
+                "a loop device with direct I/O and 4 KiB logical blocks on a preallocated \
+                 (thick) backing file",
             ),
         ] {
             out.push(row(
