@@ -1,5 +1,5 @@
 //! The rows of the measured benches (`storm`, `restart`, `tails`, `io`, `vm_rbd_storm`,
-//! `vm_crypt`, `cluster_pods`), made
+//! `vm_crypt`, `cluster_pods`, `vm_rbd_io`), made
 //! from their sizes: the results `moor_bench::storm` writes, under the ids the benches give
 //! them.
 
@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use super::{Kind, Ratio, Row, Target};
 
 /// The benches that are measured runs, not criterion's: they take no filter.
-pub const BENCHES: [&str; 7] = [
+pub const BENCHES: [&str; 8] = [
     "storm",
     "restart",
     "tails",
@@ -16,6 +16,7 @@ pub const BENCHES: [&str; 7] = [
     "vm_rbd_storm",
     "vm_crypt",
     "cluster_pods",
+    "vm_rbd_io",
 ];
 
 /// A string that lives as long as the program (the rows are made once).
@@ -229,6 +230,46 @@ fn io_rows(out: &mut Vec<Row>) {
                 Kind::Time,
                 Target::AtMost(1.11),
                 "io",
+            ));
+        }
+    }
+}
+
+/// Time per I/O through a published RBD volume in the VM lab against `rbd bench`'s (librbd)
+/// in the same guest and rounds: at most 1.11× of it is at least 90% of its IOPS. The fsync'd
+/// jobs are set against the job without the fsync (a librbd write is durable when acked, and
+/// `rbd bench` has no fsync).
+fn rbd_io_rows(out: &mut Vec<Row>) {
+    for job in IO_JOBS {
+        let reference = format!("vm_rbd_io/{}/rbd-bench", job.trim_end_matches("-fsync"));
+        if !job.ends_with("-fsync") {
+            out.push(row(
+                "V",
+                format!("TCG guest: rbd bench (librbd) as fio's {job}, time per I/O"),
+                reference.clone(),
+                None,
+                Kind::Time,
+                Target::Unset,
+                "vm_rbd_io",
+            ));
+        }
+        for (side, what) in [
+            ("kernel-ext4", "a file on ext4, the kernel client"),
+            ("kernel-block", "the raw block volume, the kernel client"),
+            ("ublk-ext4", "a file on ext4, ublk + librbd (moor-ublk)"),
+            (
+                "ublk-block",
+                "the raw block volume, ublk + librbd (moor-ublk)",
+            ),
+        ] {
+            out.push(row(
+                "V",
+                format!("TCG guest: fio {job} on {what}, against rbd bench"),
+                format!("vm_rbd_io/{job}/{side}"),
+                Some(reference.clone()),
+                Kind::Time,
+                Target::AtMost(1.11),
+                "vm_rbd_io",
             ));
         }
     }
@@ -536,6 +577,7 @@ pub fn rows() -> &'static [Row] {
         map_storm_rows(&mut out);
         crypt_rows(&mut out);
         pod_rows(&mut out);
+        rbd_io_rows(&mut out);
         out
     })
 }
