@@ -13,15 +13,18 @@
 //! as `lab/tests/vm_ublk.rs`); without it the guest boots the lab's default kernel and only
 //! the kernel client is measured (said on stderr).
 //!
-//! `rbd bench` has no fsync: a librbd write is acknowledged once the OSDs have it durably (the
-//! cache stays write-through until a flush is seen, and `rbd bench` sends none), so the fair
-//! reference of a job that fsyncs after every write is the same job without the fsync, and the
-//! fsync'd rows are set against it. `rbd bench` runs a byte count, not a time: each of its runs
+//! `rbd bench` has no fsync, and with librbd's default cache (`rbd_cache_policy`
+//! writearound) its writes are acknowledged before the OSDs have them, up to
+//! `rbd_cache_max_dirty` (it flushes once, at its end, inside its time): its writes are run
+//! twice, with the default cache and with `--rbd_cache=false` (each write acknowledged once the
+//! OSDs have it durably, as the kernel client's, and as a write followed by an fsync). A fio
+//! write job is set against the latter; a job that fsyncs after every write against the same
+//! job without the fsync, cache off. `rbd bench` runs a byte count, not a time: each of its runs
 //! is sized from the last measured rate of its job to take about as long as fio's.
 //!
 //! Each round runs every job on every side, the order of the sides rotated each round; the
 //! median of the rounds is written as time per I/O (ns; 1 s over the IOPS) under
-//! `vm_rbd_io/<job>/{rbd-bench,kernel-ext4,kernel-block,ublk-ext4,ublk-block}` for
+//! `vm_rbd_io/<job>/{rbd-bench,rbd-bench-nocache,kernel-ext4,kernel-block,ublk-ext4,ublk-block}` for
 //! `bench-report`.
 //!
 //! Run as root beside a cluster (`.ci/ceph-cluster up DIR`, then `. DIR/env`) with the lab set
@@ -60,6 +63,10 @@ const RUN_DEADLINE: Duration = Duration::from_secs(1800);
 
 /// fio's jobs.
 const JOBS: [FioJob; 8] = FIO_JOBS;
+
+/// The side of `rbd bench` with librbd's cache off (`--rbd_cache=false`): every write acked
+/// once the OSD has it, as the kernel client's and as a write followed by an fsync.
+const NO_CACHE: &str = "rbd-bench-nocache";
 
 /// The job whose `rbd bench` is the reference of `job`: itself, or the same job without the
 /// fsync (librbd's writes are durable when acknowledged).
@@ -247,6 +254,7 @@ async fn run(
 
     let mut sides: Vec<String> = published.iter().map(|p| p.side.clone()).collect();
     sides.push("rbd-bench".into());
+    sides.push(NO_CACHE.into());
     let mut times: HashMap<(String, String), Vec<f64>> = HashMap::new();
     // The last rate of each job (I/Os per second), which sizes rbd bench's runs.
     let mut rate: HashMap<&str, f64> = HashMap::new();
@@ -255,10 +263,18 @@ async fn run(
         order.rotate_left(round % sides.len());
         for job in &JOBS {
             for side in &order {
-                let iops = if side == "rbd-bench" {
-                    if job.0 != reference_job(job.0) {
+                let iops = if side == "rbd-bench" || side == NO_CACHE {
+                    let cache = side == "rbd-bench";
+                    // The fsync'd jobs' references are their jobs' without; the cache only
+                    // changes the writes.
+                    if job.0 != reference_job(job.0) || (!cache && !job.1.contains("write")) {
                         continue;
                     }
+                    let rbd = if cache {
+                        rbd.clone()
+                    } else {
+                        format!("{rbd} --rbd_cache=false")
+                    };
                     rbd_bench(vm, &out, &rbd, &image, job, secs, rate.get(job.0).copied())
                 } else {
                     let p = published.iter().find(|p| &p.side == side).expect("a side");
@@ -369,16 +385,19 @@ fn report(
     println!(
         "\nvm_rbd_io: time per I/O (µs), median of {rounds} rounds of {secs} s a job in a TCG \
          guest (one vCPU), {VOLUME_MIB} MiB volumes and image, the sides' order rotated each \
-         round; in brackets each against rbd bench's (librbd, the same guest; the fsync'd jobs \
-         against the job without fsync); the host's load average: {}\n",
+         round; in brackets each against rbd bench's (librbd, the same guest; a write against \
+         rbd bench's with the cache off, the fsync'd jobs against the job without fsync); the host's load average: {}\n",
         load.join(" ")
     );
     let sides: Vec<String> = plugins
         .iter()
         .flat_map(|p| ["ext4", "block"].map(|k| format!("{}-{k}", p.attacher)))
         .collect();
-    println!("| job | rbd bench | {} |", sides.join(" | "));
-    println!("| --- | --- |{}", " --- |".repeat(sides.len()));
+    println!(
+        "| job | rbd bench | rbd bench, cache off | {} |",
+        sides.join(" | ")
+    );
+    println!("| --- | --- | --- |{}", " --- |".repeat(sides.len()));
     for job in &JOBS {
         let key = |side: &str, job: &str| (job.to_string(), side.to_string());
         let Some(r) = times.get(&key("rbd-bench", reference_job(job.0))) else {
@@ -389,6 +408,21 @@ fn report(
             write_result(&format!("vm_rbd_io/{}/rbd-bench", job.0), r);
         }
         let mut line = format!("| {} | {:.0} |", job.0, r / 1e3);
+        // A write's reference: librbd without its cache, each write acked once durable.
+        let r = match times.get(&key(NO_CACHE, reference_job(job.0))) {
+            Some(t) => {
+                let n = median(t.clone());
+                if job.0 == reference_job(job.0) {
+                    write_result(&format!("vm_rbd_io/{}/{NO_CACHE}", job.0), n);
+                }
+                line.push_str(&format!(" {:.0} |", n / 1e3));
+                n
+            }
+            None => {
+                line.push_str(" — |");
+                r
+            }
+        };
         for side in &sides {
             match times.get(&key(side, job.0)) {
                 Some(t) => {
