@@ -29,20 +29,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use moor_bench::storm::{selected, write_result_within};
-use moor_bench::{Node, publish_req, quick, stage_req, unpublish_req, unstage_req};
+use moor_bench::{
+    FIO_JOBS, FioJob, Node, publish_req, quick, stage_req, unpublish_req, unstage_req,
+};
 use moor_privileged::kubelet_calls::Kubelet;
 
-/// fio jobs: name, rw, block size, queue depth, fsync after every write.
-const JOBS: [(&str, &str, &str, u32, bool); 8] = [
-    ("randread-4k-qd1", "randread", "4k", 1, false),
-    ("randread-4k-qd32", "randread", "4k", 32, false),
-    ("randwrite-4k-qd1", "randwrite", "4k", 1, false),
-    ("randwrite-4k-qd32", "randwrite", "4k", 32, false),
-    ("read-1m", "read", "1m", 1, false),
-    ("write-1m", "write", "1m", 1, false),
-    ("randwrite-4k-qd1-fsync", "randwrite", "4k", 1, true),
-    ("write-1m-fsync", "write", "1m", 1, true),
-];
+/// fio's jobs.
+const JOBS: [FioJob; 8] = FIO_JOBS;
 
 /// How a volume's loop device is bound: id (`io/<job>/<id>`), the loop driver's direct I/O,
 /// the logical block size, the backing file preallocated, and dropped from the host's page
@@ -86,7 +79,7 @@ const FILE_MIB: u64 = 512;
 const VOLUME: u64 = 1 << 30;
 
 /// fio's IOPS for one job on `file` (the reads' or the writes' as the job does).
-fn fio(file: &Path, job: &(&str, &str, &str, u32, bool), seconds: u32) -> f64 {
+fn fio(file: &Path, job: &FioJob, seconds: u32) -> f64 {
     let (name, rw, bs, depth, fsync) = *job;
     let mut cmd = Command::new("fio");
     cmd.args([

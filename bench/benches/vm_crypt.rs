@@ -194,34 +194,9 @@ fn format_steps(log: &Path, volume: &str) -> (f64, f64) {
         .expect("the first stage's mkfs in moor-node's log")
 }
 
-/// Runs `script` (bash) in the guest's background with its output in `out` (a host path the
-/// guest writes) and waits until it prints `run-done`; its output, or a panic with it when a
-/// line says `fail`.
+/// Runs `script` (bash) in the guest (`Vm::run_script`, within [`RUN_DEADLINE`]).
 fn guest_run(vm: &Vm, out: &Path, script: &str) -> String {
-    // A file of its own each run: a file the host removed and the guest then opens again can
-    // fail with ENOENT through the guest's cached view of the shared dir.
-    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let out = &out.with_extension(format!("{n}.out"));
-    vm.spawn(
-        &["bash", "-c", &format!("{script}\necho run-done")],
-        &out.display().to_string(),
-    );
-    let start = Instant::now();
-    loop {
-        let text = std::fs::read_to_string(out).unwrap_or_default();
-        if text.lines().any(|l| l == "run-done") {
-            if let Some(l) = text.lines().find(|l| l.starts_with("fail")) {
-                panic!("in the guest: {l}\n{text}");
-            }
-            return text;
-        }
-        assert!(
-            start.elapsed() < RUN_DEADLINE,
-            "the guest's run did not end within {RUN_DEADLINE:?}: {text}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    vm.run_script(out, script, RUN_DEADLINE)
 }
 
 /// One throughput run through `v`'s published filesystem: bytes/s and I/Os per second.

@@ -35,6 +35,23 @@ pub fn quick() -> bool {
     std::env::var_os("MOOR_BENCH_QUICK").is_some_and(|v| !v.is_empty() && v != "0")
 }
 
+/// One fio job of the I/O benches: name, `rw`, block size, queue depth, fsync after every write.
+pub type FioJob = (&'static str, &'static str, &'static str, u32, bool);
+
+/// fio's jobs of the I/O benches (`io`, `vm_rbd_io`): 4 KiB random read and write at queue
+/// depth 1 and 32, 1 MiB sequential read and write, and the writes again with an fsync after
+/// each.
+pub const FIO_JOBS: [FioJob; 8] = [
+    ("randread-4k-qd1", "randread", "4k", 1, false),
+    ("randread-4k-qd32", "randread", "4k", 32, false),
+    ("randwrite-4k-qd1", "randwrite", "4k", 1, false),
+    ("randwrite-4k-qd32", "randwrite", "4k", 32, false),
+    ("read-1m", "read", "1m", 1, false),
+    ("write-1m", "write", "1m", 1, false),
+    ("randwrite-4k-qd1-fsync", "randwrite", "4k", 1, true),
+    ("write-1m-fsync", "write", "1m", 1, true),
+];
+
 /// How long one criterion group may take: its sample count, warm-up and measurement time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Budget {

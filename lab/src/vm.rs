@@ -561,6 +561,38 @@ impl Vm {
             as u32
     }
 
+    /// Runs `script` (bash) in the guest's background, its output in a file of its own beside
+    /// `out` (a host path the guest writes through a shared dir), and waits until it prints
+    /// `run-done`, at most `deadline`: its output, or a panic with it when a line starts with
+    /// `fail`. For runs longer than [`exec`](Self::exec)'s 30 s (fio, a benchmark).
+    pub fn run_script(&self, out: &Path, script: &str, deadline: Duration) -> String {
+        // A file of its own each run: a file the host removed and the guest then opens again
+        // can fail with ENOENT through the guest's cached view of the shared dir.
+        static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let out = &out.with_extension(format!("{n}.out"));
+        self.spawn(
+            &["bash", "-c", &format!("{script}\necho run-done")],
+            &out.display().to_string(),
+        );
+        let start = Instant::now();
+        loop {
+            let text = std::fs::read_to_string(out).unwrap_or_default();
+            if text.lines().any(|l| l == "run-done") {
+                if let Some(l) = text.lines().find(|l| l.starts_with("fail")) {
+                    panic!("in guest {}: {l}\n{text}", self.opts.name);
+                }
+                return text;
+            }
+            assert!(
+                start.elapsed() < deadline,
+                "the run in guest {} did not end within {deadline:?}: {text}",
+                self.opts.name
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     /// A gRPC channel to the Unix socket `socket` in the guest.
     pub async fn channel(&self, socket: &str) -> Result<Channel, tonic::transport::Error> {
         let addr = format!("{}:{AGENT_PORT}", self.opts.ip);

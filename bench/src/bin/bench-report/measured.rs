@@ -1,5 +1,5 @@
 //! The rows of the measured benches (`storm`, `restart`, `tails`, `io`, `vm_rbd_storm`,
-//! `vm_crypt`, `cluster_pods`), made
+//! `vm_crypt`, `cluster_pods`, `vm_rbd_io`), made
 //! from their sizes: the results `moor_bench::storm` writes, under the ids the benches give
 //! them.
 
@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use super::{Kind, Ratio, Row, Target};
 
 /// The benches that are measured runs, not criterion's: they take no filter.
-pub const BENCHES: [&str; 7] = [
+pub const BENCHES: [&str; 8] = [
     "storm",
     "restart",
     "tails",
@@ -16,6 +16,7 @@ pub const BENCHES: [&str; 7] = [
     "vm_rbd_storm",
     "vm_crypt",
     "cluster_pods",
+    "vm_rbd_io",
 ];
 
 /// A string that lives as long as the program (the rows are made once).
@@ -248,6 +249,64 @@ fn io_rows(out: &mut Vec<Row>) {
                 Kind::Time,
                 Target::AtMost(1.11),
                 "io",
+            ));
+        }
+    }
+}
+
+/// Time per I/O through a published RBD volume in the VM lab against `rbd bench`'s (librbd)
+/// in the same guest and rounds: at most 1.11× of it is at least 90% of its IOPS. Writes are
+/// set against `rbd bench` with librbd's cache off (its default cache acks a write before the
+/// OSDs have it), the fsync'd jobs against the job without the fsync (`rbd bench` has none).
+fn rbd_io_rows(out: &mut Vec<Row>) {
+    for job in IO_JOBS {
+        let base = job.trim_end_matches("-fsync");
+        let cached = format!("vm_rbd_io/{base}/rbd-bench");
+        // A write's reference: librbd with its cache off, each write acked once durable.
+        let reference = if job.contains("write") {
+            format!("vm_rbd_io/{base}/rbd-bench-nocache")
+        } else {
+            cached.clone()
+        };
+        if job == base {
+            out.push(row(
+                "V",
+                format!("TCG guest: rbd bench (librbd) as fio's {job}, time per I/O"),
+                cached.clone(),
+                None,
+                Kind::Time,
+                Target::Unset,
+                "vm_rbd_io",
+            ));
+            if reference != cached {
+                out.push(row(
+                    "V",
+                    "TCG guest: the same, librbd's cache off (--rbd_cache=false)".to_string(),
+                    reference.clone(),
+                    Some(cached.clone()),
+                    Kind::Time,
+                    Target::Unset,
+                    "vm_rbd_io",
+                ));
+            }
+        }
+        for (side, what) in [
+            ("kernel-ext4", "a file on ext4, the kernel client"),
+            ("kernel-block", "the raw block volume, the kernel client"),
+            ("ublk-ext4", "a file on ext4, ublk + librbd (moor-ublk)"),
+            (
+                "ublk-block",
+                "the raw block volume, ublk + librbd (moor-ublk)",
+            ),
+        ] {
+            out.push(row(
+                "V",
+                format!("TCG guest: fio {job} on {what}, against rbd bench"),
+                format!("vm_rbd_io/{job}/{side}"),
+                Some(reference.clone()),
+                Kind::Time,
+                Target::AtMost(1.11),
+                "vm_rbd_io",
             ));
         }
     }
@@ -574,6 +633,7 @@ pub fn rows() -> &'static [Row] {
         map_storm_rows(&mut out);
         crypt_rows(&mut out);
         pod_rows(&mut out);
+        rbd_io_rows(&mut out);
         out
     })
 }
