@@ -1,5 +1,5 @@
 //! The rows of the measured benches (`storm`, `restart`, `tails`, `io`, `vm_rbd_storm`,
-//! `vm_crypt`, `cluster_pods`, `vm_rbd_io`), made
+//! `vm_crypt`, `cluster_pods`, `vm_rbd_io`, `journal`), made
 //! from their sizes: the results `moor_bench::storm` writes, under the ids the benches give
 //! them.
 
@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use super::{Kind, Ratio, Row, Target};
 
 /// The benches that are measured runs, not criterion's: they take no filter.
-pub const BENCHES: [&str; 8] = [
+pub const BENCHES: [&str; 9] = [
     "storm",
     "restart",
     "tails",
@@ -17,6 +17,7 @@ pub const BENCHES: [&str; 8] = [
     "vm_crypt",
     "cluster_pods",
     "vm_rbd_io",
+    "journal",
 ];
 
 /// A string that lives as long as the program (the rows are made once).
@@ -621,6 +622,31 @@ fn crypt_rows(out: &mut Vec<Row>) {
     ));
 }
 
+/// `journal`: durable records put at once against one after another, 100 and the smoke
+/// run's 20.
+fn journal_rows(out: &mut Vec<Row>) {
+    for n in [100, 20] {
+        out.push(row(
+            "J",
+            format!("the journal: {n} durable records put one after another (each waits for its own sync)"),
+            format!("journal/in-turn-{n}"),
+            None,
+            Kind::Time,
+            Target::Unset,
+            "journal",
+        ));
+        out.push(row(
+            "J",
+            format!("the journal: the same {n} put at once from {n} threads (their syncs shared), against one after another"),
+            format!("journal/at-once-{n}"),
+            Some(format!("journal/in-turn-{n}")),
+            Kind::Time,
+            Target::Unset,
+            "journal",
+        ));
+    }
+}
+
 /// Every measured bench's rows.
 pub fn rows() -> &'static [Row] {
     static ROWS: OnceLock<Vec<Row>> = OnceLock::new();
@@ -634,6 +660,7 @@ pub fn rows() -> &'static [Row] {
         crypt_rows(&mut out);
         pod_rows(&mut out);
         rbd_io_rows(&mut out);
+        journal_rows(&mut out);
         out
     })
 }
