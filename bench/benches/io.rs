@@ -132,6 +132,52 @@ fn write_back(file: &Path, drop: bool) {
     }
 }
 
+/// The loop devices whose discards the bench turned off, removed when it ends (after the
+/// sandbox has unbound them, also when it fails): a device keeps that setting across bindings,
+/// so left behind it would stop the next user's thin volume from giving space back, as the
+/// local controller's `LoopAttacher` removes such a device for the same reason.
+#[derive(Default)]
+struct DiscardsOff(Vec<u32>);
+
+impl Drop for DiscardsOff {
+    fn drop(&mut self) {
+        let Ok(control) = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .open("/dev/loop-control")
+        else {
+            println!(
+                "io: cannot open /dev/loop-control; loop{:?} keep their discards off",
+                self.0
+            );
+            return;
+        };
+        for &n in &self.0 {
+            // The kernel unbinds a device on its last close; until then (and while udev looks
+            // at it) removing it is EBUSY.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            loop {
+                match moor_runtime::sys::loopdev::remove(&control, n) {
+                    Ok(()) => break,
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EBUSY)
+                            && std::time::Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                    }
+                    Err(e) => {
+                        println!(
+                            "io: loop{n} keeps its discards off: not removed within 30 s of \
+                             its release: {e}"
+                        );
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The host's load average over the last minute.
 fn load() -> String {
     std::fs::read_to_string("/proc/loadavg")
@@ -151,6 +197,8 @@ fn main() {
         return;
     }
     let (rounds, seconds) = if quick() { (1, 1) } else { (3, 3) };
+    // Dropped after `node` (its sandbox unbinds the devices first).
+    let mut discards_off = DiscardsOff::default();
     let node = Node::start("bench-io");
     let k = Kubelet::new(node.socket());
     // The disk: a directory on the filesystem that holds the sandbox's backing files.
@@ -171,6 +219,11 @@ fn main() {
             let name = dev.file_name().expect("device name").to_string_lossy();
             std::fs::write(format!("/sys/block/{name}/queue/discard_max_bytes"), "0")
                 .expect("discards off");
+            discards_off.0.push(
+                name.trim_start_matches("loop")
+                    .parse()
+                    .expect("a loop device's number"),
+            );
         }
         let (seen_dio, seen_block) = (
             sysfs(&dev, "loop/dio"),
