@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
@@ -636,7 +636,8 @@ fn refuse_newer(path: &Path, replayed: &Replay) -> Result<(), JournalError> {
 #[derive(Debug)]
 struct State {
     records: HashMap<String, VolumeRecord>,
-    log: File,
+    /// Shared with a sync running without the lock ([`Journal::sync_through`]).
+    log: Arc<File>,
     /// Bytes of the log known to be whole lines.
     len: u64,
     /// Bytes of the log known to be on disk (up to the last sync).
@@ -748,7 +749,7 @@ impl Journal {
                 fsync_all,
                 state: Mutex::new(State {
                     records,
-                    log,
+                    log: Arc::new(log),
                     len,
                     synced: len,
                     crc,
@@ -837,7 +838,7 @@ impl Journal {
             st.fail_after = Some(n - 1);
         }
         let sync = self.fsync_all || durability == Durability::Power;
-        if let Err(source) = st.log.write_all(&line) {
+        if let Err(source) = (&*st.log).write_all(&line) {
             // Cut a partial line off so the next append starts on a line of its own.
             let len = st.len;
             let _ = st.log.set_len(len);
@@ -866,7 +867,7 @@ impl Journal {
             // A failed compaction leaves the old log, which is still whole: carry on with it.
             let durable = self.fsync_all || st.records.values().any(VolumeRecord::guards_data);
             if let Ok((log, len, lines, crc)) = write_compacted(&self.dir, &st.records, durable) {
-                st.log = log;
+                st.log = Arc::new(log);
                 st.len = len;
                 st.crc = crc;
                 st.lines = lines;
@@ -927,18 +928,17 @@ impl Journal {
         };
         #[cfg(not(test))]
         let fail = false;
-        let log = st.log.try_clone();
+        let log = Arc::clone(&st.log);
         drop(st);
         #[cfg(test)]
         if let Some(gate) = gate {
             let _ = gate.recv();
         }
-        let synced = log.and_then(|f| {
-            if fail {
-                return Err(std::io::Error::from_raw_os_error(libc::EIO));
-            }
-            f.sync_data()
-        });
+        let synced = if fail {
+            Err(std::io::Error::from_raw_os_error(libc::EIO))
+        } else {
+            log.sync_data()
+        };
         // The records are durable whether or not their mark is: a mark left behind only
         // counts less of the log as durable, and one that fails says nothing.
         if synced.is_ok() {
