@@ -270,11 +270,65 @@ pub struct EmbeddedBackend<A: Attacher> {
     policy: Policy,
     /// How ids are seen outside.
     scope: Scope,
-    /// Held while an operation checks the space it needs and takes it, so that two cannot
-    /// both be admitted for the same free space.
-    space_lock: Mutex<()>,
+    /// The claims admitted and not yet measurable (see [`space::Pending`]). Held while an
+    /// operation checks the space it needs and takes it, so that two cannot both be admitted
+    /// for the same free space; not held while a new volume's file is written and synced (its
+    /// [`Reservation`] stands for it meanwhile), so creates at once do not queue on the disk.
+    space_lock: Mutex<space::Pending>,
     /// Held (flock'ed) while the backend is open: one backend per data dir.
     _lock: File,
+    /// Tests: run once by the next new data file's write, once its data is laid out.
+    #[cfg(test)]
+    write_hook: Mutex<Option<WriteHook>>,
+}
+
+/// A test's step inside a data file's write.
+#[cfg(test)]
+pub(crate) struct WriteHook(pub(crate) Box<dyn FnOnce() + Send>);
+
+#[cfg(test)]
+impl std::fmt::Debug for WriteHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WriteHook")
+    }
+}
+
+fn lock_pending(lock: &Mutex<space::Pending>) -> MutexGuard<'_, space::Pending> {
+    // Claims are added and removed whole: a panic elsewhere cannot leave a half-counted one.
+    lock.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A claim admitted and pending (see [`space::Pending`]) until this is dropped.
+#[derive(Debug)]
+struct Reservation<'a> {
+    lock: &'a Mutex<space::Pending>,
+    claim: space::Claim,
+}
+
+impl Reservation<'_> {
+    /// Replaces the claim with `claim`, admitted against everything else (what is measured
+    /// now and the others' pending claims): for an operation that knows what it takes only
+    /// once it has made its file (a copy). Refused, the reservation keeps nothing.
+    fn settle<A: Attacher>(
+        &mut self,
+        backend: &EmbeddedBackend<A>,
+        claim: space::Claim,
+        what: &str,
+    ) -> Result<()> {
+        let mut pending = lock_pending(self.lock);
+        pending.remove(self.claim);
+        self.claim = space::Claim::default();
+        backend.admit_with(&pending, claim, what)?;
+        pending.add(claim);
+        self.claim = claim;
+        Ok(())
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        lock_pending(self.lock).remove(self.claim);
+    }
 }
 
 impl<A: Attacher> EmbeddedBackend<A> {
@@ -340,8 +394,10 @@ impl<A: Attacher> EmbeddedBackend<A> {
                 inflight: InFlight::new(),
                 policy: Policy::default(),
                 scope: Scope::HOST,
-                space_lock: Mutex::new(()),
+                space_lock: Mutex::new(space::Pending::default()),
                 _lock: lock,
+                #[cfg(test)]
+                write_hook: Mutex::new(None),
             },
             report,
         ))
@@ -438,6 +494,12 @@ impl<A: Attacher> EmbeddedBackend<A> {
 
     /// The data dir's space now: its filesystem, and what the thin volumes may still claim.
     pub fn space(&self) -> Result<space::Space> {
+        let pending = self.lock_space();
+        self.space_with(&pending)
+    }
+
+    /// The data dir's space as measured, with the pending claims taken.
+    fn space_with(&self, pending: &space::Pending) -> Result<space::Space> {
         let thin: Vec<PathBuf> = self
             .state()
             .volumes
@@ -447,6 +509,7 @@ impl<A: Attacher> EmbeddedBackend<A> {
             .map(|id| self.layout.volume_file(&id))
             .collect();
         space::measure(&self.layout.root, thin.iter().map(PathBuf::as_path))
+            .map(|s| pending.apply(s))
             .map_err(|e| Error::io("measure", &self.layout.root, e))
     }
 
@@ -520,14 +583,33 @@ impl<A: Attacher> EmbeddedBackend<A> {
 
     /// RESOURCE_EXHAUSTED unless the data dir can take `claim` now ([`space::admits`]).
     fn admit(&self, claim: space::Claim, what: &str) -> Result<()> {
-        let s = self.space()?;
+        let pending = self.lock_space();
+        self.admit_with(&pending, claim, what)
+    }
+
+    /// Whether `claim` fits with the space lock held (`pending`).
+    fn admit_with(&self, pending: &space::Pending, claim: space::Claim, what: &str) -> Result<()> {
+        let s = self.space_with(pending)?;
         space::admits(&s, self.policy.overcommit, claim)
             .map_err(|why| Error::NoSpace(format!("{what}: {why}")))
     }
 
+    /// Admits `claim` and keeps it pending until the reservation is dropped: for an operation
+    /// whose space is not measurable until it finishes (a new volume's file, before its record
+    /// is saved). Drop the reservation once the operation's result is measurable, or undone.
+    fn reserve(&self, claim: space::Claim, what: &str) -> Result<Reservation<'_>> {
+        let mut pending = self.lock_space();
+        self.admit_with(&pending, claim, what)?;
+        pending.add(claim);
+        Ok(Reservation {
+            lock: &self.space_lock,
+            claim,
+        })
+    }
+
     /// Holds the space lock (see the field `space_lock`).
-    fn lock_space(&self) -> MutexGuard<'_, ()> {
-        self.space_lock.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock_space(&self) -> MutexGuard<'_, space::Pending> {
+        lock_pending(&self.space_lock)
     }
 
     /// The data dir's layout.
@@ -733,6 +815,17 @@ impl<A: Attacher> EmbeddedBackend<A> {
     ) -> Result<()> {
         let (tmp, file) = self.create_temp(name)?;
         fill(&file)?;
+        #[cfg(test)]
+        {
+            let hook = self
+                .write_hook
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            if let Some(WriteHook(step)) = hook {
+                step();
+            }
+        }
         file.sync_all()
             .map_err(|e| Error::io("fsync", &tmp.path, e))?;
         drop(file);

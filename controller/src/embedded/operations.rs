@@ -111,10 +111,11 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             "a {} volume of {size} bytes",
             if thick { THICK } else { THIN }
         );
+        // Pending until the record is saved (a thin volume's file counts from then on), or
+        // the create fails and its file is gone.
+        let mut reservation = self.reserve(claim, &what)?;
         match &source {
             None => {
-                let _space = self.lock_space();
-                self.admit(claim, &what)?;
                 self.write_data_file(&id.data_file(), &target, |file| {
                     if thick {
                         Self::no_cow(file);
@@ -131,7 +132,6 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
                 // The copy's cost is known once it is made: admitted before as if it took
                 // nothing, and checked again once made (the copy is undone if the data dir
                 // can no longer keep its promises).
-                self.admit(claim, &what)?;
                 self.write_data_file(&id.data_file(), &target, |file| {
                     if let Some(dev) = &src.device {
                         self.flush_device(dev, &src.path)?;
@@ -159,7 +159,8 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
                             .saturating_mul(512);
                         size.saturating_sub(holds)
                     };
-                    self.admit(
+                    reservation.settle(
+                        self,
                         space::Claim {
                             allocates: 0,
                             unbacked,
@@ -186,6 +187,7 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             let _ = Self::remove_data_file(&target);
             return Err(e);
         }
+        drop(reservation);
         info!(volume = %id, name = %req.name, size, "created");
         Ok(self.volume_of(&rec))
     }
@@ -540,8 +542,9 @@ impl<A: Attacher> Backend for EmbeddedBackend<A> {
             )?;
             let thick = is_thick(&rec.parameters);
             let grow = size - current;
-            let _space = self.lock_space();
-            self.admit(
+            let pending = self.lock_space();
+            self.admit_with(
+                &pending,
                 if thick {
                     space::Claim {
                         allocates: grow,

@@ -84,6 +84,40 @@ pub struct Claim {
     pub unbacked: u64,
 }
 
+/// What operations admitted and not yet finished have claimed: their files are still being
+/// made, not yet measured (a thin volume's file counts once its record is saved), so every
+/// admission counts them on top of what [`measure`] finds. Counting an operation twice while
+/// its file is made and its claim still pending only refuses more, never admits more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Pending {
+    allocates: u64,
+    unbacked: u64,
+}
+
+impl Pending {
+    /// `measured` with the pending claims taken: their allocations out of what is free, their
+    /// unbacked bytes added.
+    pub fn apply(&self, measured: Space) -> Space {
+        Space {
+            total: measured.total,
+            free: measured.free.saturating_sub(self.allocates),
+            unbacked: measured.unbacked.saturating_add(self.unbacked),
+        }
+    }
+
+    /// `c` is now pending.
+    pub fn add(&mut self, c: Claim) {
+        self.allocates = self.allocates.saturating_add(c.allocates);
+        self.unbacked = self.unbacked.saturating_add(c.unbacked);
+    }
+
+    /// `c` (added before) no longer is.
+    pub fn remove(&mut self, c: Claim) {
+        self.allocates = self.allocates.saturating_sub(c.allocates);
+        self.unbacked = self.unbacked.saturating_sub(c.unbacked);
+    }
+}
+
 /// `x × milli / 1000`, without overflow.
 fn scale(x: u64, milli: u64) -> u64 {
     u64::try_from(u128::from(x) * u128::from(milli) / 1000).unwrap_or(u64::MAX)

@@ -482,3 +482,61 @@ fn a_member_written_through_a_device_no_record_names_is_not_cut_unheld() {
         "nothing left of the refused group"
     );
 }
+
+/// A new volume's claim counts from its admission, while its file is written and synced
+/// without the space lock: a create at the same time goes on (it does not queue behind the
+/// first one's disk), and is refused when the two would break the overcommit ratio together.
+#[test]
+fn a_volume_being_written_holds_its_claim_but_not_the_space_lock() {
+    let dir = TestDir::new("emb-claim-pending");
+    let fake: Fake = Arc::new(FakeAttacher::new());
+    let (b, _) = open(dir.path(), &fake);
+    let b = Arc::new(b.with_policy(Policy {
+        overcommit: Overcommit::ratio(1.0).unwrap(),
+        ..Policy::default()
+    }));
+    // Three fifths of what a thin volume can have: one fits, two do not.
+    let offer = space::thin_available(&b.space().unwrap(), b.policy().overcommit).unwrap();
+    let big = offer / 5 * 3 / MIB * MIB;
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    *b.write_hook.lock().unwrap() = Some(WriteHook(Box::new(move || {
+        entered_tx.send(()).unwrap();
+        // Until the test has seen the second create answered (or gave up on it).
+        let _ = go_rx.recv();
+    })));
+    let first = {
+        let b = Arc::clone(&b);
+        std::thread::spawn(move || b.create_volume(&new_volume("pvc-first", big)))
+    };
+    entered_rx
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .expect("the first create writing its file");
+    // While the first file is written: what is offered shrinks by its claim, a second volume as
+    // big is refused, a small one is made.
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let b = Arc::clone(&b);
+        std::thread::spawn(move || {
+            let offered = space::thin_available(&b.space().unwrap(), b.policy().overcommit);
+            let big2 = b.create_volume(&new_volume("pvc-second", big));
+            let small = b.create_volume(&new_volume("pvc-small", MIB));
+            let _ = tx.send((offered, big2, small));
+        });
+    }
+    let answered = rx.recv_timeout(std::time::Duration::from_secs(120));
+    go_tx.send(()).unwrap();
+    let (offered, big2, small) = answered.expect(
+        "the other creates answered while the first file was being written (not queued behind it)",
+    );
+    assert!(offered.unwrap() < offer - big / 2, "{offered:?} of {offer}");
+    assert!(matches!(big2, Err(Error::NoSpace(_))), "{big2:?}");
+    small.unwrap();
+    first.join().unwrap().unwrap();
+    // Made, its claim is measured from its file and no longer pending.
+    assert_eq!(*b.lock_space(), space::Pending::default());
+    assert!(matches!(
+        b.create_volume(&new_volume("pvc-second", big)),
+        Err(Error::NoSpace(_))
+    ));
+}
