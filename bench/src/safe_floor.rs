@@ -115,7 +115,7 @@ pub fn learn(journal: &Path, log: &Path, mut call: impl FnMut(Call)) -> PairWrit
                 })
                 .collect::<Vec<_>>()
         };
-        return PairWrites {
+        let writes = PairWrites {
             publish: Written {
                 journal: cut(pj, j1, j0),
                 log: cut(pl, l1, l0),
@@ -125,6 +125,12 @@ pub fn learn(journal: &Path, log: &Path, mut call: impl FnMut(Call)) -> PairWrit
                 log: ul,
             },
         };
+        assert!(
+            !writes.publish.journal.is_empty() && !writes.unpublish.journal.is_empty(),
+            "moor-node wrote no journal record for a pair in {}: {writes:?}",
+            journal.display()
+        );
+        return writes;
     }
     panic!(
         "could not learn moor-node's writes of a pair from {} and {}: each try was cut by a compaction",
@@ -277,12 +283,17 @@ impl SafeFloor {
             .expect("resolve the target's parent");
         rustix::fs::mkdirat(&parent, &self.name, Mode::from_raw_mode(0o750)).expect("mkdirat");
         let name = self.name.clone();
-        for (i, line) in writes.publish.journal.iter().enumerate() {
-            if i == writes.publish.journal.len() - 1 {
-                self.bind(&staging, &parent, &name);
-            }
+        // The records before the bind, the bind, the record after it.
+        let (after, before) = writes
+            .publish
+            .journal
+            .split_last()
+            .expect("a publish's records");
+        for line in before {
             self.record(line);
         }
+        self.bind(&staging, &parent, &name);
+        self.record(after);
         drop(parent);
         drop(staging);
         self.log_lines(&writes.publish.log);
