@@ -13,6 +13,11 @@
 //! * `null-open`, `null-fresh`: one NodeGetCapabilities on moor-node, on an open connection
 //!   and on a fresh one (dial, HTTP/2 set-up, the call, close);
 //! * `pair-open`: NodePublishVolume + NodeUnpublishVolume on one open connection;
+//! * `safe-floor`: the same pair's system calls replayed raw in the bench's process, on a
+//!   staging mount of its own ([`SafeFloor`]: the symlink-safe resolutions, the checks that a
+//!   path is a mount, the journal's records and log lines moor-node writes, the bind by
+//!   `open_tree` + `move_mount`, the unmount through the parent's descriptor, the removal),
+//!   and two `null-open` calls: the least a plugin making moor's safety checks could do;
 //! * `pair-kubelet`: the same pair as kubelet makes it (three fresh connections);
 //! * `stage-kubelet`: NodeStageVolume + NodeUnstageVolume of a formatted ext4 loop device as
 //!   kubelet makes them (four fresh connections);
@@ -21,6 +26,9 @@
 //!
 //! Group `kubelet-paired`, the ratios the targets are held to, each side run in turn:
 //! * `pair-open`: `pair-open` against the floor: `raw-dir` plus two `null-open` calls;
+//! * `pair-safe`: `pair-open` against the safe floor: what moor's own code adds above the
+//!   system calls its safety needs;
+//! * `safe-floor`: the safe floor against the floor: what those calls cost;
 //! * `hostpath-pair`: hostpathplugin's kubelet-like pair against moor's;
 //! * `hostpath-stage`: hostpathplugin's kubelet-like stage+unstage against moor's.
 //!
@@ -33,6 +41,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use moor_bench::safe_floor::{self, Call, SafeFloor};
 use moor_bench::storm::hostpathplugin;
 use moor_bench::{
     self, Budget, MIB, Node, mkfs, paired, publish_req, stage_req, timed, unpublish_req,
@@ -150,6 +159,51 @@ fn kubelet(c: &mut Criterion) {
 
     let hp = hostpathplugin().map(|p| hostpath(&node, &p));
 
+    // The safe floor: an ext4 loop device of the bench's own mounted at a staging path beside
+    // moor's, and what moor-node writes for one pair, learnt from one.
+    let safe_dev = node.sb.loop_device("vol-safe.img", 64 * MIB);
+    mkfs("ext4", &safe_dev).expect("mkfs");
+    let safe_staging = node.sb.staging("vol-safe");
+    std::fs::create_dir_all(&safe_staging).expect("staging dir");
+    rustix::mount::mount(
+        safe_dev.as_path(),
+        safe_staging.as_path(),
+        "ext4",
+        rustix::mount::MountFlags::empty(),
+        None,
+    )
+    .expect("mount the safe floor's staging");
+    let moor_log = node.sb.root.join("moor-node.log");
+    let writes = safe_floor::learn(
+        &node.sb.state.join(moor_node::journal::LOG_FILE),
+        &moor_log,
+        |call| match call {
+            Call::Publish => {
+                open.unary::<_, csi::NodePublishVolumeResponse>(method::PUBLISH, &pubr)
+                    .expect("NodePublishVolume");
+            }
+            Call::Unpublish => {
+                open.unary::<_, csi::NodeUnpublishVolumeResponse>(method::UNPUBLISH, &unp)
+                    .expect("NodeUnpublishVolume");
+            }
+        },
+    );
+    let mut safe = SafeFloor::new(
+        &node.sb.kubelet,
+        &safe_staging,
+        &node.sb.target("pod-safe", "vol-safe"),
+        writes,
+        &node.sb.state,
+        &node.sb.root.join("safe-floor.log"),
+    );
+    let mut open_safe = PathClient::dial(&socket).expect("dial moor-node");
+    let mut safe_floor = |c: &mut PathClient| {
+        safe.publish();
+        null_open(c);
+        safe.unpublish();
+        null_open(c);
+    };
+
     let raw_src = node.sb.root.join("raw-src");
     std::fs::create_dir_all(&raw_src).expect("dir");
     let raw_dir = node.sb.root.join("raw-dir");
@@ -174,6 +228,7 @@ fn kubelet(c: &mut Criterion) {
     g.bench_function("pair-open", |b| {
         b.iter(|| pair_open(&mut open, &pubr, &unp))
     });
+    g.bench_function("safe-floor", |b| b.iter(|| safe_floor(&mut open_safe)));
     g.bench_function("pair-kubelet", |b| b.iter(|| pair_kubelet(&k, &pubr, &unp)));
     g.bench_function("stage-kubelet", |b| b.iter(|| stage_kubelet(&k, &st, &un)));
     if let Some(hp) = &hp {
@@ -194,6 +249,12 @@ fn kubelet(c: &mut Criterion) {
             .expect("hostpathplugin NodeStageVolume");
     }
 
+    // The floor: the kernel's share and two null calls.
+    let mut floor = || {
+        raw();
+        null_open(&mut open_floor);
+        null_open(&mut open_floor);
+    };
     let paired_budget = Budget::new(20, Duration::from_secs(1), Duration::from_secs(5));
     let mut pc = moor_bench::paired_criterion();
     let mut pg = moor_bench::flat_group(&mut pc, "kubelet-paired", paired_budget);
@@ -201,14 +262,26 @@ fn kubelet(c: &mut Criterion) {
         b.iter_custom(|iters| {
             paired(
                 iters,
-                || {
-                    timed(|| {
-                        raw();
-                        null_open(&mut open_floor);
-                        null_open(&mut open_floor);
-                    })
-                },
+                || timed(&mut floor),
                 || timed(|| pair_open(&mut open, &pubr, &unp)),
+            )
+        })
+    });
+    pg.bench_function("pair-safe", |b| {
+        b.iter_custom(|iters| {
+            paired(
+                iters,
+                || timed(|| safe_floor(&mut open_safe)),
+                || timed(|| pair_open(&mut open, &pubr, &unp)),
+            )
+        })
+    });
+    pg.bench_function("safe-floor", |b| {
+        b.iter_custom(|iters| {
+            paired(
+                iters,
+                || timed(&mut floor),
+                || timed(|| safe_floor(&mut open_safe)),
             )
         })
     });
@@ -246,6 +319,8 @@ fn kubelet(c: &mut Criterion) {
     }
     drop(open);
     drop(open_floor);
+    drop(open_safe);
+    drop(safe);
     node.unstage("vol-k", &staging);
 }
 

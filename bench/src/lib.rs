@@ -5,6 +5,7 @@
 //! Everything here cleans up on drop, also when a bench panics: the daemon is stopped, extra
 //! mounts are detached, loop devices are released and their backing files removed.
 
+pub mod safe_floor;
 pub mod storm;
 
 use std::fs::File;

@@ -29,6 +29,9 @@ struct Busy {
     held: HashMap<String, Holder>,
     /// Calls waiting for background work to let a volume go.
     waiting: usize,
+    /// How many releases woke the waiters.
+    #[cfg(test)]
+    wakes: usize,
 }
 
 /// The set of volumes with an operation in flight.
@@ -101,16 +104,30 @@ impl VolumeLocks {
     pub fn waiting(&self) -> usize {
         self.state().waiting
     }
+
+    #[cfg(test)]
+    fn wakes(&self) -> usize {
+        self.state().wakes
+    }
 }
 
 impl Drop for VolumeGuard {
     fn drop(&mut self) {
         let (busy, released) = &*self.busy;
-        busy.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .held
-            .remove(&self.volume_id);
-        released.notify_all();
+        let mut state = busy.lock().unwrap_or_else(PoisonError::into_inner);
+        state.held.remove(&self.volume_id);
+        // Only a call waiting for background work sleeps on `released`, and it counts itself
+        // in `waiting` under this lock before it sleeps: with nobody counted, a wake would be
+        // a system call (a futex wake) for no one, on every call's release.
+        let wake = state.waiting > 0;
+        #[cfg(test)]
+        {
+            state.wakes += usize::from(wake);
+        }
+        drop(state);
+        if wake {
+            released.notify_all();
+        }
     }
 }
 
@@ -144,14 +161,14 @@ mod tests {
         assert_eq!(locks.in_flight(), 0);
     }
 
-    #[test]
-    fn a_call_waits_for_background_work_and_a_call_never_does() {
-        let locks = VolumeLocks::default();
-        let background = locks.try_lock_background("a").unwrap();
-        // Background work never takes what a call or other background work holds.
-        assert!(locks.try_lock_background("a").is_err());
+    /// A call on `volume` on a thread of its own, once it waits for the background work that
+    /// holds the volume.
+    fn a_call_waiting(
+        locks: &VolumeLocks,
+        volume: &'static str,
+    ) -> std::thread::JoinHandle<Result<(), Error>> {
         let l2 = locks.clone();
-        let call = std::thread::spawn(move || l2.try_lock("a").map(drop));
+        let call = std::thread::spawn(move || l2.try_lock(volume).map(drop));
         let start = Instant::now();
         while locks.waiting() == 0 {
             assert!(
@@ -160,6 +177,16 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(1));
         }
+        call
+    }
+
+    #[test]
+    fn a_call_waits_for_background_work_and_a_call_never_does() {
+        let locks = VolumeLocks::default();
+        let background = locks.try_lock_background("a").unwrap();
+        // Background work never takes what a call or other background work holds.
+        assert!(locks.try_lock_background("a").is_err());
+        let call = a_call_waiting(&locks, "a");
         drop(background);
         assert!(call.join().unwrap().is_ok(), "the call got the volume");
         let held = locks.try_lock("a").unwrap();
@@ -170,5 +197,22 @@ mod tests {
         assert!(locks.try_lock_background("a").is_err());
         drop(held);
         assert_eq!(locks.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_release_wakes_only_when_a_call_waits() {
+        let locks = VolumeLocks::default();
+        drop(locks.try_lock("a").unwrap());
+        drop(locks.try_lock_background("a").unwrap());
+        assert_eq!(locks.wakes(), 0, "releases with nobody waiting woke");
+        let background = locks.try_lock_background("a").unwrap();
+        let call = a_call_waiting(&locks, "a");
+        drop(background);
+        assert!(call.join().unwrap().is_ok(), "the call got the volume");
+        assert_eq!(
+            locks.wakes(),
+            1,
+            "the release the call waited for woke it, once"
+        );
     }
 }

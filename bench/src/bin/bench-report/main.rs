@@ -178,6 +178,8 @@ const ROWS: &[Row] = &[
     row("K", "NodeGetCapabilities on a fresh connection (dial, HTTP/2 set-up, call, close)", "kubelet/null-fresh", Some("kubelet/null-open"), Time, NoTarget, "kubelet"),
     row("K", "NodePublish+NodeUnpublish on one open connection", "kubelet/pair-open", Some("kubelet/raw-dir"), Time, NoTarget, "kubelet"),
     paired(row("K", "the same against its floor: mkdir+bind+umount2+rmdir and two null calls on an open connection", "kubelet/pair-open", Some("kubelet/raw-dir+kubelet/null-open+kubelet/null-open"), Time, AtMost(1.3), "kubelet"), Paired("kubelet-paired/pair-open")),
+    paired(row("K", "safe floor: the pair's system calls replayed raw (symlink-safe resolutions, mount checks, journal records and log lines, open_tree + move_mount, umount2, unlinkat) and two null calls, against the floor: what safety costs", "kubelet/safe-floor", Some("kubelet/raw-dir+kubelet/null-open+kubelet/null-open"), Time, NoTarget, "kubelet"), Paired("kubelet-paired/safe-floor")),
+    paired(row("K", "NodePublish+NodeUnpublish on one open connection against the safe floor: moor's own code", "kubelet/pair-open", Some("kubelet/safe-floor"), Time, AtMost(1.3), "kubelet"), Paired("kubelet-paired/pair-safe")),
     row("K", "kubelet-like NodePublish+NodeUnpublish (NodeGetCapabilities first, every call on a fresh connection)", "kubelet/pair-kubelet", Some("kubelet/pair-open"), Time, NoTarget, "kubelet"),
     row("K", "kubelet-like NodeStage+NodeUnstage, formatted ext4 loop device", "kubelet/stage-kubelet", None, Time, NoTarget, "kubelet"),
     row("K", "hostpathplugin: NodeGetCapabilities on a fresh connection", "kubelet/hostpath-null-fresh", Some("kubelet/null-fresh"), Time, NoTarget, "kubelet"),
