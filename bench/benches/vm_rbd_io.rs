@@ -99,7 +99,7 @@ struct Plugin {
 /// Where fio works: a volume moor-node staged and published, or an image mapped (and for
 /// ext4 formatted and mounted) without moor.
 struct Published {
-    /// `<attacher>-ext4`, `<attacher>-block`, `plain-ext4` or `plain-block`.
+    /// `<attacher>-ext4`, `<attacher>-block`, `plain-ext4`, `plain-block` or `librbd-fio`.
     side: String,
     /// The file (ext4) or the block device; for fio's rbd engine, the image.
     file: String,
