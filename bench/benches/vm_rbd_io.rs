@@ -22,9 +22,20 @@
 //! job without the fsync, cache off. `rbd bench` runs a byte count, not a time: each of its runs
 //! is sized from the last measured rate of its job to take about as long as fio's.
 //!
+//! Without moor, in the same guest and rounds (issue 41's floor of a kernel-client volume):
+//! `plain-block`, an image of the volumes' size mapped by plain `rbd map` (the messenger's mode
+//! moor's map takes, nothing else), and `plain-ext4`, another formatted by plain `mkfs.ext4`
+//! and mounted by plain `mount`, fio on them as on moor's; moor's kernel sides against them
+//! should be ~1.0×, and they against `rbd bench` are the kernel client's and ext4's own share.
+//! And `librbd-fio`: fio's rbd engine (librbd, cache off) on `rbd bench`'s image, librbd
+//! writing fresh data each I/O as the kernel client does (`rbd bench` writes one buffer over
+//! and over, whose crc32c Ceph's bufferlist keeps, so its messenger checksums the data once;
+//! a TCG guest checksums a MiB in ~8 ms). `MOOR_VM_RBD_IO_NO_UBLK=1`: no moor-ublk sides.
+//!
 //! Each round runs every job on every side, the order of the sides rotated each round; the
 //! median of the rounds is written as time per I/O (ns; 1 s over the IOPS) under
-//! `vm_rbd_io/<job>/{rbd-bench,rbd-bench-nocache,kernel-ext4,kernel-block,ublk-ext4,ublk-block}` for
+//! `vm_rbd_io/<job>/{rbd-bench,rbd-bench-nocache,kernel-ext4,kernel-block,ublk-ext4,ublk-block,
+//! plain-ext4,plain-block,librbd-fio}` for
 //! `bench-report`.
 //!
 //! Run as root beside a cluster (`.ci/ceph-cluster up DIR`, then `. DIR/env`) with the lab set
@@ -61,6 +72,9 @@ const FILE_MIB: u64 = 128;
 /// How long one run in the guest (fio, rbd bench, a prefill) may take.
 const RUN_DEADLINE: Duration = Duration::from_secs(1800);
 
+/// Set (to anything): the kernel client's sides and the references only, no moor-ublk.
+const NO_UBLK: &str = "MOOR_VM_RBD_IO_NO_UBLK";
+
 /// fio's jobs.
 const JOBS: [FioJob; 8] = FIO_JOBS;
 
@@ -82,18 +96,47 @@ struct Plugin {
     log: PathBuf,
 }
 
-/// A volume moor-node staged and published: where fio works on it.
+/// Where fio works: a volume moor-node staged and published, or an image mapped (and for
+/// ext4 formatted and mounted) without moor.
 struct Published {
-    /// `<attacher>-ext4` or `<attacher>-block`.
+    /// `<attacher>-ext4`, `<attacher>-block`, `plain-ext4`, `plain-block` or `librbd-fio`.
     side: String,
-    volume: Volume,
-    /// The file (ext4) or the published block device.
+    /// The file (ext4) or the block device; for fio's rbd engine, the image.
     file: String,
     /// fio's `--size`.
     mib: u64,
-    /// Which moor-node serves it (an index of the plugins).
-    plugin: usize,
+    /// Who made it, and so who undoes it.
+    by: MadeBy,
 }
+
+/// Who made a side's device.
+enum MadeBy {
+    /// moor-node (an index of the plugins), as kubelet asks.
+    Moor { volume: Volume, plugin: usize },
+    /// Plain `rbd map` of `image` to `dev`, and for ext4 plain `mkfs.ext4` and `mount` at
+    /// `mountpoint`.
+    Plain {
+        image: String,
+        dev: String,
+        mountpoint: Option<String>,
+    },
+    /// Nobody: fio's rbd engine (librbd, its cache off) on the reference image, `rbd`'s
+    /// options (conf, user, keyring, pool) given.
+    Librbd {
+        conf: String,
+        keyring: String,
+        user: String,
+        pool: String,
+    },
+}
+
+/// fio through librbd (its rbd engine, `--rbd_cache=false`) on `rbd bench`'s image: librbd
+/// writing fresh data each I/O, as the kernel client does (`rbd bench` writes one buffer
+/// over and over, whose crc32c Ceph's bufferlist keeps: the messenger checksums it once).
+const LIBRBD_FIO: &str = "librbd-fio";
+
+/// The sides without moor: what a kernel-client volume can reach at most.
+const PLAIN: &str = "plain";
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -107,7 +150,12 @@ fn main() {
     let test = "vm-rbd-io";
     let (rounds, secs) = if moor_bench::quick() { (1, 1) } else { (3, 4) };
     let ublk_bin = moor_privileged::client::binary("moor-ublk");
+    let no_ublk = std::env::var_os(NO_UBLK).is_some();
     let (mut lab, ublk) = match Lab::with_kernel(test, HOST, KERNEL) {
+        Some(lab) if no_ublk => {
+            eprintln!("{test}: {NO_UBLK} is set: the kernel client only");
+            (lab, false)
+        }
         Some(lab) if ublk_bin.exists() => (lab, true),
         Some(lab) => {
             eprintln!(
@@ -219,30 +267,30 @@ async fn run(
             } else {
                 (t, VOLUME_MIB)
             };
-            // Laid out before it is read: an RBD object never written reads as zeros without
-            // a trip to the disk under the OSD. fio lays out a file itself; a device it
-            // does not, so it is written once, whole.
-            let fill = format!(
-                "fio --name=fill --filename={file} --rw=write --bs=4m --size={mib}M --direct=1 \
-                 --ioengine=libaio --iodepth=4 >/dev/null || echo fail prefill {side}"
-            );
-            vm.run_script(&out, &fill, RUN_DEADLINE);
+            prefill(vm, &out, &side, &file, mib);
             published.push(Published {
                 side,
-                volume: v,
                 file,
                 mib,
-                plugin: i,
+                by: MadeBy::Moor {
+                    volume: v,
+                    plugin: i,
+                },
             });
         }
     }
     let ceph = &w.ceph;
-    let image = format!("vm-rbd-io-ref-{}", std::process::id());
-    ceph.create(&image, VOLUME_MIB);
     let rbd = format!(
         "rbd -c {} --id {} --keyring {} -p {}",
         ceph.conf, ceph.user, ceph.keyring, ceph.pool
     );
+    for kind in ["ext4", "block"] {
+        let p = plain(lab, &out, &rbd, kind);
+        prefill(vm, &out, &p.side, &p.file, p.mib);
+        published.push(p);
+    }
+    let image = format!("vm-rbd-io-ref-{}", std::process::id());
+    ceph.create(&image, VOLUME_MIB);
     vm.run_script(
         &out,
         &format!(
@@ -252,6 +300,17 @@ async fn run(
         RUN_DEADLINE,
     );
 
+    published.push(Published {
+        side: LIBRBD_FIO.into(),
+        file: image.clone(),
+        mib: VOLUME_MIB,
+        by: MadeBy::Librbd {
+            conf: ceph.conf.clone(),
+            keyring: ceph.keyring.clone(),
+            user: ceph.user.clone(),
+            pool: ceph.pool.clone(),
+        },
+    });
     let mut sides: Vec<String> = published.iter().map(|p| p.side.clone()).collect();
     sides.push("rbd-bench".into());
     sides.push(NO_CACHE.into());
@@ -291,13 +350,104 @@ async fn run(
     }
 
     for p in &published {
-        unmount(lab, &mut nodes[p.plugin], &p.volume, 0).await;
-        detach(w, &mut ctl, &p.volume, 0).await;
-        delete(w, &mut ctl, &p.volume).await;
+        match &p.by {
+            MadeBy::Moor { volume, plugin } => {
+                unmount(lab, &mut nodes[*plugin], volume, 0).await;
+                detach(w, &mut ctl, volume, 0).await;
+                delete(w, &mut ctl, volume).await;
+            }
+            MadeBy::Plain {
+                image,
+                dev,
+                mountpoint,
+            } => {
+                let umount = mountpoint
+                    .as_ref()
+                    .map(|m| format!("umount {m} || echo fail umount {m}\n"))
+                    .unwrap_or_default();
+                vm.run_script(
+                    &out,
+                    &format!("{umount}{rbd} unmap {dev} || echo fail unmap {dev}"),
+                    RUN_DEADLINE,
+                );
+                let _ = ceph.rbd(&["rm", "--no-progress", image]);
+            }
+            MadeBy::Librbd { .. } => {}
+        }
     }
     let _ = ceph.rbd(&["rm", "--no-progress", &image]);
     drop(nodes);
     times
+}
+
+/// Writes `side`'s `file` whole once before it is read: an RBD object never written reads as
+/// zeros without a trip to the disk under the OSD. fio lays out a file itself; a device it does
+/// not.
+fn prefill(vm: &moor_lab::vm::Vm, out: &Path, side: &str, file: &str, mib: u64) {
+    let fill = format!(
+        "fio --name=fill --filename={file} --rw=write --bs=4m --size={mib}M --direct=1 \
+         --ioengine=libaio --iodepth=4 >/dev/null || echo fail prefill {side}"
+    );
+    vm.run_script(out, &fill, RUN_DEADLINE);
+}
+
+/// The side `plain-<kind>`: an image of the volumes' size made on the host, mapped in the
+/// guest by plain `rbd map` (the CLI's default options: no moor, no ceph-csi), and for ext4
+/// formatted by plain `mkfs.ext4` and mounted by plain `mount`.
+fn plain(lab: &Lab, out: &Path, rbd: &str, kind: &str) -> Published {
+    let side = format!("{PLAIN}-{kind}");
+    let ceph = &lab.world.ceph;
+    let image = format!("vm-rbd-io-{side}-{}", std::process::id());
+    ceph.create(&image, VOLUME_MIB);
+    // The messenger's mode moor's map takes for these monitors (msgr2's crc mode for a
+    // cluster on 3300), so that the two differ in nothing but moor.
+    let mode = moor_node::attach::kernel::kernel_monitors(&ceph.mons)
+        .expect("the cluster's monitors")
+        .ms_mode
+        .map(|m| format!(" -o ms_mode={m}"))
+        .unwrap_or_default();
+    let text = lab.vms[0].run_script(
+        out,
+        &format!("dev=$({rbd} map{mode} {image}) || echo fail map {image}\necho dev=$dev"),
+        RUN_DEADLINE,
+    );
+    let dev = text
+        .lines()
+        .find_map(|l| l.strip_prefix("dev="))
+        .filter(|d| d.starts_with("/dev/rbd"))
+        .unwrap_or_else(|| panic!("rbd map {image}: {text}"))
+        .to_string();
+    if kind == "block" {
+        return Published {
+            side,
+            file: dev.clone(),
+            mib: VOLUME_MIB,
+            by: MadeBy::Plain {
+                image,
+                dev,
+                mountpoint: None,
+            },
+        };
+    }
+    let mnt = lab.world.nodes[0].state.join(&side).display().to_string();
+    lab.vms[0].run_script(
+        out,
+        &format!(
+            "mkfs.ext4 -q {dev} || echo fail mkfs {dev}\nmkdir -p {mnt}\n\
+             mount {dev} {mnt} || echo fail mount {dev}"
+        ),
+        RUN_DEADLINE,
+    );
+    Published {
+        file: format!("{mnt}/fio-file"),
+        side,
+        mib: FILE_MIB,
+        by: MadeBy::Plain {
+            image,
+            dev,
+            mountpoint: Some(mnt),
+        },
+    }
 }
 
 /// fio's IOPS for `job` on `p` (the reads' or the writes' as the job does).
@@ -305,13 +455,25 @@ fn fio(vm: &moor_lab::vm::Vm, out: &Path, p: &Published, job: &FioJob, secs: u64
     let (name, rw, bs, depth, fsync) = *job;
     let json = out.with_extension(format!("{}-{name}.json", p.side));
     let fsync = if fsync { " --fsync=1" } else { "" };
+    let target = match &p.by {
+        MadeBy::Librbd {
+            conf,
+            keyring,
+            user,
+            pool,
+        } => format!(
+            "env CEPH_CONF={conf} CEPH_ARGS='--keyring {keyring} --rbd_cache=false' fio \
+             --ioengine=rbd --clientname={user} --pool={pool} --rbdname={}",
+            p.file
+        ),
+        _ => format!("fio --filename={} --direct=1 --ioengine=libaio", p.file),
+    };
     vm.run_script(
         out,
         &format!(
-            "fio --name={name} --filename={} --rw={rw} --bs={bs} --iodepth={depth} \
-             --size={}M --runtime={secs} --time_based --direct=1 --ioengine=libaio{fsync} \
+            "{target} --name={name} --rw={rw} --bs={bs} --iodepth={depth} \
+             --size={}M --runtime={secs} --time_based{fsync} \
              --output-format=json --output={} || echo fail fio {name} {}",
-            p.file,
             p.mib,
             json.display(),
             p.side
@@ -391,7 +553,10 @@ fn report(
     );
     let sides: Vec<String> = plugins
         .iter()
-        .flat_map(|p| ["ext4", "block"].map(|k| format!("{}-{k}", p.attacher)))
+        .map(|p| p.attacher)
+        .chain([PLAIN])
+        .flat_map(|a| ["ext4", "block"].map(|k| format!("{a}-{k}")))
+        .chain([LIBRBD_FIO.to_string()])
         .collect();
     println!(
         "| job | rbd bench | rbd bench, cache off | {} |",
@@ -431,6 +596,41 @@ fn report(
                     line.push_str(&format!(" {:.0} ({:.2}×) |", m / 1e3, m / r));
                 }
                 None => line.push_str(" not run |"),
+            }
+        }
+        println!("{line}");
+    }
+    against_plain(times);
+}
+
+/// The second table: moor's kernel-client sides against the same jobs on plain `rbd map` (+
+/// plain mkfs and mount), the floor of a kernel-client volume, target ~1.0×.
+fn against_plain(times: &HashMap<(String, String), Vec<f64>>) {
+    println!(
+        "\nvm_rbd_io: the kernel client through moor against the plain kernel client (rbd map, \
+         mkfs.ext4, mount; no moor), time per I/O (µs), in brackets moor's against it\n"
+    );
+    println!("| job | plain, ext4 | kernel, ext4 | plain, block | kernel, block |");
+    println!("| --- | --- | --- | --- | --- |");
+    for job in &JOBS {
+        let med = |side: &str| {
+            times
+                .get(&(job.0.to_string(), side.to_string()))
+                .map(|t| median(t.clone()))
+        };
+        let mut line = format!("| {} |", job.0);
+        for kind in ["ext4", "block"] {
+            match (
+                med(&format!("{PLAIN}-{kind}")),
+                med(&format!("kernel-{kind}")),
+            ) {
+                (Some(plain), Some(moor)) => line.push_str(&format!(
+                    " {:.0} | {:.0} ({:.2}×) |",
+                    plain / 1e3,
+                    moor / 1e3,
+                    moor / plain
+                )),
+                _ => line.push_str(" not run | not run |"),
             }
         }
         println!("{line}");

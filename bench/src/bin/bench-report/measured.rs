@@ -310,6 +310,52 @@ fn rbd_io_rows(out: &mut Vec<Row>) {
                 "vm_rbd_io",
             ));
         }
+        // librbd writing fresh data each I/O (fio's rbd engine, cache off): what `rbd bench`,
+        // whose one buffer's crc32c is computed once, leaves out.
+        out.push(row(
+            "V",
+            format!(
+                "TCG guest: fio {job} through librbd (fio's rbd engine, cache off), against rbd \
+                 bench"
+            ),
+            format!("vm_rbd_io/{job}/librbd-fio"),
+            Some(reference.clone()),
+            Kind::Time,
+            Target::Unset,
+            "vm_rbd_io",
+        ));
+        // The floor of a kernel-client volume: the same job on plain `rbd map` (and plain
+        // mkfs.ext4 + mount), no moor. Against rbd bench it is the kernel client's (and
+        // ext4's) own share, no target; moor's kernel sides against it, at most 1.11×.
+        for (kind, what) in [
+            ("ext4", "a file on ext4"),
+            ("block", "the raw block device"),
+        ] {
+            let plain = format!("vm_rbd_io/{job}/plain-{kind}");
+            out.push(row(
+                "V",
+                format!(
+                    "TCG guest: fio {job} on {what}, plain rbd map (no moor), against rbd bench"
+                ),
+                plain.clone(),
+                Some(reference.clone()),
+                Kind::Time,
+                Target::Unset,
+                "vm_rbd_io",
+            ));
+            out.push(row(
+                "V",
+                format!(
+                    "TCG guest: fio {job} on {what}, the kernel client through moor, vs the \
+                     plain kernel client"
+                ),
+                format!("vm_rbd_io/{job}/kernel-{kind}"),
+                Some(plain),
+                Kind::Time,
+                Target::AtMost(1.11),
+                "vm_rbd_io",
+            ));
+        }
     }
 }
 
