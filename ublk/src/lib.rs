@@ -361,9 +361,14 @@ mod tests {
     /// records the commits, and ends the queue once every request was committed.
     struct FakeDriver {
         pending: VecDeque<FakeReq>,
+        /// Handed out once every request before was committed (as a flush the block layer
+        /// sends after the writes it covers completed).
+        later: VecDeque<FakeReq>,
         total: usize,
         committed: Vec<(FakeReq, i32)>,
         woken: Arc<(Mutex<bool>, Condvar)>,
+        /// Says Aborted once every request was handed out, with some still in flight.
+        abort_early: bool,
     }
 
     impl FakeDriver {
@@ -371,8 +376,10 @@ mod tests {
             Self {
                 total: reqs.len(),
                 pending: reqs.into(),
+                later: VecDeque::new(),
                 committed: Vec::new(),
                 woken: Arc::new((Mutex::new(false), Condvar::new())),
+                abort_early: false,
             }
         }
     }
@@ -383,7 +390,12 @@ mod tests {
             if let Some(r) = self.pending.pop_front() {
                 return Ok(Next::Request(r));
             }
-            if self.committed.len() == self.total {
+            if self.committed.len() == self.total && !self.later.is_empty() {
+                self.total += self.later.len();
+                self.pending = std::mem::take(&mut self.later);
+                return self.next();
+            }
+            if self.committed.len() == self.total || std::mem::take(&mut self.abort_early) {
                 return Ok(Next::Aborted);
             }
             let (flag, cv) = &*self.woken;
@@ -497,6 +509,83 @@ mod tests {
                 req.tag
             );
         }
+    }
+
+    /// Notes each write as it returns, and which had returned when the flush was called.
+    #[derive(Default)]
+    struct Recorder {
+        returned: Mutex<Vec<u64>>,
+        flushed_over: Mutex<Option<Vec<u64>>>,
+    }
+
+    impl Backend for Recorder {
+        fn read(&self, _: u64, _: &mut [u8]) -> io::Result<()> {
+            Ok(())
+        }
+        fn write(&self, offset: u64, _: &[u8]) -> io::Result<()> {
+            self.returned.lock().unwrap().push(offset);
+            Ok(())
+        }
+        fn flush(&self) -> io::Result<()> {
+            *self.flushed_over.lock().unwrap() = Some(self.returned.lock().unwrap().clone());
+            Ok(())
+        }
+    }
+
+    /// A flush the driver sends after writes were acknowledged reaches the backend after
+    /// those writes returned from it: a write is acknowledged only once the backend is done.
+    #[test]
+    fn a_flush_covers_the_writes_acknowledged_before_it() {
+        let writes: Vec<FakeReq> = (0..16)
+            .map(|t| FakeReq {
+                tag: t,
+                op: sys::OP_WRITE,
+                offset: u64::from(t) << 12,
+                buf: vec![7; 4096],
+            })
+            .collect();
+        let mut driver = FakeDriver::new(writes);
+        driver.later.push_back(FakeReq {
+            tag: 16,
+            op: sys::OP_FLUSH,
+            offset: 0,
+            buf: Vec::new(),
+        });
+        let backend = Recorder::default();
+        serve(&mut driver, &backend, WORKERS).unwrap();
+        let acked: Vec<u64> = driver
+            .committed
+            .iter()
+            .filter(|(r, res)| r.op == sys::OP_WRITE && *res == 4096)
+            .map(|(r, _)| r.offset)
+            .collect();
+        assert_eq!(acked.len(), 16, "every write acknowledged");
+        let mut over = backend
+            .flushed_over
+            .lock()
+            .unwrap()
+            .clone()
+            .expect("a flush");
+        over.sort();
+        let mut acked = acked;
+        acked.sort();
+        assert_eq!(over, acked, "the writes the flush came after");
+        let flush = driver.committed.last().unwrap();
+        assert_eq!((flush.0.op, flush.1), (sys::OP_FLUSH, 0));
+    }
+
+    /// When the queue goes away with requests in the backend, the server waits for them
+    /// (their buffers are the queue's) and commits none of them.
+    #[test]
+    fn the_end_waits_for_the_requests_in_flight() {
+        let n = 8;
+        let mut driver = FakeDriver::new((0..n).map(|t| read(t, u64::from(t) << 12)).collect());
+        driver.abort_early = true;
+        let gate = Gate::new(n as usize);
+        serve(&mut driver, &gate, WORKERS).unwrap();
+        let s = gate.state.lock().unwrap();
+        assert_eq!((s.most, s.in_flight), (n as usize, 0));
+        assert!(driver.committed.is_empty(), "committed after the end");
     }
 
     /// A backend's error is its request's -errno; the other requests are served and the
