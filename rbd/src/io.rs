@@ -19,6 +19,14 @@ impl Image {
             .map_err(|f| Error::from_failure(f, format!("image {}", self.spec())))
     }
 
+    /// Reads into `buffer` at `offset`: the number of bytes read (fewer than its length past
+    /// the image's end). Calls on one image may be made from several threads at once.
+    pub fn read_into(&self, offset: u64, buffer: &mut [u8]) -> Result<usize> {
+        self.raw
+            .read_into(offset, buffer)
+            .map_err(|f| Error::from_failure(f, format!("image {}", self.spec())))
+    }
+
     /// Makes what was written reach the cluster (librbd may cache writes).
     pub fn flush(&self) -> Result<()> {
         self.raw

@@ -7,6 +7,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd as _;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
@@ -279,13 +280,46 @@ impl Control {
     }
 }
 
-/// One request fetched from a queue.
-#[derive(Debug, Clone, Copy)]
+/// One request fetched from a queue, held by the server until [`Queue::commit`] takes it
+/// back: it may be served on any thread (it is `Send`), its buffer reached only through it.
+/// Not `Clone`: one value a fetched tag, so a tag's buffer has one user at a time.
 pub struct Request {
     pub tag: u16,
     pub op: u8,
     pub offset: u64,
     pub len: usize,
+    buffers: Arc<Mapping>,
+    max_io: usize,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request")
+            .field("tag", &self.tag)
+            .field("op", &self.op)
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Request {
+    /// The request's buffer: a write's data, or where a read's goes.
+    pub fn buffer(&mut self) -> &mut [u8] {
+        let len = self.len.min(self.max_io);
+        // In bounds: tag < depth (checked when fetched), the buffers are depth * max_io bytes.
+        let at = self
+            .buffers
+            .ptr
+            .as_ptr()
+            .wrapping_add(self.tag as usize * self.max_io);
+        // SAFETY: tag's buffer is `max_io` bytes inside the mapping, which this request keeps
+        // alive (the Arc). While the server holds the tag no command of the ring names it, so
+        // the kernel does not touch it; the only value that reaches it is this request (one a
+        // fetch, not Clone), and the slice borrows it mutably: nothing aliases it until the
+        // request is given back to `commit`.
+        unsafe { std::slice::from_raw_parts_mut(at, len) }
+    }
 }
 
 /// What a queue's next completion was.
@@ -293,8 +327,56 @@ pub struct Request {
 pub enum Fetched {
     /// A request to serve, then [`Queue::commit`].
     Request(Request),
+    /// The queue's waker was woken (a request served elsewhere may be ready to commit).
+    Woken,
     /// The device is going away (stopped, or deleted): the queue's commands are done.
     Aborted,
+}
+
+/// An eventfd another thread writes to wake the queue's thread, whose ring polls it.
+#[derive(Debug)]
+pub struct Waker {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl Waker {
+    fn new() -> io::Result<Self> {
+        // SAFETY: eventfd takes an initial count and flags, and touches no memory of ours.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        Ok(Self { fd })
+    }
+
+    /// Wakes the queue's thread (adds one to the count; never blocks).
+    pub fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes the 8 bytes of a live u64 to our eventfd. Its one failure, EAGAIN
+        // (the count at its maximum), leaves the poll ready: the wake is not lost.
+        let _ = unsafe {
+            libc::write(
+                self.fd.as_raw_fd(),
+                (&one as *const u64).cast::<libc::c_void>(),
+                8,
+            )
+        };
+    }
+
+    /// Resets the count to zero (EAGAIN when it was already zero: nothing to take).
+    fn take(&self) {
+        let mut count: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64 from our non-blocking eventfd.
+        let _ = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                (&mut count as *mut u64).cast::<libc::c_void>(),
+                8,
+            )
+        };
+    }
 }
 
 /// A region of memory mapped with mmap, unmapped on drop.
@@ -302,6 +384,13 @@ struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
 }
+
+// SAFETY: the mapping is plain memory, not tied to a thread. Its bytes are reached only
+// through the queue (the descriptors, read-only) and through a held request's buffer (one
+// value a tag, see `Request::buffer`): sharing the pointer among threads shares no bytes.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` gives no access to the bytes by itself.
+unsafe impl Sync for Mapping {}
 
 impl Mapping {
     fn map(len: usize, prot: i32, flags: i32, fd: i32, offset: i64) -> io::Result<Self> {
@@ -319,23 +408,29 @@ impl Mapping {
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: the mapping is this value's own, made by `map` with this length; no slice
-        // into it outlives the value (they borrow the Queue that owns it).
+        // into it outlives the value (a slice borrows a request, which holds the mapping's
+        // Arc; the descriptors' reads are copies).
         unsafe { libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.len) };
     }
 }
 
 /// Queue 0 of a device: `/dev/ublkcN`, the descriptors the driver writes, one buffer per
 /// request tag, and a ring on which every tag has a fetch (or commit-and-fetch) pending while
-/// the server does not hold it.
+/// the server does not hold it, and a poll of the waker's eventfd.
 pub struct Queue {
     ring: IoUring,
     // Kept open while the ring's commands refer to it.
     cdev: File,
     descs: Mapping,
-    buffers: Mapping,
+    // Shared with the requests held (the last one out unmaps it).
+    buffers: Arc<Mapping>,
+    waker: Arc<Waker>,
     depth: u16,
     max_io: usize,
 }
+
+/// The user data of the waker's poll (a tag's is the tag, < 4096).
+const WAKER: u64 = u64::MAX;
 
 impl std::fmt::Debug for Queue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -381,15 +476,32 @@ impl Queue {
             ring,
             cdev,
             descs,
-            buffers,
+            buffers: Arc::new(buffers),
+            waker: Arc::new(Waker::new()?),
             depth,
             max_io,
         };
         for tag in 0..depth {
             q.push(IO_FETCH_REQ, tag, -1)?;
         }
+        q.poll_waker()?;
         q.ring.submit()?;
         Ok(q)
+    }
+
+    /// What wakes this queue's thread from another.
+    pub fn waker(&self) -> Arc<Waker> {
+        Arc::clone(&self.waker)
+    }
+
+    /// A one-shot poll of the waker's eventfd (no memory of ours is named).
+    fn poll_waker(&mut self) -> io::Result<()> {
+        let entry = opcode::PollAdd::new(types::Fd(self.waker.fd.as_raw_fd()), libc::POLLIN as u32)
+            .build()
+            .user_data(WAKER);
+        // SAFETY: a poll names only the eventfd, which the queue keeps open as long as the ring.
+        unsafe { self.ring.submission().push(&entry) }
+            .map_err(|_| io::Error::other("the queue's ring is full"))
     }
 
     fn buffer_ptr(&self, tag: u16) -> *mut u8 {
@@ -418,10 +530,22 @@ impl Queue {
             .map_err(|_| io::Error::other("the queue's ring is full"))
     }
 
-    /// Waits for the next request (or the queue's end).
+    /// Sends the commits pushed so far, then waits for the next request, a wake, or the
+    /// queue's end.
     pub fn next(&mut self) -> io::Result<Fetched> {
+        if !self.ring.submission().is_empty() {
+            self.ring.submit()?;
+        }
         loop {
-            if let Some(cqe) = self.ring.completion().next() {
+            let next = self.ring.completion().next();
+            if let Some(cqe) = next {
+                if cqe.user_data() == WAKER {
+                    // Taken before the caller looks for what woke it: a wake after this one
+                    // completes the next poll.
+                    self.waker.take();
+                    self.poll_waker()?;
+                    return Ok(Fetched::Woken);
+                }
                 let tag = cqe.user_data() as u16;
                 let res = cqe.result();
                 if res == IO_RES_ABORT {
@@ -445,6 +569,8 @@ impl Queue {
                     op: (desc.op_flags & 0xff) as u8,
                     offset: desc.start_sector << 9,
                     len: (desc.nr_sectors as usize) << 9,
+                    buffers: Arc::clone(&self.buffers),
+                    max_io: self.max_io,
                 }));
             }
             match self.ring.submit_and_wait(1) {
@@ -455,20 +581,11 @@ impl Queue {
         }
     }
 
-    /// The buffer of a request the server holds (between [`next`](Self::next) and
-    /// [`commit`](Self::commit)): a write's data, or where a read's goes.
-    pub fn buffer(&mut self, req: &Request) -> &mut [u8] {
-        let len = req.len.min(self.max_io);
-        // SAFETY: tag's buffer is `max_io` bytes inside `self.buffers`; while the server holds
-        // the tag no command of the ring names it, so the kernel does not touch it, and the
-        // slice borrows the queue mutably: nothing else aliases it until commit.
-        unsafe { std::slice::from_raw_parts_mut(self.buffer_ptr(req.tag), len) }
-    }
-
-    /// Answers the request (`result`: bytes done, or -errno) and fetches the tag's next.
-    pub fn commit(&mut self, req: &Request, result: i32) -> io::Result<()> {
-        self.push(IO_COMMIT_AND_FETCH_REQ, req.tag, result)?;
-        self.ring.submit().map(drop)
+    /// Answers the request (`result`: bytes done, or -errno) and fetches the tag's next; sent
+    /// with the next [`next`](Self::next). Takes the request back: its buffer is the
+    /// kernel's again.
+    pub fn commit(&mut self, req: Request, result: i32) -> io::Result<()> {
+        self.push(IO_COMMIT_AND_FETCH_REQ, req.tag, result)
     }
 }
 

@@ -475,9 +475,15 @@ pub(crate) struct RbdImage {
     handle: RbdImageT,
 }
 
-// SAFETY: an open image is not tied to the thread that opened it. (It is not `Sync`: calls on
-// one image are made from one thread at a time.)
+// SAFETY: an open image is not tied to the thread that opened it.
 unsafe impl Send for RbdImage {}
+// SAFETY: librbd guards an open image's state with the image's own locks (ImageCtx's
+// owner_lock, image_lock, ...), and its synchronous I/O calls are its asynchronous ones plus a
+// wait on a condition of the caller's (librbd/api/Io.cc: `rbd_read` is `aio_read` then
+// `C_SaferCond::wait`), which QEMU's and rbd-nbd's servers make on one image from several
+// threads at once. Every method here takes `&self` and passes only buffers the caller owns;
+// `close` takes the image by value, so it cannot race another call.
+unsafe impl Sync for RbdImage {}
 
 impl std::fmt::Debug for RbdImage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

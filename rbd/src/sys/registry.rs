@@ -305,18 +305,25 @@ impl RbdImage {
     /// `rbd_read`: up to `len` bytes at `offset`.
     pub(crate) fn read(&self, offset: u64, len: usize) -> Result<Vec<u8>> {
         let mut buffer = vec![0u8; len];
-        // SAFETY: an open image and a writable buffer of `len` bytes.
+        let read = self.read_into(offset, &mut buffer)?;
+        buffer.truncate(read);
+        Ok(buffer)
+    }
+
+    /// `rbd_read` into `buffer`: the bytes read (fewer than asked past the image's end).
+    pub(crate) fn read_into(&self, offset: u64, buffer: &mut [u8]) -> Result<usize> {
+        // SAFETY: an open image and a writable buffer of `buffer.len()` bytes, borrowed
+        // mutably for the call (librbd writes into it only until the call returns).
         let ret = unsafe {
             (self.api().rbd_read)(
                 self.handle,
                 offset,
-                len,
+                buffer.len(),
                 buffer.as_mut_ptr().cast::<c_char>(),
             )
         };
         let read = check_count("rbd_read", ret)?;
-        buffer.truncate(read);
-        Ok(buffer)
+        Ok(read.min(buffer.len()))
     }
 
     /// `rbd_flush`: what was written reaches the cluster.
