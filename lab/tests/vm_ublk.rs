@@ -165,8 +165,9 @@ fn a_new_server_takes_the_device_over() {
     assert!(info.contains(&format!("pid {first}")), "{info}");
 
     let mnt = lab.path("mnt");
+    // The filesystem leaves the image's last 56 MiB to the write below.
     lab.vm.sh(&format!(
-        "mkfs.ext4 -q /dev/ublkb{dev} && mkdir -p {mnt} && mount /dev/ublkb{dev} {mnt}"
+        "mkfs.ext4 -q /dev/ublkb{dev} 200M && mkdir -p {mnt} && mount /dev/ublkb{dev} {mnt}"
     ));
     // The writer: a record appended and fsynced (fdatasync) at a time, each acknowledged in
     // its log (outside the device) only once the fsync succeeded; an error is logged and
@@ -232,13 +233,40 @@ fn a_new_server_takes_the_device_over() {
         "the guest's kernel logged errors: {console}"
     );
 
-    // Everything fsynced is on the image: unmounted, the device deleted (its server ends),
-    // then read back through a new device of the same image.
+    // A write acknowledged and never flushed survives its server's death: the second server
+    // (which has seen the writer's flushes) killed as soon as an O_DIRECT write past the
+    // filesystem returns, a third takes the device over. With librbd's cache on, that write
+    // would be in the dead server's memory only.
+    let pattern = lab.path("pattern");
     lab.vm.sh(&format!(
-        "umount {mnt} && {} delete --dev {dev}",
-        lab.ublk.display()
+        "umount {mnt} && head -c 1048576 /dev/urandom > {pattern} && \
+         dd if={pattern} of=/dev/ublkb{dev} bs=1M count=1 seek=224 oflag=direct status=none && \
+         kill -KILL {second}"
     ));
+    let start = Instant::now();
+    while !lab.info(dev).contains("state quiesced") {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the driver did not quiesce device {dev} after its second server died"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (_, again) = lab.serve(&recover, "server-2b.log");
+    assert_eq!(again, dev, "the same device");
+
+    // Everything fsynced is on the image: the device deleted (its server ends), then read
+    // back through a new device of the same image.
+    lab.vm
+        .sh(&format!("{} delete --dev {dev}", lab.ublk.display()));
     let (_, third) = lab.serve(&add, "server-3.log");
+    let unflushed = lab.vm.sh(&format!(
+        "if dd if=/dev/ublkb{third} bs=1M count=1 skip=224 iflag=direct status=none | \
+         cmp -s - {pattern}; then echo same; else echo differs; fi"
+    ));
+    assert!(
+        unflushed.contains("same"),
+        "the write acknowledged before its server was killed is not on the image: {unflushed}"
+    );
     let data = lab.vm.sh(&format!(
         "mount -o ro /dev/ublkb{third} {mnt} && cat {mnt}/data && umount {mnt}"
     ));

@@ -87,7 +87,12 @@ fn open(i: &Image) -> Result<(Cluster, moor_rbd::Image, u64), String> {
         )),
         (None, None) => return Err("--keyring or --keyfile".into()),
     };
-    let options = ConnectOptions::new(&i.mon_host, &i.user, auth);
+    // librbd's cache off: a write is acknowledged only once the OSDs have it. The device is
+    // recoverable, so the kernel never learns that a server died: with the cache on, writes
+    // it acknowledged and held (up to a second, librbd's default) would be gone when it was
+    // killed, and the filesystem above would carry on as if they were on the image (the next
+    // flush, sent to the new server, flushes nothing). A flush is then nothing to wait for.
+    let options = ConnectOptions::new(&i.mon_host, &i.user, auth).option("rbd_cache", "false");
     let cluster = Cluster::connect(&options).map_err(|e| e.to_string())?;
     let pool = cluster.pool(&i.pool).map_err(|e| e.to_string())?;
     let image = pool.open_image(&i.image).map_err(|e| e.to_string())?;
