@@ -884,3 +884,52 @@ fn a_holder_of_an_rbd_fuse_that_answers_keeps_it_and_the_unstage_waits() {
         assert_eq!(w.leftovers(0), (0, 0, 0));
     });
 }
+
+/// moor-ublk serves an image with librbd's cache off (a recoverable server must not hold
+/// acknowledged writes in memory): an image whose own configuration turns the cache on, which
+/// librbd would set over the server's, is refused before any device is made; the same image
+/// with the override saying off goes on to the device (here one that does not exist).
+#[test]
+fn moor_ublk_refuses_an_image_whose_configuration_turns_the_cache_on() {
+    let test = "moor_ublk_refuses_an_image_whose_configuration_turns_the_cache_on";
+    let Some(ceph) = Ceph::from_env(test) else {
+        return;
+    };
+    let ublk = moor_privileged::client::binary("moor-ublk");
+    assert!(
+        ublk.exists(),
+        "{} is not built (cargo build -p moor-ublk)",
+        ublk.display()
+    );
+    let mut w = World::new("rbd-ublk-cache", ceph, 1);
+    let image = w.image("cache", 64);
+    let add = |value: &str| {
+        w.ceph
+            .rbd(&["image-meta", "set", &image, "conf_rbd_cache", value])
+            .expect("rbd image-meta set");
+        // A recovery of a device no driver has (it never serves): the image is opened and
+        // checked first.
+        let out = std::process::Command::new(&ublk)
+            .args(["recover", "--dev", "1048575", "--deadline", "1"])
+            .args(["--mon-host", &w.ceph.mons, "--user", &w.ceph.user])
+            .args(["--keyring", &w.ceph.keyring, "--pool", &w.ceph.pool])
+            .args(["--image", &image])
+            .output()
+            .expect("run moor-ublk");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, err) = add("true");
+    assert!(!ok, "served with the cache on: {err}");
+    assert!(
+        err.contains("rbd_cache=\"true\"") && err.contains("the image's configuration"),
+        "{err}"
+    );
+    let (ok, err) = add("false");
+    assert!(
+        !ok && err.contains("recover") && !err.contains("rbd_cache="),
+        "with the override saying off, only the device was missing: {err}"
+    );
+}

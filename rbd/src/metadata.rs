@@ -38,6 +38,16 @@ impl Pool {
             .map_err(|f| Error::from_failure(f, self.metadata_subject()))
     }
 
+    /// The pool's own setting of librbd's `option` (`rbd config pool set`: the metadata key
+    /// `conf_<option>`), which librbd sets over a client's for every image of the pool it
+    /// opens; None when the pool has none. Read only: this crate never writes such keys.
+    pub fn config_override(&self, option: &str) -> Result<Option<String>> {
+        let c_key = c_text("pool metadata key", &format!("conf_{option}"))?;
+        self.ioctx
+            .pool_metadata_get(&c_key)
+            .map_err(|f| Error::from_failure(f, self.metadata_subject()))
+    }
+
     /// Sets a pool metadata key (replacing its value whole: one atomic write).
     pub fn metadata_set(&self, key: &str, value: &str) -> Result<()> {
         let c_key = check_key(key)?;

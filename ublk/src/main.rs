@@ -96,8 +96,44 @@ fn open(i: &Image) -> Result<(Cluster, moor_rbd::Image, u64), String> {
     let cluster = Cluster::connect(&options).map_err(|e| e.to_string())?;
     let pool = cluster.pool(&i.pool).map_err(|e| e.to_string())?;
     let image = pool.open_image(&i.image).map_err(|e| e.to_string())?;
+    refuse_cache_override(&pool, &image)?;
     let size = image.size().map_err(|e| e.to_string())?;
     Ok((cluster, image, size))
+}
+
+/// Refuses an image for which librbd's cache is on after all: an image's or its pool's
+/// `conf_rbd_cache` (`rbd config image set` / `rbd config pool set`) is set by librbd over this
+/// client's `rbd_cache=false` (the image's own over the pool's).
+fn refuse_cache_override(pool: &moor_rbd::Pool, image: &moor_rbd::Image) -> Result<(), String> {
+    const OPTION: &str = "rbd_cache";
+    let (from, value) = match image
+        .metadata(&format!("conf_{OPTION}"))
+        .map_err(|e| e.to_string())?
+    {
+        Some(v) => ("the image's", v),
+        None => match pool.config_override(OPTION).map_err(|e| e.to_string())? {
+            Some(v) => ("its pool's", v),
+            None => return Ok(()),
+        },
+    };
+    if cache_off(&value) {
+        return Ok(());
+    }
+    Err(format!(
+        "{}: {from} configuration sets {OPTION}={value:?}, which would turn librbd's cache on \
+         under this server: a write it acknowledged from the cache would be lost with it if \
+         it died, unseen by the kernel (the device is recoverable); remove the override \
+         (rbd config image|pool remove ... {OPTION})",
+        image.spec()
+    ))
+}
+
+/// Whether a librbd boolean option's text says off (anything else is taken as on).
+fn cache_off(value: &str) -> bool {
+    matches!(
+        value.trim().to_ascii_lowercase().as_str(),
+        "false" | "0" | "no" | "off"
+    )
 }
 
 /// Says `dev N /dev/ublkbN client.C` (C: this server's client, for the next server to fence),
@@ -183,5 +219,18 @@ fn main() {
     if let Err(e) = run(Cli::parse()) {
         eprintln!("moor-ublk: {e}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn only_a_value_that_says_off_is_off() {
+        for off in ["false", "0", "no", "off", " FALSE ", "Off"] {
+            assert!(super::cache_off(off), "{off:?}");
+        }
+        for on in ["true", "1", "yes", "on", "", "maybe"] {
+            assert!(!super::cache_off(on), "{on:?}");
+        }
     }
 }
