@@ -903,7 +903,7 @@ fn moor_ublk_refuses_an_image_whose_configuration_turns_the_cache_on() {
     );
     let mut w = World::new("rbd-ublk-cache", ceph, 1);
     let image = w.image("cache", 64);
-    let add = |value: &str| {
+    let start_with_override = |value: &str| {
         w.ceph
             .rbd(&["image-meta", "set", &image, "conf_rbd_cache", value])
             .expect("rbd image-meta set");
@@ -921,13 +921,13 @@ fn moor_ublk_refuses_an_image_whose_configuration_turns_the_cache_on() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let (ok, err) = add("true");
+    let (ok, err) = start_with_override("true");
     assert!(!ok, "served with the cache on: {err}");
     assert!(
         err.contains("rbd_cache=\"true\"") && err.contains("the image's configuration"),
         "{err}"
     );
-    let (ok, err) = add("false");
+    let (ok, err) = start_with_override("false");
     assert!(
         !ok && err.contains("recover") && !err.contains("rbd_cache="),
         "with the override saying off, only the device was missing: {err}"
