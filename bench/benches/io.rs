@@ -21,6 +21,14 @@
 //! `io/<job>/<binding>`, which `bench-report` sets against `io/<job>/disk`. The host's load
 //! average is printed with each job: the machine is shared.
 //!
+//! The floor of a loop binding, measured in the same rounds without moor ([`FLOORS`]): fio on
+//! a loop device bound as `loop-dio` with no filesystem inside (`raw-dio`: the loop driver
+//! alone, its 512 MiB written once first so that no read is of a hole), and in a file of
+//! plain ext4 on such a device (`plain-dio`: `mkfs.ext4 -q` with its defaults and mount(2),
+//! as a user would by hand). `bench-report` sets each against the disk, and `loop-dio`
+//! against `plain-dio`: what moor adds to a loop binding, apart from the loop driver and the
+//! filesystem inside.
+//!
 //! A measured run, not criterion's iterations; skipped, with a line saying so, without fio.
 //! `MOOR_BENCH_QUICK=1`: one round of one second per job.
 
@@ -73,6 +81,10 @@ const BINDINGS: [Binding; 6] = [
     binding("loop-dio-prealloc", true, 512, true, false),
     binding("loop-dio-4k-prealloc", true, 4096, true, false),
 ];
+
+/// The floors measured beside the bindings, without moor, each on a loop device bound as
+/// `loop-dio` (direct I/O, 512-byte blocks, a sparse file): (id, a filesystem inside).
+const FLOORS: [(&str, bool); 2] = [("raw-dio", false), ("plain-dio", true)];
 
 /// The file fio works in, and the volume's size.
 const FILE_MIB: u64 = 512;
@@ -254,6 +266,56 @@ fn main() {
             target,
         ));
     }
+    // The floors: (id, backing file, what fio works on, the mount to undo).
+    let mut floors: Vec<(&str, PathBuf, PathBuf, Option<PathBuf>)> = Vec::new();
+    for (id, filesystem) in FLOORS {
+        let dev = node.sb.loop_device_bound(
+            &format!("{id}.img"),
+            VOLUME,
+            false,
+            &["--direct-io=on", "--sector-size", "512"],
+        );
+        assert_eq!(sysfs(&dev, "loop/dio"), "1", "{id}: loop/dio");
+        println!("io: {id} on {}: loop/dio 1, no moor", dev.display());
+        let backing = node.sb.data.join(format!("{id}.img"));
+        if filesystem {
+            let out = Command::new("mkfs.ext4")
+                .arg("-q")
+                .arg(&dev)
+                .stdin(std::process::Stdio::null())
+                .output()
+                .expect("mkfs.ext4");
+            assert!(out.status.success(), "mkfs.ext4 {}: {out:?}", dev.display());
+            let dir = node.sb.data.join(format!("{id}-mnt"));
+            std::fs::create_dir_all(&dir).expect("the plain mount's directory");
+            rustix::mount::mount(
+                dev.as_path(),
+                dir.as_path(),
+                "ext4",
+                rustix::mount::MountFlags::empty(),
+                None,
+            )
+            .expect("mount the plain ext4");
+            floors.push((id, backing, dir.join("fio-file"), Some(dir)));
+        } else {
+            // Written once, so that the reads read data, as they do in every file fio lays out.
+            let out = Command::new("fio")
+                .args([
+                    "--name=fill",
+                    &format!("--filename={}", dev.display()),
+                    "--rw=write",
+                    "--bs=1M",
+                    &format!("--size={FILE_MIB}M"),
+                    "--direct=1",
+                    "--ioengine=libaio",
+                    "--iodepth=8",
+                ])
+                .output()
+                .expect("fio");
+            assert!(out.status.success(), "fio fill {}: {out:?}", dev.display());
+            floors.push((id, backing, dev, None));
+        }
+    }
     let volume = |b: &Binding| {
         let id = if b.cold { "loop" } else { b.id };
         volumes
@@ -265,9 +327,14 @@ fn main() {
         let load_before = load();
         let mut disk_times = Vec::new();
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); BINDINGS.len()];
+        let mut floor_times: Vec<Vec<f64>> = vec![Vec::new(); FLOORS.len()];
         for _ in 0..rounds {
             disk_times.push(1e9 / fio(&disk, job, seconds));
             write_back(&disk, false);
+            for (i, (_, backing, file, _)) in floors.iter().enumerate() {
+                floor_times[i].push(1e9 / fio(file, job, seconds));
+                write_back(backing, false);
+            }
             for (i, b) in BINDINGS.iter().enumerate() {
                 let (_, backing, _, target) = volume(b);
                 if b.cold {
@@ -280,6 +347,15 @@ fn main() {
         let d = spread(disk_times);
         let mut line = format!("io/{}: disk {:.1} µs", job.0, d.1 / 1e3);
         write_result_within(&format!("io/{}/disk", job.0), d);
+        for ((id, ..), t) in floors.iter().zip(floor_times) {
+            let t = spread(t);
+            line.push_str(&format!(
+                ", {id} {:.1} µs ({:.0}%)",
+                t.1 / 1e3,
+                100.0 * d.1 / t.1
+            ));
+            write_result_within(&format!("io/{}/{id}", job.0), t);
+        }
         for (b, t) in BINDINGS.iter().zip(times) {
             let t = spread(t);
             line.push_str(&format!(
@@ -298,6 +374,12 @@ fn main() {
     for (id, _, staging, target) in &volumes {
         k.unpublish(&unpublish_req(id, target)).expect("unpublish");
         k.unstage(&unstage_req(id, staging)).expect("unstage");
+    }
+    for (_, _, _, mounted) in &floors {
+        if let Some(dir) = mounted {
+            rustix::mount::unmount(dir.as_path(), rustix::mount::UnmountFlags::empty())
+                .expect("unmount the plain ext4");
+        }
     }
     drop(node);
 }

@@ -252,6 +252,40 @@ fn io_rows(out: &mut Vec<Row>) {
                 "io",
             ));
         }
+        // The floor of a loop binding, no moor: the loop driver alone, and plain ext4 on it.
+        for (floor, what) in [
+            (
+                "raw-dio",
+                "the loop device alone with direct I/O (no filesystem inside, no moor): the \
+                 loop driver's share",
+            ),
+            (
+                "plain-dio",
+                "plain ext4 (mkfs.ext4 + mount(2), no moor) on a loop device with direct I/O",
+            ),
+        ] {
+            out.push(row(
+                "I",
+                format!("fio {job}: on {what}"),
+                format!("io/{job}/{floor}"),
+                Some(disk.clone()),
+                Kind::Time,
+                Target::Unset,
+                "io",
+            ));
+        }
+        out.push(row(
+            "I",
+            format!(
+                "fio {job}: through a published volume on the loop device with direct I/O, vs \
+                 plain ext4 on the same binding"
+            ),
+            format!("io/{job}/loop-dio"),
+            Some(format!("io/{job}/plain-dio")),
+            Kind::Time,
+            Target::AtMost(1.11),
+            "io",
+        ));
     }
 }
 
