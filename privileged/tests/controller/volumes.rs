@@ -40,6 +40,19 @@ fn attach_and_detach() {
         "the attach must outlive us"
     );
     assert_eq!(sysfs_flag(&dev, "ro"), "0");
+    // Direct I/O wherever the backing file's filesystem takes it (the test's temp dir is on a
+    // disk's filesystem on CI; a tmpfs of an older kernel would not).
+    let takes_direct_io = rustix::fs::open(
+        backing.as_str(),
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECT,
+        rustix::fs::Mode::empty(),
+    )
+    .is_ok();
+    assert_eq!(
+        sysfs_flag(&dev, "loop/dio"),
+        if takes_direct_io { "1" } else { "0" },
+        "{dev}: the loop driver's direct I/O (the backing file takes O_DIRECT: {takes_direct_io})"
+    );
     assert_eq!(device_size(&dev), 16 * MIB);
     // Idempotent: the same device.
     assert_eq!(fx.publish(&id), ctx);
@@ -59,6 +72,70 @@ fn attach_and_detach() {
     fx.unpublish(&id);
     delete_when_unbound(fx.b(), &id);
     assert!(!Path::new(&backing).exists());
+}
+
+/// A ramfs mounted in this thread's own mount namespace, its bound loop devices detached and
+/// it unmounted on drop (also when the test fails).
+struct Ramfs {
+    dir: PathBuf,
+    bound: Vec<(PathBuf, moor_controller::embedded::attach::FileId)>,
+}
+
+impl Drop for Ramfs {
+    fn drop(&mut self) {
+        let attacher = LoopAttacher::new();
+        for (dev, file) in &self.bound {
+            let _ = attacher.detach(dev, *file);
+            let _ = wait_unbound(&dev.display().to_string(), &self.dir);
+        }
+        let _ = rustix::mount::unmount(self.dir.as_path(), rustix::mount::UnmountFlags::DETACH);
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[test]
+fn a_file_that_cannot_take_direct_io_is_bound_buffered() {
+    moor_runtime::sys::mount_namespace::enter_private_mount_namespace()
+        .expect("a private mount namespace");
+    let mut ramfs = Ramfs {
+        dir: temp_dir("ramfs"),
+        bound: Vec::new(),
+    };
+    rustix::mount::mount(
+        "moor-test",
+        ramfs.dir.as_path(),
+        "ramfs",
+        rustix::mount::MountFlags::empty(),
+        None,
+    )
+    .expect("mount a ramfs");
+    let file = ramfs.dir.join("pvc-ramfs.img");
+    File::create(&file)
+        .and_then(|f| f.set_len(16 * MIB))
+        .expect("the backing file");
+    assert!(
+        rustix::fs::open(
+            &file,
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECT,
+            rustix::fs::Mode::empty()
+        )
+        .is_err(),
+        "ramfs takes O_DIRECT here: the test proves nothing"
+    );
+    let attacher = LoopAttacher::new();
+    let dev = attacher
+        .attach(&file, false)
+        .expect("a file without direct I/O is still attached");
+    ramfs.bound.push((
+        dev.clone(),
+        moor_controller::embedded::attach::FileId::of_path(&file).expect("stat"),
+    ));
+    let dev = dev.display().to_string();
+    assert_eq!(sysfs_backing(&dev).as_deref(), file.to_str());
+    assert_eq!(sysfs_flag(&dev, "loop/dio"), "0", "{dev}: buffered");
+    let blocks = pattern(7);
+    write_through(&dev, &blocks);
+    read_back(&dev, &blocks);
 }
 
 #[test]
