@@ -5,12 +5,13 @@
 //! run: 4 KiB random reads and writes at queue depth 1 and 32, 1 MiB sequential reads and
 //! writes, and the writes again with an fsync after each. Every fio run uses O_DIRECT.
 //!
-//! The volumes' loop devices ([`BINDINGS`]): as moor's local controller binds one
-//! (`LoopAttacher`: buffered, the backing file's page cache under it, 512-byte blocks, a
+//! The volumes' loop devices ([`BINDINGS`]): buffered, as moor's local controller bound one
+//! before it took direct I/O (the backing file's page cache under it, 512-byte blocks, a
 //! sparse file), measured twice: as it comes (`loop`: whatever of the file the host has
 //! cached) and cold (`loop-cold`: the backing file written back and dropped from the host's
 //! page cache before each run, so what is read comes from the disk); and with the loop
-//! driver's direct I/O (`LO_FLAGS_DIRECT_IO`), on a sparse and on a preallocated backing file
+//! driver's direct I/O (`LO_FLAGS_DIRECT_IO`; `loop-dio` is how the local controller's
+//! `LoopAttacher` binds one now), on a sparse and on a preallocated backing file
 //! (`fallocate`, with the device's discards off, as a thick volume is) and with 512-byte and
 //! 4 KiB logical blocks (`LOOP_CONFIGURE`'s block size), each alone and together. Every
 //! device's sysfs (`loop/dio`, `queue/logical_block_size`) is checked to be what its row

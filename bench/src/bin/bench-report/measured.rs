@@ -216,8 +216,8 @@ fn io_rows(out: &mut Vec<Row>) {
         for (dev, what) in [
             (
                 "loop",
-                "a loop device as the local controller binds it (buffered; the host's page \
-                 cache as it comes)",
+                "a buffered loop device, as the local controller bound it before direct I/O \
+                 (the host's page cache as it comes)",
             ),
             (
                 "loop-cold",
@@ -226,7 +226,8 @@ fn io_rows(out: &mut Vec<Row>) {
             ),
             (
                 "loop-dio",
-                "the loop device with direct I/O (LO_FLAGS_DIRECT_IO)",
+                "a loop device with direct I/O (LO_FLAGS_DIRECT_IO), as the local controller \
+                 binds it",
             ),
             (
                 "loop-dio-4k",
@@ -277,7 +278,7 @@ fn io_rows(out: &mut Vec<Row>) {
         out.push(row(
             "I",
             format!(
-                "fio {job}: through a published volume on the loop device with direct I/O, vs \
+                "fio {job}: through a published volume on a loop device with direct I/O, vs \
                  plain ext4 on the same binding"
             ),
             format!("io/{job}/loop-dio"),
