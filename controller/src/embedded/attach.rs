@@ -13,8 +13,8 @@
 //! cache. Buffered, a pod's data was cached twice (in its own filesystem and in the host's
 //! cache of the file), reads the host happened to cache beat the disk and fsync'd writes paid
 //! for both caches (docs/performance.md, the `io` bench: there the direct-I/O binding is as
-//! fast as plain ext4 on the same binding, and where it falls short of the disk, so does the
-//! loop driver alone). Where the backing file cannot take direct I/O (a filesystem without
+//! fast as plain ext4 on the same binding, and where it falls short of the disk, so does
+//! plain ext4 on it). Where the backing file cannot take direct I/O (a filesystem without
 //! it), the device stays buffered, which is as safe (a flush of the device fsyncs the backing
 //! file), and says so in the log.
 
