@@ -417,19 +417,18 @@ impl LoopAttacher {
     }
 }
 
-/// Whether the freshly bound `device` reads and writes its backing file with direct I/O,
-/// asking once with `LOOP_SET_DIRECT_IO` when the bind left it buffered (the kernel drops the
-/// flag for a file it cannot give direct I/O to). A device that stays buffered is kept and
-/// logged: it is as safe, only cached twice.
-fn ensure_direct_io(device: &OwnedFd, path: &Path, backing: &Path) -> bool {
+/// Asks once more with `LOOP_SET_DIRECT_IO` when the bind left the freshly bound `device`
+/// buffered (the kernel drops the flag for a file it cannot give direct I/O to). A device that
+/// stays buffered is kept and logged: it is as safe, only cached twice.
+fn ensure_direct_io(device: &OwnedFd, path: &Path, backing: &Path) {
     let has = |d: &OwnedFd| {
         loopdev::status(d).is_ok_and(|i| i.lo_flags & loopdev::LO_FLAGS_DIRECT_IO != 0)
     };
     if has(device) {
-        return true;
+        return;
     }
     let reason = match loopdev::set_direct_io(device, true) {
-        Ok(()) if has(device) => return true,
+        Ok(()) if has(device) => return,
         Ok(()) => "the driver kept it buffered".to_string(),
         Err(e) => e.to_string(),
     };
@@ -439,7 +438,6 @@ fn ensure_direct_io(device: &OwnedFd, path: &Path, backing: &Path) -> bool {
         %reason,
         "loop device bound without direct I/O (its backing file cannot take it): buffered through the host's page cache"
     );
-    false
 }
 
 impl Attacher for LoopAttacher {
