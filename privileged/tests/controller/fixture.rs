@@ -172,6 +172,34 @@ pub(crate) fn sysfs_flag(dev: &str, flag: &str) -> String {
         .to_string()
 }
 
+/// Whether the loop driver gives a file in `dir` direct I/O, asked independently of the code
+/// under test: a device bound by `losetup --direct-io=on` to a small file there, its sysfs
+/// `loop/dio` read, the device and the file removed (a device left by a failure is under
+/// `dir`, which the fixture's drop detaches).
+pub(crate) fn kernel_gives_direct_io(dir: &Path) -> bool {
+    let file = dir.join("direct-io-probe.img");
+    File::create(&file)
+        .and_then(|f| f.set_len(MIB))
+        .expect("the probe's file");
+    let out = std::process::Command::new("losetup")
+        .args(["--find", "--show", "--direct-io=on"])
+        .arg(&file)
+        .output()
+        .expect("losetup");
+    assert!(out.status.success(), "losetup: {out:?}");
+    let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let dio = sysfs_flag(&dev, "loop/dio") == "1";
+    let detached = std::process::Command::new("losetup")
+        .arg("-d")
+        .arg(&dev)
+        .status()
+        .expect("losetup -d");
+    assert!(detached.success(), "losetup -d {dev}");
+    assert!(wait_unbound(&dev, dir), "{dev} still bound");
+    let _ = fs::remove_file(&file);
+    dio
+}
+
 /// The device's size in bytes, from sysfs (512-byte sectors).
 pub(crate) fn device_size(dev: &str) -> u64 {
     let sectors: u64 = fs::read_to_string(format!("/sys/block/{}/size", sys_name(dev)))
