@@ -10,7 +10,7 @@
 //!
 //! [`AuthorityFix`] sits between the socket and the server and rewrites the request headers the
 //! client sends: each header block (a HEADERS frame and its CONTINUATIONs) is HPACK-decoded with
-//! the client's compression state, an `:authority` the server would refuse becomes
+//! the client's compression state ([`hpack`], which reads by the server's rules), an `:authority` the server would refuse becomes
 //! [`REPLACEMENT`], and the block is encoded again without compression state (every field a
 //! literal that is never indexed), so the server's HPACK state never depends on the client's.
 //! Every other frame, and everything the server sends, passes through untouched. A stream that
@@ -18,12 +18,13 @@
 //! refuses it). A header block that is malformed (bad padding, HPACK it cannot decode,
 //! interleaved frames, too large) ends the connection with an error, as the server would.
 
-use std::borrow::Cow;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+pub mod hpack;
 
 /// The `:authority` put in place of one the server would refuse.
 pub const REPLACEMENT: &[u8] = b"localhost";
@@ -83,7 +84,7 @@ pub enum Malformed {
         /// The stream.
         stream: u32,
         /// The decoder's reason.
-        reason: String,
+        reason: hpack::HpackError,
     },
 }
 
@@ -121,7 +122,7 @@ pub struct Rewriter {
     output: Vec<u8>,
     stage: Stage,
     block: Option<Block>,
-    decoder: loona_hpack::Decoder<'static>,
+    decoder: hpack::Decoder,
     replaced: Option<Vec<u8>>,
 }
 
@@ -145,14 +146,12 @@ impl Default for Rewriter {
 impl Rewriter {
     /// A rewriter at the start of a connection.
     pub fn new() -> Self {
-        let mut decoder = loona_hpack::Decoder::new();
-        decoder.set_max_allowed_table_size(TABLE_SIZE);
         Self {
             input: Vec::new(),
             output: Vec::new(),
             stage: Stage::Preface,
             block: None,
-            decoder,
+            decoder: hpack::Decoder::new(TABLE_SIZE),
             replaced: None,
         }
     }
@@ -279,34 +278,29 @@ impl Rewriter {
 
     /// Decodes a whole header block, replaces a refused `:authority`, writes it out again.
     fn rewrite(&mut self, block: Block) -> Result<(), Malformed> {
-        let mut fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        let mut encoded = Vec::with_capacity(block.fragment.len() + 64);
         let mut size = 0usize;
+        let replaced = &mut self.replaced;
         self.decoder
-            .decode_with_cb(
-                &block.fragment,
-                |name: Cow<'_, [u8]>, value: Cow<'_, [u8]>| {
-                    size = size.saturating_add(name.len() + value.len() + 32);
-                    if size <= MAX_HEADER_LIST {
-                        fields.push((name.into_owned(), value.into_owned()));
-                    }
-                },
-            )
-            .map_err(|e| Malformed::Hpack {
+            .decode(&block.fragment, |name, value| {
+                size = size.saturating_add(name.len() + value.len() + 32);
+                if size > MAX_HEADER_LIST {
+                    return;
+                }
+                let value = if name == b":authority" && !acceptable(value) {
+                    *replaced = Some(value.to_vec());
+                    REPLACEMENT
+                } else {
+                    value
+                };
+                encode_field(&mut encoded, name, value);
+            })
+            .map_err(|reason| Malformed::Hpack {
                 stream: block.stream,
-                reason: e.to_string(),
+                reason,
             })?;
         if size > MAX_HEADER_LIST {
             return Err(Malformed::BlockTooLarge(block.stream));
-        }
-        let mut encoded = Vec::with_capacity(block.fragment.len() + 64);
-        for (name, value) in &fields {
-            let value = if name.as_slice() == b":authority" && !acceptable(value) {
-                self.replaced = Some(value.clone());
-                REPLACEMENT
-            } else {
-                value.as_slice()
-            };
-            encode_field(&mut encoded, name, value);
         }
         write_header_frames(&mut self.output, &block, &encoded);
         Ok(())
