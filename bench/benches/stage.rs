@@ -27,7 +27,9 @@
 //!   measured turn by turn with `raw-<fs>` in the same sample ([`moor_bench::Paired`]), so that a
 //!   machine whose speed drifts between benches cannot tilt them: `grpc-<fs>` (moor's pair or
 //!   first stage) and `floor-<fs>` (`bare-<fs>` with the probe, or with the blank proof and
-//!   the durable intent) against `raw-<fs>`.
+//!   the durable intent) against `raw-<fs>`; for ext4's stage also `safe-floor-ext4`,
+//!   `bare-ext4` with the probe and the check a read-write stage of a clean ext4 makes
+//!   (e2fsck's clean shortcut, as `shortcut-ext4`).
 
 use std::os::unix::fs::FileExt as _;
 use std::path::Path;
@@ -162,6 +164,28 @@ fn stage(node: &mut Node, bare: &mut Plugin, c: &mut Criterion, pc: &mut Criteri
                 )
             })
         });
+        // For ext4, whose read-write stage checks the filesystem too: the floor with the
+        // check as a stage of a clean ext4 makes it (the probe, then e2fsck's clean shortcut
+        // from the probe's bytes and the blocks past them).
+        if fs == "ext4" {
+            pg.bench_function(format!("safe-floor-{fs}"), |b| {
+                b.iter_custom(|iters| {
+                    paired(
+                        iters,
+                        || timed(raw_pair),
+                        || {
+                            timed(|| {
+                                assert!(
+                                    engine.e2fsck_would_skip(&bare_dev, 512 * MIB),
+                                    "a clean ext4"
+                                );
+                                bare_pair();
+                            })
+                        },
+                    )
+                })
+            });
+        }
     }
     g.finish();
     pg.finish();

@@ -14,7 +14,13 @@
 //! * `storm/boot-<N>-c<C>/<call>-{p50,p99,max}`: each call's tail in it;
 //! * `storm/boot-<N>-c<C>-e2fsck/total`: the same boot storm on a second moor-node, started
 //!   with `--e2fsck-always`: e2fsck exec'd before every stage, as moor did before it decided
-//!   e2fsck's clean shortcut itself (the code before, measured in the same run).
+//!   e2fsck's clean shortcut itself (the code before, measured in the same run);
+//! * `storm/bare-boot-<N>-c<C>/total` and `storm/bare-boot-<N>-c<C>-e2fsck/total`: the floor
+//!   of that ratio, the same boot storm on `bare-node` (kubelet's calls, each doing nothing but
+//!   its syscalls), without and with `e2fsck -p` exec'd before each mount. Their ratio is the
+//!   most that leaving the exec out can gain a plugin that does nothing else: no probe, no
+//!   check, no journal. (kubelet makes the staging dir, so the bench makes it before bare-node's
+//!   stage and removes it after its unstage.)
 //!
 //! `MOOR_BENCH_QUICK=1` runs N = 100 only. A filter given to `cargo bench` runs it only when
 //! the filter contains `storm`.
@@ -71,6 +77,28 @@ fn teardown(k: &Kubelet, v: &Volume, l: &mut Latencies) -> Result<(), String> {
     Ok(())
 }
 
+/// kubelet's boot of one volume on `bare-node`, with `e2fsck -p` before the mount or not.
+fn bare_boot(k: &Kubelet, v: &Volume, e2fsck: bool, l: &mut Latencies) -> Result<(), String> {
+    make_dir(&v.staging).map_err(|e| format!("mkdir {}: {e}", v.id))?;
+    let mut req = stage_req(&v.id, &v.dev, &v.staging, "ext4");
+    if e2fsck {
+        req.volume_context.insert("e2fsck".into(), "true".into());
+    }
+    let (caps, stage) = k.stage(&req)?;
+    l.record(Call::Capabilities, caps);
+    l.record(Call::Stage, stage);
+    let (caps, publish) = k.publish(&publish_req(&v.id, &v.staging, &v.target))?;
+    l.record(Call::Capabilities, caps);
+    l.record(Call::Publish, publish);
+    Ok(())
+}
+
+/// kubelet's teardown of one volume on `bare-node`, and its staging dir removed.
+fn bare_teardown(k: &Kubelet, v: &Volume, l: &mut Latencies) -> Result<(), String> {
+    teardown(k, v, l)?;
+    rustix::fs::rmdir(&v.staging).map_err(|e| format!("rmdir {}: {e}", v.id))
+}
+
 fn report(id: &str, n: usize, took: Duration, l: &Latencies) {
     println!(
         "{id}: {n} volumes in {took:.2?} ({:.0} volumes/s)",
@@ -92,6 +120,8 @@ fn main() {
         let k = Kubelet::new(node.socket());
         let before = node.start_second("e2fsck", &["--e2fsck-always"]);
         let k_before = Kubelet::new(before.socket());
+        let bare = node.start_bare(std::path::Path::new(env!("CARGO_BIN_EXE_bare-node")));
+        let k_bare = Kubelet::new(bare.socket());
         for c in CLIENTS {
             let (took, _) = run_clients(c, n, |i, _| raw_boot(&volumes[i]));
             println!("storm/raw-boot-{n}/c{c}: {took:.2?}");
@@ -109,7 +139,16 @@ fn main() {
             report(&format!("storm/boot-{n}-c{c}-e2fsck"), n, took, &l);
             let (took, l) = run_clients(c, n, |i, l| teardown(&k_before, &volumes[i], l));
             report(&format!("storm/teardown-{n}-c{c}-e2fsck"), n, took, &l);
+
+            for (e2fsck, suffix) in [(false, ""), (true, "-e2fsck")] {
+                let (took, l) =
+                    run_clients(c, n, |i, l| bare_boot(&k_bare, &volumes[i], e2fsck, l));
+                report(&format!("storm/bare-boot-{n}-c{c}{suffix}"), n, took, &l);
+                let (took, _) = run_clients(c, n, |i, l| bare_teardown(&k_bare, &volumes[i], l));
+                println!("storm/bare-teardown-{n}-c{c}{suffix}: {took:.2?}");
+            }
         }
+        drop(bare);
         drop(before);
         drop(node);
     }

@@ -6,7 +6,8 @@
 //! runtime, from a worker, as moor-node does, and does nothing but the syscalls each call stands for:
 //! * NodeStageVolume: mount(2) of `publish_context["devicePath"]` on the staging path as the
 //!   capability's fs type (xfs with `nouuid`, as moor mounts it); first moor's mkfs command on
-//!   the device when `volume_context["mkfs"]` is `"true"`;
+//!   the device when `volume_context["mkfs"]` is `"true"`, or `e2fsck -p` of it when
+//!   `volume_context["e2fsck"]` is `"true"` (exit 0 or 1 goes on, as moor's check does);
 //! * NodeUnstageVolume: umount2 of the staging path;
 //! * NodePublishVolume: mkdir of the target, then a bind mount of the staging path on it;
 //! * NodeUnpublishVolume: umount2 of the target, then rmdir;
@@ -37,6 +38,22 @@ type Answer<T> = Result<Response<T>, Status>;
 /// Runs `f`, which blocks in the kernel, with the runtime told so; its error as INTERNAL.
 fn blocking(f: impl FnOnce() -> Result<(), String>) -> Result<(), Status> {
     tokio::task::block_in_place(f).map_err(Status::internal)
+}
+
+/// `e2fsck -p` of `dev`: clean (0) or repaired (1) goes on.
+fn e2fsck_preen(dev: &str) -> Result<(), String> {
+    let status = std::process::Command::new("e2fsck")
+        .arg("-p")
+        .arg(dev)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map_err(|e| format!("e2fsck: {e}"))?;
+    match status.code() {
+        Some(0 | 1) => Ok(()),
+        _ => Err(format!("e2fsck -p {dev}: {status}")),
+    }
 }
 
 fn mount(dev: &str, dir: &str, fs: &str) -> Result<(), String> {
@@ -70,9 +87,13 @@ impl csi::node_server::Node for Bare {
             .unwrap_or_default();
         let fs = fs_type(r.volume_capability.as_ref());
         let format = r.volume_context.get("mkfs").is_some_and(|v| v == "true");
+        let check = r.volume_context.get("e2fsck").is_some_and(|v| v == "true");
         blocking(|| {
             if format {
                 mkfs(&fs, dev.as_ref())?;
+            }
+            if check {
+                e2fsck_preen(&dev)?;
             }
             mount(&dev, &r.staging_target_path, &fs)
         })?;

@@ -140,6 +140,8 @@ const ROWS: &[Row] = &[
     paired(row("4", "gRPC NodeStage+NodeUnstage, formatted ext4", "stage/grpc-ext4", Some("stage/raw-ext4"), Time, AtMost(1.2), "stage"), Paired("stage-paired/grpc-ext4")),
     paired(row("4", "its floor: bare-node's pair plus the superblock probe", "stage/bare-ext4+stage/probe-ext4", Some("stage/raw-ext4"), Time, AtMost(1.2), "stage"), Paired("stage-paired/floor-ext4")),
     paired(row("4", "gRPC NodeStage+NodeUnstage, ext4, against that floor", "stage/grpc-ext4", Some("stage/bare-ext4+stage/probe-ext4"), Time, NoTarget, "stage"), PairedOver("stage-paired/grpc-ext4", "stage-paired/floor-ext4")),
+    paired(row("4", "its safe floor: bare-node's pair plus the probe and the check a read-write stage of a clean ext4 makes (e2fsck's clean shortcut)", "stage/bare-ext4+stage/shortcut-ext4", Some("stage/raw-ext4"), Time, NoTarget, "stage"), Paired("stage-paired/safe-floor-ext4")),
+    paired(row("4", "gRPC NodeStage+NodeUnstage, ext4, against that safe floor", "stage/grpc-ext4", Some("stage/bare-ext4+stage/shortcut-ext4"), Time, NoTarget, "stage"), PairedOver("stage-paired/grpc-ext4", "stage-paired/safe-floor-ext4")),
     paired(row("4", "gRPC NodeStage+NodeUnstage, formatted ext4, held to issue 41's target (its floor above)", "stage/grpc-ext4", Some("stage/raw-ext4"), Time, AtMost(1.5), "stage"), Paired("stage-paired/grpc-ext4")),
     row("4", "e2fsck -p of the clean ext4 (what moor exec'd before every read-write stage)", "stage/fsck-ext4", Some("stage/raw-ext4"), Time, NoTarget, "stage"),
     row("4", "the superblock probe and e2fsck's clean shortcut decided from its bytes (what a stage of a clean ext4 does now in place of probe + e2fsck)", "stage/shortcut-ext4", Some("stage/raw-ext4"), Time, NoTarget, "stage"),
