@@ -16,8 +16,8 @@
 //!   with `--e2fsck-always`: e2fsck exec'd before every stage, as moor did before it decided
 //!   e2fsck's clean shortcut itself (the code before, measured in the same run);
 //! * `storm/bare-boot-<N>-c<C>/total` and `storm/bare-boot-<N>-c<C>-e2fsck/total`: the floor
-//!   of that ratio, the same boot storm on `bare-node` (kubelet's calls, each doing nothing but
-//!   its syscalls), without and with `e2fsck -p` exec'd before each mount. Their ratio is the
+//!   of that ratio, the same boot storm on `bare-node --kubelet` (kubelet's calls, each doing
+//!   nothing but its syscalls), without and with `e2fsck -p` exec'd before each mount. Their ratio is the
 //!   most that leaving the exec out can gain a plugin that does nothing else: no probe, no
 //!   check, no journal. (kubelet makes the staging dir, so the bench makes it before bare-node's
 //!   stage and removes it after its unstage.)
@@ -120,7 +120,10 @@ fn main() {
         let k = Kubelet::new(node.socket());
         let before = node.start_second("e2fsck", &["--e2fsck-always"]);
         let k_before = Kubelet::new(before.socket());
-        let bare = node.start_bare(std::path::Path::new(env!("CARGO_BIN_EXE_bare-node")));
+        let bare = node.start_bare_with(
+            std::path::Path::new(env!("CARGO_BIN_EXE_bare-node")),
+            &["--kubelet"],
+        );
         let k_bare = Kubelet::new(bare.socket());
         for c in CLIENTS {
             let (took, _) = run_clients(c, n, |i, _| raw_boot(&volumes[i]));

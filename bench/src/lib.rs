@@ -310,10 +310,17 @@ impl Node {
     /// Starts `program`, the `bare-node` binary (the bench's `CARGO_BIN_EXE_bare-node`), in
     /// this sandbox on a socket of its own: the least a plugin that speaks gRPC can be.
     pub fn start_bare(&self, program: &Path) -> Plugin {
+        self.start_bare_with(program, &[])
+    }
+
+    /// [`start_bare`](Self::start_bare) with more arguments (`--kubelet`: every connection
+    /// through the `:authority` fix, for clients that call as kubelet does).
+    pub fn start_bare_with(&self, program: &Path, args: &[&str]) -> Plugin {
+        let args: Vec<&std::ffi::OsStr> = args.iter().map(std::ffi::OsStr::new).collect();
         Plugin::start(
             program,
             self.sb.root.join("bare.sock"),
-            &[],
+            &args,
             &self.sb.root.join("bare-node.log"),
         )
     }

@@ -1,6 +1,11 @@
 //! `bare-node`: the least a CSI node plugin that speaks gRPC can be, for the benches' floors.
 //!
-//!     bare-node --endpoint PATH
+//!     bare-node --endpoint PATH [--kubelet]
+//!
+//! With `--kubelet` every connection goes through moor-runtime's `AuthorityFix`, as moor-node's
+//! do: kubelet's grpc-go sends the socket's path as the `:authority`, which tonic's HTTP/2
+//! server refuses, so a plugin in Rust that serves kubelet needs it (the benches that call as
+//! kubelet does ask for it; the others leave it out).
 //!
 //! It serves the CSI Node service on the Unix socket at PATH with tonic on a multi-thread
 //! runtime, from a worker, as moor-node does, and does nothing but the syscalls each call stands for:
@@ -25,8 +30,10 @@ use std::process::ExitCode;
 
 use moor_bench::{mkfs, mount_data};
 use moor_proto::csi::v1 as csi;
+use moor_runtime::authority::AuthorityFix;
 use moor_runtime::contract::DEVICE_PATH_KEY;
 use rustix::mount::{MountFlags, UnmountFlags};
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
@@ -184,16 +191,16 @@ impl csi::node_server::Node for Bare {
 }
 
 fn main() -> ExitCode {
-    let mut args = std::env::args().skip(1);
-    let socket = match (args.next().as_deref(), args.next(), args.next()) {
-        (Some("--endpoint"), Some(path), None) => {
-            PathBuf::from(path.strip_prefix("unix://").unwrap_or(&path))
-        }
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (socket, kubelet) = match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+        ["--endpoint", path] => (path, false),
+        ["--endpoint", path, "--kubelet"] => (path, true),
         _ => {
-            eprintln!("usage: bare-node --endpoint PATH");
+            eprintln!("usage: bare-node --endpoint PATH [--kubelet]");
             return ExitCode::from(2);
         }
     };
+    let socket = PathBuf::from(socket.strip_prefix("unix://").unwrap_or(socket));
     let served = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -205,11 +212,17 @@ fn main() -> ExitCode {
                 let listener = tokio::net::UnixListener::bind(&socket)
                     .map_err(|e| format!("bind {}: {e}", socket.display()))?;
                 tokio::spawn(async move {
-                    tonic::transport::Server::builder()
-                        .add_service(csi::node_server::NodeServer::new(Bare))
-                        .serve_with_incoming(UnixListenerStream::new(listener))
-                        .await
-                        .map_err(|e| format!("serve: {e}"))
+                    let router = tonic::transport::Server::builder()
+                        .add_service(csi::node_server::NodeServer::new(Bare));
+                    let incoming = UnixListenerStream::new(listener);
+                    if kubelet {
+                        router
+                            .serve_with_incoming(incoming.map(|c| c.map(AuthorityFix::new)))
+                            .await
+                    } else {
+                        router.serve_with_incoming(incoming).await
+                    }
+                    .map_err(|e| format!("serve: {e}"))
                 })
                 .await
                 .map_err(|e| format!("serve: {e}"))?

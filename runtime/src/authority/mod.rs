@@ -413,6 +413,16 @@ impl<S> AuthorityFix<S> {
     }
 }
 
+impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
+    for AuthorityFix<S>
+{
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
 impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
     fn poll_read(
         self: Pin<&mut Self>,
