@@ -150,7 +150,7 @@ fn wait_for(path: &Path, what: &str, check: impl Fn(&str) -> bool) -> String {
 #[test]
 fn a_new_server_takes_the_device_over() {
     let test = "vm-ublk-recover";
-    let Some(mut lab) = Lab::new(test, 130) else {
+    let Some(mut lab) = Lab::new(test, 63) else {
         return;
     };
     let image = lab.world.image("ublk", 256);
@@ -326,7 +326,7 @@ fn fio(vm: &Vm, dev: &str, job: &str) -> (f64, f64) {
 #[ignore = "a measurement (minutes of fio in a TCG guest), not a check: run it with --ignored"]
 fn io_through_ublk_rbd_fuse_and_the_kernel_client() {
     let test = "vm-ublk-measure";
-    let Some(mut lab) = Lab::new(test, 131) else {
+    let Some(mut lab) = Lab::new(test, 64) else {
         return;
     };
     let c = lab.world.ceph.clone();

@@ -168,7 +168,7 @@ impl Drop for Copy {
 #[test]
 fn an_upgrade_keeps_every_attachers_volumes_live() {
     let test = "vm-upgrade";
-    let Some(mut lab) = Lab::with_kernel(test, 132, &kernel()) else {
+    let Some(mut lab) = Lab::with_kernel(test, 66, &kernel()) else {
         return;
     };
     let node_bin = moor_privileged::client::binary("moor-node");
