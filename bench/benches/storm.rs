@@ -19,8 +19,10 @@
 //!   of that ratio, the same boot storm on `bare-node --kubelet` (kubelet's calls, each doing
 //!   nothing but its syscalls), without and with `e2fsck -p` exec'd before each mount. Their ratio is the
 //!   most that leaving the exec out can gain a plugin that does nothing else: no probe, no
-//!   check, no journal. (kubelet makes the staging dir, so the bench makes it before bare-node's
-//!   stage and removes it after its unstage.)
+//!   check, no journal.
+//!
+//! As kubelet does, each volume's boot makes its staging dir before NodeStageVolume, and its
+//! teardown removes it after NodeUnstageVolume (the raw storms do the same by syscall).
 //!
 //! `MOOR_BENCH_QUICK=1` runs N = 100 only. A filter given to `cargo bench` runs it only when
 //! the filter contains `storm`.
@@ -54,31 +56,10 @@ fn raw_teardown(v: &Volume) -> Result<(), String> {
     rustix::fs::rmdir(&v.staging).map_err(|e| err("rmdir", e))
 }
 
-/// kubelet's boot of one volume: stage, then publish.
-fn boot(k: &Kubelet, v: &Volume, l: &mut Latencies) -> Result<(), String> {
-    let (caps, stage) = k.stage(&stage_req(&v.id, &v.dev, &v.staging, "ext4"))?;
-    l.record(Call::Capabilities, caps);
-    l.record(Call::Stage, stage);
-    let (caps, publish) = k.publish(&publish_req(&v.id, &v.staging, &v.target))?;
-    l.record(Call::Capabilities, caps);
-    l.record(Call::Publish, publish);
-    Ok(())
-}
-
-/// kubelet's teardown of one volume: unpublish, then unstage.
-fn teardown(k: &Kubelet, v: &Volume, l: &mut Latencies) -> Result<(), String> {
-    l.record(
-        Call::Unpublish,
-        k.unpublish(&unpublish_req(&v.id, &v.target))?,
-    );
-    let (caps, unstage) = k.unstage(&unstage_req(&v.id, &v.staging))?;
-    l.record(Call::Capabilities, caps);
-    l.record(Call::Unstage, unstage);
-    Ok(())
-}
-
-/// kubelet's boot of one volume on `bare-node`, with `e2fsck -p` before the mount or not.
-fn bare_boot(k: &Kubelet, v: &Volume, e2fsck: bool, l: &mut Latencies) -> Result<(), String> {
+/// kubelet's boot of one volume: the staging dir made (kubelet's MountDevice makes it before
+/// NodeStageVolume), stage, then publish; with `e2fsck` (bare-node only) `e2fsck -p` before the
+/// mount.
+fn boot(k: &Kubelet, v: &Volume, e2fsck: bool, l: &mut Latencies) -> Result<(), String> {
     make_dir(&v.staging).map_err(|e| format!("mkdir {}: {e}", v.id))?;
     let mut req = stage_req(&v.id, &v.dev, &v.staging, "ext4");
     if e2fsck {
@@ -93,9 +74,16 @@ fn bare_boot(k: &Kubelet, v: &Volume, e2fsck: bool, l: &mut Latencies) -> Result
     Ok(())
 }
 
-/// kubelet's teardown of one volume on `bare-node`, and its staging dir removed.
-fn bare_teardown(k: &Kubelet, v: &Volume, l: &mut Latencies) -> Result<(), String> {
-    teardown(k, v, l)?;
+/// kubelet's teardown of one volume: unpublish, unstage, then the staging dir removed (as
+/// kubelet's UnmountDevice removes it).
+fn teardown(k: &Kubelet, v: &Volume, l: &mut Latencies) -> Result<(), String> {
+    l.record(
+        Call::Unpublish,
+        k.unpublish(&unpublish_req(&v.id, &v.target))?,
+    );
+    let (caps, unstage) = k.unstage(&unstage_req(&v.id, &v.staging))?;
+    l.record(Call::Capabilities, caps);
+    l.record(Call::Unstage, unstage);
     rustix::fs::rmdir(&v.staging).map_err(|e| format!("rmdir {}: {e}", v.id))
 }
 
@@ -133,21 +121,20 @@ fn main() {
             println!("storm/raw-teardown-{n}/c{c}: {took:.2?}");
             write_result(&format!("storm/raw-teardown-{n}/c{c}"), nanos(took));
 
-            let (took, l) = run_clients(c, n, |i, l| boot(&k, &volumes[i], l));
+            let (took, l) = run_clients(c, n, |i, l| boot(&k, &volumes[i], false, l));
             report(&format!("storm/boot-{n}-c{c}"), n, took, &l);
             let (took, l) = run_clients(c, n, |i, l| teardown(&k, &volumes[i], l));
             report(&format!("storm/teardown-{n}-c{c}"), n, took, &l);
 
-            let (took, l) = run_clients(c, n, |i, l| boot(&k_before, &volumes[i], l));
+            let (took, l) = run_clients(c, n, |i, l| boot(&k_before, &volumes[i], false, l));
             report(&format!("storm/boot-{n}-c{c}-e2fsck"), n, took, &l);
             let (took, l) = run_clients(c, n, |i, l| teardown(&k_before, &volumes[i], l));
             report(&format!("storm/teardown-{n}-c{c}-e2fsck"), n, took, &l);
 
             for (e2fsck, suffix) in [(false, ""), (true, "-e2fsck")] {
-                let (took, l) =
-                    run_clients(c, n, |i, l| bare_boot(&k_bare, &volumes[i], e2fsck, l));
+                let (took, l) = run_clients(c, n, |i, l| boot(&k_bare, &volumes[i], e2fsck, l));
                 report(&format!("storm/bare-boot-{n}-c{c}{suffix}"), n, took, &l);
-                let (took, _) = run_clients(c, n, |i, l| bare_teardown(&k_bare, &volumes[i], l));
+                let (took, _) = run_clients(c, n, |i, l| teardown(&k_bare, &volumes[i], l));
                 println!("storm/bare-teardown-{n}-c{c}{suffix}: {took:.2?}");
             }
         }
