@@ -151,7 +151,10 @@ fn storm_rows(out: &mut Vec<Row>) {
                     out.push(row(
                         "B",
                         format!(
-                            "its floor: the boot storm of {n} volumes, {c} client{clients}, on                              bare-node with e2fsck -p exec'd before each mount, against without                              (the most leaving the exec out gains a plugin that does nothing                              else)"
+                            "its floor: the boot storm of {n} volumes, {c} client{clients}, on \
+                             bare-node with e2fsck -p exec'd before each mount, against without \
+                             (the most leaving the exec out gains a plugin that does nothing \
+                             else)"
                         ),
                         format!("storm/bare-boot-{n}-c{c}-e2fsck/total"),
                         Some(format!("storm/bare-boot-{n}-c{c}/total")),
@@ -162,7 +165,8 @@ fn storm_rows(out: &mut Vec<Row>) {
                     out.push(row(
                         "B",
                         format!(
-                            "boot storm, {n} volumes, {c} client{clients}: moor against                              bare-node (what moor's probe, check, journal and checks add)"
+                            "boot storm, {n} volumes, {c} client{clients}: moor against bare-node \
+                             (what moor's probe, check, journal and checks add)"
                         ),
                         format!("storm/boot-{n}-c{c}/total"),
                         Some(format!("storm/bare-boot-{n}-c{c}/total")),
