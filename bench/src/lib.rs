@@ -274,7 +274,14 @@ impl Node {
     /// Enters a sandbox named `name` and starts `moor-node` in it, its log in
     /// `<sandbox>/moor-node.log` (at its default level, so the daemon does its usual work).
     pub fn start(name: &str) -> Self {
+        Self::start_prepared(name, |_| {})
+    }
+
+    /// [`start`](Self::start), with `prepare` run on the sandbox before the daemon starts (a
+    /// tmpfs on its kubelet dir, which the daemon holds from its start).
+    pub fn start_prepared(name: &str, prepare: impl FnOnce(&Sandbox)) -> Self {
         let sb = Sandbox::new(name);
+        prepare(&sb);
         let args = node_args(&sb.state, &sb.kubelet);
         let plugin = Plugin::start(
             &binary("moor-node"),
