@@ -40,6 +40,18 @@ pub fn require_root() {
     );
 }
 
+/// A tmpfs on `dir` in the sandbox's mount namespace, with `data` as its options.
+fn tmpfs_on(dir: &Path, data: &std::ffi::CStr) {
+    rustix::mount::mount(
+        "moor-bench",
+        dir,
+        "tmpfs",
+        rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV,
+        data,
+    )
+    .unwrap_or_else(|e| panic!("tmpfs on {}: {e}", dir.display()));
+}
+
 impl Sandbox {
     /// Enters a private mount namespace on this thread and makes the sandbox dirs.
     pub fn new(name: &str) -> Self {
@@ -120,14 +132,7 @@ impl Sandbox {
     /// machine's disk, whose latency is the same for every caller but swings widely. The
     /// benches of mounting a device use it; the tmpfs goes when the sandbox drops.
     pub fn data_in_memory(&self) {
-        rustix::mount::mount(
-            "moor-bench",
-            self.data.as_path(),
-            "tmpfs",
-            rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV,
-            c"mode=0700",
-        )
-        .expect("tmpfs on the data dir");
+        tmpfs_on(&self.data, c"mode=0700");
     }
 
     /// A tmpfs on the kubelet dir, before any daemon starts on it: dirs made and removed there
@@ -135,14 +140,7 @@ impl Sandbox {
     /// ext4 every new inode skips those deleted in the last minutes (a storm bench makes and
     /// removes thousands). The tmpfs goes when the sandbox drops.
     pub fn kubelet_in_memory(&self) {
-        rustix::mount::mount(
-            "moor-bench-kubelet",
-            self.kubelet.as_path(),
-            "tmpfs",
-            rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV,
-            c"mode=0750",
-        )
-        .expect("tmpfs on the kubelet dir");
+        tmpfs_on(&self.kubelet, c"mode=0750");
     }
 
     /// A sparse backing file of `size` bytes attached as a loop device; returns the device.
