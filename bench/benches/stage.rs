@@ -146,49 +146,39 @@ fn stage(node: &mut Node, bare: &mut Plugin, c: &mut Criterion, pc: &mut Criteri
         };
         g.bench_function(format!("grpc-{fs}"), |b| b.iter(&mut grpc_pair));
         // The ratios the targets are held to, each side run in turn with the raw pair.
-        pg.bench_function(format!("grpc-{fs}"), |b| {
-            b.iter_custom(|iters| paired(iters, || timed(raw_pair), || timed(&mut grpc_pair)))
-        });
-        pg.bench_function(format!("floor-{fs}"), |b| {
-            b.iter_custom(|iters| {
-                paired(
-                    iters,
-                    || timed(raw_pair),
-                    || {
-                        timed(|| {
-                            let content = engine.probe_device(&bare_dev, 512 * MIB).expect("probe");
-                            assert!(!content.is_blank(), "{content:?}");
-                            bare_pair();
-                        })
-                    },
-                )
-            })
+        against_raw(&mut pg, format!("grpc-{fs}"), raw_pair, &mut grpc_pair);
+        against_raw(&mut pg, format!("floor-{fs}"), raw_pair, || {
+            let content = engine.probe_device(&bare_dev, 512 * MIB).expect("probe");
+            assert!(!content.is_blank(), "{content:?}");
+            bare_pair();
         });
         // For ext4, whose read-write stage checks the filesystem too: the floor with the
         // check as a stage of a clean ext4 makes it (the probe, then e2fsck's clean shortcut
         // from the probe's bytes and the blocks past them).
         if fs == "ext4" {
-            pg.bench_function(format!("safe-floor-{fs}"), |b| {
-                b.iter_custom(|iters| {
-                    paired(
-                        iters,
-                        || timed(raw_pair),
-                        || {
-                            timed(|| {
-                                assert!(
-                                    engine.e2fsck_would_skip(&bare_dev, 512 * MIB),
-                                    "a clean ext4"
-                                );
-                                bare_pair();
-                            })
-                        },
-                    )
-                })
+            against_raw(&mut pg, format!("safe-floor-{fs}"), raw_pair, || {
+                assert!(
+                    engine.e2fsck_would_skip(&bare_dev, 512 * MIB),
+                    "a clean ext4"
+                );
+                bare_pair();
             });
         }
     }
     g.finish();
     pg.finish();
+}
+
+/// A paired bench `name` in `pg`: `side` against `raw`, run in turn in each sample.
+fn against_raw(
+    pg: &mut BenchmarkGroup<'_, Paired>,
+    name: String,
+    raw: impl Fn() + Copy,
+    mut side: impl FnMut(),
+) {
+    pg.bench_function(name, |b| {
+        b.iter_custom(|iters| paired(iters, || timed(raw), || timed(&mut side)))
+    });
 }
 
 /// Mounts and unmounts the formatted `dev` on `dir` until its mount time has stopped drifting:
