@@ -38,6 +38,15 @@ impl Lab {
         Self::with_qemu_opts(test, nodes, first_host, |_, _| Vec::new())
     }
 
+    /// [`new`](Self::new) with systemd-udevd running in each guest (no other lab guest has
+    /// one: see [`VmOptions::udev`]), for what moor finds through udev.
+    pub fn with_udev(test: &str, nodes: usize, first_host: u8) -> Option<Self> {
+        if !crate::vm::available(test) {
+            return None;
+        }
+        Self::boot_on(test, nodes, first_host, "1G", None, true, |_, _| Vec::new())
+    }
+
     /// [`new`](Self::new) with more QEMU arguments for guest `i`, `qemu_opts(i, world)` (disks
     /// attached at boot, say), the guests booted side by side.
     pub fn with_qemu_opts(
@@ -62,7 +71,9 @@ impl Lab {
         if !crate::vm::available_kernel(test, package) {
             return None;
         }
-        let lab = Self::boot_on(test, 1, first_host, "1G", Some(package), |_, _| Vec::new())?;
+        let lab = Self::boot_on(test, 1, first_host, "1G", Some(package), false, |_, _| {
+            Vec::new()
+        })?;
         lab.vms[0].sh("modprobe -a ublk_drv loop && test -c /dev/ublk-control");
         Some(lab)
     }
@@ -77,7 +88,7 @@ impl Lab {
         if !crate::vm::available(test) {
             return None;
         }
-        Self::boot_on(test, nodes, first_host, memory, None, qemu_opts)
+        Self::boot_on(test, nodes, first_host, memory, None, false, qemu_opts)
     }
 
     fn boot_on(
@@ -86,6 +97,7 @@ impl Lab {
         first_host: u8,
         memory: &str,
         kernel: Option<&str>,
+        udev: bool,
         qemu_opts: impl Fn(usize, &World) -> Vec<String>,
     ) -> Option<Self> {
         let ceph = Ceph::from_env(test)?;
@@ -107,6 +119,7 @@ impl Lab {
                     hotplug: 2,
                     qemu_opts: qemu_opts(i, &world),
                     append: Vec::new(),
+                    udev,
                 }
             })
             .collect();

@@ -137,6 +137,12 @@ pub struct VmOptions {
     pub qemu_opts: Vec<String>,
     /// More kernel command-line arguments (the LSM list that turns SELinux on).
     pub append: Vec<String>,
+    /// Whether systemd-udevd runs in the guest (`.ci/vm run --no-udev` when not): only a test
+    /// of what moor finds through udev needs it, and its coldplug is about half of a boot
+    /// under TCG. Without it the guest's device nodes are devtmpfs's, moor-node finds disks
+    /// through sysfs and the kernel's events, device-mapper makes its own nodes, and the
+    /// console log holds the guest kernel's messages too.
+    pub udev: bool,
 }
 
 /// A running guest.
@@ -330,6 +336,7 @@ impl Vm {
             hotplug: 0,
             qemu_opts,
             append: Vec::new(),
+            udev: false,
         });
         vm.sh("modprobe -a loop ext4 rbd dm_crypt && dmsetup targets | grep -qw crypt");
         vm
@@ -424,6 +431,7 @@ impl Vm {
             .args(["--ip", &format!("{}/24", self.opts.ip)])
             .args(["--memory", &self.opts.memory])
             .args(["--hotplug", &self.opts.hotplug.to_string()])
+            .args((!self.opts.udev).then_some("--no-udev"))
             .arg("--qmp")
             .arg(self.qmp_socket())
             .arg("--pidfile")

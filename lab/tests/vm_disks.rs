@@ -165,7 +165,7 @@ fn condition(
 #[test]
 fn disks_attached_and_pulled_as_a_cloud_does() {
     let test = "vm-disks";
-    let Some(mut lab) = Lab::new(test, 1, 100) else {
+    let Some(mut lab) = Lab::with_udev(test, 1, 100) else {
         return;
     };
     runtime().block_on(async {
@@ -271,7 +271,7 @@ const WWN_NONE: u64 = 0x5000_c500_a1b2_c3d6;
 fn disks_named_by_their_wwn() {
     let test = "vm-disks-wwn";
     let started = Instant::now();
-    let Some(mut lab) = Lab::new(test, 1, 105) else {
+    let Some(mut lab) = Lab::with_udev(test, 1, 105) else {
         return;
     };
     let hba = lab.vms[0].qmp(json!({

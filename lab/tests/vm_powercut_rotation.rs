@@ -96,8 +96,7 @@ fn disks(state: &Path, volume: &str) -> Vec<String> {
         .output()
         .expect("mkfs.ext4");
     assert!(out.status.success(), "mkfs.ext4 of the state disk: {out:?}");
-    // A CPU without SVM: udev has no kvm module to load, a boot takes less under TCG.
-    let mut opts = vec!["-cpu".to_string(), "qemu64,svm=off".to_string()];
+    let mut opts = Vec::new();
     for (k, (file, serial)) in [
         (state.display().to_string(), STATE_SERIAL),
         (volume.to_string(), VOLUME_SERIAL),

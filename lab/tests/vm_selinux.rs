@@ -190,7 +190,7 @@ fn a_volume_labelled_by_its_mount_on_an_enforcing_kernel() {
     let sb = Sandbox::new("vm-selinux");
     let bridge = Bridge::new("msel", 253);
     let filesystems = ["ext4", "xfs"];
-    let mut qemu_opts = vec!["-cpu".to_string(), "qemu64,svm=off".to_string()];
+    let mut qemu_opts = Vec::new();
     // A disk per filesystem, and a blank one for a label the policy does not know.
     for (k, fs) in filesystems.iter().chain(&["blank"]).enumerate() {
         let file = sb.data.join(format!("{fs}.img"));
@@ -218,6 +218,7 @@ fn a_volume_labelled_by_its_mount_on_an_enforcing_kernel() {
         hotplug: 0,
         qemu_opts,
         append: vec![LSM.into()],
+        udev: false,
     });
     // The modules the volumes need are loaded before the policy: the guest's kernel_t may not
     // load modules from the host's (unlabelled) files once it is enforced.

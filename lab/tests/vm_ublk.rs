@@ -64,6 +64,7 @@ impl Lab {
                 hotplug: 0,
                 qemu_opts: Vec::new(),
                 append: Vec::new(),
+                udev: false,
             },
             &kernel(),
         );
