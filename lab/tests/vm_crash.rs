@@ -15,8 +15,11 @@
 //!
 //! Runs beside the Ceph test cluster (the guests' agents reach the host over its bridge);
 //! skipped, with the reason, without it or without the lab. `MOOR_VM_CRASH_SAMPLES` sets how
-//! many points between flushes are sampled (default 12; a soak run takes more) and
-//! `MOOR_VM_CRASH_SEED` which.
+//! many points between flushes are sampled (default 12; a soak run takes more);
+//! `MOOR_VM_CRASH_FLUSHES=N` checks N of the flush/FUA points instead of every one (unset or
+//! `all`: every one; the test command's quick mode takes 32): the first at or after each step of the life (formatted, synced,
+//! expanded, compacted, ended) and the rest drawn; `MOOR_VM_CRASH_SEED` replays a run's draws
+//! (by default a new seed each run, printed).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -203,7 +206,6 @@ fn every_state_a_power_cut_can_leave_keeps_what_the_pod_synced() {
         .filter(|e| e.index <= end && e.is_durable_point())
         .map(|e| (e.index, 0))
         .collect();
-    let flushes = points.len();
     let samples: usize = std::env::var("MOOR_VM_CRASH_SAMPLES")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -211,13 +213,26 @@ fn every_state_a_power_cut_can_leave_keeps_what_the_pod_synced() {
     let seed: u64 = std::env::var("MOOR_VM_CRASH_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(0x6d6f_6f72);
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    let mut rng = Rng::new(seed);
+    let all_flushes = points.len();
+    if let Some(n) = std::env::var("MOOR_VM_CRASH_FLUSHES")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        let steps = ["formatted", "pod-synced", "expanded", "compacted", "end"];
+        points = flush_sample(&points, steps.map(at), n, &mut rng);
+    }
+    let flushes = points.len();
     eprintln!(
-        "{test}: {} log entries, {flushes} flush/FUA points; {samples} samples between \
-         them (seed {seed}; MOOR_VM_CRASH_SEED replays it)",
+        "{test}: {} log entries, {flushes} of its {all_flushes} flush/FUA points; {samples} \
+         samples between them (seed {seed}; MOOR_VM_CRASH_SEED={seed} replays it)",
         log.entries.len()
     );
-    let mut rng = Rng::new(seed);
     for _ in 0..samples {
         let i = (rng.next_u64() % end as u64) as usize;
         points.push((i, rng.next_u64() | 1));
@@ -266,6 +281,26 @@ fn every_state_a_power_cut_can_leave_keeps_what_the_pod_synced() {
         states.len(),
         started.elapsed().as_secs_f64()
     );
+}
+
+/// `n` of the durable `points` (log index, 0), in log order: for each of `steps` (log
+/// indexes), the first point at or after it, then points drawn by `rng` until there are `n`.
+fn flush_sample(
+    points: &[(usize, u64)],
+    steps: [usize; 5],
+    n: usize,
+    rng: &mut Rng,
+) -> Vec<(usize, u64)> {
+    let mut keep = std::collections::BTreeSet::new();
+    for step in steps {
+        if let Some(k) = points.iter().position(|&(i, _)| i >= step) {
+            keep.insert(k);
+        }
+    }
+    while keep.len() < n.min(points.len()) {
+        keep.insert(rng.below(points.len() as u64) as usize);
+    }
+    keep.into_iter().map(|k| points[k]).collect()
 }
 
 /// The life, recorded in guest 0 on the log-writes device over `base`, logging to `log`.
