@@ -17,9 +17,9 @@
 //! skipped, with the reason, without it or without the lab. `MOOR_VM_CRASH_SAMPLES` sets how
 //! many points between flushes are sampled (default 12; a soak run takes more);
 //! `MOOR_VM_CRASH_FLUSHES=N` checks N of the flush/FUA points instead of every one (unset or
-//! `all`: every one; the test command's quick mode takes 32): the first at or after each step of the life (formatted, synced,
-//! expanded, compacted, ended) and the rest drawn; `MOOR_VM_CRASH_SEED` replays a run's draws
-//! (by default a new seed each run, printed).
+//! `all`: every one; the test command's quick mode takes 24): the first at or after each step
+//! of the life (formatted, synced, expanded, compacted, ended) and the rest drawn;
+//! `MOOR_VM_CRASH_SEED` replays a run's draws (by default a new seed each run, printed).
 
 use std::collections::HashMap;
 use std::path::Path;
